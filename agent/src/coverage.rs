@@ -1,0 +1,2 @@
+//! Coverage: the sizing tick over per-server stream coverage.
+pub mod plan;

@@ -1,0 +1,2 @@
+//! relay agent.
+pub mod coverage;

@@ -1,0 +1,118 @@
+//! The admin HTTP listener every binary runs: `GET /metrics` (Prometheus text from the
+//! binary's own registry), `GET /healthz` (the process is up), `GET /readyz` (the binary's
+//! readiness check) and any extra routes the binary adds (the agent's `/systemcheck`,
+//! the dispatcher's `/debug/routes`).
+//!
+//! It owns no product state: every answer comes from closures the binary supplies.
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::future::Future;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio_util::task::TaskTracker;
+
+pub type AdminResponse = Response<Full<Bytes>>;
+
+/// A readiness check: `(ready, json detail)`.
+pub type ReadyFn = Arc<dyn Fn() -> (bool, serde_json::Value) + Send + Sync>;
+/// Extra routes: given the path of a GET, an answer or `None` for 404.
+pub type RouteFn = Arc<dyn Fn(&str) -> Option<AdminResponse> + Send + Sync>;
+
+#[derive(Clone)]
+pub struct Admin {
+    /// The binary's metric registry, rendered on `/metrics`.
+    pub registry: prometheus::Registry,
+    /// What `/readyz` answers.
+    pub ready: ReadyFn,
+    /// Binary-specific routes, consulted before the 404.
+    pub routes: Option<RouteFn>,
+}
+
+impl Admin {
+    pub fn new(registry: prometheus::Registry) -> Self {
+        Admin { registry, ready: Arc::new(|| (true, serde_json::json!({}))), routes: None }
+    }
+
+    pub fn with_ready(mut self, f: impl Fn() -> (bool, serde_json::Value) + Send + Sync + 'static) -> Self {
+        self.ready = Arc::new(f);
+        self
+    }
+
+    pub fn with_routes(mut self, f: impl Fn(&str) -> Option<AdminResponse> + Send + Sync + 'static) -> Self {
+        self.routes = Some(Arc::new(f));
+        self
+    }
+
+    fn answer(&self, req: &Request<Incoming>) -> AdminResponse {
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return json(StatusCode::METHOD_NOT_ALLOWED, &serde_json::json!({"error": "method not allowed"}));
+        }
+        match req.uri().path() {
+            "/metrics" => {
+                let text = render_metrics(&self.registry);
+                Response::builder()
+                    .header("content-type", "text/plain; version=0.0.4")
+                    .body(Full::new(Bytes::from(text)))
+                    .expect("static response")
+            }
+            "/healthz" => json(StatusCode::OK, &serde_json::json!({"ok": true})),
+            "/readyz" => {
+                let (ok, detail) = (self.ready)();
+                let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+                json(status, &serde_json::json!({"ok": ok, "detail": detail}))
+            }
+            path => self
+                .routes
+                .as_ref()
+                .and_then(|r| r(path))
+                .unwrap_or_else(|| json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "not found"}))),
+        }
+    }
+}
+
+/// A JSON response with the given status.
+pub fn json(status: StatusCode, value: &serde_json::Value) -> AdminResponse {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(value.to_string())))
+        .expect("static response")
+}
+
+pub fn render_metrics(registry: &prometheus::Registry) -> String {
+    use prometheus::Encoder;
+    let mut buf = Vec::new();
+    let _ = prometheus::TextEncoder::new().encode(&registry.gather(), &mut buf);
+    String::from_utf8(buf).unwrap_or_default()
+}
+
+/// Serves the admin routes on `listener` until `shutdown` resolves.
+pub async fn serve(listener: TcpListener, admin: Admin, shutdown: impl Future<Output = ()>) {
+    let admin = Arc::new(admin);
+    let tracker = TaskTracker::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            biased;
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let admin = admin.clone();
+                tracker.spawn(async move {
+                    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                        let resp = admin.answer(&req);
+                        async move { Ok::<_, std::convert::Infallible>(resp) }
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        }
+    }
+    tracker.close();
+}
