@@ -1,0 +1,353 @@
+//! The hub: every tunnel id's streams on this server, the per-tunnel-id LIFO stack of idle
+//! streams and the bounded FIFO queue of calls waiting for one.
+//!
+//! A call takes the **newest** idle stream, so the oldest stay unused and the agent can
+//! prune them. A released stream goes straight to the oldest waiting call if there is one.
+//!
+//! Locking: the tunnel map is a `DashMap`; each tunnel's slots sit behind a short sync
+//! `Mutex`, never held across `.await`. Lock order is map shard, then slots: adding the
+//! first stream and removing the last one both hold the shard so a tunnel entry is never
+//! orphaned.
+
+use crate::metrics::ServerMetrics;
+use crate::stream::StreamHandle;
+use dashmap::DashMap;
+use relay_proto::{server_frame, Drain, Pressure, ServerFrame, TunnelLoad};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::{oneshot, Notify};
+use tokio::time::Instant;
+
+pub struct Hub {
+    tunnels: DashMap<String, Arc<Tunnel>>,
+    /// Wakes the reporters when a tunnel id gets its first stream or loses its last.
+    pub changed: Notify,
+    draining: AtomicBool,
+    next_stream_id: AtomicU64,
+    next_call_id: AtomicU64,
+    pub limits: Limits,
+    pub metrics: ServerMetrics,
+}
+
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub max_queue_per_tunnel: usize,
+    pub max_streams_per_token: usize,
+}
+
+pub struct Tunnel {
+    pub id: String,
+    slots: Mutex<Slots>,
+}
+
+#[derive(Default)]
+struct Slots {
+    /// LIFO: the newest idle stream is last.
+    idle: Vec<Arc<StreamHandle>>,
+    /// FIFO of calls waiting for a stream.
+    waiters: VecDeque<oneshot::Sender<Arc<StreamHandle>>>,
+    /// Every live stream of the tunnel id, in arrival order.
+    all: Vec<Arc<StreamHandle>>,
+    /// Streams carrying a call.
+    busy: usize,
+    /// Last queue length told to the agent as a pressure hint.
+    pressure_sent: u32,
+}
+
+impl Slots {
+    fn queued(&mut self) -> u32 {
+        self.waiters.retain(|w| !w.is_closed());
+        self.waiters.len() as u32
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum AddError {
+    /// The tunnel id holds `max_streams_per_token` streams here already.
+    Exhausted,
+    Draining,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum AcquireError {
+    UnknownTunnel,
+    /// No stream freed before the deadline, or the queue was full.
+    NoCapacity(&'static str),
+    Draining,
+    /// The caller went away while waiting.
+    Cancelled,
+}
+
+impl Hub {
+    pub fn new(limits: Limits, metrics: ServerMetrics) -> Self {
+        Hub {
+            tunnels: DashMap::new(),
+            changed: Notify::new(),
+            draining: AtomicBool::new(false),
+            next_stream_id: AtomicU64::new(1),
+            next_call_id: AtomicU64::new(1),
+            limits,
+            metrics,
+        }
+    }
+
+    pub fn next_stream_id(&self) -> u64 {
+        self.next_stream_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn next_call_id(&self) -> u64 {
+        self.next_call_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Registers a new stream and makes it the newest idle one.
+    pub fn add_stream(&self, tunnel_id: &str, handle: Arc<StreamHandle>) -> Result<(), AddError> {
+        if self.is_draining() {
+            return Err(AddError::Draining);
+        }
+        let first;
+        {
+            let entry = self
+                .tunnels
+                .entry(tunnel_id.to_string())
+                .or_insert_with(|| Arc::new(Tunnel { id: tunnel_id.to_string(), slots: Mutex::default() }));
+            let mut s = lock(&entry.slots);
+            if s.all.len() >= self.limits.max_streams_per_token {
+                return Err(AddError::Exhausted);
+            }
+            first = s.all.is_empty();
+            s.all.push(handle.clone());
+            self.metrics.streams.with_label_values(&[tunnel_id]).set(s.all.len() as i64);
+            // A waiting call takes the new stream at once.
+            if let Some(h) = hand_to_waiter(&mut s, handle) {
+                s.idle.push(h);
+            } else {
+                s.busy += 1;
+            }
+        }
+        if first {
+            self.changed.notify_waiters();
+        }
+        Ok(())
+    }
+
+    /// Removes a stream that ended. `was_busy`: it carried a call when it ended.
+    pub fn remove_stream(&self, handle: &StreamHandle, was_busy: bool) {
+        let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
+            return;
+        };
+        let now_empty = {
+            let mut s = lock(&tunnel.slots);
+            let before = s.all.len();
+            s.all.retain(|h| h.id != handle.id);
+            if s.all.len() == before {
+                return;
+            }
+            s.idle.retain(|h| h.id != handle.id);
+            if was_busy {
+                s.busy = s.busy.saturating_sub(1);
+            }
+            self.metrics.streams.with_label_values(&[&tunnel.id]).set(s.all.len() as i64);
+            if s.all.is_empty() {
+                // Calls waiting here learn at once that the tunnel id left this server.
+                s.waiters.clear();
+                true
+            } else {
+                false
+            }
+        };
+        if now_empty {
+            let removed = self
+                .tunnels
+                .remove_if(&tunnel.id, |_, t| lock(&t.slots).all.is_empty())
+                .is_some();
+            if removed {
+                let _ = self.metrics.streams.remove_label_values(&[&tunnel.id]);
+                let _ = self.metrics.queued.remove_label_values(&[&tunnel.id]);
+                self.changed.notify_waiters();
+            }
+        }
+    }
+
+    /// Takes the newest idle stream of the tunnel id, or waits in its queue until one frees,
+    /// `deadline` passes, or `cancelled` resolves.
+    pub async fn acquire(
+        &self,
+        tunnel_id: &str,
+        deadline: Instant,
+        cancelled: impl Future<Output = ()>,
+    ) -> Result<Arc<StreamHandle>, AcquireError> {
+        if self.is_draining() {
+            return Err(AcquireError::Draining);
+        }
+        let Some(tunnel) = self.tunnels.get(tunnel_id).map(|t| t.clone()) else {
+            return Err(AcquireError::UnknownTunnel);
+        };
+        let started = Instant::now();
+        let mut rx = {
+            let mut s = lock(&tunnel.slots);
+            while let Some(h) = s.idle.pop() {
+                if h.is_usable() {
+                    s.busy += 1;
+                    self.metrics.queue_wait.observe(0.0);
+                    return Ok(h);
+                }
+            }
+            if s.all.is_empty() {
+                return Err(AcquireError::UnknownTunnel);
+            }
+            if s.queued() as usize >= self.limits.max_queue_per_tunnel {
+                return Err(AcquireError::NoCapacity("the tunnel id's queue on this server is full"));
+            }
+            let (tx, rx) = oneshot::channel();
+            s.waiters.push_back(tx);
+            rx
+        };
+        let outcome = tokio::select! {
+            r = &mut rx => match r {
+                Ok(h) => Ok(h),
+                Err(_) => Err(AcquireError::UnknownTunnel),
+            },
+            _ = tokio::time::sleep_until(deadline) => Err(AcquireError::NoCapacity("no stream of the tunnel id became free before the deadline")),
+            _ = cancelled => Err(AcquireError::Cancelled),
+        };
+        let outcome = match outcome {
+            Ok(h) => Ok(h),
+            Err(e) => {
+                // A stream may have been handed over just as we gave up: take it back.
+                rx.close();
+                match rx.try_recv() {
+                    Ok(h) => {
+                        self.release(h);
+                        Err(e)
+                    }
+                    Err(_) => Err(e),
+                }
+            }
+        };
+        self.metrics.queue_wait.observe(started.elapsed().as_secs_f64());
+        outcome
+    }
+
+    /// A stream finished its call: hand it to the oldest waiting call, or push it on the
+    /// idle stack (or close it if it is retiring).
+    pub fn release(&self, handle: Arc<StreamHandle>) {
+        let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
+            handle.close();
+            return;
+        };
+        let mut s = lock(&tunnel.slots);
+        if !handle.is_usable() {
+            s.busy = s.busy.saturating_sub(1);
+            drop(s);
+            handle.close();
+            return;
+        }
+        if let Some(h) = hand_to_waiter(&mut s, handle) {
+            s.busy = s.busy.saturating_sub(1);
+            s.idle.push(h);
+        }
+    }
+
+    /// The agent retires a stream: take it off the idle stack and close it now if it is
+    /// idle; a busy one closes when its call ends. Returns true when closed now.
+    pub fn retire(&self, handle: &Arc<StreamHandle>) -> bool {
+        let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
+            return false;
+        };
+        let mut s = lock(&tunnel.slots);
+        let before = s.idle.len();
+        s.idle.retain(|h| h.id != handle.id);
+        let was_idle = s.idle.len() != before;
+        drop(s);
+        if was_idle {
+            handle.close();
+        }
+        was_idle
+    }
+
+    /// Starts draining: no new streams or calls; every stream is told to go away.
+    pub fn drain(&self, grace_ms: u32) {
+        self.draining.store(true, Ordering::SeqCst);
+        for t in self.tunnels.iter() {
+            let s = lock(&t.slots);
+            for h in &s.all {
+                h.try_send(ServerFrame::of(server_frame::Kind::Drain(Drain { grace_ms })));
+            }
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// Closes every stream (the last step of shutdown).
+    pub fn close_all(&self) {
+        for t in self.tunnels.iter() {
+            let s = lock(&t.slots);
+            for h in &s.all {
+                h.close();
+            }
+        }
+    }
+
+    /// Tunnel ids holding at least one stream here.
+    pub fn tunnel_ids(&self) -> Vec<String> {
+        self.tunnels.iter().map(|t| t.key().clone()).collect()
+    }
+
+    /// Per tunnel id figures for the load report.
+    pub fn load(&self) -> Vec<TunnelLoad> {
+        self.tunnels
+            .iter()
+            .map(|t| {
+                let mut s = lock(&t.slots);
+                let queued = s.queued();
+                TunnelLoad {
+                    tunnel_id: t.id.clone(),
+                    idle: s.idle.len() as u32,
+                    busy: s.busy as u32,
+                    queued,
+                    rtt_us: 0,
+                }
+            })
+            .collect()
+    }
+
+    /// Tells each tunnel id's agent how many of its calls wait here, when that changed.
+    pub fn send_pressure(&self) {
+        for t in self.tunnels.iter() {
+            let mut s = lock(&t.slots);
+            let queued = s.queued();
+            self.metrics.queued.with_label_values(&[&t.id]).set(queued as i64);
+            if queued == s.pressure_sent {
+                continue;
+            }
+            let frame = ServerFrame::of(server_frame::Kind::Pressure(Pressure { queued }));
+            // One stream is enough: the agent keys the hint by server id.
+            if let Some(h) = s.all.iter().rev().find(|h| h.is_usable()) {
+                if h.try_send(frame) {
+                    s.pressure_sent = queued;
+                }
+            }
+        }
+    }
+}
+
+/// Gives the stream to the oldest live waiter; returns it when nobody waits.
+fn hand_to_waiter(s: &mut Slots, mut handle: Arc<StreamHandle>) -> Option<Arc<StreamHandle>> {
+    while let Some(w) = s.waiters.pop_front() {
+        match w.send(handle) {
+            Ok(()) => return None,
+            Err(back) => handle = back,
+        }
+    }
+    Some(handle)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic elsewhere never leaves these short sections half-done; keep serving.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

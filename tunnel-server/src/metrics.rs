@@ -1,0 +1,72 @@
+//! The tunnel server's Prometheus metrics, registered on an explicit registry.
+
+use prometheus::{
+    exponential_buckets, Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+
+#[derive(Clone)]
+pub struct ServerMetrics {
+    /// Streams held per tunnel id.
+    pub streams: IntGaugeVec,
+    /// Calls waiting for an idle stream, per tunnel id.
+    pub queued: IntGaugeVec,
+    /// Time calls waited for an idle stream (0 when one was idle).
+    pub queue_wait: Histogram,
+    /// Calls by outcome: ok, agent_error, cancelled, stream_lost, no_capacity,
+    /// unknown_tunnel, draining, bad_request.
+    pub calls: IntCounterVec,
+    /// Calls holding a stream now.
+    pub in_flight: IntGauge,
+    /// Stream opens by result: accepted, unauthenticated, exhausted, draining.
+    pub opens: IntCounterVec,
+    /// Streams closed by reason: agent_closed, retired, heartbeat, protocol_error, shutdown.
+    pub closes: IntCounterVec,
+}
+
+impl ServerMetrics {
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let m = ServerMetrics {
+            streams: IntGaugeVec::new(
+                Opts::new("relay_tunnel_streams", "Agent streams held per tunnel id"),
+                &["tunnel_id"],
+            )?,
+            queued: IntGaugeVec::new(
+                Opts::new("relay_tunnel_calls_queued", "Calls waiting for an idle stream per tunnel id"),
+                &["tunnel_id"],
+            )?,
+            queue_wait: Histogram::with_opts(
+                HistogramOpts::new(
+                    "relay_tunnel_queue_wait_seconds",
+                    "Time a call waited for an idle stream of its tunnel id",
+                )
+                .buckets(exponential_buckets(0.0001, 3.0, 12)?),
+            )?,
+            calls: IntCounterVec::new(
+                Opts::new("relay_tunnel_calls_total", "Calls handled by this tunnel server, by outcome"),
+                &["outcome"],
+            )?,
+            in_flight: IntGauge::new("relay_tunnel_calls_in_flight", "Calls holding an agent stream now")?,
+            opens: IntCounterVec::new(
+                Opts::new("relay_tunnel_stream_opens_total", "Agent stream opens, by result"),
+                &["result"],
+            )?,
+            closes: IntCounterVec::new(
+                Opts::new("relay_tunnel_stream_closes_total", "Agent streams closed, by reason"),
+                &["reason"],
+            )?,
+        };
+        registry.register(Box::new(m.streams.clone()))?;
+        registry.register(Box::new(m.queued.clone()))?;
+        registry.register(Box::new(m.queue_wait.clone()))?;
+        registry.register(Box::new(m.calls.clone()))?;
+        registry.register(Box::new(m.in_flight.clone()))?;
+        registry.register(Box::new(m.opens.clone()))?;
+        registry.register(Box::new(m.closes.clone()))?;
+        Ok(m)
+    }
+
+    pub fn call(&self, outcome: &str) {
+        self.calls.with_label_values(&[outcome]).inc();
+    }
+}

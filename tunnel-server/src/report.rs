@@ -1,0 +1,113 @@
+//! Reporting to dispatchers: one `Registry.Report` stream per dispatcher. It opens with a
+//! `ServerIntro`, announces each tunnel id when it gets its first stream here and when its
+//! last one leaves (not per stream), and sends a compact `LoadReport` every
+//! `report_interval`. On reconnect the full set of tunnel ids is announced again.
+//!
+//! Announcements are computed as the difference between what the hub holds and what this
+//! dispatcher was told, so they can neither be lost nor reordered.
+
+use crate::hub::Hub;
+use relay_proto::registry_client::RegistryClient;
+use relay_proto::{server_report, LoadReport, ServerIntro, ServerReport, TunnelDown, TunnelUp};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::MissedTickBehavior;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+pub struct Reporter {
+    pub hub: Arc<Hub>,
+    pub dispatcher: String,
+    pub intro: ServerIntro,
+    pub interval: Duration,
+    pub stop: CancellationToken,
+}
+
+impl Reporter {
+    pub async fn run(self) {
+        let mut backoff = Duration::from_millis(100);
+        let mut logged_down = false;
+        while !self.stop.is_cancelled() {
+            match self.session().await {
+                Ok(()) => return,
+                Err(e) => {
+                    if !logged_down {
+                        warn!(dispatcher = %self.dispatcher, error = %e, "dispatcher report stream down; retrying");
+                        logged_down = true;
+                    }
+                }
+            }
+            let jitter = rand::random::<f64>() * 0.5 + 0.75;
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep(backoff.mul_f64(jitter)) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// One report stream; returns Ok on stop, Err when the stream broke.
+    async fn session(&self) -> Result<(), String> {
+        let endpoint = tonic::transport::Endpoint::from_shared(self.dispatcher.clone())
+            .map_err(|e| e.to_string())?
+            .connect_timeout(Duration::from_secs(3))
+            .tcp_nodelay(true);
+        let channel = endpoint.connect().await.map_err(|e| e.to_string())?;
+        let mut client = RegistryClient::new(channel);
+        let (tx, rx) = mpsc::channel(64);
+        let _ = tx.send(ServerReport::of(server_report::Kind::Intro(self.intro.clone()))).await;
+        let call = tokio::spawn(async move { client.report(ReceiverStream::new(rx)).await });
+        info!(dispatcher = %self.dispatcher, "reporting to dispatcher");
+        let mut told: HashSet<String> = HashSet::new();
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        let mut was_draining = false;
+        loop {
+            // Register interest before reading the hub so no change slips between.
+            let changed = self.hub.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let now: HashSet<String> = self.hub.tunnel_ids().into_iter().collect();
+            for id in now.difference(&told) {
+                let up = ServerReport::of(server_report::Kind::TunnelUp(TunnelUp { tunnel_id: id.clone() }));
+                tx.send(up).await.map_err(|_| "report stream closed".to_string())?;
+            }
+            for id in told.difference(&now) {
+                let down = ServerReport::of(server_report::Kind::TunnelDown(TunnelDown { tunnel_id: id.clone() }));
+                tx.send(down).await.map_err(|_| "report stream closed".to_string())?;
+            }
+            told = now;
+            let draining = self.hub.is_draining();
+            let send_load = draining != was_draining;
+            was_draining = draining;
+            if send_load {
+                self.send_load(&tx).await?;
+            }
+            tokio::select! {
+                biased;
+                _ = self.stop.cancelled() => {
+                    drop(tx);
+                    let _ = tokio::time::timeout(Duration::from_secs(1), call).await;
+                    return Ok(());
+                }
+                _ = &mut changed => {}
+                _ = tick.tick() => self.send_load(&tx).await?,
+            }
+            if call.is_finished() {
+                return Err("dispatcher ended the report stream".into());
+            }
+        }
+    }
+
+    async fn send_load(&self, tx: &mpsc::Sender<ServerReport>) -> Result<(), String> {
+        let tunnels = self.hub.load();
+        let calls_in_flight = self.hub.metrics.in_flight.get().max(0) as u32;
+        let report = LoadReport { tunnels, calls_in_flight, draining: self.hub.is_draining() };
+        tx.send(ServerReport::of(server_report::Kind::Load(report)))
+            .await
+            .map_err(|_| "report stream closed".to_string())
+    }
+}

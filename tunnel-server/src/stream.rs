@@ -1,0 +1,367 @@
+//! One agent stream on the server: its handle (shared with the hub), the `Tunnel.Connect`
+//! handler that authenticates and registers it, and the reader loop that owns the stream's
+//! life: it routes the agent's frames to the call on the stream, ends the call on its
+//! terminal frame and puts the stream back, answers heartbeats, and handles `GoingAway`.
+//!
+//! The reader is the only place a call on a stream ends, so a call gets exactly one
+//! outcome: the agent's terminal frame, or `STREAM_LOST` when the stream dies first.
+
+use crate::hub::{AddError, Hub};
+use relay_proto::{
+    agent_frame, forward_response, server_frame, AgentFrame, CallErrorKind, ForwardError,
+    ForwardErrorKind, ForwardResponse, Ping, ServerFrame, ServerHello,
+};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_stream::wrappers::ReceiverStream;
+use futures::StreamExt;
+use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{debug, info, warn};
+
+/// Frames buffered toward one agent stream (64 KiB chunks at most each).
+const OUT_BUFFER: usize = 16;
+
+pub type OutFrame = Result<ServerFrame, Status>;
+
+pub struct StreamHandle {
+    pub id: u64,
+    pub tunnel_id: Arc<str>,
+    out: mpsc::Sender<OutFrame>,
+    /// The call on this stream, if any.
+    call: Mutex<Option<CallSlot>>,
+    /// The agent sent GoingAway (or the stream is closing): hand it no new call.
+    retiring: AtomicBool,
+    close: CancellationToken,
+}
+
+/// Where the agent's frames for the current call go.
+pub struct CallSlot {
+    pub call_id: u64,
+    /// The dispatcher's response stream for this call.
+    pub to_caller: mpsc::Sender<Result<ForwardResponse, Status>>,
+    /// Fired when the call ends on this stream (terminal frame or stream lost).
+    pub done: Option<oneshot::Sender<()>>,
+    pub head_seen: bool,
+    pub started: Instant,
+}
+
+impl StreamHandle {
+    pub fn is_usable(&self) -> bool {
+        !self.retiring.load(Ordering::SeqCst) && !self.close.is_cancelled() && !self.out.is_closed()
+    }
+
+    /// Ends the stream: the outbound half finishes with OK and the reader stops.
+    pub fn close(&self) {
+        self.retiring.store(true, Ordering::SeqCst);
+        self.close.cancel();
+    }
+
+    /// Queues a frame if there is room; control frames only.
+    pub fn try_send(&self, frame: ServerFrame) -> bool {
+        self.out.try_send(Ok(frame)).is_ok()
+    }
+
+    /// Sends a frame, waiting for room (flow control).
+    pub async fn send(&self, frame: ServerFrame) -> Result<(), ()> {
+        tokio::select! {
+            r = self.out.send(Ok(frame)) => r.map_err(|_| ()),
+            _ = self.close.cancelled() => Err(()),
+        }
+    }
+
+    /// Puts a call on the stream. The stream must have come from `Hub::acquire`.
+    pub fn begin_call(&self, slot: CallSlot) {
+        *lock(&self.call) = Some(slot);
+    }
+
+    fn take_call(&self) -> Option<CallSlot> {
+        lock(&self.call).take()
+    }
+}
+
+/// What the Connect handler needs.
+pub struct TunnelService {
+    pub hub: Arc<Hub>,
+    pub tokens: Arc<crate::tokens::TokenStore>,
+    pub server_id: String,
+    pub zone: String,
+    pub heartbeat: Duration,
+    pub heartbeat_misses: u32,
+    pub tracker: tokio_util::task::TaskTracker,
+}
+
+type ConnectStream = Pin<Box<dyn Stream<Item = OutFrame> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl relay_proto::tunnel_server::Tunnel for TunnelService {
+    type ConnectStream = ConnectStream;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<AgentFrame>>,
+    ) -> Result<Response<ConnectStream>, Status> {
+        let metrics = &self.hub.metrics;
+        let token = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        let Some(tunnel_id) = token.and_then(|t| self.tokens.lookup(t)) else {
+            metrics.opens.with_label_values(&["unauthenticated"]).inc();
+            warn!(peer = ?request.remote_addr(), "agent stream refused: missing or unknown token");
+            return Err(Status::unauthenticated("missing or unknown tunnel token"));
+        };
+        let tunnel_id: Arc<str> = Arc::from(tunnel_id);
+        let (out, out_rx) = mpsc::channel(OUT_BUFFER);
+        let handle = Arc::new(StreamHandle {
+            id: self.hub.next_stream_id(),
+            tunnel_id: tunnel_id.clone(),
+            out,
+            call: Mutex::new(None),
+            retiring: AtomicBool::new(false),
+            close: CancellationToken::new(),
+        });
+        let hello = ServerHello {
+            server_id: self.server_id.clone(),
+            zone: self.zone.clone(),
+            stream_id: handle.id,
+            heartbeat_ms: self.heartbeat.as_millis().min(u32::MAX as u128) as u32,
+            tunnel_id: tunnel_id.to_string(),
+            protocol_version: relay_proto::PROTOCOL_VERSION,
+        };
+        // The hello goes first; a call handed to the stream right after queues behind it.
+        let _ = handle.out.try_send(Ok(ServerFrame::of(server_frame::Kind::Hello(hello))));
+        match self.hub.add_stream(&tunnel_id, handle.clone()) {
+            Ok(()) => {}
+            Err(AddError::Exhausted) => {
+                metrics.opens.with_label_values(&["exhausted"]).inc();
+                return Err(Status::resource_exhausted(format!(
+                    "tunnel id {tunnel_id} holds the most streams this server allows ({})",
+                    self.hub.limits.max_streams_per_token
+                )));
+            }
+            Err(AddError::Draining) => {
+                metrics.opens.with_label_values(&["draining"]).inc();
+                return Err(Status::unavailable("tunnel server is draining"));
+            }
+        }
+        metrics.opens.with_label_values(&["accepted"]).inc();
+        debug!(tunnel_id = %tunnel_id, stream_id = handle.id, "agent stream accepted");
+        let reader = Reader {
+            hub: self.hub.clone(),
+            handle: handle.clone(),
+            heartbeat: self.heartbeat,
+            misses: self.heartbeat_misses,
+        };
+        self.tracker.spawn(reader.run(request.into_inner()));
+        let stream = ReceiverStream::new(out_rx).take_until(handle.close.clone().cancelled_owned());
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+struct Reader {
+    hub: Arc<Hub>,
+    handle: Arc<StreamHandle>,
+    heartbeat: Duration,
+    misses: u32,
+}
+
+/// Why a stream ended, for the log and the metric.
+enum End {
+    AgentClosed,
+    Closed,
+    Heartbeat,
+    Protocol(Status),
+}
+
+impl Reader {
+    async fn run(self, mut inbound: Streaming<AgentFrame>) {
+        let mut ping = tokio::time::interval(self.heartbeat);
+        ping.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        ping.tick().await;
+        let mut last_seen = Instant::now();
+        let mut seq = 0u64;
+        let silence = self.heartbeat * self.misses;
+        let end = loop {
+            tokio::select! {
+                // Order: a close wins over more frames; frames win over the heartbeat.
+                biased;
+                _ = self.handle.close.cancelled() => break End::Closed,
+                msg = inbound.message() => match msg {
+                    Ok(Some(frame)) => {
+                        last_seen = Instant::now();
+                        if let Err(status) = self.on_frame(frame).await {
+                            break End::Protocol(status);
+                        }
+                    }
+                    Ok(None) => break End::AgentClosed,
+                    Err(status) => {
+                        debug!(stream_id = self.handle.id, %status, "agent stream error");
+                        break End::AgentClosed;
+                    }
+                },
+                _ = ping.tick() => {
+                    if last_seen.elapsed() > silence {
+                        break End::Heartbeat;
+                    }
+                    seq += 1;
+                    self.handle.try_send(ServerFrame::of(server_frame::Kind::Ping(Ping { seq })));
+                }
+            }
+        };
+        let reason = match &end {
+            End::AgentClosed => "agent_closed",
+            End::Closed => "retired",
+            End::Heartbeat => "heartbeat",
+            End::Protocol(_) => "protocol_error",
+        };
+        match &end {
+            End::Protocol(status) => {
+                warn!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, %status, "closing agent stream on a protocol error");
+                let _ = self.handle.out.try_send(Err(status.clone()));
+            }
+            End::Heartbeat => {
+                info!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, silence_ms = silence.as_millis() as u64, "dropping a silent agent stream");
+            }
+            _ => {}
+        }
+        self.hub.metrics.closes.with_label_values(&[reason]).inc();
+        self.handle.retiring.store(true, Ordering::SeqCst);
+        let slot = self.handle.take_call();
+        let was_busy = slot.is_some();
+        if let Some(slot) = slot {
+            let msg = match &end {
+                End::Heartbeat => "the agent stream carrying the call stopped answering heartbeats",
+                _ => "the agent stream carrying the call ended before the call did",
+            };
+            self.finish(slot, Some(ForwardResponse::error(ForwardErrorKind::StreamLost, msg)), "stream_lost")
+                .await;
+        }
+        self.hub.remove_stream(&self.handle, was_busy);
+        // A protocol error ends the RPC through the error status queued above; cutting the
+        // outbound half now could drop that status before the agent sees it.
+        if !matches!(end, End::Protocol(_)) {
+            self.handle.close.cancel();
+        }
+    }
+
+    async fn on_frame(&self, frame: AgentFrame) -> Result<(), Status> {
+        use agent_frame::Kind;
+        let Some(kind) = frame.kind else {
+            return Err(Status::invalid_argument("agent frame without a kind"));
+        };
+        match kind {
+            Kind::Pong(_) => Ok(()),
+            Kind::GoingAway(_) => {
+                self.handle.retiring.store(true, Ordering::SeqCst);
+                if lock(&self.handle.call).is_none() {
+                    self.hub.retire(&self.handle);
+                }
+                Ok(())
+            }
+            Kind::ResponseHead(head) => {
+                let call_id = head.call_id;
+                let end = head.end_of_stream;
+                let to_caller = self.expect_call(call_id, |slot| {
+                    if slot.head_seen {
+                        return Err(Status::invalid_argument(format!("second response head for call {call_id}")));
+                    }
+                    slot.head_seen = true;
+                    Ok(())
+                })?;
+                let _ = to_caller
+                    .send(Ok(ForwardResponse::of(forward_response::Kind::Head(head))))
+                    .await;
+                if end {
+                    self.end_call("ok").await;
+                }
+                Ok(())
+            }
+            Kind::ResponseBody(chunk) => {
+                let call_id = chunk.call_id;
+                let end = chunk.end;
+                let to_caller = self.expect_call(call_id, |slot| {
+                    if !slot.head_seen {
+                        return Err(Status::invalid_argument(format!("response body before head for call {call_id}")));
+                    }
+                    Ok(())
+                })?;
+                if chunk.data.len() > relay_proto::MAX_CHUNK {
+                    return Err(Status::invalid_argument("response body chunk larger than 64 KiB"));
+                }
+                let _ = to_caller
+                    .send(Ok(ForwardResponse::of(forward_response::Kind::Body(chunk))))
+                    .await;
+                if end {
+                    self.end_call("ok").await;
+                }
+                Ok(())
+            }
+            Kind::CallError(err) => {
+                let to_caller = self.expect_call(err.call_id, |_| Ok(()))?;
+                let outcome = if err.kind == CallErrorKind::Cancelled as i32 { "cancelled" } else { "agent_error" };
+                let _ = to_caller
+                    .send(Ok(ForwardResponse::of(forward_response::Kind::Error(ForwardError {
+                        kind: ForwardErrorKind::Agent as i32,
+                        message: err.message,
+                        call_error: err.kind,
+                    }))))
+                    .await;
+                self.end_call(outcome).await;
+                Ok(())
+            }
+        }
+    }
+
+    /// The sender toward the caller of the call on this stream, after checking the frame
+    /// belongs to it.
+    fn expect_call(
+        &self,
+        call_id: u64,
+        check: impl FnOnce(&mut CallSlot) -> Result<(), Status>,
+    ) -> Result<mpsc::Sender<Result<ForwardResponse, Status>>, Status> {
+        let mut guard = lock(&self.handle.call);
+        match guard.as_mut() {
+            Some(slot) if slot.call_id == call_id => {
+                check(slot)?;
+                Ok(slot.to_caller.clone())
+            }
+            Some(slot) => Err(Status::invalid_argument(format!(
+                "frame for call {call_id} while call {} is on this stream",
+                slot.call_id
+            ))),
+            None => Err(Status::invalid_argument(format!("frame for call {call_id} with no call on this stream"))),
+        }
+    }
+
+    /// The call on this stream ended: tell its task and put the stream back.
+    async fn end_call(&self, outcome: &'static str) {
+        if let Some(slot) = self.handle.take_call() {
+            self.finish(slot, None, outcome).await;
+        }
+        self.hub.release(self.handle.clone());
+    }
+
+    async fn finish(&self, mut slot: CallSlot, last: Option<ForwardResponse>, outcome: &'static str) {
+        if let Some(frame) = last {
+            let _ = slot.to_caller.send(Ok(frame)).await;
+        }
+        if let Some(done) = slot.done.take() {
+            let _ = done.send(());
+        }
+        self.hub.metrics.call(outcome);
+        self.hub.metrics.in_flight.dec();
+        debug!(call_id = slot.call_id, outcome, elapsed_ms = slot.started.elapsed().as_millis() as u64, "call ended");
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,126 @@
+//! The token store: maps the SHA-256 of an agent's secret token to its public tunnel id.
+//!
+//! Only hashes are stored; the secret is hashed on arrival and never kept, logged, or put
+//! in a label. The hash comparison runs in constant time over every entry, so timing
+//! tells nothing about which entries are near a presented token.
+
+use relay_common::config::ConfigError;
+use relay_common::secret::{ct_eq, sha256_hex};
+use serde::Deserialize;
+use std::path::Path;
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StoreFile {
+    #[serde(default)]
+    tokens: Vec<Entry>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    tunnel_id: String,
+    /// Lowercase hex SHA-256 of the token.
+    sha256: String,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct TokenStore {
+    entries: Vec<([u8; 32], String)>,
+}
+
+impl TokenStore {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        Self::parse(&text, path)
+    }
+
+    pub fn parse(text: &str, origin: &Path) -> Result<Self, ConfigError> {
+        let file: StoreFile = relay_common::config::parse(text, origin)?;
+        let mut entries = Vec::with_capacity(file.tokens.len());
+        for (i, e) in file.tokens.into_iter().enumerate() {
+            let mut hash = [0u8; 32];
+            if hex::decode_to_slice(e.sha256.trim(), &mut hash).is_err() {
+                return Err(ConfigError::invalid(
+                    format!("tokens[{i}].sha256"),
+                    "must be 64 hex digits (the SHA-256 of the token)",
+                ));
+            }
+            if !valid_tunnel_id(&e.tunnel_id) {
+                return Err(ConfigError::invalid(
+                    format!("tokens[{i}].tunnel_id"),
+                    "must be 1-128 characters of A-Z a-z 0-9 . _ -",
+                ));
+            }
+            entries.push((hash, e.tunnel_id));
+        }
+        Ok(TokenStore { entries })
+    }
+
+    /// A store holding one token, for demos and tests.
+    pub fn single(token: &str, tunnel_id: &str) -> Self {
+        let mut hash = [0u8; 32];
+        let _ = hex::decode_to_slice(sha256_hex(token.as_bytes()), &mut hash);
+        TokenStore { entries: vec![(hash, tunnel_id.to_string())] }
+    }
+
+    pub fn add(&mut self, token: &str, tunnel_id: &str) {
+        self.entries.extend(Self::single(token, tunnel_id).entries);
+    }
+
+    /// The tunnel id of a presented token, if any.
+    pub fn lookup(&self, token: &str) -> Option<&str> {
+        let mut presented = [0u8; 32];
+        hex::decode_to_slice(sha256_hex(token.as_bytes()), &mut presented).ok()?;
+        let mut found = None;
+        for (hash, id) in &self.entries {
+            if ct_eq(hash, &presented) && found.is_none() {
+                found = Some(id.as_str());
+            }
+        }
+        found
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// Tunnel ids are readable names: 1-128 of `A-Z a-z 0-9 . _ -`.
+pub fn valid_tunnel_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_a_token_by_hash_and_refuses_others() {
+        let text = format!(
+            "[[tokens]]\ntunnel_id = \"demo\"\nsha256 = \"{}\"\n",
+            sha256_hex(b"dev-token")
+        );
+        let store = TokenStore::parse(&text, Path::new("tokens.toml")).unwrap();
+        assert_eq!(store.lookup("dev-token"), Some("demo"));
+        assert_eq!(store.lookup("dev-token2"), None);
+        assert_eq!(store.lookup(""), None);
+    }
+
+    #[test]
+    fn bad_hash_names_the_key() {
+        let err = TokenStore::parse(
+            "[[tokens]]\ntunnel_id = \"demo\"\nsha256 = \"xyz\"\n",
+            Path::new("tokens.toml"),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("tokens[0].sha256"), "{err}");
+    }
+}
