@@ -2,7 +2,10 @@
 //! machine needs nothing but cargo: no system `protoc`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/relay/v1/tunnel.proto", "proto/relay/v1/dispatch.proto"];
+    let files = [
+        "proto/relay/v1/tunnel.proto",
+        "proto/relay/v1/dispatch.proto",
+    ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

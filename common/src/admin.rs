@@ -34,22 +34,35 @@ pub struct Admin {
 
 impl Admin {
     pub fn new(registry: prometheus::Registry) -> Self {
-        Admin { registry, ready: Arc::new(|| (true, serde_json::json!({}))), routes: None }
+        Admin {
+            registry,
+            ready: Arc::new(|| (true, serde_json::json!({}))),
+            routes: None,
+        }
     }
 
-    pub fn with_ready(mut self, f: impl Fn() -> (bool, serde_json::Value) + Send + Sync + 'static) -> Self {
+    pub fn with_ready(
+        mut self,
+        f: impl Fn() -> (bool, serde_json::Value) + Send + Sync + 'static,
+    ) -> Self {
         self.ready = Arc::new(f);
         self
     }
 
-    pub fn with_routes(mut self, f: impl Fn(&str) -> Option<AdminResponse> + Send + Sync + 'static) -> Self {
+    pub fn with_routes(
+        mut self,
+        f: impl Fn(&str) -> Option<AdminResponse> + Send + Sync + 'static,
+    ) -> Self {
         self.routes = Some(Arc::new(f));
         self
     }
 
     fn answer(&self, req: &Request<Incoming>) -> AdminResponse {
         if req.method() != Method::GET && req.method() != Method::HEAD {
-            return json(StatusCode::METHOD_NOT_ALLOWED, &serde_json::json!({"error": "method not allowed"}));
+            return json(
+                StatusCode::METHOD_NOT_ALLOWED,
+                &serde_json::json!({"error": "method not allowed"}),
+            );
         }
         match req.uri().path() {
             "/metrics" => {
@@ -62,14 +75,23 @@ impl Admin {
             "/healthz" => json(StatusCode::OK, &serde_json::json!({"ok": true})),
             "/readyz" => {
                 let (ok, detail) = (self.ready)();
-                let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+                let status = if ok {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                };
                 json(status, &serde_json::json!({"ok": ok, "detail": detail}))
             }
             path => self
                 .routes
                 .as_ref()
                 .and_then(|r| r(path))
-                .unwrap_or_else(|| json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "not found"}))),
+                .unwrap_or_else(|| {
+                    json(
+                        StatusCode::NOT_FOUND,
+                        &serde_json::json!({"error": "not found"}),
+                    )
+                }),
         }
     }
 }

@@ -22,7 +22,10 @@ pub enum ConfigError {
 
 impl ConfigError {
     pub fn invalid(key: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError::Invalid { key: key.into(), message: message.into() }
+        ConfigError::Invalid {
+            key: key.into(),
+            message: message.into(),
+        }
     }
 }
 
@@ -40,8 +43,10 @@ pub fn load<T: DeserializeOwned + Default>(path: Option<&Path>) -> Result<T, Con
     match path {
         None => Ok(T::default()),
         Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .map_err(|source| ConfigError::Read { path: p.to_path_buf(), source })?;
+            let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                path: p.to_path_buf(),
+                source,
+            })?;
             parse(&text, p)
         }
     }
@@ -54,10 +59,10 @@ where
 {
     let var = format!("RELAY_{name}");
     match std::env::var(&var) {
-        Ok(v) => v
-            .parse()
-            .map(Some)
-            .map_err(|e: T::Err| ConfigError::Env { var, message: e.to_string() }),
+        Ok(v) => v.parse().map(Some).map_err(|e: T::Err| ConfigError::Env {
+            var,
+            message: e.to_string(),
+        }),
         Err(_) => Ok(None),
     }
 }

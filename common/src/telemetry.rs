@@ -10,7 +10,9 @@ pub fn init(default_filter: &str) {
         .unwrap_or_else(|| default_filter.to_string());
     let filter = EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new(default_filter));
     let json = std::env::var("RELAY_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_target(false);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false);
     let _ = if json {
         builder.json().try_init()
     } else {

@@ -23,7 +23,10 @@ pub use v1::*;
 
 impl Header {
     pub fn new(name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
-        Header { name: name.into(), value: value.into() }
+        Header {
+            name: name.into(),
+            value: value.into(),
+        }
     }
 }
 

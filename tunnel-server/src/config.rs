@@ -76,13 +76,22 @@ impl Config {
             return Err(ConfigError::invalid("heartbeat", "must be at least 10ms"));
         }
         if self.heartbeat_misses == 0 {
-            return Err(ConfigError::invalid("heartbeat_misses", "must be at least 1"));
+            return Err(ConfigError::invalid(
+                "heartbeat_misses",
+                "must be at least 1",
+            ));
         }
         if self.max_streams_per_token == 0 {
-            return Err(ConfigError::invalid("max_streams_per_token", "must be at least 1"));
+            return Err(ConfigError::invalid(
+                "max_streams_per_token",
+                "must be at least 1",
+            ));
         }
         if self.report_interval < Duration::from_millis(10) {
-            return Err(ConfigError::invalid("report_interval", "must be at least 10ms"));
+            return Err(ConfigError::invalid(
+                "report_interval",
+                "must be at least 10ms",
+            ));
         }
         for (i, d) in self.dispatchers.iter().enumerate() {
             if !(d.starts_with("http://") || d.starts_with("https://")) {
@@ -94,7 +103,10 @@ impl Config {
         }
         if let Some(u) = &self.forward_url {
             if !(u.starts_with("http://") || u.starts_with("https://")) {
-                return Err(ConfigError::invalid("forward_url", "must be an http:// or https:// URL"));
+                return Err(ConfigError::invalid(
+                    "forward_url",
+                    "must be an http:// or https:// URL",
+                ));
             }
         }
         Ok(())

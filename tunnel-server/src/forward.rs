@@ -41,10 +41,14 @@ impl relay_proto::forward_server::Forward for ForwardService {
     ) -> Result<Response<Self::CallStream>, Status> {
         let mut inbound = request.into_inner();
         let head = match inbound.message().await? {
-            Some(ForwardRequest { kind: Some(forward_request::Kind::Head(h)) }) => h,
+            Some(ForwardRequest {
+                kind: Some(forward_request::Kind::Head(h)),
+            }) => h,
             _ => {
                 self.hub.metrics.call("bad_request");
-                return Err(Status::invalid_argument("the first forward frame must be a call head"));
+                return Err(Status::invalid_argument(
+                    "the first forward frame must be a call head",
+                ));
             }
         };
         let Some(request) = head.request else {
@@ -81,7 +85,14 @@ impl Call {
             wait = wait.min(Duration::from_millis(self.request.deadline_ms as u64));
         }
         let gone = self.to_caller.clone();
-        let stream = match hub.acquire(&self.tunnel_id, now + wait, async move { gone.closed().await }).await {
+        let stream = match hub
+            .acquire(
+                &self.tunnel_id,
+                now + wait,
+                async move { gone.closed().await },
+            )
+            .await
+        {
             Ok(s) => s,
             Err(e) => {
                 let (kind, outcome, msg) = match e {
@@ -90,17 +101,24 @@ impl Call {
                         "unknown_tunnel",
                         format!("no stream of tunnel id {} on this server", self.tunnel_id),
                     ),
-                    AcquireError::NoCapacity(why) => (ForwardErrorKind::NoCapacity, "no_capacity", why.to_string()),
-                    AcquireError::Draining => {
-                        (ForwardErrorKind::Draining, "draining", "tunnel server is draining".to_string())
+                    AcquireError::NoCapacity(why) => {
+                        (ForwardErrorKind::NoCapacity, "no_capacity", why.to_string())
                     }
+                    AcquireError::Draining => (
+                        ForwardErrorKind::Draining,
+                        "draining",
+                        "tunnel server is draining".to_string(),
+                    ),
                     AcquireError::Cancelled => {
                         hub.metrics.call("cancelled");
                         return;
                     }
                 };
                 hub.metrics.call(outcome);
-                let _ = self.to_caller.send(Ok(ForwardResponse::error(kind, msg))).await;
+                let _ = self
+                    .to_caller
+                    .send(Ok(ForwardResponse::error(kind, msg)))
+                    .await;
                 return;
             }
         };
@@ -123,7 +141,9 @@ impl Call {
         let mut body_open = !head.end_of_stream;
         debug!(tunnel_id = %self.tunnel_id, call_id, stream_id = stream.id, "call on stream");
         // If the stream died, its reader reports STREAM_LOST through the slot.
-        let _ = stream.send(ServerFrame::of(server_frame::Kind::RequestHead(head))).await;
+        let _ = stream
+            .send(ServerFrame::of(server_frame::Kind::RequestHead(head)))
+            .await;
         loop {
             tokio::select! {
                 // Order: the call's end first, then the caller leaving, then more body.

@@ -115,14 +115,22 @@ impl Hub {
             let entry = self
                 .tunnels
                 .entry(tunnel_id.to_string())
-                .or_insert_with(|| Arc::new(Tunnel { id: tunnel_id.to_string(), slots: Mutex::default() }));
+                .or_insert_with(|| {
+                    Arc::new(Tunnel {
+                        id: tunnel_id.to_string(),
+                        slots: Mutex::default(),
+                    })
+                });
             let mut s = lock(&entry.slots);
             if s.all.len() >= self.limits.max_streams_per_token {
                 return Err(AddError::Exhausted);
             }
             first = s.all.is_empty();
             s.all.push(handle.clone());
-            self.metrics.streams.with_label_values(&[tunnel_id]).set(s.all.len() as i64);
+            self.metrics
+                .streams
+                .with_label_values(&[tunnel_id])
+                .set(s.all.len() as i64);
             // A waiting call takes the new stream at once.
             if let Some(h) = hand_to_waiter(&mut s, handle) {
                 s.idle.push(h);
@@ -152,7 +160,10 @@ impl Hub {
             if was_busy {
                 s.busy = s.busy.saturating_sub(1);
             }
-            self.metrics.streams.with_label_values(&[&tunnel.id]).set(s.all.len() as i64);
+            self.metrics
+                .streams
+                .with_label_values(&[&tunnel.id])
+                .set(s.all.len() as i64);
             if s.all.is_empty() {
                 // Calls waiting here learn at once that the tunnel id left this server.
                 s.waiters.clear();
@@ -202,7 +213,9 @@ impl Hub {
                 return Err(AcquireError::UnknownTunnel);
             }
             if s.queued() as usize >= self.limits.max_queue_per_tunnel {
-                return Err(AcquireError::NoCapacity("the tunnel id's queue on this server is full"));
+                return Err(AcquireError::NoCapacity(
+                    "the tunnel id's queue on this server is full",
+                ));
             }
             let (tx, rx) = oneshot::channel();
             s.waiters.push_back(tx);
@@ -230,7 +243,9 @@ impl Hub {
                 }
             }
         };
-        self.metrics.queue_wait.observe(started.elapsed().as_secs_f64());
+        self.metrics
+            .queue_wait
+            .observe(started.elapsed().as_secs_f64());
         outcome
     }
 
@@ -277,7 +292,9 @@ impl Hub {
         for t in self.tunnels.iter() {
             let s = lock(&t.slots);
             for h in &s.all {
-                h.try_send(ServerFrame::of(server_frame::Kind::Drain(Drain { grace_ms })));
+                h.try_send(ServerFrame::of(server_frame::Kind::Drain(Drain {
+                    grace_ms,
+                })));
             }
         }
         self.changed.notify_waiters();
@@ -321,7 +338,10 @@ impl Hub {
         for t in self.tunnels.iter() {
             let mut s = lock(&t.slots);
             let queued = s.queued();
-            self.metrics.queued.with_label_values(&[&t.id]).set(queued as i64);
+            self.metrics
+                .queued
+                .with_label_values(&[&t.id])
+                .set(queued as i64);
             if queued == s.pressure_sent {
                 continue;
             }

@@ -89,7 +89,11 @@ pub async fn run(
 }
 
 /// Starts serving on the given listeners and returns a handle.
-pub async fn start(config: Config, tokens: TokenStore, listeners: Listeners) -> Result<TunnelServerHandle, RunError> {
+pub async fn start(
+    config: Config,
+    tokens: TokenStore,
+    listeners: Listeners,
+) -> Result<TunnelServerHandle, RunError> {
     config.validate()?;
     let agent_addr = listeners.agent.local_addr()?;
     let forward_addr = listeners.forward.local_addr()?;
@@ -125,7 +129,10 @@ pub async fn start(config: Config, tokens: TokenStore, listeners: Listeners) -> 
     tasks.push(tokio::spawn(async move {
         let r = grpc_server()
             .add_service(tunnel)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.agent), stop.cancelled_owned())
+            .serve_with_incoming_shutdown(
+                TcpListenerStream::new(listeners.agent),
+                stop.cancelled_owned(),
+            )
             .await;
         if let Err(e) = r {
             warn!(error = %e, "agent listener stopped");
@@ -144,7 +151,10 @@ pub async fn start(config: Config, tokens: TokenStore, listeners: Listeners) -> 
     tasks.push(tokio::spawn(async move {
         let r = grpc_server()
             .add_service(forward)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.forward), stop.cancelled_owned())
+            .serve_with_incoming_shutdown(
+                TcpListenerStream::new(listeners.forward),
+                stop.cancelled_owned(),
+            )
             .await;
         if let Err(e) = r {
             warn!(error = %e, "forward listener stopped");
@@ -154,7 +164,10 @@ pub async fn start(config: Config, tokens: TokenStore, listeners: Listeners) -> 
     let ready_hub = hub.clone();
     let admin = relay_common::admin::Admin::new(registry.clone()).with_ready(move || {
         let draining = ready_hub.is_draining();
-        (!draining, serde_json::json!({ "draining": draining, "tunnels": ready_hub.tunnel_ids().len() }))
+        (
+            !draining,
+            serde_json::json!({ "draining": draining, "tunnels": ready_hub.tunnel_ids().len() }),
+        )
     });
     tasks.push(tokio::spawn(relay_common::admin::serve(
         listeners.admin,
@@ -177,7 +190,10 @@ pub async fn start(config: Config, tokens: TokenStore, listeners: Listeners) -> 
         }
     }));
 
-    let forward_url = config.forward_url.clone().unwrap_or_else(|| format!("http://{forward_addr}"));
+    let forward_url = config
+        .forward_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{forward_addr}"));
     let intro = ServerIntro {
         server_id: server_id.clone(),
         zone: config.zone.clone(),
@@ -230,7 +246,8 @@ impl TunnelServerHandle {
     /// within the grace period, then close every stream and stop serving.
     pub async fn shutdown(self) {
         info!(server_id = %self.server_id, "draining");
-        self.hub.drain(self.grace.as_millis().min(u32::MAX as u128) as u32);
+        self.hub
+            .drain(self.grace.as_millis().min(u32::MAX as u128) as u32);
         let deadline = Instant::now() + self.grace;
         while self.hub.metrics.in_flight.get() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;

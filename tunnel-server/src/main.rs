@@ -80,7 +80,9 @@ async fn main_inner() -> anyhow::Result<()> {
     }
     config.validate()?;
     let bind = |addr: SocketAddr, what: &'static str| async move {
-        tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot bind {what} {addr}"))
+        tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot bind {what} {addr}"))
     };
     let listeners = Listeners {
         agent: bind(config.agent_listen, "agent_listen").await?,

@@ -32,7 +32,10 @@ impl ServerMetrics {
                 &["tunnel_id"],
             )?,
             queued: IntGaugeVec::new(
-                Opts::new("relay_tunnel_calls_queued", "Calls waiting for an idle stream per tunnel id"),
+                Opts::new(
+                    "relay_tunnel_calls_queued",
+                    "Calls waiting for an idle stream per tunnel id",
+                ),
                 &["tunnel_id"],
             )?,
             queue_wait: Histogram::with_opts(
@@ -43,16 +46,28 @@ impl ServerMetrics {
                 .buckets(exponential_buckets(0.0001, 3.0, 12)?),
             )?,
             calls: IntCounterVec::new(
-                Opts::new("relay_tunnel_calls_total", "Calls handled by this tunnel server, by outcome"),
+                Opts::new(
+                    "relay_tunnel_calls_total",
+                    "Calls handled by this tunnel server, by outcome",
+                ),
                 &["outcome"],
             )?,
-            in_flight: IntGauge::new("relay_tunnel_calls_in_flight", "Calls holding an agent stream now")?,
+            in_flight: IntGauge::new(
+                "relay_tunnel_calls_in_flight",
+                "Calls holding an agent stream now",
+            )?,
             opens: IntCounterVec::new(
-                Opts::new("relay_tunnel_stream_opens_total", "Agent stream opens, by result"),
+                Opts::new(
+                    "relay_tunnel_stream_opens_total",
+                    "Agent stream opens, by result",
+                ),
                 &["result"],
             )?,
             closes: IntCounterVec::new(
-                Opts::new("relay_tunnel_stream_closes_total", "Agent streams closed, by reason"),
+                Opts::new(
+                    "relay_tunnel_stream_closes_total",
+                    "Agent streams closed, by reason",
+                ),
                 &["reason"],
             )?,
         };

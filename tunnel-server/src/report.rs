@@ -58,7 +58,11 @@ impl Reporter {
         let channel = endpoint.connect().await.map_err(|e| e.to_string())?;
         let mut client = RegistryClient::new(channel);
         let (tx, rx) = mpsc::channel(64);
-        let _ = tx.send(ServerReport::of(server_report::Kind::Intro(self.intro.clone()))).await;
+        let _ = tx
+            .send(ServerReport::of(server_report::Kind::Intro(
+                self.intro.clone(),
+            )))
+            .await;
         let call = tokio::spawn(async move { client.report(ReceiverStream::new(rx)).await });
         info!(dispatcher = %self.dispatcher, "reporting to dispatcher");
         let mut told: HashSet<String> = HashSet::new();
@@ -72,12 +76,20 @@ impl Reporter {
             changed.as_mut().enable();
             let now: HashSet<String> = self.hub.tunnel_ids().into_iter().collect();
             for id in now.difference(&told) {
-                let up = ServerReport::of(server_report::Kind::TunnelUp(TunnelUp { tunnel_id: id.clone() }));
-                tx.send(up).await.map_err(|_| "report stream closed".to_string())?;
+                let up = ServerReport::of(server_report::Kind::TunnelUp(TunnelUp {
+                    tunnel_id: id.clone(),
+                }));
+                tx.send(up)
+                    .await
+                    .map_err(|_| "report stream closed".to_string())?;
             }
             for id in told.difference(&now) {
-                let down = ServerReport::of(server_report::Kind::TunnelDown(TunnelDown { tunnel_id: id.clone() }));
-                tx.send(down).await.map_err(|_| "report stream closed".to_string())?;
+                let down = ServerReport::of(server_report::Kind::TunnelDown(TunnelDown {
+                    tunnel_id: id.clone(),
+                }));
+                tx.send(down)
+                    .await
+                    .map_err(|_| "report stream closed".to_string())?;
             }
             told = now;
             let draining = self.hub.is_draining();
@@ -105,7 +117,11 @@ impl Reporter {
     async fn send_load(&self, tx: &mpsc::Sender<ServerReport>) -> Result<(), String> {
         let tunnels = self.hub.load();
         let calls_in_flight = self.hub.metrics.in_flight.get().max(0) as u32;
-        let report = LoadReport { tunnels, calls_in_flight, draining: self.hub.is_draining() };
+        let report = LoadReport {
+            tunnels,
+            calls_in_flight,
+            draining: self.hub.is_draining(),
+        };
         tx.send(ServerReport::of(server_report::Kind::Load(report)))
             .await
             .map_err(|_| "report stream closed".to_string())

@@ -7,6 +7,7 @@
 //! outcome: the agent's terminal frame, or `STREAM_LOST` when the stream dies first.
 
 use crate::hub::{AddError, Hub};
+use futures::StreamExt;
 use relay_proto::{
     agent_frame, forward_response, server_frame, AgentFrame, CallErrorKind, ForwardError,
     ForwardErrorKind, ForwardResponse, Ping, ServerFrame, ServerHello,
@@ -18,7 +19,6 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_stream::wrappers::ReceiverStream;
-use futures::StreamExt;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
@@ -137,7 +137,9 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             protocol_version: relay_proto::PROTOCOL_VERSION,
         };
         // The hello goes first; a call handed to the stream right after queues behind it.
-        let _ = handle.out.try_send(Ok(ServerFrame::of(server_frame::Kind::Hello(hello))));
+        let _ = handle
+            .out
+            .try_send(Ok(ServerFrame::of(server_frame::Kind::Hello(hello))));
         match self.hub.add_stream(&tunnel_id, handle.clone()) {
             Ok(()) => {}
             Err(AddError::Exhausted) => {
@@ -241,8 +243,12 @@ impl Reader {
                 End::Heartbeat => "the agent stream carrying the call stopped answering heartbeats",
                 _ => "the agent stream carrying the call ended before the call did",
             };
-            self.finish(slot, Some(ForwardResponse::error(ForwardErrorKind::StreamLost, msg)), "stream_lost")
-                .await;
+            self.finish(
+                slot,
+                Some(ForwardResponse::error(ForwardErrorKind::StreamLost, msg)),
+                "stream_lost",
+            )
+            .await;
         }
         self.hub.remove_stream(&self.handle, was_busy);
         // A protocol error ends the RPC through the error status queued above; cutting the
@@ -271,7 +277,9 @@ impl Reader {
                 let end = head.end_of_stream;
                 let to_caller = self.expect_call(call_id, |slot| {
                     if slot.head_seen {
-                        return Err(Status::invalid_argument(format!("second response head for call {call_id}")));
+                        return Err(Status::invalid_argument(format!(
+                            "second response head for call {call_id}"
+                        )));
                     }
                     slot.head_seen = true;
                     Ok(())
@@ -289,12 +297,16 @@ impl Reader {
                 let end = chunk.end;
                 let to_caller = self.expect_call(call_id, |slot| {
                     if !slot.head_seen {
-                        return Err(Status::invalid_argument(format!("response body before head for call {call_id}")));
+                        return Err(Status::invalid_argument(format!(
+                            "response body before head for call {call_id}"
+                        )));
                     }
                     Ok(())
                 })?;
                 if chunk.data.len() > relay_proto::MAX_CHUNK {
-                    return Err(Status::invalid_argument("response body chunk larger than 64 KiB"));
+                    return Err(Status::invalid_argument(
+                        "response body chunk larger than 64 KiB",
+                    ));
                 }
                 let _ = to_caller
                     .send(Ok(ForwardResponse::of(forward_response::Kind::Body(chunk))))
@@ -306,13 +318,19 @@ impl Reader {
             }
             Kind::CallError(err) => {
                 let to_caller = self.expect_call(err.call_id, |_| Ok(()))?;
-                let outcome = if err.kind == CallErrorKind::Cancelled as i32 { "cancelled" } else { "agent_error" };
+                let outcome = if err.kind == CallErrorKind::Cancelled as i32 {
+                    "cancelled"
+                } else {
+                    "agent_error"
+                };
                 let _ = to_caller
-                    .send(Ok(ForwardResponse::of(forward_response::Kind::Error(ForwardError {
-                        kind: ForwardErrorKind::Agent as i32,
-                        message: err.message,
-                        call_error: err.kind,
-                    }))))
+                    .send(Ok(ForwardResponse::of(forward_response::Kind::Error(
+                        ForwardError {
+                            kind: ForwardErrorKind::Agent as i32,
+                            message: err.message,
+                            call_error: err.kind,
+                        },
+                    ))))
                     .await;
                 self.end_call(outcome).await;
                 Ok(())
@@ -337,7 +355,9 @@ impl Reader {
                 "frame for call {call_id} while call {} is on this stream",
                 slot.call_id
             ))),
-            None => Err(Status::invalid_argument(format!("frame for call {call_id} with no call on this stream"))),
+            None => Err(Status::invalid_argument(format!(
+                "frame for call {call_id} with no call on this stream"
+            ))),
         }
     }
 
@@ -349,7 +369,12 @@ impl Reader {
         self.hub.release(self.handle.clone());
     }
 
-    async fn finish(&self, mut slot: CallSlot, last: Option<ForwardResponse>, outcome: &'static str) {
+    async fn finish(
+        &self,
+        mut slot: CallSlot,
+        last: Option<ForwardResponse>,
+        outcome: &'static str,
+    ) {
         if let Some(frame) = last {
             let _ = slot.to_caller.send(Ok(frame)).await;
         }
@@ -358,7 +383,12 @@ impl Reader {
         }
         self.hub.metrics.call(outcome);
         self.hub.metrics.in_flight.dec();
-        debug!(call_id = slot.call_id, outcome, elapsed_ms = slot.started.elapsed().as_millis() as u64, "call ended");
+        debug!(
+            call_id = slot.call_id,
+            outcome,
+            elapsed_ms = slot.started.elapsed().as_millis() as u64,
+            "call ended"
+        );
     }
 }
 

@@ -31,8 +31,10 @@ pub struct TokenStore {
 
 impl TokenStore {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Self::parse(&text, path)
     }
 
@@ -62,7 +64,9 @@ impl TokenStore {
     pub fn single(token: &str, tunnel_id: &str) -> Self {
         let mut hash = [0u8; 32];
         let _ = hex::decode_to_slice(sha256_hex(token.as_bytes()), &mut hash);
-        TokenStore { entries: vec![(hash, tunnel_id.to_string())] }
+        TokenStore {
+            entries: vec![(hash, tunnel_id.to_string())],
+        }
     }
 
     pub fn add(&mut self, token: &str, tunnel_id: &str) {
@@ -95,7 +99,9 @@ impl TokenStore {
 pub fn valid_tunnel_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 128
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 #[cfg(test)]
