@@ -4,6 +4,67 @@
 //! or do I/O. The planner keeps only the memory the rules need across ticks (since when a
 //! server has been short and idle, when it was evacuated, when the last evacuation ran),
 //! so the rules are testable tick by tick with simulated servers and placement.
+//!
+//! # The rules, as implemented
+//!
+//! Streams are grouped by server. A server whose streams are all retiring (or that has
+//! none) is ignored: it is not listed in `Plan::states` and takes no action. For the
+//! others: `live` = non-retiring streams (retiring ones are not capacity), `in flight` =
+//! busy streams (retiring ones included: the call is real), `busy` = in flight + `queued`
+//! (the pressure hint), `budget` = busy + `reserve`, `shortfall` = budget - live.
+//! Each tick classifies every server (`classify`), then runs one function per action
+//! kind (`evacuate`, `recycle`, `grow`, `fill`, `bootstrap`, `open`, `retire`):
+//!
+//! - **evacuated**: draining, or evacuated within `evacuated_for`. Its idle streams are
+//!   recycled (closed), busy ones finish first and go on a later tick. No grow, no fill.
+//! - **covered**: live >= budget.
+//! - **growing**: short with busy > 0. Opens `max(grow_min, in flight, shortfall)`: this
+//!   doubles the server under pressure without the hint and jumps straight to the
+//!   shortfall with it. Not budgeted, but paused/clipped by the 4x rule and the caps.
+//! - **filling**: short with busy = 0. Opens the shortfall (toward the reserve).
+//! - **overdue**: filling for `grace`. Evacuated: all its (idle) streams are closed so
+//!   the server drops the tunnel id; only while another server is covered, never with a
+//!   call in flight or queued there, at most one evacuation per `evacuate_cooldown`.
+//!
+//! Opens are global (the load balancer places them), so requests are summed: growth first
+//! (busiest server first), then fill, then the bootstrap. Streams already `opening` are
+//! credited against the requests in that order, so an open is not repeated every tick
+//! while the previous one is in flight. The total is capped so live + opening + new <=
+//! `max_streams`. With no server to call home (none known at start, or only draining
+//! ones), the agent opens `reserve` minus opening so it lands somewhere.
+//!
+//! While any server is short (growing, filling, overdue) nothing is retired. Otherwise an
+//! idle stream at least `retire_min_age` old and unused for `retire_unused` is retired,
+//! least recently used first, never taking a server below busy + reserve. Above
+//! `max_streams` (a lowered cap), the oldest idle streams anywhere are retired to get under
+//! it, short or not.
+//!
+//! # Choices where the design is silent, and deviations
+//!
+//! - **4x rule on surplus, and as a clip.** A growing server's step is clipped so that
+//!   idle streams on other (non-evacuated) servers *beyond their own reserve*, plus the
+//!   step, stay within `idle_elsewhere_factor` x its demand; growth is paused when nothing
+//!   is left. Counting only the surplus keeps a quiet fleet's reserves (which every server
+//!   holds anyway) from pausing the first growth of a lightly loaded server; clipping
+//!   rather than a plain pause makes the bound hold exactly instead of overshooting by one
+//!   step. Consequence: placement that gives the busy server a share below about
+//!   `1 / (1 + factor)` (20% with 4) cannot fill it through growth alone while every call
+//!   keeps going there: in the simulation (5% share, all calls on it) it reaches exactly
+//!   the arrival rate and the queue stops growing but does not drain. The agent stays
+//!   bounded; the dispatcher's spill-over is what moves calls to the idle streams. The
+//!   simulation tests show both sides.
+//! - **Opening is credited against growth too**, not only fill. Without the credit a
+//!   slow open (longer than a tick) would re-issue the whole step every tick; with it the
+//!   doubling waits for the previous step to land.
+//! - **max_inflight**: queued calls count as demand only up to the agent's remaining
+//!   headroom (max_inflight - calls in flight across the agent); at the cap no server grows.
+//! - **Overdue servers are not filled**: their fill has already failed for `grace` and
+//!   every further open lands elsewhere; they wait for evacuation (bounded drift).
+//! - **An evacuated server is the home of last resort**: if no other server (not draining,
+//!   not evacuated) holds live streams, a recently evacuated server is classified normally
+//!   instead of having everything recycled. Draining servers are always evacuated.
+//! - **Retirement keeps busy + reserve** (not just reserve) on a server with calls, so
+//!   retiring never makes a covered server short.
 
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -118,8 +179,13 @@ pub enum State {
 }
 
 impl State {
-    pub const ALL: [State; 5] =
-        [State::Covered, State::Growing, State::Filling, State::Overdue, State::Evacuated];
+    pub const ALL: [State; 5] = [
+        State::Covered,
+        State::Growing,
+        State::Filling,
+        State::Overdue,
+        State::Evacuated,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -205,6 +271,9 @@ impl Plan {
     }
 }
 
+/// `Action::server_id` of an open that is for no particular server (the bootstrap).
+pub const ANY_SERVER: &str = "*";
+
 /// The coverage rules with the memory they need across ticks.
 #[derive(Debug)]
 pub struct Planner {
@@ -221,9 +290,91 @@ struct ServerMemory {
     evacuated_at: Option<Instant>,
 }
 
+/// One server's figures for this tick.
+#[derive(Debug)]
+struct Server<'a> {
+    view: &'a ServerView,
+    state: State,
+    /// Non-retiring streams.
+    live: u32,
+    /// Busy streams, retiring ones included.
+    in_flight: u32,
+    /// Non-busy, non-retiring streams.
+    idle: u32,
+}
+
+impl Server<'_> {
+    fn busy(&self) -> u32 {
+        self.in_flight.saturating_add(self.view.queued)
+    }
+
+    fn budget(&self, reserve: u32) -> u32 {
+        self.busy().saturating_add(reserve)
+    }
+
+    fn shortfall(&self, reserve: u32) -> u32 {
+        self.budget(reserve).saturating_sub(self.live)
+    }
+
+    /// Idle streams beyond the server's own reserve.
+    fn surplus(&self, reserve: u32) -> u32 {
+        self.idle.saturating_sub(reserve)
+    }
+
+    fn is_short(&self) -> bool {
+        matches!(self.state, State::Growing | State::Filling | State::Overdue)
+    }
+
+    /// Idle streams that may be closed, least recently used first.
+    fn idle_streams(&self) -> Vec<&StreamView> {
+        let mut idle: Vec<&StreamView> = self
+            .view
+            .streams
+            .iter()
+            .filter(|st| !st.busy && !st.retiring)
+            .collect();
+        idle.sort_by_key(|st| (st.last_used, st.opened_at, st.id));
+        idle
+    }
+}
+
+/// The servers of one tick, classified.
+#[derive(Debug)]
+struct Tick<'a> {
+    now: Instant,
+    opening: u32,
+    servers: Vec<Server<'a>>,
+}
+
+impl Tick<'_> {
+    fn live(&self) -> u32 {
+        self.servers.iter().map(|s| s.live).sum()
+    }
+
+    fn in_flight(&self) -> u32 {
+        self.servers.iter().map(|s| s.in_flight).sum()
+    }
+}
+
+/// Opens one rule asks for, before crediting and caps.
+struct OpenRequest {
+    server_id: String,
+    kind: ActionKind,
+    want: u32,
+    why: String,
+}
+
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 impl Planner {
     pub fn new(cfg: CoverageConfig) -> Self {
-        Planner { cfg, memory: HashMap::new(), last_evacuation: None }
+        Planner {
+            cfg,
+            memory: HashMap::new(),
+            last_evacuation: None,
+        }
     }
 
     pub fn config(&self) -> &CoverageConfig {
@@ -234,7 +385,405 @@ impl Planner {
         if !self.cfg.enabled {
             return self.plan_fixed(snap);
         }
-        self.plan_fixed(snap)
+        let tick = self.classify(snap);
+        let mut plan = Plan::default();
+        self.evacuate(&tick, &mut plan);
+        self.recycle(&tick, &mut plan);
+        let mut requests = self.grow(&tick);
+        requests.extend(self.fill(&tick));
+        requests.extend(self.bootstrap(&tick));
+        self.open(&tick, requests, &mut plan);
+        self.retire(&tick, &mut plan);
+        plan.states = tick
+            .servers
+            .iter()
+            .map(|s| ServerState {
+                server_id: s.view.server_id.clone(),
+                zone: s.view.zone.clone(),
+                state: s.state,
+                streams: s.live,
+                busy: s.busy(),
+                idle: s.idle,
+                budget: s.budget(self.cfg.reserve),
+            })
+            .collect();
+        plan
+    }
+
+    /// Figures and state of every server with live streams; updates the memory
+    /// (draining servers count as evacuated, since when a server has been short and idle).
+    fn classify<'a>(&mut self, snap: &'a Snapshot) -> Tick<'a> {
+        let now = snap.now;
+        let cfg = &self.cfg;
+        let mut servers = Vec::with_capacity(snap.servers.len());
+        for view in &snap.servers {
+            let mem = self.memory.entry(view.server_id.clone()).or_default();
+            if view.draining {
+                mem.evacuated_at = Some(now);
+            }
+            let live = count(view.streams.iter().filter(|st| !st.retiring).count());
+            if live == 0 {
+                mem.short_idle_since = None;
+                continue;
+            }
+            servers.push(Server {
+                view,
+                state: State::Covered,
+                live,
+                in_flight: count(view.streams.iter().filter(|st| st.busy).count()),
+                idle: count(
+                    view.streams
+                        .iter()
+                        .filter(|st| !st.busy && !st.retiring)
+                        .count(),
+                ),
+            });
+        }
+        let recently_evacuated = |mem: Option<&ServerMemory>| {
+            mem.and_then(|m| m.evacuated_at)
+                .is_some_and(|at| now.saturating_duration_since(at) < cfg.evacuated_for)
+        };
+        let home = |s: &Server| !recently_evacuated(self.memory.get(&s.view.server_id));
+        let homes = servers.iter().filter(|s| home(s)).count();
+        let states: Vec<State> = servers
+            .iter()
+            .map(|s| {
+                let evacuated = s.view.draining || (!home(s) && homes > 0);
+                if evacuated {
+                    State::Evacuated
+                } else if s.live >= s.budget(cfg.reserve) {
+                    State::Covered
+                } else if s.busy() > 0 {
+                    State::Growing
+                } else {
+                    State::Filling
+                }
+            })
+            .collect();
+        for (s, state) in servers.iter_mut().zip(states) {
+            let mem = self.memory.entry(s.view.server_id.clone()).or_default();
+            s.state = state;
+            if state != State::Filling {
+                mem.short_idle_since = None;
+                continue;
+            }
+            let since = *mem.short_idle_since.get_or_insert(now);
+            if now.saturating_duration_since(since) >= cfg.grace {
+                s.state = State::Overdue;
+            }
+        }
+        // Forget servers that are gone, unless they are still to be avoided.
+        self.memory.retain(|id, mem| {
+            snap.servers.iter().any(|v| &v.server_id == id) || recently_evacuated(Some(mem))
+        });
+        Tick {
+            now,
+            opening: snap.opening,
+            servers,
+        }
+    }
+
+    /// Overdue: close all streams of the server short and idle the longest, while another
+    /// server is covered, at most once per `evacuate_cooldown`.
+    fn evacuate(&mut self, tick: &Tick, plan: &mut Plan) {
+        let cfg = &self.cfg;
+        if let Some(last) = self.last_evacuation {
+            if tick.now.saturating_duration_since(last) < cfg.evacuate_cooldown {
+                return;
+            }
+        }
+        let since = |s: &Server| {
+            self.memory
+                .get(&s.view.server_id)
+                .and_then(|m| m.short_idle_since)
+                .unwrap_or(tick.now)
+        };
+        let Some(target) = tick
+            .servers
+            .iter()
+            .filter(|s| s.state == State::Overdue && s.busy() == 0)
+            .min_by_key(|s| (since(s), s.view.server_id.as_str()))
+        else {
+            return;
+        };
+        let Some(covered) = tick
+            .servers
+            .iter()
+            .find(|s| s.state == State::Covered && s.view.server_id != target.view.server_id)
+        else {
+            return;
+        };
+        let idle = target.idle_streams();
+        let reason = format!(
+            "overdue: streams {} < reserve {}, no calls for {}s; {} is covered; closing {} idle streams",
+            target.live,
+            cfg.reserve,
+            tick.now.saturating_duration_since(since(target)).as_secs(),
+            covered.view.server_id,
+            idle.len(),
+        );
+        plan.close.extend(idle.iter().map(|st| st.id));
+        plan.actions.push(Action {
+            server_id: target.view.server_id.clone(),
+            kind: ActionKind::Evacuate,
+            count: count(idle.len()),
+            reason,
+        });
+        let mem = self
+            .memory
+            .entry(target.view.server_id.clone())
+            .or_default();
+        mem.evacuated_at = Some(tick.now);
+        mem.short_idle_since = None;
+        self.last_evacuation = Some(tick.now);
+    }
+
+    /// Evacuated (or draining): close the idle streams that are there; busy ones go on a
+    /// later tick, once idle.
+    fn recycle(&self, tick: &Tick, plan: &mut Plan) {
+        for s in tick.servers.iter().filter(|s| s.state == State::Evacuated) {
+            let idle = s.idle_streams();
+            if idle.is_empty() {
+                continue;
+            }
+            let why = if s.view.draining {
+                "draining".to_string()
+            } else {
+                let at = self
+                    .memory
+                    .get(&s.view.server_id)
+                    .and_then(|m| m.evacuated_at);
+                let ago = at.map_or(0, |at| tick.now.saturating_duration_since(at).as_secs());
+                format!(
+                    "evacuated {ago}s ago (avoided for {}s)",
+                    self.cfg.evacuated_for.as_secs()
+                )
+            };
+            plan.close.extend(idle.iter().map(|st| st.id));
+            plan.actions.push(Action {
+                server_id: s.view.server_id.clone(),
+                kind: ActionKind::Recycle,
+                count: count(idle.len()),
+                reason: format!(
+                    "{why}: closing {} idle streams, {} busy finish first",
+                    idle.len(),
+                    s.in_flight
+                ),
+            });
+        }
+    }
+
+    /// Growing: `max(grow_min, in flight, shortfall)`, clipped by the 4x rule and
+    /// `max_inflight`. Busiest server first.
+    fn grow(&self, tick: &Tick) -> Vec<OpenRequest> {
+        let cfg = &self.cfg;
+        let reserve = cfg.reserve;
+        let mut headroom = cfg.max_inflight.saturating_sub(tick.in_flight());
+        let mut growing: Vec<&Server> = tick
+            .servers
+            .iter()
+            .filter(|s| s.state == State::Growing)
+            .collect();
+        growing.sort_by_key(|s| std::cmp::Reverse(s.busy()));
+        let mut requests = Vec::new();
+        for s in growing {
+            if headroom == 0 {
+                break;
+            }
+            let queued = s.view.queued.min(headroom);
+            let demand = s.in_flight.saturating_add(queued);
+            let shortfall = demand.saturating_add(reserve).saturating_sub(s.live);
+            let step = cfg
+                .grow_min
+                .max(s.in_flight)
+                .max(shortfall)
+                .min(headroom + reserve);
+            headroom -= queued;
+            let elsewhere: u32 = tick
+                .servers
+                .iter()
+                .filter(|t| t.view.server_id != s.view.server_id && t.state != State::Evacuated)
+                .map(|t| t.surplus(reserve))
+                .sum();
+            let allowed = cfg
+                .idle_elsewhere_factor
+                .saturating_mul(demand)
+                .saturating_sub(elsewhere);
+            let want = step.min(allowed);
+            if want == 0 {
+                continue;
+            }
+            let mut why = format!(
+                "short {}: streams {} < busy {} (in flight {}, queued {}) + reserve {reserve}; step max({}, {}, {shortfall}) = {step}",
+                s.shortfall(reserve),
+                s.live,
+                s.busy(),
+                s.in_flight,
+                s.view.queued,
+                cfg.grow_min,
+                s.in_flight,
+            );
+            if want < step {
+                why.push_str(&format!(
+                    ", clipped to {want}: idle beyond reserve elsewhere {elsewhere} vs {}x demand {demand}",
+                    cfg.idle_elsewhere_factor
+                ));
+            }
+            requests.push(OpenRequest {
+                server_id: s.view.server_id.clone(),
+                kind: ActionKind::Grow,
+                want,
+                why,
+            });
+        }
+        requests
+    }
+
+    /// Filling: open the shortfall toward the reserve.
+    fn fill(&self, tick: &Tick) -> Vec<OpenRequest> {
+        let reserve = self.cfg.reserve;
+        tick.servers
+            .iter()
+            .filter(|s| s.state == State::Filling)
+            .map(|s| OpenRequest {
+                server_id: s.view.server_id.clone(),
+                kind: ActionKind::Fill,
+                want: s.shortfall(reserve),
+                why: format!(
+                    "short {}: streams {} < reserve {reserve}, no calls",
+                    s.shortfall(reserve),
+                    s.live
+                ),
+            })
+            .collect()
+    }
+
+    /// No server to call home (none known, or only draining ones): open the reserve.
+    fn bootstrap(&self, tick: &Tick) -> Option<OpenRequest> {
+        if tick.servers.iter().any(|s| s.state != State::Evacuated) {
+            return None;
+        }
+        Some(OpenRequest {
+            server_id: ANY_SERVER.to_string(),
+            kind: ActionKind::Fill,
+            want: self.cfg.reserve,
+            why: format!(
+                "no server holds live streams outside evacuation ({} known); reserve {}",
+                tick.servers.len(),
+                self.cfg.reserve
+            ),
+        })
+    }
+
+    /// Sum the requests: credit the streams already opening, in request order, then cap
+    /// live + opening + new at `max_streams`.
+    fn open(&self, tick: &Tick, requests: Vec<OpenRequest>, plan: &mut Plan) {
+        let mut credit = tick.opening;
+        let mut room = self
+            .cfg
+            .max_streams
+            .saturating_sub(tick.live().saturating_add(tick.opening));
+        for r in requests {
+            let credited = credit.min(r.want);
+            credit -= credited;
+            let n = (r.want - credited).min(room);
+            room -= n;
+            if n == 0 {
+                continue;
+            }
+            let mut reason = r.why;
+            if credited > 0 {
+                reason.push_str(&format!(", {credited} already opening"));
+            }
+            if n < r.want - credited {
+                reason.push_str(&format!(", capped by max_streams {}", self.cfg.max_streams));
+            }
+            reason.push_str(&format!("; opening {n}"));
+            plan.open += n;
+            plan.actions.push(Action {
+                server_id: r.server_id,
+                kind: r.kind,
+                count: n,
+                reason,
+            });
+        }
+    }
+
+    /// Retire idle streams unused for `retire_unused` (none while any server is short),
+    /// then obey `max_streams` by retiring the oldest idle streams anywhere.
+    fn retire(&self, tick: &Tick, plan: &mut Plan) {
+        let cfg = &self.cfg;
+        let now = tick.now;
+        let mut closing: std::collections::HashSet<StreamId> = plan.close.iter().copied().collect();
+        if !tick.servers.iter().any(Server::is_short) {
+            for s in tick.servers.iter().filter(|s| s.state == State::Covered) {
+                let spare = s.live.saturating_sub(s.budget(cfg.reserve)) as usize;
+                let unused: Vec<StreamId> = s
+                    .idle_streams()
+                    .into_iter()
+                    .filter(|st| {
+                        !closing.contains(&st.id)
+                            && now.saturating_duration_since(st.opened_at) >= cfg.retire_min_age
+                            && now.saturating_duration_since(st.last_used) >= cfg.retire_unused
+                    })
+                    .take(spare)
+                    .map(|st| st.id)
+                    .collect();
+                if unused.is_empty() {
+                    continue;
+                }
+                plan.actions.push(Action {
+                    server_id: s.view.server_id.clone(),
+                    kind: ActionKind::Retire,
+                    count: count(unused.len()),
+                    reason: format!(
+                        "streams {} > busy {} + reserve {}: retiring {} idle unused for {}s",
+                        s.live,
+                        s.busy(),
+                        cfg.reserve,
+                        unused.len(),
+                        cfg.retire_unused.as_secs()
+                    ),
+                });
+                closing.extend(&unused);
+                plan.close.extend(unused);
+            }
+        }
+        let live = tick.live().saturating_sub(count(closing.len()));
+        let excess = live.saturating_sub(cfg.max_streams) as usize;
+        if excess == 0 {
+            return;
+        }
+        let mut oldest: Vec<(&Server, &StreamView)> = tick
+            .servers
+            .iter()
+            .flat_map(|s| s.idle_streams().into_iter().map(move |st| (s, st)))
+            .filter(|(_, st)| !closing.contains(&st.id))
+            .collect();
+        oldest.sort_by_key(|(_, st)| (st.opened_at, st.id));
+        oldest.truncate(excess);
+        let mut per_server: Vec<(&str, u32)> = Vec::new();
+        for (s, st) in &oldest {
+            plan.close.push(st.id);
+            match per_server
+                .iter_mut()
+                .find(|(id, _)| *id == s.view.server_id)
+            {
+                Some((_, n)) => *n += 1,
+                None => per_server.push((&s.view.server_id, 1)),
+            }
+        }
+        for (server_id, n) in per_server {
+            plan.actions.push(Action {
+                server_id: server_id.to_string(),
+                kind: ActionKind::Retire,
+                count: n,
+                reason: format!(
+                    "over cap: live {live} > max_streams {}: retiring {n} oldest idle",
+                    cfg.max_streams
+                ),
+            });
+        }
     }
 
     /// Coverage off: hold `fixed_streams` in total, wherever they land.
@@ -245,7 +794,11 @@ impl Planner {
             .map(|s| s.streams.iter().filter(|st| !st.retiring).count() as u32)
             .sum();
         let have = live + snap.opening;
-        let open = self.cfg.fixed_streams.min(self.cfg.max_streams).saturating_sub(have);
+        let open = self
+            .cfg
+            .fixed_streams
+            .min(self.cfg.max_streams)
+            .saturating_sub(have);
         let states = snap
             .servers
             .iter()
@@ -254,7 +807,11 @@ impl Planner {
                 let in_flight = s.streams.iter().filter(|st| st.busy).count() as u32;
                 let busy = in_flight + s.queued;
                 let budget = busy + self.cfg.reserve;
-                let state = if streams >= budget { State::Covered } else { State::Filling };
+                let state = if streams >= budget {
+                    State::Covered
+                } else {
+                    State::Filling
+                };
                 ServerState {
                     server_id: s.server_id.clone(),
                     zone: s.zone.clone(),
@@ -266,6 +823,16 @@ impl Planner {
                 }
             })
             .collect();
-        Plan { open, close: Vec::new(), actions: Vec::new(), states }
+        Plan {
+            open,
+            close: Vec::new(),
+            actions: Vec::new(),
+            states,
+        }
     }
 }
+
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod tests;
