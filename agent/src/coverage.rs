@@ -1,2 +1,646 @@
-//! Coverage: the sizing tick over per-server stream coverage.
+//! Coverage: the sizing actor. It owns the table of tunnel streams (which server each
+//! landed on, busy or idle, age, last use, retiring) and each server's latest pressure and
+//! draining flag; once per `coverage.tick` it takes a `Snapshot`, asks the pure planner
+//! (`plan.rs`) for a `Plan`, and carries it out: spawns stream opens (behind a jittered
+//! exponential backoff gate after failed opens), tells the streams in `plan.close` to
+//! retire, logs and counts each coverage action, and publishes the states on a `watch`.
+//!
+//! The actor never awaits the network: opens and retires run in the stream tasks, whose
+//! news comes back as `StreamEvent`s. How a stream is opened is behind `Connector`, so
+//! tests drive the actor with fake streams under paused time. The rules themselves live in
+//! `plan`, which must not read the clock or do I/O.
+
 pub mod plan;
+
+#[cfg(test)]
+mod tests;
+
+use crate::error::OpenError;
+use crate::metrics::AgentMetrics;
+use futures::future::BoxFuture;
+use plan::{ActionKind, Plan, Planner, ServerView, Snapshot, StreamId, StreamView};
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinSet;
+use tokio::time::{Instant, Interval, MissedTickBehavior};
+use tracing::{debug, info, warn};
+
+/// Where a stream landed: its server's `ServerHello`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Landing {
+    pub server_id: String,
+    pub zone: String,
+    /// The server's id for this stream.
+    pub server_stream_id: u64,
+    /// The server's ping period (zero: none announced).
+    pub heartbeat: Duration,
+    pub tunnel_id: String,
+}
+
+/// Why a landed stream ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CloseReason {
+    /// The server ended the stream with OK (after GoingAway, or its own choice).
+    ServerClosed,
+    /// The server ended the stream with an error status.
+    Status(String),
+    /// The server sent a frame that breaks the protocol.
+    Malformed(String),
+    /// No frame from the server for three heartbeat periods.
+    HeartbeatMissed,
+    /// Retired by the agent and the server did not close it within the linger bound.
+    Retired,
+    /// The outbound half broke (the connection went away).
+    Lost,
+}
+
+impl std::fmt::Display for CloseReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CloseReason::ServerClosed => f.write_str("closed by the server"),
+            CloseReason::Status(s) => write!(f, "server error: {s}"),
+            CloseReason::Malformed(s) => write!(f, "malformed frame: {s}"),
+            CloseReason::HeartbeatMissed => f.write_str("no heartbeat from the server"),
+            CloseReason::Retired => f.write_str("retired"),
+            CloseReason::Lost => f.write_str("connection lost"),
+        }
+    }
+}
+
+/// News from one stream task to the actor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StreamEvent {
+    /// The ServerHello arrived: the stream is open on that server.
+    Landed(Landing),
+    CallStarted,
+    CallEnded,
+    /// The server's latest count of this tunnel id's queued calls.
+    Pressure(u32),
+    /// The server sent Drain; this stream sent (or will send) GoingAway.
+    Drained,
+    /// A landed stream ended. Last event of a stream.
+    Closed(CloseReason),
+    /// The open failed before any hello. Last event of a stream.
+    OpenFailed(OpenError),
+}
+
+/// What a stream task gets from the actor: its id, the way to report, and the retire
+/// signal (fires, or its sender is dropped, when the stream must send GoingAway).
+#[derive(Debug)]
+pub struct StreamLink {
+    pub id: StreamId,
+    pub retire: oneshot::Receiver<()>,
+    events: mpsc::UnboundedSender<(StreamId, StreamEvent)>,
+}
+
+impl StreamLink {
+    /// Reports `event`; silently dropped if the actor is gone.
+    pub fn emit(&self, event: StreamEvent) {
+        let _ = self.events.send((self.id, event));
+    }
+
+    pub(crate) fn events_sender(&self) -> mpsc::UnboundedSender<(StreamId, StreamEvent)> {
+        self.events.clone()
+    }
+}
+
+/// Opens one tunnel stream and runs it to its end (the returned future is the stream
+/// task). The real one dials a tunnel server; tests fake landings.
+pub trait Connector: Send + Sync + 'static {
+    fn open(&self, link: StreamLink) -> BoxFuture<'static, ()>;
+}
+
+/// The pure planning step, as the actor sees it (the real one is `plan::Planner`).
+pub trait PlanStep: Send + 'static {
+    fn plan(&mut self, snapshot: &Snapshot) -> Plan;
+}
+
+impl PlanStep for Planner {
+    fn plan(&mut self, snapshot: &Snapshot) -> Plan {
+        Planner::plan(self, snapshot)
+    }
+}
+
+/// One server as `/systemcheck` shows it (from the last tick's plan).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ServerReport {
+    pub server_id: String,
+    pub zone: String,
+    pub streams: u32,
+    pub busy: u32,
+    pub idle: u32,
+    pub budget: u32,
+    pub state: String,
+}
+
+/// What the actor publishes after every tick.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct CoverageView {
+    pub servers: Vec<ServerReport>,
+    /// Landed streams, retiring ones included.
+    pub streams_total: u32,
+    /// Streams being opened (no hello yet).
+    pub opening: u32,
+}
+
+/// The actor's own knobs (the rules are in the planner).
+#[derive(Clone, Debug)]
+pub struct ActorSettings {
+    /// Period of the sizing tick.
+    pub tick: Duration,
+    /// First backoff delay after a failed open.
+    pub backoff_initial: Duration,
+    /// Largest backoff delay.
+    pub backoff_max: Duration,
+    /// Hard cap on streams, applied again here in case a plan overshoots.
+    pub max_streams: u32,
+    /// How long shutdown waits for calls in flight before dropping the streams.
+    pub drain_grace: Duration,
+}
+
+impl ActorSettings {
+    pub fn from_config(c: &crate::config::Config) -> Self {
+        ActorSettings {
+            tick: c.coverage.tick,
+            backoff_initial: c.backoff_initial,
+            backoff_max: c.backoff_max,
+            max_streams: c.coverage.max_streams,
+            drain_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+struct Entry {
+    server_id: String,
+    zone: String,
+    busy: bool,
+    opened_at: Instant,
+    last_used: Instant,
+    retiring: bool,
+    retire: Option<oneshot::Sender<()>>,
+}
+
+struct Opening {
+    started: Instant,
+    retire: Option<oneshot::Sender<()>>,
+}
+
+#[derive(Default)]
+struct ServerInfo {
+    queued: u32,
+    draining: bool,
+}
+
+/// The sizing actor. Build with `new`, drive with `run`.
+pub struct CoverageActor {
+    planner: Box<dyn PlanStep>,
+    connector: Arc<dyn Connector>,
+    metrics: AgentMetrics,
+    settings: ActorSettings,
+    streams: BTreeMap<StreamId, Entry>,
+    opening: HashMap<StreamId, Opening>,
+    servers: HashMap<String, ServerInfo>,
+    tasks: JoinSet<()>,
+    task_ids: HashMap<tokio::task::Id, StreamId>,
+    next_id: StreamId,
+    events_tx: mpsc::UnboundedSender<(StreamId, StreamEvent)>,
+    events_rx: mpsc::UnboundedReceiver<(StreamId, StreamEvent)>,
+    backoff: Backoff,
+    view: watch::Sender<CoverageView>,
+    exported: HashSet<String>,
+    next_tick: Instant,
+    shutting_down: bool,
+}
+
+impl CoverageActor {
+    pub fn new(
+        planner: Box<dyn PlanStep>,
+        connector: Arc<dyn Connector>,
+        metrics: AgentMetrics,
+        settings: ActorSettings,
+    ) -> (Self, watch::Receiver<CoverageView>) {
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (view, view_rx) = watch::channel(CoverageView::default());
+        let backoff = Backoff::new(settings.backoff_initial, settings.backoff_max);
+        let actor = CoverageActor {
+            planner,
+            connector,
+            metrics,
+            settings,
+            streams: BTreeMap::new(),
+            opening: HashMap::new(),
+            servers: HashMap::new(),
+            tasks: JoinSet::new(),
+            task_ids: HashMap::new(),
+            next_id: 1,
+            events_tx,
+            events_rx,
+            backoff,
+            view,
+            exported: HashSet::new(),
+            next_tick: Instant::now(),
+            shutting_down: false,
+        };
+        (actor, view_rx)
+    }
+
+    /// Runs the sizing loop until `shutdown` resolves, then retires every stream, lets
+    /// calls in flight finish (bounded by `drain_grace`) and returns.
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
+        let mut ticker = tokio::time::interval(self.settings.tick);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                // Shutdown first; then the tick, which fires once a period and so cannot
+                // starve the events; events may queue briefly behind it, harmlessly.
+                biased;
+                _ = &mut shutdown => break,
+                _ = ticker.tick() => self.tick(),
+                Some((id, ev)) = self.events_rx.recv() => self.on_event(id, ev, &mut ticker),
+                Some(res) = self.tasks.join_next_with_id() => self.on_task_exit(res),
+            }
+        }
+        self.drain().await;
+    }
+
+    fn on_task_exit(&mut self, res: Result<(tokio::task::Id, ()), tokio::task::JoinError>) {
+        let task = match &res {
+            Ok((id, ())) => *id,
+            Err(e) => e.id(),
+        };
+        if let Err(e) = &res {
+            warn!(error = %e, "tunnel stream task failed");
+        }
+        if let Some(sid) = self.task_ids.remove(&task) {
+            // A task that ended without its last event (it should not happen) still
+            // leaves the table.
+            self.opening.remove(&sid);
+            if self.streams.contains_key(&sid) {
+                self.remove_stream(sid);
+            }
+        }
+    }
+
+    fn on_event(&mut self, id: StreamId, ev: StreamEvent, ticker: &mut Interval) {
+        let now = Instant::now();
+        match ev {
+            StreamEvent::Landed(l) => {
+                let Some(op) = self.opening.remove(&id) else {
+                    return;
+                };
+                self.backoff.reset();
+                debug!(stream = id, server_id = %l.server_id, zone = %l.zone, "tunnel stream landed");
+                self.servers.entry(l.server_id.clone()).or_default();
+                let mut entry = Entry {
+                    server_id: l.server_id,
+                    zone: l.zone,
+                    busy: false,
+                    opened_at: now,
+                    last_used: now,
+                    retiring: false,
+                    retire: op.retire,
+                };
+                if self.shutting_down {
+                    retire(&mut entry);
+                }
+                self.streams.insert(id, entry);
+            }
+            StreamEvent::CallStarted => {
+                if let Some(e) = self.streams.get_mut(&id) {
+                    e.busy = true;
+                }
+            }
+            StreamEvent::CallEnded => {
+                if let Some(e) = self.streams.get_mut(&id) {
+                    e.busy = false;
+                    e.last_used = now;
+                }
+            }
+            StreamEvent::Pressure(queued) => {
+                if let Some(e) = self.streams.get(&id) {
+                    self.servers.entry(e.server_id.clone()).or_default().queued = queued;
+                }
+            }
+            StreamEvent::Drained => {
+                if let Some(e) = self.streams.get_mut(&id) {
+                    // The stream sends GoingAway itself; it no longer counts as capacity.
+                    e.retiring = true;
+                    let server = self.servers.entry(e.server_id.clone()).or_default();
+                    if !server.draining {
+                        info!(server_id = %e.server_id, "tunnel server is draining");
+                    }
+                    server.draining = true;
+                }
+            }
+            StreamEvent::Closed(reason) => {
+                self.opening.remove(&id);
+                if let Some(e) = self.streams.get(&id) {
+                    debug!(stream = id, server_id = %e.server_id, %reason, "tunnel stream closed");
+                    self.remove_stream(id);
+                }
+                self.replan_soon(now, ticker);
+            }
+            StreamEvent::OpenFailed(err) => {
+                let Some(op) = self.opening.remove(&id) else {
+                    return;
+                };
+                match &err {
+                    OpenError::Exhausted(_) => {
+                        debug!(stream = id, error = %err, "stream landed on a server at its cap; will open again")
+                    }
+                    OpenError::Unauthenticated(_) | OpenError::Other(_) => {
+                        self.backoff.failed(now, op.started, &err)
+                    }
+                }
+            }
+        }
+    }
+
+    fn remove_stream(&mut self, id: StreamId) {
+        let Some(e) = self.streams.remove(&id) else {
+            return;
+        };
+        if !self.streams.values().any(|o| o.server_id == e.server_id) {
+            self.servers.remove(&e.server_id);
+        }
+    }
+
+    /// A stream went away: plan again shortly rather than a full tick later.
+    fn replan_soon(&mut self, now: Instant, ticker: &mut Interval) {
+        if self.shutting_down {
+            return;
+        }
+        let soon = self.settings.tick.min(Duration::from_millis(100));
+        if self.next_tick > now + soon {
+            ticker.reset_after(soon);
+            self.next_tick = now + soon;
+        }
+    }
+
+    fn snapshot(&self, now: Instant) -> Snapshot {
+        let mut servers: BTreeMap<&str, ServerView> = BTreeMap::new();
+        for (id, e) in &self.streams {
+            let view = servers.entry(e.server_id.as_str()).or_insert_with(|| {
+                let info = self.servers.get(&e.server_id);
+                ServerView {
+                    server_id: e.server_id.clone(),
+                    zone: e.zone.clone(),
+                    streams: Vec::new(),
+                    queued: info.map_or(0, |i| i.queued),
+                    draining: info.is_some_and(|i| i.draining),
+                }
+            });
+            view.streams.push(StreamView {
+                id: *id,
+                busy: e.busy,
+                opened_at: e.opened_at,
+                last_used: e.last_used,
+                retiring: e.retiring,
+            });
+        }
+        Snapshot {
+            now,
+            servers: servers.into_values().collect(),
+            opening: self.opening.len() as u32,
+        }
+    }
+
+    /// One sizing tick: snapshot, plan, apply. Never awaits.
+    fn tick(&mut self) {
+        let now = Instant::now();
+        self.next_tick = now + self.settings.tick;
+        let snap = self.snapshot(now);
+        let plan = self.planner.plan(&snap);
+
+        let mut opens_held = false;
+        if plan.open > 0 && !self.shutting_down {
+            let have = self.streams.values().filter(|e| !e.retiring).count() + self.opening.len();
+            let room = (self.settings.max_streams as usize).saturating_sub(have);
+            let n = (plan.open as usize).min(room);
+            if self.backoff.allows(now) {
+                for _ in 0..n {
+                    self.spawn_open(now);
+                }
+            } else {
+                opens_held = true;
+            }
+        }
+        for id in &plan.close {
+            if let Some(e) = self.streams.get_mut(id) {
+                retire(e);
+            }
+        }
+        for a in &plan.actions {
+            let opens = matches!(a.kind, ActionKind::Grow | ActionKind::Fill);
+            if opens && opens_held {
+                // Not carried out this tick: the backoff step already logged why.
+                debug!(server_id = %a.server_id, action = a.kind.as_str(), count = a.count, "coverage action held back by the open backoff");
+                continue;
+            }
+            info!(server_id = %a.server_id, action = a.kind.as_str(), count = a.count, reason = %a.reason, "coverage action");
+            self.metrics.action(a.kind, a.count);
+        }
+        self.publish(&snap, &plan);
+    }
+
+    fn spawn_open(&mut self, now: Instant) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let (retire_tx, retire_rx) = oneshot::channel();
+        let link = StreamLink {
+            id,
+            retire: retire_rx,
+            events: self.events_tx.clone(),
+        };
+        self.opening.insert(
+            id,
+            Opening {
+                started: now,
+                retire: Some(retire_tx),
+            },
+        );
+        let handle = self.tasks.spawn(self.connector.open(link));
+        self.task_ids.insert(handle.id(), id);
+    }
+
+    fn publish(&mut self, snap: &Snapshot, plan: &Plan) {
+        let mut current = HashSet::new();
+        for s in &snap.servers {
+            let busy = s.streams.iter().filter(|st| st.busy).count() as u32;
+            let idle = s.streams.len() as u32 - busy;
+            let state = plan
+                .states
+                .iter()
+                .find(|p| p.server_id == s.server_id)
+                .map(|p| p.state);
+            self.metrics.set_server(&s.server_id, idle, busy, state);
+            current.insert(s.server_id.clone());
+        }
+        for gone in self.exported.difference(&current) {
+            self.metrics.remove_server(gone);
+        }
+        self.exported = current;
+        let view = CoverageView {
+            servers: plan
+                .states
+                .iter()
+                .map(|p| ServerReport {
+                    server_id: p.server_id.clone(),
+                    zone: p.zone.clone(),
+                    streams: p.streams,
+                    busy: p.busy,
+                    idle: p.idle,
+                    budget: p.budget,
+                    state: p.state.as_str().to_string(),
+                })
+                .collect(),
+            streams_total: self.streams.len() as u32,
+            opening: self.opening.len() as u32,
+        };
+        self.view.send_replace(view);
+    }
+
+    /// Two-phase stop: every stream sends GoingAway and finishes its call; after
+    /// `drain_grace` whatever is left is dropped.
+    async fn drain(mut self) {
+        self.shutting_down = true;
+        for e in self.streams.values_mut() {
+            retire(e);
+        }
+        for op in self.opening.values_mut() {
+            if let Some(tx) = op.retire.take() {
+                let _ = tx.send(());
+            }
+        }
+        let busy = self.streams.values().filter(|e| e.busy).count();
+        info!(
+            streams = self.streams.len(),
+            busy, "agent stopping: retiring every stream"
+        );
+        let deadline = Instant::now() + self.settings.drain_grace;
+        let tasks = &mut self.tasks;
+        if tokio::time::timeout_at(deadline, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await
+        .is_err()
+        {
+            warn!(
+                left = tasks.len(),
+                "drain grace over; dropping the remaining streams"
+            );
+        }
+        self.tasks.shutdown().await;
+        for server in &self.exported {
+            self.metrics.remove_server(server);
+        }
+    }
+}
+
+fn retire(e: &mut Entry) {
+    e.retiring = true;
+    if let Some(tx) = e.retire.take() {
+        let _ = tx.send(());
+    }
+}
+
+/// The gate in front of opens after consecutive failed opens: jittered exponential delay,
+/// one step (and one log line) per batch of failures, cleared by a landing.
+struct Backoff {
+    initial: Duration,
+    max: Duration,
+    step: u32,
+    until: Option<Instant>,
+    step_started: Option<Instant>,
+}
+
+impl Backoff {
+    fn new(initial: Duration, max: Duration) -> Self {
+        Backoff {
+            initial,
+            max,
+            step: 0,
+            until: None,
+            step_started: None,
+        }
+    }
+
+    fn allows(&self, now: Instant) -> bool {
+        self.until.is_none_or(|u| now >= u)
+    }
+
+    fn failed(&mut self, now: Instant, open_started: Instant, err: &OpenError) {
+        // Opens started before the current step belong to the batch that caused it.
+        if self.step_started.is_some_and(|s| open_started < s) {
+            return;
+        }
+        self.step = self.step.saturating_add(1);
+        let exp = self.step.saturating_sub(1).min(20);
+        let base = self.initial.saturating_mul(1 << exp).min(self.max);
+        // Equal jitter: half fixed, half random, so failed agents do not retry in step.
+        let half = base / 2;
+        let jitter = half.mul_f64(rand::random::<f64>());
+        let delay = half + jitter;
+        self.until = Some(now + delay);
+        self.step_started = Some(now);
+        warn!(attempt = self.step, delay_ms = delay.as_millis() as u64, reason = %err, "tunnel stream open failed; backing off");
+    }
+
+    fn reset(&mut self) {
+        if self.step > 0 {
+            info!(
+                after_attempts = self.step,
+                "tunnel stream landed; open backoff cleared"
+            );
+        }
+        self.step = 0;
+        self.until = None;
+        self.step_started = None;
+    }
+}
+
+/// A running actor: dropping it (or `shutdown`) stops the actor and its streams.
+pub struct CoverageHandle {
+    stop: Option<oneshot::Sender<()>>,
+    view: watch::Receiver<CoverageView>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl CoverageHandle {
+    /// Spawns `actor` on the current runtime.
+    pub fn spawn(actor: CoverageActor, view: watch::Receiver<CoverageView>) -> Self {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(actor.run(async move {
+            let _ = stopped.await;
+        }));
+        CoverageHandle {
+            stop: Some(stop),
+            view,
+            task: Some(task),
+        }
+    }
+
+    pub fn view(&self) -> watch::Receiver<CoverageView> {
+        self.view.clone()
+    }
+
+    /// Retires every stream, waits for calls in flight (bounded) and the actor's end.
+    pub async fn shutdown(mut self) {
+        self.stop.take();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for CoverageHandle {
+    fn drop(&mut self) {
+        // Dropping `stop` resolves the actor's shutdown future; it then drains on its own.
+        self.stop.take();
+    }
+}

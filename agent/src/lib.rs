@@ -1,2 +1,155 @@
-//! relay agent.
+//! relay agent: runs inside the customer network, opens outbound gRPC tunnel streams to
+//! the tunnel servers and performs the calls they hand it against one upstream origin.
+//!
+//! Parts: `config` (typed settings), `coverage` (the sizing actor; `coverage::plan` is its
+//! pure rules), `stream` (one tunnel stream), `call` (one call on a stream), `upstream`
+//! (the HTTP client to the origin), `admin` (`/systemcheck`, `/readyz`, `/metrics`),
+//! `metrics`. `run` wires them together; `spawn` does the same and returns a handle the
+//! end-to-end tests can observe.
+
+pub mod admin;
+mod call;
+pub mod config;
 pub mod coverage;
+pub mod error;
+pub mod metrics;
+pub mod stream;
+pub mod upstream;
+
+pub use config::Config;
+pub use error::RunError;
+
+use admin::{SystemCheck, UpstreamHealth};
+use coverage::{ActorSettings, CoverageActor, CoverageView};
+use std::future::Future;
+use std::sync::Arc;
+use stream::{Dialer, StreamContext, TunnelConnector};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Runs the agent until `shutdown` resolves, then retires every stream, lets calls in
+/// flight finish (bounded, 10 s) and returns. `admin` is the bound admin listener.
+pub async fn run(
+    config: Config,
+    admin: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    let agent = spawn(config, admin)?;
+    shutdown.await;
+    agent.shutdown().await;
+    Ok(())
+}
+
+/// A running agent. Dropping it stops the agent (streams retire in the background);
+/// `shutdown` does the same and waits for the end.
+pub struct AgentHandle {
+    registry: prometheus::Registry,
+    coverage: watch::Receiver<CoverageView>,
+    upstream: watch::Receiver<UpstreamHealth>,
+    stop: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl AgentHandle {
+    /// The agent's metric registry (what `/metrics` renders).
+    pub fn registry(&self) -> &prometheus::Registry {
+        &self.registry
+    }
+
+    /// The coverage view published after every sizing tick.
+    pub fn coverage(&self) -> watch::Receiver<CoverageView> {
+        self.coverage.clone()
+    }
+
+    /// The last upstream reachability check.
+    pub fn upstream_health(&self) -> watch::Receiver<UpstreamHealth> {
+        self.upstream.clone()
+    }
+
+    /// What `/systemcheck` would answer now.
+    pub fn systemcheck(&self) -> SystemCheck {
+        SystemCheck::build(&self.coverage.borrow(), &self.upstream.borrow())
+    }
+
+    /// Stops the agent and waits until every stream is gone (bounded by the drain grace).
+    pub async fn shutdown(mut self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for AgentHandle {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Validates `config`, then starts the agent on the current tokio runtime: the sizing
+/// actor (which opens the first streams at once), the upstream check and the admin
+/// listener on `admin`.
+pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError> {
+    config.validate()?;
+    let registry = prometheus::Registry::new();
+    let metrics = metrics::AgentMetrics::register(&registry)?;
+    let upstream = upstream::Upstream::new(
+        &config.upstream,
+        config.connect_timeout,
+        config.max_upstream_connections,
+    )?;
+    let dialer = Dialer::new(&config.tunnels, &config.token, config.connect_timeout)?;
+    let ctx = StreamContext {
+        dialer,
+        upstream: upstream.clone(),
+        metrics: metrics.clone(),
+        connect_timeout: config.connect_timeout,
+        call_timeout: config.call_timeout,
+    };
+    let planner = coverage::plan::Planner::new(config.coverage.clone());
+    let (actor, coverage_rx) = CoverageActor::new(
+        Box::new(planner),
+        Arc::new(TunnelConnector(Arc::new(ctx))),
+        metrics,
+        ActorSettings::from_config(&config),
+    );
+    let (health_tx, health_rx) = watch::channel(UpstreamHealth::unchecked(format!(
+        "{}{}",
+        upstream.origin(),
+        config.upstream_check.path
+    )));
+    let admin_routes = admin::admin(registry.clone(), coverage_rx.clone(), health_rx.clone());
+
+    let stop = CancellationToken::new();
+    let stop_admin = CancellationToken::new();
+    let checker = tokio::spawn(admin::check_upstream(
+        upstream,
+        config.upstream_check.clone(),
+        health_tx,
+        stop.clone(),
+    ));
+    let admin_task = tokio::spawn(relay_common::admin::serve(
+        admin,
+        admin_routes,
+        stop_admin.clone().cancelled_owned(),
+    ));
+    tracing::info!(tunnels = ?config.tunnels, upstream = %config.upstream, coverage = config.coverage.enabled, "agent started");
+    let actor_stop = stop.clone();
+    let task = tokio::spawn(async move {
+        actor.run(actor_stop.cancelled_owned()).await;
+        // The admin listener answers until the streams are gone.
+        stop_admin.cancel();
+        let _ = checker.await;
+        let _ = admin_task.await;
+        tracing::info!("agent stopped");
+    });
+    Ok(AgentHandle {
+        registry,
+        coverage: coverage_rx,
+        upstream: health_rx,
+        stop,
+        task: Some(task),
+    })
+}

@@ -1,0 +1,145 @@
+//! The agent's admin surface on `relay_common::admin`: `/metrics`, `/healthz`, `/readyz`
+//! and `GET /systemcheck` (per-server coverage plus upstream reachability, 200 when
+//! healthy, 503 when not), and the background upstream check that feeds it.
+//!
+//! Answers come from `watch` snapshots (the coverage actor's last tick, the last upstream
+//! check); a request never triggers network work.
+
+use crate::config::UpstreamCheckConfig;
+use crate::coverage::{CoverageView, ServerReport};
+use crate::upstream::Upstream;
+use http::StatusCode;
+use relay_common::admin::{json, Admin};
+use serde::Serialize;
+use tokio::sync::watch;
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// The last upstream reachability check.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct UpstreamHealth {
+    pub url: String,
+    /// Any HTTP answer counts as reachable.
+    pub reachable: bool,
+    pub status: Option<u16>,
+    pub latency_ms: Option<u64>,
+    pub error: Option<String>,
+}
+
+impl UpstreamHealth {
+    /// Before the first check has finished.
+    pub fn unchecked(url: String) -> Self {
+        UpstreamHealth {
+            url,
+            reachable: false,
+            status: None,
+            latency_ms: None,
+            error: Some("not checked yet".into()),
+        }
+    }
+}
+
+/// The `/systemcheck` document.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SystemCheck {
+    pub ok: bool,
+    pub servers: Vec<ServerReport>,
+    pub upstream: UpstreamHealth,
+    pub streams_total: u32,
+    pub opening: u32,
+}
+
+impl SystemCheck {
+    /// Healthy when the upstream answers and no server that carries calls is overdue.
+    pub fn build(view: &CoverageView, upstream: &UpstreamHealth) -> Self {
+        let overdue_with_calls = view
+            .servers
+            .iter()
+            .any(|s| s.busy > 0 && s.state == "overdue");
+        SystemCheck {
+            ok: upstream.reachable && !overdue_with_calls,
+            servers: view.servers.clone(),
+            upstream: upstream.clone(),
+            streams_total: view.streams_total,
+            opening: view.opening,
+        }
+    }
+}
+
+/// The admin routes over the two snapshots.
+pub fn admin(
+    registry: prometheus::Registry,
+    coverage: watch::Receiver<CoverageView>,
+    upstream: watch::Receiver<UpstreamHealth>,
+) -> Admin {
+    let check = move || SystemCheck::build(&coverage.borrow(), &upstream.borrow());
+    let ready_check = check.clone();
+    Admin::new(registry)
+        .with_ready(move || {
+            let c = ready_check();
+            (c.ok, serde_json::to_value(&c).unwrap_or_default())
+        })
+        .with_routes(move |path| match path {
+            "/systemcheck" => {
+                let c = check();
+                let status = if c.ok {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                };
+                Some(json(status, &serde_json::to_value(&c).unwrap_or_default()))
+            }
+            _ => None,
+        })
+}
+
+/// Checks the upstream every `cfg.interval` until `stop`, publishing each result.
+pub async fn check_upstream(
+    upstream: Upstream,
+    cfg: UpstreamCheckConfig,
+    tx: watch::Sender<UpstreamHealth>,
+    stop: CancellationToken,
+) {
+    let mut ticker = tokio::time::interval(cfg.interval);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    let url = format!("{}{}", upstream.origin(), cfg.path);
+    let mut was_reachable: Option<bool> = None;
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let result = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            r = upstream.probe(&cfg.path, cfg.timeout) => r,
+        };
+        let health = match result {
+            Ok((status, latency)) => UpstreamHealth {
+                url: url.clone(),
+                reachable: true,
+                status: Some(status.as_u16()),
+                latency_ms: Some(latency.as_millis() as u64),
+                error: None,
+            },
+            Err(e) => UpstreamHealth {
+                url: url.clone(),
+                reachable: false,
+                status: None,
+                latency_ms: None,
+                error: Some(e.to_string()),
+            },
+        };
+        if was_reachable != Some(health.reachable) {
+            if health.reachable {
+                info!(url = %health.url, status = health.status, "upstream reachable");
+            } else {
+                warn!(url = %health.url, error = health.error.as_deref().unwrap_or(""), "upstream unreachable");
+            }
+            was_reachable = Some(health.reachable);
+        }
+        tx.send_replace(health);
+    }
+}

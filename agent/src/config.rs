@@ -1,0 +1,339 @@
+//! The agent's typed configuration (TOML, `deny_unknown_fields`), its documented
+//! defaults, and `validate()`, run once at start, whose errors name the key.
+//!
+//! This module only describes and checks settings; it opens nothing.
+
+use crate::coverage::plan::CoverageConfig;
+use http::Uri;
+use relay_common::config::ConfigError;
+use relay_common::Secret;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// The whole agent config.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Tunnel server endpoints (`http://host:port`). Each new stream dials one at random,
+    /// so a single load-balancer address and a list of servers both work.
+    pub tunnels: Vec<String>,
+    /// The agent's secret token, sent as `authorization: Bearer <token>`; never logged.
+    pub token: Secret,
+    /// The origin every call goes to: `http://host:port`, no path or query.
+    pub upstream: String,
+    /// Where the admin listener (`/metrics`, `/healthz`, `/readyz`, `/systemcheck`) binds.
+    pub admin_listen: SocketAddr,
+    /// The background reachability check of the upstream behind `/systemcheck`.
+    pub upstream_check: UpstreamCheckConfig,
+    /// Bound on opening one tunnel stream, from dialing to the server's hello.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// First delay after a failed stream open (connect error or refused token).
+    #[serde(with = "humantime_serde")]
+    pub backoff_initial: Duration,
+    /// Largest delay between open attempts while opens keep failing.
+    #[serde(with = "humantime_serde")]
+    pub backoff_max: Duration,
+    /// Bound on a call whose RequestHead carries no deadline (`deadline_ms = 0`).
+    #[serde(with = "humantime_serde")]
+    pub call_timeout: Duration,
+    /// Cap on concurrent upstream requests; unset means one per stream (the pool caps it).
+    pub max_upstream_connections: Option<usize>,
+    /// `[coverage]`: the sizing tick's rules and constants.
+    pub coverage: CoverageConfig,
+}
+
+/// `[upstream_check]`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamCheckConfig {
+    /// Path (and query) requested with GET on the upstream; any HTTP answer counts as reachable.
+    pub path: String,
+    /// How often the check runs.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Bound on one check.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for UpstreamCheckConfig {
+    fn default() -> Self {
+        UpstreamCheckConfig {
+            path: "/".into(),
+            interval: Duration::from_secs(10),
+            timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            tunnels: vec![
+                "http://127.0.0.1:8441".into(),
+                "http://127.0.0.1:8442".into(),
+            ],
+            token: Secret::new(""),
+            upstream: "http://127.0.0.1:8000".into(),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
+            upstream_check: UpstreamCheckConfig::default(),
+            connect_timeout: Duration::from_secs(5),
+            backoff_initial: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(30),
+            call_timeout: Duration::from_secs(300),
+            max_upstream_connections: None,
+            coverage: CoverageConfig::default(),
+        }
+    }
+}
+
+impl Config {
+    /// Checks every key once; the error names the first offending key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.tunnels.is_empty() {
+            return Err(ConfigError::invalid(
+                "tunnels",
+                "at least one tunnel endpoint is required",
+            ));
+        }
+        for t in &self.tunnels {
+            check_http_url(t, false)
+                .map_err(|m| ConfigError::invalid("tunnels", format!("{t:?}: {m}")))?;
+        }
+        if self.token.is_empty() {
+            return Err(ConfigError::invalid("token", "the agent token is required"));
+        }
+        if http::HeaderValue::from_str(&format!("Bearer {}", self.token.expose())).is_err() {
+            return Err(ConfigError::invalid("token", "must be printable ASCII"));
+        }
+        check_http_url(&self.upstream, true).map_err(|m| ConfigError::invalid("upstream", m))?;
+        if !self.upstream_check.path.starts_with('/')
+            || self
+                .upstream_check
+                .path
+                .parse::<http::uri::PathAndQuery>()
+                .is_err()
+        {
+            return Err(ConfigError::invalid(
+                "upstream_check.path",
+                "must be a path starting with '/'",
+            ));
+        }
+        nonzero(self.upstream_check.interval, "upstream_check.interval")?;
+        nonzero(self.upstream_check.timeout, "upstream_check.timeout")?;
+        nonzero(self.connect_timeout, "connect_timeout")?;
+        nonzero(self.backoff_initial, "backoff_initial")?;
+        nonzero(self.call_timeout, "call_timeout")?;
+        if self.backoff_max < self.backoff_initial {
+            return Err(ConfigError::invalid(
+                "backoff_max",
+                "must be at least backoff_initial",
+            ));
+        }
+        if self.max_upstream_connections == Some(0) {
+            return Err(ConfigError::invalid(
+                "max_upstream_connections",
+                "must be at least 1 when set",
+            ));
+        }
+        let c = &self.coverage;
+        nonzero(c.tick, "coverage.tick")?;
+        if c.max_streams == 0 {
+            return Err(ConfigError::invalid(
+                "coverage.max_streams",
+                "must be at least 1",
+            ));
+        }
+        if !c.enabled && c.fixed_streams == 0 {
+            return Err(ConfigError::invalid(
+                "coverage.fixed_streams",
+                "must be at least 1 when coverage is off",
+            ));
+        }
+        if c.fixed_streams > c.max_streams {
+            return Err(ConfigError::invalid(
+                "coverage.fixed_streams",
+                "must not exceed coverage.max_streams",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn nonzero(d: Duration, key: &str) -> Result<(), ConfigError> {
+    if d.is_zero() {
+        Err(ConfigError::invalid(key, "must be greater than zero"))
+    } else {
+        Ok(())
+    }
+}
+
+/// `http://host:port` (port optional). `origin_only` also refuses a path or query.
+/// TLS is not built into this binary yet, so `https` is refused with a clear message
+/// rather than failing at the first dial.
+fn check_http_url(s: &str, origin_only: bool) -> Result<Uri, String> {
+    let uri: Uri = s.parse().map_err(|e| format!("not a URL: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err("https is not supported by this build (no TLS); use http".into())
+        }
+        _ => return Err("must start with http://".into()),
+    }
+    if uri.authority().is_none_or(|a| a.host().is_empty()) {
+        return Err("must name a host".into());
+    }
+    if origin_only {
+        let pq = uri.path_and_query().map(|p| p.as_str()).unwrap_or("");
+        if !(pq.is_empty() || pq == "/") {
+            return Err("must be scheme://host:port only, without a path or query".into());
+        }
+    }
+    Ok(uri)
+}
+
+/// The upstream origin split into the parts requests are built from.
+pub(crate) fn upstream_origin(
+    s: &str,
+) -> Result<(http::uri::Scheme, http::uri::Authority), ConfigError> {
+    let uri = check_http_url(s, true).map_err(|m| ConfigError::invalid("upstream", m))?;
+    let parts = uri.into_parts();
+    match (parts.scheme, parts.authority) {
+        (Some(s), Some(a)) => Ok((s, a)),
+        _ => Err(ConfigError::invalid(
+            "upstream",
+            "must be scheme://host:port",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn valid() -> Config {
+        Config {
+            token: Secret::new("dev-token"),
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid_once_a_token_is_given() {
+        valid().validate().unwrap();
+        let err = Config::default().validate().unwrap_err().to_string();
+        assert!(err.contains("`token`"), "{err}");
+    }
+
+    #[test]
+    fn toml_with_coverage_table_parses() {
+        let text = r#"
+            tunnels = ["http://lb:8443"]
+            token = "t"
+            upstream = "http://10.0.0.5:8080"
+            connect_timeout = "3s"
+            [upstream_check]
+            path = "/health"
+            [coverage]
+            enabled = false
+            fixed_streams = 4
+            tick = "500ms"
+        "#;
+        let c: Config = relay_common::config::parse(text, Path::new("agent.toml")).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.tunnels, vec!["http://lb:8443".to_string()]);
+        assert_eq!(c.connect_timeout, Duration::from_secs(3));
+        assert_eq!(c.upstream_check.path, "/health");
+        assert_eq!(c.upstream_check.interval, Duration::from_secs(10));
+        assert!(!c.coverage.enabled);
+        assert_eq!(c.coverage.tick, Duration::from_millis(500));
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = relay_common::config::parse::<Config>("tunels = []", Path::new("a.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tunels"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases: Vec<(Config, &str)> = vec![
+            (
+                Config {
+                    tunnels: vec![],
+                    ..valid()
+                },
+                "`tunnels`",
+            ),
+            (
+                Config {
+                    tunnels: vec!["127.0.0.1:8441".into()],
+                    ..valid()
+                },
+                "`tunnels`",
+            ),
+            (
+                Config {
+                    upstream: "http://h:1/api".into(),
+                    ..valid()
+                },
+                "`upstream`",
+            ),
+            (
+                Config {
+                    upstream: "https://h:1".into(),
+                    ..valid()
+                },
+                "`upstream`",
+            ),
+            (
+                Config {
+                    backoff_max: Duration::from_millis(1),
+                    ..valid()
+                },
+                "`backoff_max`",
+            ),
+            (
+                Config {
+                    max_upstream_connections: Some(0),
+                    ..valid()
+                },
+                "`max_upstream_connections`",
+            ),
+            (
+                Config {
+                    upstream_check: UpstreamCheckConfig {
+                        path: "health".into(),
+                        ..Default::default()
+                    },
+                    ..valid()
+                },
+                "`upstream_check.path`",
+            ),
+            (
+                Config {
+                    coverage: CoverageConfig {
+                        tick: Duration::ZERO,
+                        ..Default::default()
+                    },
+                    ..valid()
+                },
+                "`coverage.tick`",
+            ),
+        ];
+        for (c, key) in cases {
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{err} should name {key}");
+        }
+    }
+
+    #[test]
+    fn token_never_prints() {
+        assert!(!format!("{:?}", valid()).contains("dev-token"));
+    }
+}

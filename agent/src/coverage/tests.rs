@@ -1,0 +1,351 @@
+//! Actor tests under paused time with a fake connector: streams "land" on named servers
+//! without sockets, and the tests assert on the opens and retires the actor asked for.
+
+use super::*;
+use crate::coverage::plan::CoverageConfig;
+use std::sync::Mutex;
+
+type Place = Box<dyn Fn(StreamId) -> String + Send + Sync>;
+
+#[derive(Default)]
+struct NetState {
+    opened: Vec<StreamId>,
+    live: HashMap<StreamId, oneshot::Sender<()>>,
+    retired: Vec<StreamId>,
+    fail_with: Option<OpenError>,
+}
+
+#[derive(Clone)]
+struct FakeNet {
+    state: Arc<Mutex<NetState>>,
+    place: Arc<Place>,
+}
+
+impl FakeNet {
+    fn new(place: impl Fn(StreamId) -> String + Send + Sync + 'static) -> Self {
+        FakeNet {
+            state: Arc::default(),
+            place: Arc::new(Box::new(place)),
+        }
+    }
+    fn opened(&self) -> usize {
+        self.state.lock().unwrap().opened.len()
+    }
+    fn live(&self) -> Vec<StreamId> {
+        let mut v: Vec<_> = self.state.lock().unwrap().live.keys().copied().collect();
+        v.sort();
+        v
+    }
+    fn retired(&self) -> Vec<StreamId> {
+        self.state.lock().unwrap().retired.clone()
+    }
+    fn kill(&self, id: StreamId) {
+        let tx = self
+            .state
+            .lock()
+            .unwrap()
+            .live
+            .remove(&id)
+            .expect("live stream");
+        let _ = tx.send(());
+    }
+    fn fail_with(&self, e: Option<OpenError>) {
+        self.state.lock().unwrap().fail_with = e;
+    }
+}
+
+impl Connector for FakeNet {
+    fn open(&self, mut link: StreamLink) -> BoxFuture<'static, ()> {
+        let net = self.clone();
+        Box::pin(async move {
+            let id = link.id;
+            let (fail, kill_rx) = {
+                let mut st = net.state.lock().unwrap();
+                st.opened.push(id);
+                match st.fail_with.clone() {
+                    Some(e) => (Some(e), None),
+                    None => {
+                        let (tx, rx) = oneshot::channel();
+                        st.live.insert(id, tx);
+                        (None, Some(rx))
+                    }
+                }
+            };
+            if let Some(e) = fail {
+                link.emit(StreamEvent::OpenFailed(e));
+                return;
+            }
+            link.emit(StreamEvent::Landed(Landing {
+                server_id: (net.place)(id),
+                zone: "z1".into(),
+                server_stream_id: id,
+                heartbeat: Duration::from_secs(10),
+                tunnel_id: "demo".into(),
+            }));
+            let Some(kill_rx) = kill_rx else { return };
+            tokio::select! {
+                _ = &mut link.retire => {
+                    // GoingAway sent; the fake server closes the idle stream at once.
+                    let mut st = net.state.lock().unwrap();
+                    st.retired.push(id);
+                    st.live.remove(&id);
+                    drop(st);
+                    link.emit(StreamEvent::Closed(CloseReason::ServerClosed));
+                }
+                _ = kill_rx => link.emit(StreamEvent::Closed(CloseReason::Lost)),
+            }
+        })
+    }
+}
+
+/// The real planner, plus stream ids the test wants closed on the next tick.
+struct Scripted {
+    inner: Planner,
+    close_next: Arc<Mutex<Vec<StreamId>>>,
+}
+
+impl PlanStep for Scripted {
+    fn plan(&mut self, snap: &Snapshot) -> Plan {
+        let mut plan = self.inner.plan(snap);
+        plan.close.append(&mut self.close_next.lock().unwrap());
+        plan
+    }
+}
+
+fn fixed(n: u32) -> CoverageConfig {
+    CoverageConfig {
+        enabled: false,
+        fixed_streams: n,
+        ..CoverageConfig::default()
+    }
+}
+
+fn settings() -> ActorSettings {
+    ActorSettings {
+        tick: Duration::from_secs(1),
+        backoff_initial: Duration::from_millis(200),
+        backoff_max: Duration::from_secs(4),
+        max_streams: 2048,
+        drain_grace: Duration::from_secs(10),
+    }
+}
+
+struct Harness {
+    net: FakeNet,
+    handle: CoverageHandle,
+    close_next: Arc<Mutex<Vec<StreamId>>>,
+    registry: prometheus::Registry,
+}
+
+fn start(cfg: CoverageConfig, net: FakeNet) -> Harness {
+    let registry = prometheus::Registry::new();
+    let metrics = AgentMetrics::register(&registry).unwrap();
+    let close_next = Arc::new(Mutex::new(Vec::new()));
+    let planner = Scripted {
+        inner: Planner::new(cfg),
+        close_next: close_next.clone(),
+    };
+    let (actor, view) = CoverageActor::new(
+        Box::new(planner),
+        Arc::new(net.clone()),
+        metrics,
+        settings(),
+    );
+    Harness {
+        net,
+        handle: CoverageHandle::spawn(actor, view),
+        close_next,
+        registry,
+    }
+}
+
+async fn ticks(n: u32) {
+    tokio::time::sleep(Duration::from_secs(u64::from(n)) + Duration::from_millis(10)).await;
+}
+
+fn gauge(registry: &prometheus::Registry, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric().to_vec())
+        .find_map(|m| {
+            let ok = labels.iter().all(|(k, v)| {
+                m.get_label()
+                    .iter()
+                    .any(|l| l.name() == *k && l.value() == *v)
+            });
+            ok.then(|| m.get_gauge().get_value())
+        })
+}
+
+#[tokio::test(start_paused = true)]
+async fn fixed_pool_opens_exactly_fixed_streams_at_start() {
+    let h = start(fixed(4), FakeNet::new(|_| "s1".into()));
+    // The first plan runs at once, before any tick period passes.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(h.net.opened(), 4);
+    ticks(5).await;
+    assert_eq!(h.net.opened(), 4, "a full pool opens nothing more");
+    let view = h.handle.view().borrow().clone();
+    assert_eq!(view.streams_total, 4);
+    assert_eq!(view.opening, 0);
+    assert_eq!(view.servers.len(), 1);
+    assert_eq!(view.servers[0].server_id, "s1");
+    assert_eq!(view.servers[0].streams, 4);
+    assert_eq!(
+        gauge(
+            &h.registry,
+            "grpc_tunnel_server_streams",
+            &[("server_id", "s1"), ("state", "idle")]
+        ),
+        Some(4.0)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_closed_stream_is_replaced() {
+    let h = start(fixed(4), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let victim = h.net.live()[1];
+    h.net.kill(victim);
+    // Replanned soon after the close, well within one tick.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(h.net.opened(), 5);
+    assert_eq!(h.net.live().len(), 4);
+    assert!(!h.net.live().contains(&victim));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_in_plan_close_is_sent_going_away_and_replaced() {
+    let h = start(fixed(4), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let target = h.net.live()[0];
+    h.close_next.lock().unwrap().push(target);
+    ticks(2).await;
+    assert_eq!(h.net.retired(), vec![target]);
+    assert_eq!(h.net.live().len(), 4, "the fixed pool is refilled");
+    assert!(!h.net.live().contains(&target));
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_opens_back_off_then_recover_after_a_landing() {
+    let net = FakeNet::new(|_| "s1".into());
+    net.fail_with(Some(OpenError::Unauthenticated("bad token".into())));
+    let h = start(fixed(4), net);
+    ticks(20).await;
+    let attempts = h.net.opened();
+    // Without the gate: 4 opens per tick, 84 in 21 plans. With it: one batch per step of
+    // 0.2, 0.4, 0.8, 1.6, 3.2, 4, 4 ... seconds (jittered down to half).
+    assert!(attempts >= 8, "kept retrying: {attempts}");
+    assert!(attempts <= 4 * 12, "backed off: {attempts}");
+    h.net.fail_with(None);
+    ticks(6).await;
+    assert_eq!(h.net.live().len(), 4, "recovered once the server accepts");
+    // The gate is cleared: a closed stream is replaced at once again.
+    let opened = h.net.opened();
+    h.net.kill(h.net.live()[0]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(h.net.opened(), opened + 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn exhausted_servers_are_placement_news_not_a_backoff() {
+    let net = FakeNet::new(|_| "s1".into());
+    net.fail_with(Some(OpenError::Exhausted("cap".into())));
+    let h = start(fixed(4), net);
+    ticks(3).await;
+    assert!(
+        h.net.opened() >= 16,
+        "opens again every tick: {}",
+        h.net.opened()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_retires_every_stream() {
+    let h = start(fixed(3), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let live = h.net.live();
+    assert_eq!(live.len(), 3);
+    let net = h.net.clone();
+    h.handle.shutdown().await;
+    let mut retired = net.retired();
+    retired.sort();
+    assert_eq!(retired, live);
+    assert!(net.live().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_handle_stops_everything() {
+    let h = start(fixed(3), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let net = h.net.clone();
+    drop(h);
+    ticks(1).await;
+    assert!(net.live().is_empty());
+    assert_eq!(net.retired().len(), 3);
+    assert_eq!(net.opened(), 3, "nothing reopened after the stop");
+}
+
+#[tokio::test(start_paused = true)]
+async fn series_of_a_server_without_streams_are_removed() {
+    let moved = Arc::new(Mutex::new(false));
+    let m = moved.clone();
+    let h = start(
+        fixed(2),
+        FakeNet::new(move |_| {
+            if *m.lock().unwrap() {
+                "s2".into()
+            } else {
+                "s1".into()
+            }
+        }),
+    );
+    ticks(1).await;
+    assert_eq!(
+        gauge(
+            &h.registry,
+            "grpc_tunnel_server_streams",
+            &[("server_id", "s1"), ("state", "idle")]
+        ),
+        Some(2.0)
+    );
+    *moved.lock().unwrap() = true;
+    for id in h.net.live() {
+        h.net.kill(id);
+    }
+    ticks(2).await;
+    assert_eq!(
+        gauge(
+            &h.registry,
+            "grpc_tunnel_server_streams",
+            &[("server_id", "s1"), ("state", "idle")]
+        ),
+        None
+    );
+    assert_eq!(
+        gauge(
+            &h.registry,
+            "grpc_tunnel_coverage_state",
+            &[("server_id", "s1")]
+        ),
+        None
+    );
+    assert_eq!(
+        gauge(
+            &h.registry,
+            "grpc_tunnel_server_streams",
+            &[("server_id", "s2"), ("state", "idle")]
+        ),
+        Some(2.0)
+    );
+    let view = h.handle.view().borrow().clone();
+    assert_eq!(
+        view.servers
+            .iter()
+            .map(|s| s.server_id.as_str())
+            .collect::<Vec<_>>(),
+        vec!["s2"]
+    );
+}

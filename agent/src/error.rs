@@ -1,0 +1,46 @@
+//! Error enums, one per boundary: starting the agent (`RunError`), talking to the
+//! upstream (`UpstreamError`), opening a tunnel stream (`OpenError`).
+//!
+//! Mapping to wire codes (`CallErrorKind`) happens once, in `call.rs`.
+
+use relay_common::config::ConfigError;
+
+/// Why `run` could not start or keep running.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("metrics registry: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// Why a call against the upstream failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The request could not be turned into a valid upstream request.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// Connect refused, DNS, reset before a response head.
+    #[error("upstream unreachable: {0}")]
+    Unreachable(String),
+    /// No response head (or no end of body) before the call's deadline.
+    #[error("upstream timed out")]
+    Timeout,
+    /// The response body broke off after the head.
+    #[error("upstream aborted the response: {0}")]
+    Aborted(String),
+}
+
+/// Why a tunnel stream could not be opened (no ServerHello).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpenError {
+    /// The server refused the token (`UNAUTHENTICATED`).
+    #[error("token refused by the tunnel server: {0}")]
+    Unauthenticated(String),
+    /// The server holds as many streams of this token as it will (`RESOURCE_EXHAUSTED`).
+    #[error("tunnel server stream cap reached: {0}")]
+    Exhausted(String),
+    /// Anything else: connect failure, timeout, a first frame that is not a hello.
+    #[error("{0}")]
+    Other(String),
+}

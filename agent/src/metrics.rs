@@ -1,0 +1,210 @@
+//! The agent's Prometheus metrics, registered on an explicit `Registry` passed down from
+//! `run` (never a global).
+//!
+//! This module only defines and updates series; it decides nothing.
+
+use crate::coverage::plan::{ActionKind, State};
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+/// How a call ended, as counted in `relay_agent_calls_total{outcome}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallOutcome {
+    Ok,
+    Refused,
+    UpstreamUnreachable,
+    UpstreamTimeout,
+    Cancelled,
+    BadRequest,
+    UpstreamAborted,
+    /// The tunnel stream went away before the call could be answered (not a terminal frame).
+    StreamLost,
+}
+
+impl CallOutcome {
+    pub const ALL: [CallOutcome; 8] = [
+        CallOutcome::Ok,
+        CallOutcome::Refused,
+        CallOutcome::UpstreamUnreachable,
+        CallOutcome::UpstreamTimeout,
+        CallOutcome::Cancelled,
+        CallOutcome::BadRequest,
+        CallOutcome::UpstreamAborted,
+        CallOutcome::StreamLost,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallOutcome::Ok => "ok",
+            CallOutcome::Refused => "refused",
+            CallOutcome::UpstreamUnreachable => "upstream_unreachable",
+            CallOutcome::UpstreamTimeout => "upstream_timeout",
+            CallOutcome::Cancelled => "cancelled",
+            CallOutcome::BadRequest => "bad_request",
+            CallOutcome::UpstreamAborted => "upstream_aborted",
+            CallOutcome::StreamLost => "stream_lost",
+        }
+    }
+}
+
+/// Result of one stream open, as counted in `relay_agent_stream_opens_total{result}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpenResult {
+    Landed,
+    Unauthenticated,
+    Exhausted,
+    Error,
+}
+
+impl OpenResult {
+    pub const ALL: [OpenResult; 4] = [
+        OpenResult::Landed,
+        OpenResult::Unauthenticated,
+        OpenResult::Exhausted,
+        OpenResult::Error,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OpenResult::Landed => "landed",
+            OpenResult::Unauthenticated => "unauthenticated",
+            OpenResult::Exhausted => "exhausted",
+            OpenResult::Error => "error",
+        }
+    }
+}
+
+/// Every agent metric. Cheap to clone (the prometheus handles are shared).
+#[derive(Clone)]
+pub struct AgentMetrics {
+    /// `grpc_tunnel_server_streams{server_id,state=idle|busy}`.
+    pub server_streams: IntGaugeVec,
+    /// `grpc_tunnel_coverage_state{server_id,state}`: 1 for the current state, 0 otherwise.
+    pub coverage_state: IntGaugeVec,
+    /// `grpc_tunnel_coverage_actions_total{action}`.
+    pub coverage_actions: IntCounterVec,
+    /// `relay_agent_calls_total{outcome}`.
+    pub calls: IntCounterVec,
+    /// `relay_agent_call_duration_seconds`.
+    pub call_duration: Histogram,
+    /// `relay_agent_stream_opens_total{result}`.
+    pub stream_opens: IntCounterVec,
+}
+
+impl AgentMetrics {
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let server_streams = IntGaugeVec::new(
+            Opts::new(
+                "grpc_tunnel_server_streams",
+                "Live tunnel streams of this agent per tunnel server, idle or busy",
+            ),
+            &["server_id", "state"],
+        )?;
+        let coverage_state = IntGaugeVec::new(
+            Opts::new(
+                "grpc_tunnel_coverage_state",
+                "Coverage state of each tunnel server as the last sizing tick judged it (1 = current state)",
+            ),
+            &["server_id", "state"],
+        )?;
+        let coverage_actions = IntCounterVec::new(
+            Opts::new(
+                "grpc_tunnel_coverage_actions_total",
+                "Coverage actions taken by the sizing tick",
+            ),
+            &["action"],
+        )?;
+        let calls = IntCounterVec::new(
+            Opts::new(
+                "relay_agent_calls_total",
+                "Calls the agent carried, by outcome",
+            ),
+            &["outcome"],
+        )?;
+        let call_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_agent_call_duration_seconds",
+                "Time from a RequestHead to the call's terminal frame",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+            ]),
+        )?;
+        let stream_opens = IntCounterVec::new(
+            Opts::new(
+                "relay_agent_stream_opens_total",
+                "Tunnel stream opens, by result",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(server_streams.clone()))?;
+        registry.register(Box::new(coverage_state.clone()))?;
+        registry.register(Box::new(coverage_actions.clone()))?;
+        registry.register(Box::new(calls.clone()))?;
+        registry.register(Box::new(call_duration.clone()))?;
+        registry.register(Box::new(stream_opens.clone()))?;
+        // Export every fixed label value from the start so rates work from zero.
+        for a in ActionKind::ALL {
+            coverage_actions.with_label_values(&[a.as_str()]);
+        }
+        for o in CallOutcome::ALL {
+            calls.with_label_values(&[o.as_str()]);
+        }
+        for r in OpenResult::ALL {
+            stream_opens.with_label_values(&[r.as_str()]);
+        }
+        Ok(AgentMetrics {
+            server_streams,
+            coverage_state,
+            coverage_actions,
+            calls,
+            call_duration,
+            stream_opens,
+        })
+    }
+
+    pub fn call_ended(&self, outcome: CallOutcome, seconds: f64) {
+        self.calls.with_label_values(&[outcome.as_str()]).inc();
+        self.call_duration.observe(seconds);
+    }
+
+    pub fn stream_opened(&self, result: OpenResult) {
+        self.stream_opens
+            .with_label_values(&[result.as_str()])
+            .inc();
+    }
+
+    pub fn action(&self, kind: ActionKind, count: u32) {
+        self.coverage_actions
+            .with_label_values(&[kind.as_str()])
+            .inc_by(u64::from(count));
+    }
+
+    /// Sets a server's stream gauges and coverage state.
+    pub fn set_server(&self, server_id: &str, idle: u32, busy: u32, state: Option<State>) {
+        self.server_streams
+            .with_label_values(&[server_id, "idle"])
+            .set(i64::from(idle));
+        self.server_streams
+            .with_label_values(&[server_id, "busy"])
+            .set(i64::from(busy));
+        if let Some(state) = state {
+            for s in State::ALL {
+                self.coverage_state
+                    .with_label_values(&[server_id, s.as_str()])
+                    .set(i64::from(s == state));
+            }
+        }
+    }
+
+    /// Drops every series of a server that holds no streams any more.
+    pub fn remove_server(&self, server_id: &str) {
+        for st in ["idle", "busy"] {
+            let _ = self.server_streams.remove_label_values(&[server_id, st]);
+        }
+        for s in State::ALL {
+            let _ = self
+                .coverage_state
+                .remove_label_values(&[server_id, s.as_str()]);
+        }
+    }
+}

@@ -1,0 +1,561 @@
+//! One tunnel stream: dial (`Tunnel.Connect` with the bearer token on a cached per-endpoint
+//! channel), wait for the `ServerHello`, then serve calls one at a time while answering
+//! pings, honouring Cancel and Drain, watching the heartbeat, and retiring with the
+//! GoingAway handshake when the actor says so.
+//!
+//! The stream task reports to the sizing actor through `StreamLink` events and never
+//! decides sizing itself. It never panics on peer input: a frame that breaks the protocol
+//! closes this stream only, with a log line. The call itself (upstream request, response
+//! frames, terminal frame) is `call.rs`.
+//!
+//! Heartbeat: the silence rule (no frame for three `heartbeat_ms` periods) applies while
+//! the stream is idle. The server pings idle streams; a busy stream is bounded by its
+//! call's deadline and by HTTP/2 keepalive on the connection instead, so a long download
+//! is not cut for lack of pings.
+
+use crate::call::{call_error, run_call};
+use crate::coverage::{CloseReason, Connector, Landing, StreamEvent, StreamLink};
+use crate::error::OpenError;
+use crate::metrics::{AgentMetrics, CallOutcome, OpenResult};
+use crate::upstream::Upstream;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use relay_common::config::ConfigError;
+use relay_common::Secret;
+use relay_proto::agent_frame::Kind as Out;
+use relay_proto::server_frame::Kind as In;
+use relay_proto::tunnel_client::TunnelClient;
+use relay_proto::{AgentFrame, CallErrorKind, GoingAway, Pong, ServerFrame, ServerHello};
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::{Instant, Sleep};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::transport::{Channel, Endpoint};
+use tonic::Streaming;
+use tracing::{debug, info, warn, Instrument};
+
+/// Frames buffered towards tonic per stream; beyond this HTTP/2 flow control pushes back.
+const OUTBOUND_FRAMES: usize = 4;
+/// Request body chunks buffered towards the upstream per call.
+const BODY_CHUNKS: usize = 4;
+/// How long a retired, idle stream waits for the server to close it before closing itself.
+const RETIRE_LINGER: Duration = Duration::from_secs(10);
+
+/// The tunnel endpoints and credentials, with one cached `Channel` per endpoint: every
+/// stream to that endpoint multiplexes on its HTTP/2 connection.
+pub struct Dialer {
+    endpoints: Vec<Endpoint>,
+    auth: MetadataValue<Ascii>,
+    channels: Mutex<HashMap<usize, Channel>>,
+}
+
+impl std::fmt::Debug for Dialer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let uris: Vec<String> = self.endpoints.iter().map(|e| e.uri().to_string()).collect();
+        f.debug_struct("Dialer")
+            .field("endpoints", &uris)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Dialer {
+    pub fn new(
+        endpoints: &[String],
+        token: &Secret,
+        connect_timeout: Duration,
+    ) -> Result<Self, ConfigError> {
+        if endpoints.is_empty() {
+            return Err(ConfigError::invalid(
+                "tunnels",
+                "at least one tunnel endpoint is required",
+            ));
+        }
+        let endpoints = endpoints
+            .iter()
+            .map(|url| {
+                Endpoint::from_shared(url.clone())
+                    .map(|e| {
+                        e.connect_timeout(connect_timeout)
+                            .tcp_nodelay(true)
+                            .http2_keep_alive_interval(Duration::from_secs(20))
+                            .keep_alive_timeout(Duration::from_secs(10))
+                            .keep_alive_while_idle(true)
+                            // Bounded receive windows (uploads from the server): enough
+                            // for throughput, small enough that buffered request bodies
+                            // stay bounded across many streams.
+                            .initial_stream_window_size(256 * 1024)
+                            .initial_connection_window_size(8 * 1024 * 1024)
+                    })
+                    .map_err(|e| ConfigError::invalid("tunnels", format!("{url:?}: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut auth: MetadataValue<Ascii> = format!("Bearer {}", token.expose())
+            .parse()
+            .map_err(|_| ConfigError::invalid("token", "must be printable ASCII"))?;
+        auth.set_sensitive(true);
+        Ok(Dialer {
+            endpoints,
+            auth,
+            channels: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// A channel to a random endpoint (created lazily, then reused).
+    fn pick(&self) -> (String, Channel) {
+        let i = if self.endpoints.len() == 1 {
+            0
+        } else {
+            rand::random::<usize>() % self.endpoints.len()
+        };
+        let endpoint = &self.endpoints[i];
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        let channel = channels
+            .entry(i)
+            .or_insert_with(|| endpoint.connect_lazy())
+            .clone();
+        (endpoint.uri().to_string(), channel)
+    }
+}
+
+/// Everything a stream task needs, shared by all of them.
+pub struct StreamContext {
+    pub dialer: Dialer,
+    pub upstream: Upstream,
+    pub metrics: AgentMetrics,
+    /// Bound on dial + hello.
+    pub connect_timeout: Duration,
+    /// Bound on a call whose RequestHead carries no deadline.
+    pub call_timeout: Duration,
+}
+
+/// The real `Connector`: each open is a stream task running `run_stream`.
+#[derive(Clone)]
+pub struct TunnelConnector(pub Arc<StreamContext>);
+
+impl Connector for TunnelConnector {
+    fn open(&self, link: StreamLink) -> BoxFuture<'static, ()> {
+        Box::pin(run_stream(self.0.clone(), link))
+    }
+}
+
+/// One stream task, from dial to close. Reports `Landed` then `Closed`, or `OpenFailed`.
+pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
+    let span = tracing::info_span!("tunnel_stream", stream = link.id);
+    async move {
+        let mut link = link;
+        // A retire signal during the open is not acted on until the hello: the server may
+        // already count this stream as idle and hand it a call, so it retires with the
+        // GoingAway handshake like any other (bounded by connect_timeout).
+        let opened = tokio::time::timeout(ctx.connect_timeout, open(&ctx)).await;
+        let (out, inbound, hello) = match opened {
+            Ok(Ok(x)) => x,
+            Ok(Err(e)) => return open_failed(&ctx, &link, e),
+            Err(_) => {
+                let e = OpenError::Other("timed out waiting for the server hello".into());
+                return open_failed(&ctx, &link, e);
+            }
+        };
+        ctx.metrics.stream_opened(OpenResult::Landed);
+        let landing = Landing {
+            server_id: hello.server_id,
+            zone: hello.zone,
+            server_stream_id: hello.stream_id,
+            heartbeat: Duration::from_millis(u64::from(hello.heartbeat_ms)),
+            tunnel_id: hello.tunnel_id,
+        };
+        debug!(server_id = %landing.server_id, server_stream = landing.server_stream_id, "landed");
+        let session = Session::new(ctx.clone(), &link, out, inbound, landing.heartbeat);
+        link.emit(StreamEvent::Landed(landing.clone()));
+        let reason = session.run(&mut link).await;
+        match &reason {
+            CloseReason::Malformed(_) => {
+                warn!(server_id = %landing.server_id, %reason, "closing tunnel stream")
+            }
+            CloseReason::ServerClosed | CloseReason::Retired => {
+                debug!(server_id = %landing.server_id, %reason, "tunnel stream closed")
+            }
+            _ => info!(server_id = %landing.server_id, %reason, "tunnel stream closed"),
+        }
+        link.emit(StreamEvent::Closed(reason));
+    }
+    .instrument(span)
+    .await
+}
+
+fn open_failed(ctx: &StreamContext, link: &StreamLink, e: OpenError) {
+    let result = match e {
+        OpenError::Unauthenticated(_) => OpenResult::Unauthenticated,
+        OpenError::Exhausted(_) => OpenResult::Exhausted,
+        OpenError::Other(_) => OpenResult::Error,
+    };
+    ctx.metrics.stream_opened(result);
+    debug!(error = %e, "tunnel stream open failed");
+    link.emit(StreamEvent::OpenFailed(e));
+}
+
+fn status_to_open_error(s: &tonic::Status) -> OpenError {
+    match s.code() {
+        tonic::Code::Unauthenticated => OpenError::Unauthenticated(s.message().to_string()),
+        tonic::Code::ResourceExhausted => OpenError::Exhausted(s.message().to_string()),
+        code => OpenError::Other(format!("{code:?}: {}", s.message())),
+    }
+}
+
+async fn open(
+    ctx: &StreamContext,
+) -> Result<
+    (
+        mpsc::Sender<AgentFrame>,
+        Streaming<ServerFrame>,
+        ServerHello,
+    ),
+    OpenError,
+> {
+    let (endpoint, channel) = ctx.dialer.pick();
+    let (tx, rx) = mpsc::channel(OUTBOUND_FRAMES);
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    request
+        .metadata_mut()
+        .insert("authorization", ctx.dialer.auth.clone());
+    let response = TunnelClient::new(channel)
+        .connect(request)
+        .await
+        .map_err(|s| {
+            let e = status_to_open_error(&s);
+            debug!(%endpoint, error = %e, "connect refused");
+            e
+        })?;
+    let mut inbound = response.into_inner();
+    match inbound.message().await {
+        Ok(Some(ServerFrame {
+            kind: Some(In::Hello(hello)),
+        })) => {
+            if hello.protocol_version != relay_proto::PROTOCOL_VERSION {
+                return Err(OpenError::Other(format!(
+                    "server speaks protocol version {}, this agent speaks {}",
+                    hello.protocol_version,
+                    relay_proto::PROTOCOL_VERSION
+                )));
+            }
+            Ok((tx, inbound, hello))
+        }
+        Ok(Some(_)) => Err(OpenError::Other(
+            "first frame from the server was not a ServerHello".into(),
+        )),
+        Ok(None) => Err(OpenError::Other(
+            "server ended the stream before its hello".into(),
+        )),
+        Err(s) => Err(status_to_open_error(&s)),
+    }
+}
+
+/// The call in flight on a stream.
+struct ActiveCall {
+    id: u64,
+    /// Feeds the upstream request body; `None` once the body ended or is no longer read.
+    body: Option<mpsc::Sender<Bytes>>,
+    started: Instant,
+}
+
+type CallFuture = BoxFuture<'static, CallOutcome>;
+
+/// A landed stream serving calls.
+struct Session {
+    ctx: Arc<StreamContext>,
+    out: mpsc::Sender<AgentFrame>,
+    inbound: Streaming<ServerFrame>,
+    /// Silence after which an idle stream counts as dead (`None`: no heartbeat announced).
+    silence: Option<Duration>,
+    dead: Pin<Box<Sleep>>,
+    linger: Pin<Box<Sleep>>,
+    call: Option<ActiveCall>,
+    call_fut: Option<CallFuture>,
+    /// A request body chunk (and its end flag) waiting for room in the body channel.
+    /// While it waits, no further frame is read: the server is pushed back by flow control.
+    pending: Option<(Bytes, bool)>,
+    last_ended: Option<u64>,
+    retire_seen: bool,
+    going_away_sent: bool,
+    draining: bool,
+    events: mpsc::UnboundedSender<(crate::coverage::plan::StreamId, StreamEvent)>,
+}
+
+impl Session {
+    fn new(
+        ctx: Arc<StreamContext>,
+        link: &StreamLink,
+        out: mpsc::Sender<AgentFrame>,
+        inbound: Streaming<ServerFrame>,
+        heartbeat: Duration,
+    ) -> Self {
+        let silence = (!heartbeat.is_zero()).then(|| heartbeat.saturating_mul(3));
+        let far = Instant::now() + Duration::from_secs(86_400 * 365);
+        let dead_at = silence.map_or(far, |s| Instant::now() + s);
+        Session {
+            ctx,
+            out,
+            inbound,
+            silence,
+            dead: Box::pin(tokio::time::sleep_until(dead_at)),
+            linger: Box::pin(tokio::time::sleep_until(far)),
+            call: None,
+            call_fut: None,
+            pending: None,
+            last_ended: None,
+            retire_seen: false,
+            going_away_sent: false,
+            draining: false,
+            events: link.events_sender(),
+        }
+    }
+
+    fn emit(&self, id: crate::coverage::plan::StreamId, ev: StreamEvent) {
+        let _ = self.events.send((id, ev));
+    }
+
+    async fn run(mut self, link: &mut StreamLink) -> CloseReason {
+        let id = link.id;
+        loop {
+            let idle = self.call_fut.is_none();
+            let step = tokio::select! {
+                // The call finishing comes first: its terminal frame is queued and the
+                // stream is free again. Then the actor's retire signal, then request body
+                // room, then the server's frames, then the timers.
+                biased;
+                outcome = poll_call(&mut self.call_fut) => self.call_done(id, outcome).await,
+                _ = &mut link.retire, if !self.retire_seen => {
+                    self.retire_seen = true;
+                    self.going_away().await
+                }
+                delivered = feed_body(self.call.as_ref(), &mut self.pending) => {
+                    self.body_room(delivered);
+                    Ok(())
+                }
+                frame = self.inbound.message(), if self.pending.is_none() => self.on_frame(id, frame).await,
+                _ = &mut self.dead, if idle && self.silence.is_some() => Err(CloseReason::HeartbeatMissed),
+                _ = &mut self.linger, if idle && self.going_away_sent => Err(CloseReason::Retired),
+            };
+            if let Err(reason) = step {
+                if let Some(call) = self.call.take() {
+                    self.call_fut = None;
+                    self.ctx.metrics.call_ended(
+                        CallOutcome::StreamLost,
+                        call.started.elapsed().as_secs_f64(),
+                    );
+                    self.emit(id, StreamEvent::CallEnded);
+                }
+                return reason;
+            }
+        }
+    }
+
+    async fn send(&mut self, frame: AgentFrame) -> Result<(), CloseReason> {
+        self.out.send(frame).await.map_err(|_| CloseReason::Lost)
+    }
+
+    /// Sends GoingAway once; the server closes the stream when no call is in flight.
+    async fn going_away(&mut self) -> Result<(), CloseReason> {
+        if self.going_away_sent {
+            return Ok(());
+        }
+        self.going_away_sent = true;
+        if self.call_fut.is_none() {
+            self.linger.as_mut().reset(Instant::now() + RETIRE_LINGER);
+        }
+        self.send(AgentFrame::of(Out::GoingAway(GoingAway {})))
+            .await
+    }
+
+    async fn call_done(&mut self, id: u64, outcome: CallOutcome) -> Result<(), CloseReason> {
+        self.call_fut = None;
+        self.pending = None;
+        if let Some(call) = self.call.take() {
+            self.ctx
+                .metrics
+                .call_ended(outcome, call.started.elapsed().as_secs_f64());
+            self.last_ended = Some(call.id);
+        }
+        self.emit(id, StreamEvent::CallEnded);
+        if outcome == CallOutcome::StreamLost {
+            return Err(CloseReason::Lost);
+        }
+        self.idle_again();
+        if self.draining {
+            self.going_away().await?;
+        }
+        Ok(())
+    }
+
+    fn idle_again(&mut self) {
+        let now = Instant::now();
+        if let Some(s) = self.silence {
+            self.dead.as_mut().reset(now + s);
+        }
+        if self.going_away_sent {
+            self.linger.as_mut().reset(now + RETIRE_LINGER);
+        }
+    }
+
+    /// The pending chunk went out (`Some(end)`), or the upstream stopped reading the body
+    /// (`None`: it answered already, or failed).
+    fn body_room(&mut self, delivered: Option<bool>) {
+        if delivered != Some(false) {
+            if let Some(call) = self.call.as_mut() {
+                call.body = None;
+            }
+        }
+    }
+
+    async fn on_frame(
+        &mut self,
+        id: u64,
+        frame: Result<Option<ServerFrame>, tonic::Status>,
+    ) -> Result<(), CloseReason> {
+        let frame = match frame {
+            Ok(Some(f)) => f,
+            Ok(None) => return Err(CloseReason::ServerClosed),
+            Err(s) => {
+                return Err(CloseReason::Status(format!(
+                    "{:?}: {}",
+                    s.code(),
+                    s.message()
+                )))
+            }
+        };
+        if let Some(s) = self.silence {
+            self.dead.as_mut().reset(Instant::now() + s);
+        }
+        let Some(kind) = frame.kind else {
+            return Err(CloseReason::Malformed("frame without a kind".into()));
+        };
+        match kind {
+            In::Hello(_) => return Err(CloseReason::Malformed("second ServerHello".into())),
+            In::RequestHead(head) => {
+                if let Some(call) = &self.call {
+                    return Err(CloseReason::Malformed(format!(
+                        "RequestHead for call {} while call {} is in flight",
+                        head.call_id, call.id
+                    )));
+                }
+                // A head that crossed our GoingAway on the wire is still served.
+                debug!(call_id = head.call_id, method = %head.method, "call started");
+                let (body_tx, body_rx) = if head.end_of_stream {
+                    (None, None)
+                } else {
+                    let (tx, rx) = mpsc::channel(BODY_CHUNKS);
+                    (Some(tx), Some(rx))
+                };
+                self.call = Some(ActiveCall {
+                    id: head.call_id,
+                    body: body_tx,
+                    started: Instant::now(),
+                });
+                self.emit(id, StreamEvent::CallStarted);
+                self.call_fut = Some(Box::pin(run_call(
+                    self.ctx.upstream.clone(),
+                    head,
+                    body_rx,
+                    self.out.clone(),
+                    self.ctx.call_timeout,
+                )));
+            }
+            In::RequestBody(chunk) => match self.call.as_mut() {
+                Some(call) if call.id == chunk.call_id => {
+                    let Some(tx) = &call.body else { return Ok(()) };
+                    let data = Bytes::from(chunk.data);
+                    if !data.is_empty() {
+                        match tx.try_send(data) {
+                            Ok(()) => {}
+                            Err(mpsc::error::TrySendError::Full(data)) => {
+                                self.pending = Some((data, chunk.end));
+                                return Ok(());
+                            }
+                            Err(mpsc::error::TrySendError::Closed(_)) => {
+                                call.body = None;
+                                return Ok(());
+                            }
+                        }
+                    }
+                    if chunk.end {
+                        call.body = None;
+                    }
+                }
+                // The call ended before its body did (the upstream answered early): drop.
+                _ if self.last_ended == Some(chunk.call_id) => {}
+                _ => {
+                    return Err(CloseReason::Malformed(format!(
+                        "request body for call {}, which is not the call in flight",
+                        chunk.call_id
+                    )))
+                }
+            },
+            In::Cancel(cancel) => {
+                if self.call.as_ref().is_some_and(|c| c.id == cancel.call_id) {
+                    // Dropping the call future drops the upstream request.
+                    self.call_fut = None;
+                    self.pending = None;
+                    if let Some(call) = self.call.take() {
+                        self.ctx.metrics.call_ended(
+                            CallOutcome::Cancelled,
+                            call.started.elapsed().as_secs_f64(),
+                        );
+                        self.last_ended = Some(call.id);
+                    }
+                    debug!(call_id = cancel.call_id, "call cancelled by the server");
+                    self.emit(id, StreamEvent::CallEnded);
+                    self.send(call_error(
+                        cancel.call_id,
+                        CallErrorKind::Cancelled,
+                        "cancelled by the caller",
+                    ))
+                    .await?;
+                    self.idle_again();
+                    if self.draining {
+                        self.going_away().await?;
+                    }
+                }
+            }
+            In::Ping(ping) => {
+                self.send(AgentFrame::of(Out::Pong(Pong { seq: ping.seq })))
+                    .await?
+            }
+            In::Drain(_) => {
+                if !self.draining {
+                    self.draining = true;
+                    self.emit(id, StreamEvent::Drained);
+                    if self.call_fut.is_none() {
+                        self.going_away().await?;
+                    }
+                }
+            }
+            In::Pressure(p) => self.emit(id, StreamEvent::Pressure(p.queued)),
+        }
+        Ok(())
+    }
+}
+
+async fn poll_call(f: &mut Option<CallFuture>) -> CallOutcome {
+    match f {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Waits for room in the body channel and hands it the pending chunk: `Some(end)` once
+/// delivered, `None` if the upstream stopped reading. Pends forever when nothing waits.
+/// The chunk is taken only together with the room, so losing the race to another branch
+/// of the stream's `select!` loses no data.
+async fn feed_body(call: Option<&ActiveCall>, pending: &mut Option<(Bytes, bool)>) -> Option<bool> {
+    if pending.is_none() {
+        return std::future::pending().await;
+    }
+    let tx = call.and_then(|c| c.body.as_ref())?;
+    let permit = tx.reserve().await.ok()?;
+    let (data, end) = pending.take()?;
+    permit.send(data);
+    Some(end)
+}

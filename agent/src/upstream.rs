@@ -1,0 +1,314 @@
+//! The HTTP/1.1 client to the customer's upstream origin: a pooled hyper-util client,
+//! request building (origin + path, Host, hop-by-hop headers stripped), streamed request
+//! bodies from a bounded channel, the response head deadline and a re-chunking response
+//! body reader.
+//!
+//! It knows nothing about tunnels, frames or call ids: the caller (`call.rs`) turns wire
+//! frames into an `UpstreamRequest` and the answer back into frames, so accept filters can
+//! sit in front of `Upstream::send` later without touching either side.
+
+use crate::error::UpstreamError;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{Method, Request, StatusCode, Uri};
+use http_body::{Body as _, Frame};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Empty, StreamBody};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt as _;
+
+type ReqBody = UnsyncBoxBody<Bytes, Infallible>;
+
+/// One request for the upstream, already checked for shape but not yet for policy.
+#[derive(Debug)]
+pub struct UpstreamRequest {
+    pub method: Method,
+    /// Origin-form target; must start with '/'.
+    pub path_and_query: String,
+    /// Headers as the caller sent them; hop-by-hop ones and `Host` are replaced here.
+    pub headers: HeaderMap,
+    /// Request body chunks, fed through a bounded channel; `None` for no body. The body
+    /// ends when the sender is dropped.
+    pub body: Option<mpsc::Receiver<Bytes>>,
+}
+
+/// The HTTP client to one origin. Cheap to clone.
+#[derive(Clone)]
+pub struct Upstream {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client<HttpConnector, ReqBody>,
+    scheme: Scheme,
+    authority: Authority,
+    host: HeaderValue,
+    limit: Option<Arc<Semaphore>>,
+}
+
+/// A response head plus its body, read in bounded chunks.
+pub struct UpstreamResponse {
+    pub status: StatusCode,
+    /// Response headers with hop-by-hop ones removed.
+    pub headers: HeaderMap,
+    body: Incoming,
+    pending: Bytes,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl std::fmt::Debug for UpstreamResponse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamResponse")
+            .field("status", &self.status)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Upstream {
+    /// `origin` is `http://host:port` (validated by `Config::validate`).
+    pub fn new(
+        origin: &str,
+        connect_timeout: Duration,
+        max_connections: Option<usize>,
+    ) -> Result<Self, relay_common::config::ConfigError> {
+        let (scheme, authority) = crate::config::upstream_origin(origin)?;
+        let host = HeaderValue::from_str(authority.as_str()).map_err(|_| {
+            relay_common::config::ConfigError::invalid("upstream", "host is not a valid header")
+        })?;
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_nodelay(true);
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder.pool_idle_timeout(Duration::from_secs(90));
+        if let Some(n) = max_connections {
+            builder.pool_max_idle_per_host(n);
+        }
+        let client = builder.build(connector);
+        let limit = max_connections.map(|n| Arc::new(Semaphore::new(n)));
+        Ok(Upstream {
+            inner: Arc::new(Inner {
+                client,
+                scheme,
+                authority,
+                host,
+                limit,
+            }),
+        })
+    }
+
+    /// The origin, for reports (`http://host:port`).
+    pub fn origin(&self) -> String {
+        format!("{}://{}", self.inner.scheme, self.inner.authority)
+    }
+
+    /// Sends `req` and waits for the response head until `deadline`. The returned
+    /// response holds the concurrency permit (if capped) until it is dropped.
+    pub async fn send(
+        &self,
+        req: UpstreamRequest,
+        deadline: Instant,
+    ) -> Result<UpstreamResponse, UpstreamError> {
+        let request = self.build(req)?;
+        let permit = match &self.inner.limit {
+            None => None,
+            Some(sem) => match tokio::time::timeout_at(deadline, sem.clone().acquire_owned()).await
+            {
+                Err(_) => return Err(UpstreamError::Timeout),
+                Ok(Err(_)) => {
+                    return Err(UpstreamError::Unreachable("upstream client closed".into()))
+                }
+                Ok(Ok(p)) => Some(p),
+            },
+        };
+        let response =
+            match tokio::time::timeout_at(deadline, self.inner.client.request(request)).await {
+                Err(_) => return Err(UpstreamError::Timeout),
+                Ok(Err(e)) => return Err(UpstreamError::Unreachable(error_chain(&e))),
+                Ok(Ok(r)) => r,
+            };
+        let (parts, body) = response.into_parts();
+        let mut headers = parts.headers;
+        strip_hop_by_hop(&mut headers);
+        Ok(UpstreamResponse {
+            status: parts.status,
+            headers,
+            body,
+            pending: Bytes::new(),
+            _permit: permit,
+        })
+    }
+
+    /// One GET of `path` for the reachability check; any HTTP answer is `Ok`.
+    pub async fn probe(
+        &self,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Duration), UpstreamError> {
+        let started = Instant::now();
+        let req = UpstreamRequest {
+            method: Method::GET,
+            path_and_query: path.to_string(),
+            headers: HeaderMap::new(),
+            body: None,
+        };
+        let request = self.build(req)?;
+        match tokio::time::timeout(timeout, self.inner.client.request(request)).await {
+            Err(_) => Err(UpstreamError::Timeout),
+            Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
+            Ok(Ok(r)) => Ok((r.status(), started.elapsed())),
+        }
+    }
+
+    fn build(&self, req: UpstreamRequest) -> Result<Request<ReqBody>, UpstreamError> {
+        if !req.path_and_query.starts_with('/') {
+            return Err(UpstreamError::BadRequest(
+                "request target must start with '/'".into(),
+            ));
+        }
+        let pq: PathAndQuery = req
+            .path_and_query
+            .parse()
+            .map_err(|e| UpstreamError::BadRequest(format!("invalid request target: {e}")))?;
+        let uri = Uri::builder()
+            .scheme(self.inner.scheme.clone())
+            .authority(self.inner.authority.clone())
+            .path_and_query(pq)
+            .build()
+            .map_err(|e| UpstreamError::BadRequest(format!("invalid request target: {e}")))?;
+        let body: ReqBody = match req.body {
+            None => Empty::new().boxed_unsync(),
+            Some(rx) => {
+                StreamBody::new(ReceiverStream::new(rx).map(|b| Ok(Frame::data(b)))).boxed_unsync()
+            }
+        };
+        let mut headers = req.headers;
+        strip_hop_by_hop(&mut headers);
+        headers.insert(header::HOST, self.inner.host.clone());
+        let mut request = Request::new(body);
+        *request.method_mut() = req.method;
+        *request.uri_mut() = uri;
+        *request.headers_mut() = headers;
+        Ok(request)
+    }
+}
+
+impl UpstreamResponse {
+    /// True when the response has no body at all (known from its head).
+    pub fn is_empty(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    /// The next piece of the body, at most `max` bytes, with `true` when it is known to be
+    /// the last. `Ok(None)`: the body ended after a piece that was not marked last.
+    pub async fn next_chunk(&mut self, max: usize) -> Result<Option<(Bytes, bool)>, UpstreamError> {
+        let max = max.max(1);
+        loop {
+            if !self.pending.is_empty() {
+                let n = self.pending.len().min(max);
+                let piece = self.pending.split_to(n);
+                let last = self.pending.is_empty() && self.body.is_end_stream();
+                return Ok(Some((piece, last)));
+            }
+            match self.body.frame().await {
+                None => return Ok(None),
+                Some(Err(e)) => return Err(UpstreamError::Aborted(error_chain(&e))),
+                Some(Ok(frame)) => {
+                    // Trailers are not carried by the wire yet; skip them.
+                    if let Ok(data) = frame.into_data() {
+                        self.pending = data;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Headers that describe one connection, not the message: never forwarded.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Removes hop-by-hop headers, including any that `Connection` names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for n in HOP_BY_HOP {
+        headers.remove(n);
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close, x-private"));
+        h.insert("x-private", HeaderValue::from_static("1"));
+        h.insert("transfer-encoding", HeaderValue::from_static("chunked"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("content-type", HeaderValue::from_static("text/plain"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("content-type"));
+    }
+
+    #[tokio::test]
+    async fn target_not_starting_with_slash_is_a_bad_request() {
+        let up = Upstream::new("http://127.0.0.1:9", Duration::from_secs(1), None).unwrap();
+        for target in ["http://evil.example/x", "x/y", "", "*"] {
+            let req = UpstreamRequest {
+                method: Method::GET,
+                path_and_query: target.into(),
+                headers: HeaderMap::new(),
+                body: None,
+            };
+            let err = up
+                .send(req, Instant::now() + Duration::from_secs(1))
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(err, UpstreamError::BadRequest(_)),
+                "{target}: {err}"
+            );
+        }
+    }
+}
