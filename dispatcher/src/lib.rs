@@ -1,1 +1,178 @@
-//! relay-dispatcher
+//! relay dispatcher: the HTTP front for backend services.
+//!
+//! A backend calls `ANY /relay/{tunnel_id}/{path}?{query}` with its caller key; the
+//! dispatcher picks a tunnel server that holds streams of that tunnel id (learned from the
+//! servers' `Registry.Report` streams), relays the call over `Forward.Call`, and streams the
+//! response back. Three listeners: the HTTP front (HTTP/1.1 + h2c), the registry gRPC
+//! listener, and the admin listener (`/metrics`, `/healthz`, `/readyz`, `/debug/routes`).
+//!
+//! Modules: `config` (settings), `front` (HTTP), `forward` (calls to tunnel servers),
+//! `body` (streaming bodies both ways), `headers` (header rules), `registry` (the routing
+//! table behind a trait), `report` (the gRPC service feeding it), `metrics`, `error`.
+//!
+//! The crate never buffers a whole body, never logs or forwards a caller key, and takes
+//! already-bound listeners so tests and the one-process demo can run it on `127.0.0.1:0`.
+
+pub mod body;
+pub mod config;
+pub mod error;
+pub mod forward;
+pub mod front;
+pub mod headers;
+pub mod metrics;
+pub mod registry;
+pub mod report;
+
+pub use config::{CallerConfig, Config};
+pub use error::RunError;
+
+use forward::{Channels, Forwarder};
+use registry::{MemoryRegistry, RouteTable};
+use relay_common::admin::{self, Admin};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// How long the registry listener may take to close its report streams at shutdown.
+const REGISTRY_STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// The dispatcher's three listeners, bound by the caller.
+pub struct Listeners {
+    /// HTTP front for backends.
+    pub http: TcpListener,
+    /// gRPC `Registry.Report` listener for tunnel servers.
+    pub registry: TcpListener,
+    /// Admin listener.
+    pub admin: TcpListener,
+}
+
+/// Runs the dispatcher until `shutdown` resolves, then drains: the HTTP front stops
+/// accepting and calls in flight get up to `shutdown_grace` to finish; then the registry and
+/// admin listeners stop.
+pub async fn run(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    config.validate()?;
+    let prometheus = prometheus::Registry::new();
+    let metrics = metrics::Metrics::register(&prometheus)?;
+    let routes: Arc<dyn RouteTable> = Arc::new(MemoryRegistry::new());
+    let channels = Channels::default();
+
+    let addrs = (
+        listeners.http.local_addr().ok(),
+        listeners.registry.local_addr().ok(),
+        listeners.admin.local_addr().ok(),
+    );
+    info!(http = ?addrs.0, registry = ?addrs.1, admin = ?addrs.2, callers = config.callers.len(), "dispatcher starting");
+
+    // Registry listener.
+    let registry_stop = CancellationToken::new();
+    let registry_up = Arc::new(AtomicBool::new(false));
+    let report = report::ReportService {
+        routes: routes.clone(),
+        metrics: metrics.clone(),
+        channels: channels.clone(),
+        stop: registry_stop.clone(),
+    };
+    let mut registry_task = {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listeners.registry);
+        let stop = registry_stop.clone();
+        let up = registry_up.clone();
+        tokio::spawn(async move {
+            up.store(true, Ordering::SeqCst);
+            let result = tonic::transport::Server::builder()
+                .http2_keepalive_interval(Some(Duration::from_secs(20)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+                .add_service(relay_proto::registry_server::RegistryServer::new(report))
+                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                .await;
+            up.store(false, Ordering::SeqCst);
+            result
+        })
+    };
+
+    // Admin listener.
+    let draining = Arc::new(AtomicBool::new(false));
+    let admin_stop = CancellationToken::new();
+    let admin = {
+        let (routes_ready, routes_debug) = (routes.clone(), routes.clone());
+        let (up, draining) = (registry_up.clone(), draining.clone());
+        Admin::new(prometheus)
+            .with_ready(move || {
+                let counts = routes_ready.counts();
+                let ready = up.load(Ordering::SeqCst) && !draining.load(Ordering::SeqCst);
+                (ready, serde_json::json!({"tunnel_servers": counts.servers, "tunnels": counts.tunnels}))
+            })
+            .with_routes(move |path| {
+                (path == "/debug/routes").then(|| admin::json(http::StatusCode::OK, &routes_debug.snapshot()))
+            })
+    };
+    let admin_task = tokio::spawn(admin::serve(
+        listeners.admin,
+        admin,
+        admin_stop.clone().cancelled_owned(),
+    ));
+
+    // HTTP front.
+    let front = Arc::new(front::Front::new(
+        &config,
+        routes,
+        Forwarder {
+            channels,
+            metrics: metrics.clone(),
+        },
+        metrics,
+    ));
+    let front_stop = CancellationToken::new();
+    let front_task = tokio::spawn(front::serve(
+        listeners.http,
+        front,
+        front_stop.clone(),
+        config.shutdown_grace,
+    ));
+
+    let mut result = Ok(());
+    let mut registry_done = false;
+    tokio::pin!(shutdown);
+    tokio::select! {
+        _ = &mut shutdown => info!("dispatcher shutting down"),
+        r = &mut registry_task => {
+            registry_done = true;
+            result = match r {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(RunError::Registry(e)),
+                Err(join) => {
+                    warn!(error = %join, "registry listener task failed");
+                    Ok(())
+                }
+            };
+            warn!("registry listener stopped; shutting down");
+        }
+    }
+    draining.store(true, Ordering::SeqCst);
+    front_stop.cancel();
+    if let Err(e) = front_task.await {
+        warn!(error = %e, "HTTP front task failed");
+    }
+    registry_stop.cancel();
+    if !registry_done {
+        match tokio::time::timeout(REGISTRY_STOP_GRACE, &mut registry_task).await {
+            Ok(Ok(Err(e))) => result = Err(RunError::Registry(e)),
+            Ok(_) => {}
+            Err(_) => {
+                warn!("registry listener did not stop in time");
+                registry_task.abort();
+            }
+        }
+    }
+    admin_stop.cancel();
+    let _ = admin_task.await;
+    info!("dispatcher stopped");
+    result
+}

@@ -1,1 +1,8 @@
-//! relay-tests
+//! relay's end-to-end harness: the whole stack on loopback (`stack`), a backend client
+//! (`client`), the stream-placing load-balancer fixture (`lb`) and simulated upstreams
+//! (`upstream`). The `relay-fleet` binary (demo and load tester) is built on it.
+
+pub mod client;
+pub mod lb;
+pub mod stack;
+pub mod upstream;

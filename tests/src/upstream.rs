@@ -4,7 +4,7 @@
 //!
 //! Routes:
 //! - `GET /hello` -> `200 "hello from upstream\n"`
-//! - `ANY /echo` -> `200`, request echoed: headers `x-echo-method`, `x-echo-path`
+//! - `ANY /echo` (and `/echo/...`) -> `200`, request echoed: headers `x-echo-method`, `x-echo-path`
 //!   (path and query), `x-echo-headers` (request headers as a JSON object, repeated
 //!   names joined with `", "`), and the request body streamed back as it arrives
 //! - `GET /bytes/{n}` -> `n` bytes, byte `i` = [`pattern_byte`]`(i)`, streamed in
@@ -371,7 +371,7 @@ async fn route(req: Request<Incoming>) -> (StatusCode, HeaderMap, Kind) {
     };
     let ms_arg = |s: &str| s.parse::<u64>().ok().map(Duration::from_millis);
     match segments.as_slice() {
-        ["echo"] => echo(req),
+        ["echo", ..] => echo(req),
         [known, ..]
             if !is_get
                 && matches!(*known, "hello" | "bytes" | "slow" | "status" | "delay-body") =>

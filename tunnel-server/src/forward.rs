@@ -82,7 +82,12 @@ impl Call {
         let now = Instant::now();
         let mut wait = self.queue_timeout;
         if self.request.deadline_ms > 0 {
-            wait = wait.min(Duration::from_millis(self.request.deadline_ms as u64));
+            // Give up queueing a little before the caller's deadline, so the caller hears
+            // "no capacity" rather than a bare timeout.
+            let deadline = Duration::from_millis(self.request.deadline_ms as u64);
+            let margin =
+                (deadline / 10).clamp(Duration::from_millis(5), Duration::from_millis(250));
+            wait = wait.min(deadline.saturating_sub(margin));
         }
         let gone = self.to_caller.clone();
         let stream = match hub

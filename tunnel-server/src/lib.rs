@@ -129,10 +129,7 @@ pub async fn start(
     tasks.push(tokio::spawn(async move {
         let r = grpc_server()
             .add_service(tunnel)
-            .serve_with_incoming_shutdown(
-                TcpListenerStream::new(listeners.agent),
-                stop.cancelled_owned(),
-            )
+            .serve_with_incoming_shutdown(incoming(listeners.agent), stop.cancelled_owned())
             .await;
         if let Err(e) = r {
             warn!(error = %e, "agent listener stopped");
@@ -151,10 +148,7 @@ pub async fn start(
     tasks.push(tokio::spawn(async move {
         let r = grpc_server()
             .add_service(forward)
-            .serve_with_incoming_shutdown(
-                TcpListenerStream::new(listeners.forward),
-                stop.cancelled_owned(),
-            )
+            .serve_with_incoming_shutdown(incoming(listeners.forward), stop.cancelled_owned())
             .await;
         if let Err(e) = r {
             warn!(error = %e, "forward listener stopped");
@@ -223,6 +217,20 @@ pub async fn start(
         stop_serving,
         tasks,
         tracker,
+    })
+}
+
+/// Accepted connections with Nagle off: `Server::tcp_nodelay` only applies to sockets
+/// tonic binds itself, and a relayed call is many small frames.
+fn incoming(
+    listener: TcpListener,
+) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
+    use futures::StreamExt;
+    TcpListenerStream::new(listener).map(|conn| {
+        if let Ok(c) = &conn {
+            let _ = c.set_nodelay(true);
+        }
+        conn
     })
 }
 

@@ -284,11 +284,11 @@ impl Reader {
                     slot.head_seen = true;
                     Ok(())
                 })?;
-                let _ = to_caller
-                    .send(Ok(ForwardResponse::of(forward_response::Kind::Head(head))))
-                    .await;
+                let frame = ForwardResponse::of(forward_response::Kind::Head(head));
                 if end {
-                    self.end_call("ok").await;
+                    self.end_call(frame, "ok").await;
+                } else {
+                    let _ = to_caller.send(Ok(frame)).await;
                 }
                 Ok(())
             }
@@ -308,31 +308,27 @@ impl Reader {
                         "response body chunk larger than 64 KiB",
                     ));
                 }
-                let _ = to_caller
-                    .send(Ok(ForwardResponse::of(forward_response::Kind::Body(chunk))))
-                    .await;
+                let frame = ForwardResponse::of(forward_response::Kind::Body(chunk));
                 if end {
-                    self.end_call("ok").await;
+                    self.end_call(frame, "ok").await;
+                } else {
+                    let _ = to_caller.send(Ok(frame)).await;
                 }
                 Ok(())
             }
             Kind::CallError(err) => {
-                let to_caller = self.expect_call(err.call_id, |_| Ok(()))?;
+                self.expect_call(err.call_id, |_| Ok(()))?;
                 let outcome = if err.kind == CallErrorKind::Cancelled as i32 {
                     "cancelled"
                 } else {
                     "agent_error"
                 };
-                let _ = to_caller
-                    .send(Ok(ForwardResponse::of(forward_response::Kind::Error(
-                        ForwardError {
-                            kind: ForwardErrorKind::Agent as i32,
-                            message: err.message,
-                            call_error: err.kind,
-                        },
-                    ))))
-                    .await;
-                self.end_call(outcome).await;
+                let frame = ForwardResponse::of(forward_response::Kind::Error(ForwardError {
+                    kind: ForwardErrorKind::Agent as i32,
+                    message: err.message,
+                    call_error: err.kind,
+                }));
+                self.end_call(frame, outcome).await;
                 Ok(())
             }
         }
@@ -361,10 +357,11 @@ impl Reader {
         }
     }
 
-    /// The call on this stream ended: tell its task and put the stream back.
-    async fn end_call(&self, outcome: &'static str) {
+    /// The call on this stream ended with `last`: tell its task, pass the frame on and
+    /// put the stream back.
+    async fn end_call(&self, last: ForwardResponse, outcome: &'static str) {
         if let Some(slot) = self.handle.take_call() {
-            self.finish(slot, None, outcome).await;
+            self.finish(slot, Some(last), outcome).await;
         }
         self.hub.release(self.handle.clone());
     }
@@ -375,11 +372,13 @@ impl Reader {
         last: Option<ForwardResponse>,
         outcome: &'static str,
     ) {
-        if let Some(frame) = last {
-            let _ = slot.to_caller.send(Ok(frame)).await;
-        }
+        // The call task hears of the end before the caller can, so a caller that leaves
+        // right after the last frame is not taken for a cancel.
         if let Some(done) = slot.done.take() {
             let _ = done.send(());
+        }
+        if let Some(frame) = last {
+            let _ = slot.to_caller.send(Ok(frame)).await;
         }
         self.hub.metrics.call(outcome);
         self.hub.metrics.in_flight.dec();

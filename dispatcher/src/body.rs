@@ -1,0 +1,465 @@
+//! Body plumbing for one call, in both directions, without ever holding a whole body.
+//!
+//! - [`RequestBody`] turns the caller's body into `BodyChunk` frames of at most
+//!   `MAX_CHUNK` bytes, pulled by the Forward.Call request stream only as fast as gRPC/HTTP2
+//!   flow control lets it send (back-pressure). It hands the body to one forward attempt at
+//!   a time and keeps the frames sent so far (up to one chunk) so that a retry on another
+//!   tunnel server can replay them; beyond that the call is no longer retryable.
+//! - [`RelayBody`] is the caller's response body: either a small fixed body (error JSON) or
+//!   the tunnel server's `BodyChunk` frames, polled one by one as the caller reads. Any
+//!   failure after the head is a body error, so hyper aborts the response (HTTP/1: the
+//!   connection closes before the end; h2: RST_STREAM) and the caller never mistakes a
+//!   truncated body for a complete one.
+//! - [`CallGuard`] records each call's outcome and duration exactly once, whether it ends
+//!   normally, with an error, or by the caller going away (dropped = `cancelled`).
+
+use crate::metrics::Metrics;
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::UnsyncBoxBody;
+use relay_proto::forward_request::Kind as ReqKind;
+use relay_proto::forward_response::Kind as RespKind;
+use relay_proto::{BodyChunk, ForwardRequest, ForwardResponse, MAX_CHUNK};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{ready, Context, Poll, Waker};
+use tokio::time::Instant;
+use tonic::codec::Streaming;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The caller's request body, boxed.
+pub type CallerBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Request body bytes a retry may replay. One chunk covers every small POST.
+const REPLAY_LIMIT: usize = MAX_CHUNK;
+
+struct Source {
+    body: CallerBody,
+    pending: Bytes,
+}
+
+impl Source {
+    /// Next chunk of at most `MAX_CHUNK` bytes and whether it is the last one.
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Result<(Bytes, bool), BoxError>> {
+        loop {
+            if !self.pending.is_empty() {
+                let n = self.pending.len().min(MAX_CHUNK);
+                let data = self.pending.split_to(n);
+                let end = self.pending.is_empty() && self.body.is_end_stream();
+                return Poll::Ready(Ok((data, end)));
+            }
+            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+                None => return Poll::Ready(Ok((Bytes::new(), true))),
+                Some(Err(e)) => return Poll::Ready(Err(e)),
+                // Request trailers have no place on the wire; they are dropped.
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.pending = data;
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct Shared {
+    /// `None` once the body is fully read (or there was none).
+    source: Option<Source>,
+    /// Frames handed out so far, while they fit in `REPLAY_LIMIT`.
+    replay: Vec<ForwardRequest>,
+    replay_bytes: usize,
+    replayable: bool,
+    /// The attempt allowed to pull; streams of older attempts end.
+    owner: u32,
+    /// Set when reading the caller's body failed; the call must be aborted.
+    failed: Option<String>,
+    /// Who to wake when `failed` is set (the call driver or the response body).
+    watcher: Option<Waker>,
+}
+
+/// The caller's request body, shared by the forward attempts of one call.
+#[derive(Clone)]
+pub struct RequestBody {
+    shared: Arc<Mutex<Shared>>,
+    call_id: u64,
+}
+
+impl RequestBody {
+    /// `body` is `None` when the request has none (no body frames will be sent).
+    pub fn new(body: Option<CallerBody>, call_id: u64) -> Self {
+        let shared = Shared {
+            source: body.map(|body| Source {
+                body,
+                pending: Bytes::new(),
+            }),
+            replay: Vec::new(),
+            replay_bytes: 0,
+            replayable: true,
+            owner: 0,
+            failed: None,
+            watcher: None,
+        };
+        RequestBody {
+            shared: Arc::new(Mutex::new(shared)),
+            call_id,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The request stream of forward attempt `attempt`: `head`, then the body frames.
+    /// Hands the body over from any earlier attempt.
+    pub fn attempt(&self, attempt: u32, head: ForwardRequest) -> AttemptStream {
+        self.lock().owner = attempt;
+        AttemptStream {
+            body: self.clone(),
+            attempt,
+            head: Some(head),
+            replay_pos: 0,
+        }
+    }
+
+    /// Whether a new attempt can still send the whole body.
+    pub fn replayable(&self) -> bool {
+        self.lock().replayable
+    }
+
+    /// Ready with the reason once reading the caller's body failed.
+    pub fn poll_failed(&self, cx: &mut Context<'_>) -> Poll<String> {
+        let mut s = self.lock();
+        match &s.failed {
+            Some(why) => Poll::Ready(why.clone()),
+            None => {
+                s.watcher = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+
+    /// Resolves once reading the caller's body failed.
+    pub async fn failed(&self) -> String {
+        std::future::poll_fn(|cx| self.poll_failed(cx)).await
+    }
+}
+
+/// The `Forward.Call` request stream of one attempt.
+pub struct AttemptStream {
+    body: RequestBody,
+    attempt: u32,
+    head: Option<ForwardRequest>,
+    replay_pos: usize,
+}
+
+impl futures::Stream for AttemptStream {
+    type Item = ForwardRequest;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<ForwardRequest>> {
+        let this = self.get_mut();
+        if let Some(head) = this.head.take() {
+            return Poll::Ready(Some(head));
+        }
+        let call_id = this.body.call_id;
+        let mut s = this.body.lock();
+        if s.owner != this.attempt {
+            return Poll::Ready(None);
+        }
+        if let Some(frame) = s.replay.get(this.replay_pos) {
+            this.replay_pos += 1;
+            return Poll::Ready(Some(frame.clone()));
+        }
+        if s.failed.is_some() {
+            // The driver aborts the whole call; never send a fake end.
+            return Poll::Pending;
+        }
+        let Some(source) = s.source.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match ready!(source.poll_chunk(cx)) {
+            Ok((data, end)) => {
+                if end {
+                    s.source = None;
+                }
+                let len = data.len();
+                let frame = ForwardRequest::of(ReqKind::Body(BodyChunk {
+                    call_id,
+                    data: data.to_vec(),
+                    end,
+                }));
+                if s.replayable {
+                    if s.replay_bytes + len <= REPLAY_LIMIT {
+                        s.replay_bytes += len;
+                        s.replay.push(frame.clone());
+                        this.replay_pos += 1;
+                    } else {
+                        s.replayable = false;
+                        s.replay = Vec::new();
+                    }
+                }
+                Poll::Ready(Some(frame))
+            }
+            Err(e) => {
+                s.failed = Some(format!("reading the request body failed: {e}"));
+                s.source = None;
+                if let Some(w) = s.watcher.take() {
+                    w.wake();
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// How a call ended, for the `outcome` label.
+pub const OUTCOME_OK: &str = "ok";
+pub const OUTCOME_ABORTED: &str = "aborted";
+pub const OUTCOME_CANCELLED: &str = "cancelled";
+
+/// Records one call's outcome and duration once; dropping it unrecorded means the caller
+/// went away (`cancelled`).
+pub struct CallGuard {
+    metrics: Metrics,
+    start: Instant,
+    recorded: bool,
+}
+
+impl CallGuard {
+    pub fn new(metrics: Metrics) -> Self {
+        metrics.calls_in_flight.inc();
+        CallGuard {
+            metrics,
+            start: Instant::now(),
+            recorded: false,
+        }
+    }
+
+    pub fn finish(&mut self, outcome: &str) {
+        if self.recorded {
+            return;
+        }
+        self.recorded = true;
+        self.metrics.calls_in_flight.dec();
+        self.metrics.calls.with_label_values(&[outcome]).inc();
+        self.metrics
+            .call_duration
+            .observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        self.finish(OUTCOME_CANCELLED);
+    }
+}
+
+/// The body was cut short after the response head.
+#[derive(Debug, thiserror::Error)]
+#[error("relay response aborted: {0}")]
+pub struct BodyAborted(pub String);
+
+struct Streamed {
+    stream: Streaming<ForwardResponse>,
+    request: RequestBody,
+    guard: CallGuard,
+    call_id: u64,
+    done: bool,
+}
+
+enum Inner {
+    Full(Option<Bytes>),
+    Stream(Box<Streamed>),
+}
+
+/// The response body the caller reads.
+pub struct RelayBody(Inner);
+
+impl From<Bytes> for RelayBody {
+    fn from(b: Bytes) -> Self {
+        RelayBody(Inner::Full(if b.is_empty() { None } else { Some(b) }))
+    }
+}
+
+impl RelayBody {
+    pub fn empty() -> Self {
+        RelayBody(Inner::Full(None))
+    }
+
+    /// The tunnel server's body frames after its `ResponseHead`.
+    pub fn stream(
+        stream: Streaming<ForwardResponse>,
+        request: RequestBody,
+        guard: CallGuard,
+        call_id: u64,
+    ) -> Self {
+        RelayBody(Inner::Stream(Box::new(Streamed {
+            stream,
+            request,
+            guard,
+            call_id,
+            done: false,
+        })))
+    }
+}
+
+impl Streamed {
+    fn abort(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.done = true;
+        tracing::warn!(call_id = self.call_id, reason = %why, "response aborted after its head");
+        self.guard.finish(OUTCOME_ABORTED);
+        Poll::Ready(Some(Err(Box::new(BodyAborted(why)))))
+    }
+}
+
+impl Body for RelayBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let st = match &mut self.get_mut().0 {
+            Inner::Full(b) => return Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Inner::Stream(st) => st,
+        };
+        if st.done {
+            return Poll::Ready(None);
+        }
+        if let Poll::Ready(why) = st.request.poll_failed(cx) {
+            return st.abort(why);
+        }
+        loop {
+            let kind = match ready!(st.stream.poll_next_unpin(cx)) {
+                Some(Ok(ForwardResponse { kind: Some(kind) })) => kind,
+                Some(Ok(ForwardResponse { kind: None })) => {
+                    return st.abort("tunnel server sent an empty frame".into())
+                }
+                Some(Err(status)) => {
+                    return st.abort(format!("tunnel server call failed: {}", status.message()))
+                }
+                None => {
+                    return st.abort("tunnel server ended the call before the body's end".into())
+                }
+            };
+            match kind {
+                RespKind::Body(chunk) => {
+                    if chunk.end {
+                        st.done = true;
+                        st.guard.finish(OUTCOME_OK);
+                    }
+                    if !chunk.data.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(Bytes::from(chunk.data)))));
+                    }
+                    if chunk.end {
+                        return Poll::Ready(None);
+                    }
+                }
+                RespKind::Error(e) => {
+                    let (failure, _) = crate::error::Failure::from_forward_error(&e);
+                    return st.abort(format!("{}: {}", failure.code.as_str(), failure.message));
+                }
+                RespKind::Head(_) => {
+                    return st.abort("tunnel server sent a second response head".into())
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.0 {
+            Inner::Full(b) => b.is_none(),
+            Inner::Stream(st) => st.done,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.0 {
+            Inner::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            Inner::Full(None) => SizeHint::with_exact(0),
+            Inner::Stream(_) => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::{FutureExt, StreamExt};
+    use http_body_util::{BodyExt, StreamBody};
+
+    fn caller_body(chunks: Vec<Result<Bytes, BoxError>>) -> CallerBody {
+        StreamBody::new(futures::stream::iter(
+            chunks.into_iter().map(|c| c.map(Frame::data)),
+        ))
+        .boxed_unsync()
+    }
+
+    fn head() -> ForwardRequest {
+        ForwardRequest::of(ReqKind::Head(Default::default()))
+    }
+
+    fn chunks(frames: Vec<ForwardRequest>) -> Vec<(usize, bool)> {
+        frames
+            .into_iter()
+            .skip(1)
+            .map(|f| match f.kind {
+                Some(ReqKind::Body(c)) => (c.data.len(), c.end),
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn large_frames_are_split_and_the_last_chunk_ends_the_body() {
+        let big = Bytes::from(vec![7u8; MAX_CHUNK * 2 + 10]);
+        let body = RequestBody::new(
+            Some(caller_body(vec![Ok(big), Ok(Bytes::from_static(b"xy"))])),
+            1,
+        );
+        let frames: Vec<_> = body.attempt(0, head()).collect().await;
+        assert_eq!(
+            chunks(frames),
+            [
+                (MAX_CHUNK, false),
+                (MAX_CHUNK, false),
+                (10, false),
+                (2, false),
+                (0, true)
+            ]
+        );
+        assert!(!body.replayable(), "more than one chunk was sent");
+    }
+
+    #[tokio::test]
+    async fn a_retry_replays_what_the_first_attempt_sent() {
+        let body = RequestBody::new(
+            Some(caller_body(vec![
+                Ok(Bytes::from_static(b"ab")),
+                Ok(Bytes::from_static(b"cd")),
+            ])),
+            1,
+        );
+        let mut first = body.attempt(0, head());
+        assert!(first.next().await.is_some());
+        assert!(first.next().await.is_some(), "first chunk");
+        assert!(body.replayable());
+        let second: Vec<_> = body.attempt(1, head()).collect().await;
+        assert_eq!(chunks(second), [(2, false), (2, false), (0, true)]);
+        assert!(first.next().await.is_none(), "a superseded attempt ends");
+    }
+
+    #[tokio::test]
+    async fn a_failing_caller_body_is_reported_not_ended() {
+        let body = RequestBody::new(Some(caller_body(vec![Err("boom".into())])), 1);
+        let mut s = body.attempt(0, head());
+        assert!(s.next().await.is_some());
+        assert!(
+            s.next().now_or_never().is_none(),
+            "the stream must not end after a body error"
+        );
+        assert!(body.failed().await.contains("boom"));
+    }
+}

@@ -1,0 +1,245 @@
+//! Errors per boundary: [`RunError`] for `run`, and [`Failure`] for a call that ends in an
+//! error response. Every call error is mapped to an HTTP status and a JSON body exactly
+//! once, here.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode};
+use relay_common::config::ConfigError;
+use relay_proto::{CallErrorKind, ForwardError, ForwardErrorKind};
+
+/// Why `run` could not start or keep running.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot register metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    #[error("registry listener failed: {0}")]
+    Registry(#[source] tonic::transport::Error),
+}
+
+/// The error codes a caller can see, each with its HTTP status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    Unauthorized,
+    NotFound,
+    BadRequest,
+    HeadersTooLarge,
+    TunnelUnavailable,
+    NoCapacity,
+    Refused,
+    UpstreamUnreachable,
+    UpstreamTimeout,
+    UpstreamError,
+    StreamLost,
+    TunnelServerUnreachable,
+    DeadlineExceeded,
+}
+
+impl ErrorCode {
+    /// The `error` field of the JSON body and the `outcome` metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::BadRequest => "bad_request",
+            ErrorCode::HeadersTooLarge => "headers_too_large",
+            ErrorCode::TunnelUnavailable => "tunnel_unavailable",
+            ErrorCode::NoCapacity => "no_capacity",
+            ErrorCode::Refused => "refused",
+            ErrorCode::UpstreamUnreachable => "upstream_unreachable",
+            ErrorCode::UpstreamTimeout => "upstream_timeout",
+            ErrorCode::UpstreamError => "upstream_error",
+            ErrorCode::StreamLost => "stream_lost",
+            ErrorCode::TunnelServerUnreachable => "tunnel_server_unreachable",
+            ErrorCode::DeadlineExceeded => "deadline_exceeded",
+        }
+    }
+
+    pub fn status(self) -> StatusCode {
+        match self {
+            ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::BadRequest => StatusCode::BAD_REQUEST,
+            ErrorCode::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ErrorCode::TunnelUnavailable | ErrorCode::NoCapacity => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Refused => StatusCode::FORBIDDEN,
+            ErrorCode::UpstreamUnreachable
+            | ErrorCode::UpstreamError
+            | ErrorCode::StreamLost
+            | ErrorCode::TunnelServerUnreachable => StatusCode::BAD_GATEWAY,
+            ErrorCode::UpstreamTimeout | ErrorCode::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+}
+
+/// A call that ends with an error response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Failure {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// Maps a tunnel server's `ForwardError`. The bool says whether the call never reached
+    /// an agent and may be retried on another server.
+    pub fn from_forward_error(e: &ForwardError) -> (Self, bool) {
+        let msg = if e.message.is_empty() {
+            "no detail"
+        } else {
+            e.message.as_str()
+        };
+        match ForwardErrorKind::try_from(e.kind).unwrap_or(ForwardErrorKind::Unspecified) {
+            ForwardErrorKind::UnknownTunnel => (
+                Failure::new(
+                    ErrorCode::TunnelUnavailable,
+                    format!("tunnel server holds no stream: {msg}"),
+                ),
+                true,
+            ),
+            ForwardErrorKind::Draining => (
+                Failure::new(
+                    ErrorCode::TunnelUnavailable,
+                    format!("tunnel server is draining: {msg}"),
+                ),
+                true,
+            ),
+            ForwardErrorKind::NoCapacity => (
+                Failure::new(
+                    ErrorCode::NoCapacity,
+                    format!("no idle tunnel stream: {msg}"),
+                ),
+                false,
+            ),
+            ForwardErrorKind::StreamLost => (
+                Failure::new(ErrorCode::StreamLost, format!("tunnel stream lost: {msg}")),
+                false,
+            ),
+            ForwardErrorKind::BadRequest => (
+                Failure::new(
+                    ErrorCode::BadRequest,
+                    format!("tunnel server refused the request: {msg}"),
+                ),
+                false,
+            ),
+            ForwardErrorKind::Agent => {
+                let code = match CallErrorKind::try_from(e.call_error)
+                    .unwrap_or(CallErrorKind::Unspecified)
+                {
+                    CallErrorKind::Refused => ErrorCode::Refused,
+                    CallErrorKind::UpstreamUnreachable => ErrorCode::UpstreamUnreachable,
+                    CallErrorKind::UpstreamTimeout => ErrorCode::UpstreamTimeout,
+                    CallErrorKind::BadRequest => ErrorCode::BadRequest,
+                    _ => ErrorCode::UpstreamError,
+                };
+                (Failure::new(code, format!("agent: {msg}")), false)
+            }
+            ForwardErrorKind::Unspecified => (
+                Failure::new(
+                    ErrorCode::UpstreamError,
+                    format!("tunnel server error: {msg}"),
+                ),
+                false,
+            ),
+        }
+    }
+
+    /// The JSON error response.
+    pub fn response<B: From<Bytes>>(&self, tunnel_id: Option<&str>) -> Response<B> {
+        let body = serde_json::json!({
+            "error": self.code.as_str(),
+            "message": self.message,
+            "tunnel_id": tunnel_id,
+        });
+        let mut resp = Response::new(B::from(Bytes::from(body.to_string())));
+        *resp.status_mut() = self.code.status();
+        let h = resp.headers_mut();
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        match self.code {
+            ErrorCode::Unauthorized => {
+                h.insert(
+                    http::header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer"),
+                );
+            }
+            ErrorCode::TunnelUnavailable | ErrorCode::NoCapacity => {
+                h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agent(kind: CallErrorKind) -> ForwardError {
+        ForwardError {
+            kind: ForwardErrorKind::Agent as i32,
+            message: "m".into(),
+            call_error: kind as i32,
+        }
+    }
+
+    #[test]
+    fn forward_errors_map_to_documented_statuses() {
+        let cases = [
+            (agent(CallErrorKind::Refused), 403, "refused"),
+            (
+                agent(CallErrorKind::UpstreamUnreachable),
+                502,
+                "upstream_unreachable",
+            ),
+            (
+                agent(CallErrorKind::UpstreamTimeout),
+                504,
+                "upstream_timeout",
+            ),
+            (agent(CallErrorKind::BadRequest), 400, "bad_request"),
+            (agent(CallErrorKind::UpstreamAborted), 502, "upstream_error"),
+        ];
+        for (e, status, code) in cases {
+            let (f, retry) = Failure::from_forward_error(&e);
+            assert_eq!(
+                (f.code.status().as_u16(), f.code.as_str(), retry),
+                (status, code, false)
+            );
+            assert!(f.message.contains('m'));
+        }
+        let e = |k: ForwardErrorKind| ForwardError {
+            kind: k as i32,
+            message: String::new(),
+            call_error: 0,
+        };
+        assert_eq!(
+            Failure::from_forward_error(&e(ForwardErrorKind::NoCapacity))
+                .0
+                .code,
+            ErrorCode::NoCapacity
+        );
+        assert!(Failure::from_forward_error(&e(ForwardErrorKind::Draining)).1);
+        assert!(Failure::from_forward_error(&e(ForwardErrorKind::UnknownTunnel)).1);
+        assert!(!Failure::from_forward_error(&e(ForwardErrorKind::StreamLost)).1);
+        let odd = ForwardError {
+            kind: 99,
+            message: String::new(),
+            call_error: 0,
+        };
+        assert_eq!(
+            Failure::from_forward_error(&odd).0.code,
+            ErrorCode::UpstreamError
+        );
+    }
+}

@@ -1,0 +1,344 @@
+//! The HTTP front backends call: `ANY /relay/{tunnel_id}/{path}?{query}` with
+//! `Authorization: Bearer <caller key>`, served as HTTP/1.1 and h2c on one listener.
+//!
+//! It owns request validation (head size, path, caller key, tunnel id, deadline), the
+//! choice of servers to try, and turning the tunnel server's answer (or a [`Failure`]) into
+//! the caller's response. It must not buffer bodies (see `body`) and must never log or
+//! forward the caller key.
+
+use crate::body::{CallGuard, CallerBody, RelayBody, RequestBody, OUTCOME_OK};
+use crate::config::{CallerConfig, Config, MIN_HEADER_BYTES};
+use crate::error::{ErrorCode, Failure};
+use crate::forward::{CallPlan, Forwarder};
+use crate::headers::{self, TIMEOUT_HEADER};
+use crate::metrics::Metrics;
+use crate::registry::RouteTable;
+use crate::report::valid_tunnel_id;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn, Instrument};
+
+/// The request-handling half of the front, shared by all connections.
+pub struct Front {
+    callers: Vec<CallerConfig>,
+    call_timeout: Duration,
+    max_call_timeout: Duration,
+    max_header_bytes: usize,
+    routes: Arc<dyn RouteTable>,
+    forwarder: Forwarder,
+    metrics: Metrics,
+    next_call_id: AtomicU64,
+}
+
+/// A request that passed validation.
+struct Accepted<'a> {
+    caller: &'a str,
+    tunnel_id: String,
+    path_and_query: String,
+    timeout: Duration,
+}
+
+impl Front {
+    pub fn new(
+        config: &Config,
+        routes: Arc<dyn RouteTable>,
+        forwarder: Forwarder,
+        metrics: Metrics,
+    ) -> Self {
+        Front {
+            callers: config.callers.clone(),
+            call_timeout: config.call_timeout,
+            max_call_timeout: config.max_call_timeout,
+            max_header_bytes: config.max_header_bytes,
+            routes,
+            forwarder,
+            metrics,
+            next_call_id: AtomicU64::new(1),
+        }
+    }
+
+    /// The caller's name if the request carries a known key. Every key is compared, in
+    /// constant time, so timing tells nothing about which one nearly matched.
+    fn authenticate(&self, headers: &HeaderMap) -> Option<&str> {
+        let mut values = headers.get_all(http::header::AUTHORIZATION).iter();
+        let value = values.next()?;
+        if values.next().is_some() {
+            return None;
+        }
+        let value = value.as_bytes();
+        let split = value.iter().position(|b| *b == b' ')?;
+        let (scheme, rest) = value.split_at(split);
+        if !scheme.eq_ignore_ascii_case(b"bearer") {
+            return None;
+        }
+        let key = rest.trim_ascii();
+        let mut found = None;
+        for caller in &self.callers {
+            if caller.key.matches(key) && found.is_none() {
+                found = Some(caller.name.as_str());
+            }
+        }
+        found
+    }
+
+    /// Checks everything that can be checked before routing. On error, the tunnel id to
+    /// name in the error body, if one was readable.
+    fn accept<'a>(
+        &'a self,
+        parts: &http::request::Parts,
+    ) -> Result<Accepted<'a>, (Failure, Option<String>)> {
+        if headers::head_size(&parts.method, &parts.uri, &parts.headers) > self.max_header_bytes {
+            let f = Failure::new(
+                ErrorCode::HeadersTooLarge,
+                format!("request head over {} bytes", self.max_header_bytes),
+            );
+            return Err((f, None));
+        }
+        let Some(rest) = parts.uri.path().strip_prefix("/relay/") else {
+            return Err((
+                Failure::new(ErrorCode::NotFound, "calls go to /relay/{tunnel_id}/{path}"),
+                None,
+            ));
+        };
+        // `/relay/{id}` without a trailing slash is the upstream's root.
+        let (tunnel_id, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, "/"),
+        };
+        let named = valid_tunnel_id(tunnel_id).then(|| tunnel_id.to_string());
+        let Some(caller) = self.authenticate(&parts.headers) else {
+            let why = if parts.headers.contains_key(http::header::AUTHORIZATION) {
+                "unknown caller key"
+            } else {
+                "missing caller key: send Authorization: Bearer <key>"
+            };
+            return Err((Failure::new(ErrorCode::Unauthorized, why), named));
+        };
+        let Some(tunnel_id) = named else {
+            let f = Failure::new(
+                ErrorCode::BadRequest,
+                "tunnel id must be 1 to 128 characters of [A-Za-z0-9._-]",
+            );
+            return Err((f, None));
+        };
+        let timeout = match parts.headers.get(TIMEOUT_HEADER) {
+            None => self.call_timeout,
+            Some(v) => match v
+                .to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .filter(|ms| *ms > 0)
+            {
+                Some(ms) => Duration::from_millis(ms).min(self.max_call_timeout),
+                None => {
+                    let f = Failure::new(
+                        ErrorCode::BadRequest,
+                        format!("{TIMEOUT_HEADER} must be a positive integer"),
+                    );
+                    return Err((f, Some(tunnel_id)));
+                }
+            },
+        };
+        let path_and_query = match parts.uri.query() {
+            Some(q) => format!("{path}?{q}"),
+            None => path.to_string(),
+        };
+        Ok(Accepted {
+            caller,
+            tunnel_id,
+            path_and_query,
+            timeout,
+        })
+    }
+
+    fn fail(
+        &self,
+        mut guard: CallGuard,
+        failure: &Failure,
+        tunnel_id: Option<&str>,
+    ) -> Response<RelayBody> {
+        guard.finish(failure.code.as_str());
+        failure.response(tunnel_id)
+    }
+
+    /// Handles one caller request end to end (up to the response head; the body streams on).
+    pub async fn handle(&self, req: Request<Incoming>) -> Response<RelayBody> {
+        let start = Instant::now();
+        let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
+        let guard = CallGuard::new(self.metrics.clone());
+        let (parts, body) = req.into_parts();
+        let accepted = match self.accept(&parts) {
+            Ok(a) => a,
+            Err((failure, tunnel_id)) => {
+                debug!(call_id, code = failure.code.as_str(), path = %parts.uri.path(), "call rejected");
+                return self.fail(guard, &failure, tunnel_id.as_deref());
+            }
+        };
+        let span = tracing::info_span!("call", call_id, tunnel_id = %accepted.tunnel_id, caller = %accepted.caller);
+        self.relay(call_id, start, guard, parts, body, accepted)
+            .instrument(span)
+            .await
+    }
+
+    async fn relay(
+        &self,
+        call_id: u64,
+        start: Instant,
+        mut guard: CallGuard,
+        parts: http::request::Parts,
+        body: Incoming,
+        accepted: Accepted<'_>,
+    ) -> Response<RelayBody> {
+        let tunnel_id = accepted.tunnel_id;
+        let candidates = self.routes.candidates(&tunnel_id);
+        if candidates.is_empty() {
+            let f = Failure::new(
+                ErrorCode::TunnelUnavailable,
+                "no tunnel server holds streams for this tunnel id",
+            );
+            info!(code = f.code.as_str(), "call failed");
+            return self.fail(guard, &f, Some(&tunnel_id));
+        }
+        let end_of_stream = body.is_end_stream();
+        let caller_body: Option<CallerBody> =
+            (!end_of_stream).then(|| body.map_err(Into::into).boxed_unsync());
+        let request_body = RequestBody::new(caller_body, call_id);
+        let plan = CallPlan {
+            call_id,
+            tunnel_id: tunnel_id.clone(),
+            method: parts.method.as_str().to_string(),
+            path_and_query: accepted.path_and_query,
+            headers: headers::request_to_wire(&parts.headers),
+            end_of_stream,
+            deadline: start + accepted.timeout,
+        };
+        let forwarded = tokio::select! {
+            r = tokio::time::timeout_at(plan.deadline, self.forwarder.forward(&plan, &request_body, &candidates)) => {
+                r.unwrap_or_else(|_| Err(Failure::new(
+                    ErrorCode::DeadlineExceeded,
+                    format!("no response head within {} ms", accepted.timeout.as_millis()),
+                )))
+            }
+            why = request_body.failed() => Err(Failure::new(ErrorCode::BadRequest, why)),
+        };
+        let answer = match forwarded {
+            Ok(a) => a,
+            Err(f) => {
+                info!(code = f.code.as_str(), message = %f.message, "call failed");
+                return self.fail(guard, &f, Some(&tunnel_id));
+            }
+        };
+        let status = match u16::try_from(answer.head.status)
+            .ok()
+            .and_then(|s| StatusCode::from_u16(s).ok())
+        {
+            Some(s) if s.as_u16() >= 200 => s,
+            _ => {
+                let f = Failure::new(
+                    ErrorCode::UpstreamError,
+                    format!("agent answered with unusable status {}", answer.head.status),
+                );
+                info!(code = f.code.as_str(), message = %f.message, "call failed");
+                return self.fail(guard, &f, Some(&tunnel_id));
+            }
+        };
+        let (headers, invalid) = headers::response_from_wire(&answer.head.headers);
+        if invalid > 0 {
+            warn!(invalid, server_id = %answer.server_id, "dropped invalid response headers");
+        }
+        debug!(server_id = %answer.server_id, status = status.as_u16(), "response head");
+        let body = if answer.head.end_of_stream {
+            guard.finish(OUTCOME_OK);
+            RelayBody::empty()
+        } else {
+            RelayBody::stream(answer.stream, request_body, guard, call_id)
+        };
+        let mut resp = Response::new(body);
+        *resp.status_mut() = status;
+        *resp.headers_mut() = headers;
+        resp
+    }
+}
+
+/// Serves the front on `listener` until `stop` is cancelled, then lets calls in flight finish
+/// for up to `grace` and cuts the rest.
+pub async fn serve(
+    listener: TcpListener,
+    front: Arc<Front>,
+    stop: CancellationToken,
+    grace: Duration,
+) {
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30))
+        .max_buf_size(front.max_header_bytes.max(MIN_HEADER_BYTES));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(Duration::from_secs(20)))
+        .max_header_list_size(u32::try_from(front.max_header_bytes).unwrap_or(u32::MAX));
+    let graceful = GracefulShutdown::new();
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            // Stop first so a flood of connections cannot delay shutdown; then reap finished
+            // connection tasks so the set stays small.
+            biased;
+            _ = stop.cancelled() => break,
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let front = front.clone();
+                let svc = hyper::service::service_fn(move |req| {
+                    let front = front.clone();
+                    async move { Ok::<_, Infallible>(front.handle(req).await) }
+                });
+                let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc).into_owned());
+                conns.spawn(async move {
+                    if let Err(e) = conn.await {
+                        debug!(%peer, error = %e, "caller connection ended with an error");
+                    }
+                });
+            }
+        }
+    }
+    drop(listener);
+    info!(
+        connections = conns.len(),
+        calls_in_flight = front.metrics.calls_in_flight.get(),
+        "HTTP front draining"
+    );
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!(
+            calls_in_flight = front.metrics.calls_in_flight.get(),
+            "shutdown grace over; cutting the remaining calls"
+        );
+    }
+    conns.shutdown().await;
+}

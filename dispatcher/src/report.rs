@@ -1,0 +1,272 @@
+//! The `Registry.Report` gRPC service: each tunnel server keeps one client stream open and
+//! tells the dispatcher which tunnel ids it holds streams for, plus periodic load figures.
+//!
+//! It owns the translation from report frames to [`RouteTable`] updates and the lifetime of
+//! a server's entries (they live exactly as long as its report stream). It must not route
+//! calls or talk to tunnel servers.
+
+use crate::forward::Channels;
+use crate::metrics::Metrics;
+use crate::registry::{LoadFigures, RouteTable, ServerInfo, SessionId, TunnelFigures};
+use relay_proto::server_report::Kind;
+use relay_proto::{ReportAck, ServerReport};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{info, warn};
+
+/// How long a new report stream may take to send its `ServerIntro`.
+const INTRO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Tunnel id syntax: `[A-Za-z0-9._-]{1,128}`.
+pub fn valid_tunnel_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// The service tunnel servers report to.
+pub struct ReportService {
+    pub routes: Arc<dyn RouteTable>,
+    pub metrics: Metrics,
+    pub channels: Channels,
+    /// Cancelled at shutdown: open report streams end with UNAVAILABLE.
+    pub stop: CancellationToken,
+}
+
+/// Forgets the server when the report handler ends, however it ends.
+struct SessionGuard<'a> {
+    svc: &'a ReportService,
+    session: SessionId,
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(info) = self.svc.routes.leave(self.session) {
+            info!(server_id = %info.server_id, zone = %info.zone, "tunnel server left");
+            if !self.svc.routes.uses_forward_url(&info.forward_url) {
+                self.svc.channels.evict(&info.forward_url);
+            }
+        }
+        self.svc.update_gauges();
+    }
+}
+
+impl ReportService {
+    fn update_gauges(&self) {
+        let counts = self.routes.counts();
+        self.metrics.tunnel_servers.set(counts.servers as i64);
+        self.metrics.tunnels.set(counts.tunnels as i64);
+    }
+
+    fn refuse(peer: &str, why: String) -> Status {
+        warn!(%peer, reason = %why, "report stream refused");
+        Status::invalid_argument(why)
+    }
+
+    fn intro(
+        peer: &str,
+        frame: Result<Option<ServerReport>, Status>,
+    ) -> Result<ServerInfo, Status> {
+        let intro = match frame {
+            Ok(Some(ServerReport {
+                kind: Some(Kind::Intro(intro)),
+            })) => intro,
+            Ok(Some(_)) => {
+                return Err(Self::refuse(
+                    peer,
+                    "the first report frame must be a ServerIntro".into(),
+                ))
+            }
+            Ok(None) => {
+                return Err(Self::refuse(
+                    peer,
+                    "report stream ended before its ServerIntro".into(),
+                ))
+            }
+            Err(status) => {
+                return Err(Self::refuse(
+                    peer,
+                    format!("bad report stream: {}", status.message()),
+                ))
+            }
+        };
+        if intro.protocol_version != relay_proto::PROTOCOL_VERSION {
+            let why = format!(
+                "protocol version {} is not supported (this dispatcher speaks {})",
+                intro.protocol_version,
+                relay_proto::PROTOCOL_VERSION
+            );
+            warn!(%peer, server_id = %intro.server_id, reason = %why, "report stream refused");
+            return Err(Status::failed_precondition(why));
+        }
+        if intro.server_id.is_empty() || intro.server_id.len() > 256 {
+            return Err(Self::refuse(
+                peer,
+                "ServerIntro.server_id must be 1 to 256 bytes".into(),
+            ));
+        }
+        let url_ok = intro
+            .forward_url
+            .parse::<http::Uri>()
+            .ok()
+            .is_some_and(|u| {
+                matches!(u.scheme_str(), Some("http" | "https")) && u.authority().is_some()
+            });
+        if !url_ok {
+            return Err(Self::refuse(
+                peer,
+                format!(
+                    "ServerIntro.forward_url {:?} is not an http(s) URL",
+                    intro.forward_url
+                ),
+            ));
+        }
+        Ok(ServerInfo {
+            server_id: intro.server_id,
+            zone: intro.zone,
+            forward_url: intro.forward_url,
+        })
+    }
+
+    /// Applies one frame after the intro; an error ends the stream with that status.
+    fn apply(
+        &self,
+        peer: &str,
+        session: SessionId,
+        server_id: &str,
+        frame: ServerReport,
+    ) -> Result<bool, Status> {
+        let current = match frame.kind {
+            Some(Kind::TunnelUp(up)) => {
+                if !valid_tunnel_id(&up.tunnel_id) {
+                    return Err(Self::refuse(
+                        peer,
+                        format!("TunnelUp: invalid tunnel id {:?}", up.tunnel_id),
+                    ));
+                }
+                let ok = self.routes.tunnel_up(session, &up.tunnel_id);
+                if ok {
+                    info!(%server_id, tunnel_id = %up.tunnel_id, "tunnel up");
+                }
+                ok
+            }
+            Some(Kind::TunnelDown(down)) => {
+                if !valid_tunnel_id(&down.tunnel_id) {
+                    return Err(Self::refuse(
+                        peer,
+                        format!("TunnelDown: invalid tunnel id {:?}", down.tunnel_id),
+                    ));
+                }
+                let ok = self.routes.tunnel_down(session, &down.tunnel_id);
+                if ok {
+                    info!(%server_id, tunnel_id = %down.tunnel_id, "tunnel down");
+                }
+                ok
+            }
+            Some(Kind::Load(load)) => {
+                let figures = LoadFigures {
+                    tunnels: load
+                        .tunnels
+                        .into_iter()
+                        .filter(|t| valid_tunnel_id(&t.tunnel_id))
+                        .map(|t| {
+                            let f = TunnelFigures {
+                                idle: t.idle,
+                                busy: t.busy,
+                                queued: t.queued,
+                                rtt_us: t.rtt_us,
+                            };
+                            (t.tunnel_id, f)
+                        })
+                        .collect(),
+                    calls_in_flight: load.calls_in_flight,
+                    draining: load.draining,
+                };
+                self.routes.load(session, figures)
+            }
+            Some(Kind::Intro(_)) => {
+                return Err(Self::refuse(
+                    peer,
+                    "a second ServerIntro on one report stream".into(),
+                ))
+            }
+            None => return Err(Self::refuse(peer, "report frame without a kind".into())),
+        };
+        Ok(current)
+    }
+}
+
+#[tonic::async_trait]
+impl relay_proto::registry_server::Registry for ReportService {
+    async fn report(
+        &self,
+        request: Request<Streaming<ServerReport>>,
+    ) -> Result<Response<ReportAck>, Status> {
+        let peer = request
+            .remote_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|| "unknown".into());
+        let mut stream = request.into_inner();
+        let first = tokio::select! {
+            biased;
+            _ = self.stop.cancelled() => return Err(Status::unavailable("dispatcher shutting down")),
+            first = tokio::time::timeout(INTRO_TIMEOUT, stream.message()) => match first {
+                Ok(frame) => frame,
+                Err(_) => return Err(Self::refuse(&peer, "no ServerIntro within 10s".into())),
+            },
+        };
+        let info = Self::intro(&peer, first)?;
+        let server_id = info.server_id.clone();
+        info!(%peer, %server_id, zone = %info.zone, forward_url = %info.forward_url, "tunnel server joined");
+        let session = self.routes.join(info);
+        let _guard = SessionGuard { svc: self, session };
+        self.update_gauges();
+        loop {
+            // Shutdown first: a server flooding reports must not keep the dispatcher up.
+            let frame = tokio::select! {
+                biased;
+                _ = self.stop.cancelled() => return Err(Status::unavailable("dispatcher shutting down")),
+                frame = stream.message() => frame,
+            };
+            match frame {
+                Ok(Some(frame)) => {
+                    if !self.apply(&peer, session, &server_id, frame)? {
+                        info!(%server_id, "report stream superseded by a newer one from the same server");
+                        return Err(Status::aborted(
+                            "superseded by a newer report stream from this server",
+                        ));
+                    }
+                    self.update_gauges();
+                }
+                Ok(None) => return Ok(Response::new(ReportAck {})),
+                Err(status) => {
+                    // The guard removes the server; the peer sees the status if it is still there.
+                    warn!(%peer, %server_id, error = %status.message(), "report stream failed");
+                    return Err(Status::invalid_argument(format!(
+                        "bad report stream: {}",
+                        status.message()
+                    )));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tunnel_id_syntax() {
+        assert!(valid_tunnel_id("acme-scm.v2_x"));
+        assert!(valid_tunnel_id(&"a".repeat(128)));
+        assert!(!valid_tunnel_id(&"a".repeat(129)));
+        assert!(!valid_tunnel_id(""));
+        assert!(!valid_tunnel_id("a/b"));
+        assert!(!valid_tunnel_id("a%20"));
+    }
+}

@@ -1,0 +1,1046 @@
+//! End-to-end tests of the dispatcher library: a real `run` on 127.0.0.1:0, fake tunnel
+//! servers (a tonic `Forward` service plus a `Registry.Report` client announcing them), and a
+//! hyper client acting as the backend. No sleeps: conditions are polled with a deadline.
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use relay_dispatcher::{CallerConfig, Config, Listeners};
+use relay_proto::forward_request::Kind as ReqKind;
+use relay_proto::forward_response::Kind as RespKind;
+use relay_proto::forward_server::{Forward, ForwardServer};
+use relay_proto::registry_client::RegistryClient;
+use relay_proto::server_report::Kind as ReportKind;
+use relay_proto::{
+    BodyChunk, CallErrorKind, ForwardError, ForwardErrorKind, ForwardRequest, ForwardResponse,
+    Header, RequestHead, ResponseHead, ServerIntro, ServerReport, TunnelUp, MAX_CHUNK,
+};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Status, Streaming};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type TestBody = BoxBody<Bytes, BoxError>;
+
+const KEY: &str = "test-caller-key";
+
+// ---------------------------------------------------------------- harness
+
+struct Dispatcher {
+    http: SocketAddr,
+    registry: SocketAddr,
+    admin: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), relay_dispatcher::RunError>>,
+    client: Client<HttpConnector, TestBody>,
+}
+
+async fn bind() -> TcpListener {
+    TcpListener::bind("127.0.0.1:0").await.unwrap()
+}
+
+async fn start_dispatcher() -> Dispatcher {
+    let (http, registry, admin) = (bind().await, bind().await, bind().await);
+    let addrs = (
+        http.local_addr().unwrap(),
+        registry.local_addr().unwrap(),
+        admin.local_addr().unwrap(),
+    );
+    let config = Config {
+        call_timeout: Duration::from_secs(5),
+        shutdown_grace: Duration::from_secs(2),
+        callers: vec![CallerConfig {
+            name: "ci".into(),
+            key: relay_common::Secret::new(KEY),
+        }],
+        ..Config::default()
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(relay_dispatcher::run(
+        config,
+        Listeners {
+            http,
+            registry,
+            admin,
+        },
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    Dispatcher {
+        http: addrs.0,
+        registry: addrs.1,
+        admin: addrs.2,
+        stop: Some(stop),
+        task,
+        client,
+    }
+}
+
+fn empty() -> TestBody {
+    Full::new(Bytes::new())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Result<Bytes, String>,
+}
+
+impl Answer {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(self.body.as_ref().expect("body")).expect("json body")
+    }
+}
+
+impl Dispatcher {
+    fn request(&self, method: Method, path: &str, key: Option<&str>) -> http::request::Builder {
+        let b = Request::builder()
+            .method(method)
+            .uri(format!("http://{}{}", self.http, path));
+        match key {
+            Some(k) => b.header("authorization", format!("Bearer {k}")),
+            None => b,
+        }
+    }
+
+    async fn send(&self, req: Request<TestBody>) -> Answer {
+        let resp = self.client.request(req).await.expect("response head");
+        let (parts, body) = resp.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .map_err(|e| format!("{e:?}"));
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    async fn get(&self, path: &str, fake: &str) -> Answer {
+        self.send(
+            self.request(Method::GET, path, Some(KEY))
+                .header("x-fake", fake)
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+    }
+
+    async fn admin_get(&self, path: &str) -> String {
+        let uri = format!("http://{}{}", self.admin, path);
+        let resp = self.client.get(uri.parse().unwrap()).await.unwrap();
+        String::from_utf8(
+            resp.into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes()
+                .to_vec(),
+        )
+        .unwrap()
+    }
+
+    async fn metric(&self, line_prefix: &str) -> f64 {
+        let text = self.admin_get("/metrics").await;
+        text.lines()
+            .find(|l| l.starts_with(line_prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// Waits until `/debug/routes` lists `server_id` for `tunnel_id` (or not, when `present` is false).
+    async fn wait_route(&self, tunnel_id: &str, server_id: &str, present: bool) {
+        eventually(|| async {
+            let routes: serde_json::Value =
+                serde_json::from_str(&self.admin_get("/debug/routes").await).unwrap();
+            let listed = routes["tunnels"].as_array().unwrap().iter().any(|t| {
+                t["tunnel_id"] == tunnel_id
+                    && t["servers"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|s| s["server_id"] == server_id)
+            });
+            listed == present
+        })
+        .await;
+    }
+
+    async fn shutdown(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        let result = tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("run returns");
+        result.unwrap().unwrap();
+    }
+}
+
+async fn eventually<F, Fut>(mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        tick.tick().await;
+        if check().await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "condition not reached within 10s"
+        );
+    }
+}
+
+// ---------------------------------------------------------------- fake tunnel server
+
+#[derive(Debug, Clone)]
+struct Seen {
+    tunnel_id: String,
+    head: RequestHead,
+    chunk_sizes: Vec<usize>,
+    body_len: usize,
+    ended: bool,
+}
+
+#[derive(Clone, Default)]
+struct FakeState {
+    /// Behaviour forced for every call (else the request's `x-fake` header chooses).
+    force: Option<String>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    cancelled: Arc<AtomicUsize>,
+}
+
+struct FakeForward(FakeState);
+
+fn header<'a>(head: &'a RequestHead, name: &str) -> Vec<&'a [u8]> {
+    head.headers
+        .iter()
+        .filter(|h| h.name == name)
+        .map(|h| h.value.as_slice())
+        .collect()
+}
+
+fn error_frame(kind: ForwardErrorKind, call_error: CallErrorKind, msg: &str) -> ForwardResponse {
+    ForwardResponse::of(RespKind::Error(ForwardError {
+        kind: kind as i32,
+        message: msg.into(),
+        call_error: call_error as i32,
+    }))
+}
+
+fn body_frame(data: Vec<u8>, end: bool) -> ForwardResponse {
+    ForwardResponse::of(RespKind::Body(BodyChunk {
+        call_id: 0,
+        data,
+        end,
+    }))
+}
+
+type Out = mpsc::Sender<Result<ForwardResponse, Status>>;
+
+impl FakeState {
+    async fn serve_call(
+        &self,
+        tunnel_id: String,
+        head: RequestHead,
+        mut inbound: Streaming<ForwardRequest>,
+        tx: Out,
+    ) {
+        let behaviour = self.force.clone().unwrap_or_else(|| {
+            header(&head, "x-fake")
+                .first()
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default()
+        });
+        let index = {
+            let mut seen = self.seen.lock().unwrap();
+            seen.push(Seen {
+                tunnel_id,
+                head: head.clone(),
+                chunk_sizes: vec![],
+                body_len: 0,
+                ended: false,
+            });
+            seen.len() - 1
+        };
+        let send = |f: ForwardResponse| {
+            let tx = tx.clone();
+            async move { tx.send(Ok(f)).await.is_ok() }
+        };
+        let response_head = |headers: Vec<Header>, end_of_stream: bool| {
+            ForwardResponse::of(RespKind::Head(ResponseHead {
+                call_id: head.call_id,
+                status: 200,
+                headers,
+                end_of_stream,
+            }))
+        };
+        match behaviour.as_str() {
+            "no_capacity" => {
+                send(error_frame(
+                    ForwardErrorKind::NoCapacity,
+                    CallErrorKind::Unspecified,
+                    "queue full",
+                ))
+                .await;
+            }
+            "unknown_tunnel" => {
+                send(error_frame(
+                    ForwardErrorKind::UnknownTunnel,
+                    CallErrorKind::Unspecified,
+                    "gone",
+                ))
+                .await;
+            }
+            "stream_lost" => {
+                send(error_frame(
+                    ForwardErrorKind::StreamLost,
+                    CallErrorKind::Unspecified,
+                    "agent vanished",
+                ))
+                .await;
+            }
+            "refused" => {
+                send(error_frame(
+                    ForwardErrorKind::Agent,
+                    CallErrorKind::Refused,
+                    "filter says no",
+                ))
+                .await;
+            }
+            "upstream_unreachable" => {
+                send(error_frame(
+                    ForwardErrorKind::Agent,
+                    CallErrorKind::UpstreamUnreachable,
+                    "connect refused",
+                ))
+                .await;
+            }
+            "upstream_timeout" => {
+                send(error_frame(
+                    ForwardErrorKind::Agent,
+                    CallErrorKind::UpstreamTimeout,
+                    "slow",
+                ))
+                .await;
+            }
+            "hang" => {
+                // Never answer; count the dispatcher dropping the call.
+                loop {
+                    tokio::select! {
+                        _ = tx.closed() => break,
+                        m = inbound.message() => if !matches!(m, Ok(Some(_))) { break },
+                    }
+                }
+                tx.closed().await;
+                self.cancelled.fetch_add(1, Ordering::SeqCst);
+            }
+            "head_then_error" => {
+                send(response_head(vec![], false)).await;
+                send(body_frame(vec![1; 1000], false)).await;
+                send(error_frame(
+                    ForwardErrorKind::StreamLost,
+                    CallErrorKind::Unspecified,
+                    "cut",
+                ))
+                .await;
+            }
+            big if big.starts_with("big:") => {
+                let total: usize = big[4..].parse().unwrap();
+                send(response_head(
+                    vec![Header::new("content-type", "application/octet-stream")],
+                    false,
+                ))
+                .await;
+                let chunk = vec![0x5a_u8; MAX_CHUNK];
+                let mut left = total;
+                while left > 0 {
+                    let n = left.min(MAX_CHUNK);
+                    left -= n;
+                    if !send(body_frame(chunk[..n].to_vec(), left == 0)).await {
+                        return;
+                    }
+                }
+            }
+            _ => {
+                // Echo: report what arrived in headers, stream the request body back.
+                let headers = vec![
+                    Header::new("x-seen-method", head.method.clone()),
+                    Header::new("x-seen-path", head.path_and_query.clone()),
+                    Header::new("set-cookie", "a=1"),
+                    Header::new("set-cookie", "b=2"),
+                    Header::new("keep-alive", "timeout=5"),
+                    Header::new("connection", "x-internal"),
+                    Header::new("x-internal", "secret-ish"),
+                ];
+                send(response_head(headers, false)).await;
+                if head.end_of_stream {
+                    send(body_frame(vec![], true)).await;
+                    return;
+                }
+                loop {
+                    match inbound.message().await {
+                        Ok(Some(ForwardRequest {
+                            kind: Some(ReqKind::Body(chunk)),
+                        })) => {
+                            {
+                                let mut seen = self.seen.lock().unwrap();
+                                seen[index].chunk_sizes.push(chunk.data.len());
+                                seen[index].body_len += chunk.data.len();
+                                seen[index].ended = chunk.end;
+                            }
+                            let end = chunk.end;
+                            if !send(body_frame(chunk.data, end)).await || end {
+                                return;
+                            }
+                        }
+                        _ => return,
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Forward for FakeForward {
+    type CallStream = ReceiverStream<Result<ForwardResponse, Status>>;
+
+    async fn call(
+        &self,
+        request: tonic::Request<Streaming<ForwardRequest>>,
+    ) -> Result<tonic::Response<Self::CallStream>, Status> {
+        let mut inbound = request.into_inner();
+        let first = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("no head"))?;
+        let Some(ReqKind::Head(call_head)) = first.kind else {
+            return Err(Status::invalid_argument("head first"));
+        };
+        let head = call_head
+            .request
+            .ok_or_else(|| Status::invalid_argument("no request"))?;
+        let (tx, rx) = mpsc::channel(4);
+        let state = self.0.clone();
+        tokio::spawn(async move {
+            state
+                .serve_call(call_head.tunnel_id, head, inbound, tx)
+                .await
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+struct Fake {
+    url: String,
+    state: FakeState,
+}
+
+async fn start_fake(force: Option<&str>) -> Fake {
+    let listener = bind().await;
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let state = FakeState {
+        force: force.map(str::to_string),
+        ..Default::default()
+    };
+    let svc = ForwardServer::new(FakeForward(state.clone()));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    Fake { url, state }
+}
+
+impl Fake {
+    fn seen(&self) -> Vec<Seen> {
+        self.state.seen.lock().unwrap().clone()
+    }
+}
+
+/// A tunnel server's report stream; dropping `tx` ends it.
+struct Announcer {
+    tx: mpsc::Sender<ServerReport>,
+    result: tokio::task::JoinHandle<Result<tonic::Response<relay_proto::ReportAck>, Status>>,
+}
+
+async fn report_stream(registry: SocketAddr, first: Vec<ServerReport>) -> Announcer {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{registry}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    for f in first {
+        tx.send(f).await.unwrap();
+    }
+    let result = tokio::spawn(async move {
+        RegistryClient::new(channel)
+            .report(ReceiverStream::new(rx))
+            .await
+    });
+    Announcer { tx, result }
+}
+
+fn intro(server_id: &str, forward_url: &str) -> ServerReport {
+    ServerReport {
+        kind: Some(ReportKind::Intro(ServerIntro {
+            server_id: server_id.into(),
+            zone: "zone-a".into(),
+            forward_url: forward_url.into(),
+            protocol_version: relay_proto::PROTOCOL_VERSION,
+        })),
+    }
+}
+
+fn up(tunnel_id: &str) -> ServerReport {
+    ServerReport {
+        kind: Some(ReportKind::TunnelUp(TunnelUp {
+            tunnel_id: tunnel_id.into(),
+        })),
+    }
+}
+
+async fn announce(
+    d: &Dispatcher,
+    server_id: &str,
+    forward_url: &str,
+    tunnel_id: &str,
+) -> Announcer {
+    let a = report_stream(
+        d.registry,
+        vec![intro(server_id, forward_url), up(tunnel_id)],
+    )
+    .await;
+    d.wait_route(tunnel_id, server_id, true).await;
+    a
+}
+
+// ---------------------------------------------------------------- tests
+
+#[tokio::test]
+async fn get_round_trips_with_query_and_headers_but_no_credentials_or_hop_by_hop() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(None).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+
+    let req = d
+        .request(
+            Method::GET,
+            "/relay/demo/api/v1/items?x=1&y=two%20words",
+            Some(KEY),
+        )
+        .header("x-custom", "a")
+        .header("x-custom", "b")
+        .header("connection", "keep-alive, x-hop")
+        .header("x-hop", "1")
+        .header("proxy-authorization", "Basic Zm9v")
+        .header("x-relay-timeout-ms", "2000")
+        .body(empty())
+        .unwrap();
+    let answer = d.send(req).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(answer.headers["x-seen-method"], "GET");
+    assert_eq!(
+        answer.headers["x-seen-path"],
+        "/api/v1/items?x=1&y=two%20words"
+    );
+    let cookies: Vec<_> = answer.headers.get_all("set-cookie").iter().collect();
+    assert_eq!(cookies, ["a=1", "b=2"]);
+    assert!(answer.headers.get("keep-alive").is_none());
+    assert!(
+        answer.headers.get("x-internal").is_none(),
+        "named in the response's Connection header"
+    );
+    assert_eq!(answer.body.unwrap(), Bytes::new());
+
+    let seen = fake.seen();
+    assert_eq!(seen.len(), 1);
+    let head = &seen[0].head;
+    assert_eq!(seen[0].tunnel_id, "demo");
+    assert_eq!(head.method, "GET");
+    assert_eq!(head.path_and_query, "/api/v1/items?x=1&y=two%20words");
+    assert!(head.end_of_stream);
+    assert!(
+        head.deadline_ms > 0 && head.deadline_ms <= 2000,
+        "deadline_ms {}",
+        head.deadline_ms
+    );
+    assert_eq!(header(head, "x-custom"), [b"a".as_slice(), b"b".as_slice()]);
+    for gone in [
+        "authorization",
+        "connection",
+        "x-hop",
+        "proxy-authorization",
+        "x-relay-timeout-ms",
+    ] {
+        assert!(
+            header(head, gone).is_empty(),
+            "{gone} must not be forwarded"
+        );
+    }
+    assert!(head
+        .headers
+        .iter()
+        .all(|h| !String::from_utf8_lossy(&h.value).contains(KEY)));
+
+    assert_eq!(
+        d.metric("relay_dispatcher_calls_total{outcome=\"ok\"}")
+            .await,
+        1.0
+    );
+    assert_eq!(
+        d.metric("relay_dispatcher_routing_decisions_total{server_id=\"ts-1\"}")
+            .await,
+        1.0
+    );
+    assert!(!d.admin_get("/metrics").await.contains(KEY));
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn post_body_streams_through_in_bounded_chunks() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(None).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+
+    // A streamed request body of several frames, one bigger than MAX_CHUNK.
+    let parts: Vec<Bytes> = vec![
+        Bytes::from(vec![1u8; 1000]),
+        Bytes::from(
+            (0..(MAX_CHUNK * 3 + 17))
+                .map(|i| (i % 251) as u8)
+                .collect::<Vec<u8>>(),
+        ),
+        Bytes::from_static(b"tail"),
+    ];
+    let expected: Vec<u8> = parts.iter().flat_map(|b| b.to_vec()).collect();
+    let stream =
+        futures::stream::iter(parts.into_iter().map(|b| Ok::<_, BoxError>(Frame::data(b))));
+    let req = d
+        .request(Method::POST, "/relay/demo/upload", Some(KEY))
+        .body(BodyExt::boxed(StreamBody::new(stream)))
+        .unwrap();
+    let answer = d.send(req).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(answer.body.unwrap().as_ref(), expected.as_slice());
+
+    let seen = &fake.seen()[0];
+    assert_eq!(seen.head.method, "POST");
+    assert!(!seen.head.end_of_stream);
+    assert_eq!(seen.body_len, expected.len());
+    assert!(seen.ended);
+    assert!(
+        seen.chunk_sizes.iter().all(|n| *n <= MAX_CHUNK),
+        "{:?}",
+        seen.chunk_sizes
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_64_mib_response_streams_to_the_caller() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(None).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    let total = 64 * 1024 * 1024;
+    let req = d
+        .request(Method::GET, "/relay/demo/big", Some(KEY))
+        .header("x-fake", format!("big:{total}"))
+        .body(empty())
+        .unwrap();
+    let resp = d.client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let (mut received, mut largest) = (0usize, 0usize);
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            received += data.len();
+            largest = largest.max(data.len());
+        }
+    }
+    assert_eq!(received, total);
+    assert!(
+        largest <= 1024 * 1024,
+        "frames stay small, largest {largest}"
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn missing_or_wrong_caller_key_is_401_json() {
+    let d = start_dispatcher().await;
+    for key in [None, Some("wrong-key")] {
+        let answer = d
+            .send(
+                d.request(Method::GET, "/relay/demo/x", key)
+                    .body(empty())
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(answer.headers["www-authenticate"], "Bearer");
+        assert_eq!(answer.headers["content-type"], "application/json");
+        let json = answer.json();
+        assert_eq!(json["error"], "unauthorized");
+        assert_eq!(json["tunnel_id"], "demo");
+        assert!(json["message"].as_str().unwrap().contains("key"));
+        assert!(!answer.body.unwrap().windows(9).any(|w| w == b"wrong-key"));
+    }
+    assert_eq!(
+        d.metric("relay_dispatcher_calls_total{outcome=\"unauthorized\"}")
+            .await,
+        2.0
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_paths_and_tunnel_ids_are_rejected() {
+    let d = start_dispatcher().await;
+    let a = d
+        .send(
+            d.request(Method::GET, "/other/demo", Some(KEY))
+                .body(empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(
+        (a.status, a.json()["error"].clone()),
+        (StatusCode::NOT_FOUND, "not_found".into())
+    );
+    let a = d
+        .send(
+            d.request(Method::GET, "/relay/bad$id/x", Some(KEY))
+                .body(empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(
+        (a.status, a.json()["error"].clone()),
+        (StatusCode::BAD_REQUEST, "bad_request".into())
+    );
+    assert_eq!(a.json()["tunnel_id"], serde_json::Value::Null);
+    let a = d
+        .send(
+            d.request(Method::GET, "/relay/demo/x", Some(KEY))
+                .header("x-relay-timeout-ms", "soon")
+                .body(empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    let a = d
+        .send(
+            d.request(Method::GET, "/relay/demo/x", Some(KEY))
+                .header("x-big", "v".repeat(70 * 1024))
+                .body(empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn unknown_tunnel_id_is_503_tunnel_unavailable_with_retry_after() {
+    let d = start_dispatcher().await;
+    let answer = d.get("/relay/nobody-home/x", "").await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.headers["retry-after"], "1");
+    let json = answer.json();
+    assert_eq!(json["error"], "tunnel_unavailable");
+    assert_eq!(json["tunnel_id"], "nobody-home");
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn tunnel_server_and_agent_errors_map_to_http_statuses() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(None).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    let cases = [
+        ("no_capacity", 503, "no_capacity"),
+        ("refused", 403, "refused"),
+        ("upstream_unreachable", 502, "upstream_unreachable"),
+        ("upstream_timeout", 504, "upstream_timeout"),
+        ("stream_lost", 502, "stream_lost"),
+        ("unknown_tunnel", 503, "tunnel_unavailable"),
+    ];
+    for (behaviour, status, code) in cases {
+        let answer = d.get("/relay/demo/x", behaviour).await;
+        assert_eq!(answer.status.as_u16(), status, "{behaviour}");
+        let json = answer.json();
+        assert_eq!(json["error"], code, "{behaviour}");
+        assert_eq!(json["tunnel_id"], "demo");
+        if status == 503 {
+            assert_eq!(answer.headers["retry-after"], "1", "{behaviour}");
+        }
+    }
+    let refused = d.get("/relay/demo/x", "refused").await;
+    assert!(refused.json()["message"]
+        .as_str()
+        .unwrap()
+        .contains("filter says no"));
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn no_head_before_the_deadline_is_504_and_the_forward_call_is_dropped() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(None).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    let req = d
+        .request(Method::GET, "/relay/demo/slow", Some(KEY))
+        .header("x-fake", "hang")
+        .header("x-relay-timeout-ms", "300")
+        .body(empty())
+        .unwrap();
+    let answer = d.send(req).await;
+    assert_eq!(answer.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(answer.json()["error"], "deadline_exceeded");
+    let cancelled = fake.state.cancelled.clone();
+    eventually(|| {
+        let c = cancelled.clone();
+        async move { c.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn caller_disconnect_drops_the_forward_call() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(Some("hang")).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    let req = d
+        .request(Method::GET, "/relay/demo/slow", Some(KEY))
+        .body(empty())
+        .unwrap();
+    let pending = tokio::spawn(d.client.request(req));
+    let seen = fake.state.seen.clone();
+    eventually(|| {
+        let s = seen.clone();
+        async move { !s.lock().unwrap().is_empty() }
+    })
+    .await;
+    pending.abort();
+    let cancelled = fake.state.cancelled.clone();
+    eventually(|| {
+        let c = cancelled.clone();
+        async move { c.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_error_after_the_head_aborts_the_body() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(None).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    let req = d
+        .request(Method::GET, "/relay/demo/x", Some(KEY))
+        .header("x-fake", "head_then_error")
+        .body(empty())
+        .unwrap();
+    // The head and the first bytes may leave in one write, so the caller sees either a cut
+    // response or a cut body: never a complete one.
+    match d.client.request(req).await {
+        Err(_) => {}
+        Ok(resp) => {
+            assert_eq!(resp.status(), StatusCode::OK);
+            assert!(
+                resp.into_body().collect().await.is_err(),
+                "a truncated body must not look complete"
+            );
+        }
+    }
+    assert_eq!(
+        d.metric("relay_dispatcher_calls_total{outcome=\"aborted\"}")
+            .await,
+        1.0
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn retries_on_another_server_when_the_newest_is_unreachable() {
+    let d = start_dispatcher().await;
+    let good = start_fake(None).await;
+    let _good = announce(&d, "ts-good", &good.url, "demo").await;
+    let dead_url = {
+        let l = bind().await;
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    // Announced last, so tried first.
+    let _dead = announce(&d, "ts-dead", &dead_url, "demo").await;
+
+    let req = d
+        .request(Method::POST, "/relay/demo/x", Some(KEY))
+        .body(
+            Full::new(Bytes::from_static(b"payload"))
+                .map_err(|n| match n {})
+                .boxed(),
+        )
+        .unwrap();
+    let answer = d.send(req).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(
+        answer.body.unwrap(),
+        Bytes::from_static(b"payload"),
+        "the body is replayed on the retry"
+    );
+    assert_eq!(good.seen().len(), 1);
+    assert_eq!(d.metric("relay_dispatcher_retries_total").await, 1.0);
+    assert_eq!(
+        d.metric("relay_dispatcher_routing_decisions_total{server_id=\"ts-dead\"}")
+            .await,
+        1.0
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn retries_on_another_server_when_the_newest_lost_the_tunnel() {
+    let d = start_dispatcher().await;
+    let good = start_fake(None).await;
+    let stale = start_fake(Some("unknown_tunnel")).await;
+    let _good = announce(&d, "ts-good", &good.url, "demo").await;
+    let _stale = announce(&d, "ts-stale", &stale.url, "demo").await;
+    let answer = d.get("/relay/demo/x", "").await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!((stale.seen().len(), good.seen().len()), (1, 1));
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_report_stream_ending_removes_its_server() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(None).await;
+    let a = announce(&d, "ts-1", &fake.url, "demo").await;
+    assert_eq!(d.get("/relay/demo/x", "").await.status, StatusCode::OK);
+    assert_eq!(d.metric("relay_dispatcher_tunnel_servers").await, 1.0);
+    let ready: serde_json::Value = serde_json::from_str(&d.admin_get("/readyz").await).unwrap();
+    assert_eq!(ready["detail"]["tunnels"], 1);
+
+    drop(a.tx);
+    assert!(a.result.await.unwrap().is_ok());
+    d.wait_route("demo", "ts-1", false).await;
+    let answer = d.get("/relay/demo/x", "").await;
+    assert_eq!(answer.json()["error"], "tunnel_unavailable");
+    assert_eq!(d.metric("relay_dispatcher_tunnel_servers").await, 0.0);
+    assert_eq!(d.metric("relay_dispatcher_tunnels").await, 0.0);
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_report_stream_without_an_intro_is_refused() {
+    let d = start_dispatcher().await;
+    let a = report_stream(d.registry, vec![up("demo")]).await;
+    let status = a.result.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status.message().contains("ServerIntro"),
+        "{}",
+        status.message()
+    );
+
+    let fake = start_fake(None).await;
+    let a = report_stream(d.registry, vec![intro("ts-1", &fake.url), up("bad id!")]).await;
+    let status = a.result.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert_eq!(d.metric("relay_dispatcher_tunnel_servers").await, 0.0);
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_ends_report_streams_and_returns() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(None).await;
+    let a = announce(&d, "ts-1", &fake.url, "demo").await;
+    d.shutdown().await;
+    let status = a.result.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+    drop(a.tx);
+}
+
+#[tokio::test]
+async fn h2c_callers_are_served() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(None).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    let h2: Client<HttpConnector, TestBody> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let req = d
+        .request(Method::POST, "/relay/demo/h2?q=1", Some(KEY))
+        .body(
+            Full::new(Bytes::from_static(b"over h2"))
+                .map_err(|n| match n {})
+                .boxed(),
+        )
+        .unwrap();
+    let resp = h2.request(req).await.unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["x-seen-path"], "/h2?q=1");
+    assert_eq!(
+        resp.into_body().collect().await.unwrap().to_bytes(),
+        Bytes::from_static(b"over h2")
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_lets_a_call_in_flight_finish() {
+    let d = start_dispatcher().await;
+    let fake = start_fake(Some("hang")).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    let req = d
+        .request(Method::GET, "/relay/demo/slow", Some(KEY))
+        .header("x-relay-timeout-ms", "500")
+        .body(empty())
+        .unwrap();
+    let in_flight = tokio::spawn(d.client.request(req));
+    let seen = fake.state.seen.clone();
+    eventually(|| {
+        let s = seen.clone();
+        async move { !s.lock().unwrap().is_empty() }
+    })
+    .await;
+    let http = d.http;
+    d.shutdown().await;
+    // The call got its answer (the deadline's 504) instead of a cut connection.
+    let resp = in_flight
+        .await
+        .unwrap()
+        .expect("the call in flight is answered");
+    assert_eq!(resp.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert!(
+        tokio::net::TcpStream::connect(http).await.is_err(),
+        "no longer accepting"
+    );
+}

@@ -1,0 +1,380 @@
+//! The relay end to end on real sockets: a backend's call enters the dispatcher, crosses a
+//! tunnel server and one of the agent's streams, reaches the upstream, and the answer
+//! streams back. Bad input gets the documented status and JSON reason.
+
+use bytes::Bytes;
+use http::Method;
+use http_body_util::BodyExt;
+use relay_agent::coverage::plan::CoverageConfig;
+use relay_tests::client::Caller;
+use relay_tests::stack::{Stack, TUNNEL_ID};
+use relay_tests::upstream::pattern_byte;
+use std::time::Duration;
+use tokio::time::Instant;
+
+const READY: Duration = Duration::from_secs(20);
+
+fn fixed_pool(n: u32) -> CoverageConfig {
+    CoverageConfig {
+        enabled: false,
+        fixed_streams: n,
+        ..CoverageConfig::default()
+    }
+}
+
+async fn eventually<F, Fut>(what: &str, within: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "not true within {within:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_and_post_round_trip_byte_for_byte() {
+    let stack = Stack::builder().start().await.unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let caller = stack.caller();
+
+    let mut req = caller.request(
+        Method::GET,
+        &format!("/relay/{TUNNEL_ID}/echo/a%20b?x=1&y=%C3%A9&x=2"),
+        Bytes::new(),
+    );
+    req.headers_mut().append("x-custom", "one".parse().unwrap());
+    req.headers_mut().append("x-custom", "two".parse().unwrap());
+    let a = caller.call(req).await.unwrap();
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.headers["x-echo-method"], "GET");
+    assert_eq!(a.headers["x-echo-path"], "/echo/a%20b?x=1&y=%C3%A9&x=2");
+    let seen = a.headers["x-echo-headers"].to_str().unwrap().to_string();
+    assert!(
+        seen.contains("one") && seen.contains("two"),
+        "repeated header lost: {seen}"
+    );
+    assert!(
+        !seen.to_ascii_lowercase().contains("dev-caller-key"),
+        "the caller key reached the upstream: {seen}"
+    );
+
+    let body: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
+    let mut req = caller.request(
+        Method::POST,
+        &format!("/relay/{TUNNEL_ID}/echo"),
+        body.clone(),
+    );
+    req.headers_mut()
+        .insert("content-type", "application/octet-stream".parse().unwrap());
+    let a = caller.call(req).await.unwrap();
+    assert_eq!(a.status, 200);
+    assert_eq!(a.headers["x-echo-method"], "POST");
+    assert_eq!(&a.body[..], &body[..]);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_1_mib_request_body_and_a_64_mib_streamed_response_pass() {
+    let stack = Stack::builder().start().await.unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let caller = stack.caller();
+
+    let body: Vec<u8> = (0..1024 * 1024u64).map(pattern_byte).collect();
+    let a = caller
+        .call(caller.request(
+            Method::PUT,
+            &format!("/relay/{TUNNEL_ID}/echo"),
+            body.clone(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(a.status, 200);
+    assert_eq!(a.body.len(), body.len());
+    assert!(a.body[..] == body[..], "1 MiB body changed in transit");
+
+    const N: u64 = 64 * 1024 * 1024;
+    let resp = caller
+        .send(caller.request(
+            Method::GET,
+            &format!("/relay/{TUNNEL_ID}/bytes/{N}"),
+            Bytes::new(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut at = 0u64;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.unwrap();
+        if let Some(data) = frame.data_ref() {
+            for (i, b) in data.iter().enumerate() {
+                assert_eq!(
+                    *b,
+                    pattern_byte(at + i as u64),
+                    "byte {} differs",
+                    at + i as u64
+                );
+            }
+            at += data.len() as u64;
+        }
+    }
+    assert_eq!(at, N);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_concurrent_calls_against_a_slow_upstream_all_complete() {
+    let stack = Stack::builder().start().await.unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let caller = stack.caller();
+    let calls = (0..200).map(|i| {
+        let caller = caller.clone();
+        tokio::spawn(async move {
+            let mut req = caller.request(
+                Method::GET,
+                &format!("/relay/{TUNNEL_ID}/slow/200?i={i}"),
+                Bytes::new(),
+            );
+            req.headers_mut()
+                .insert("x-relay-timeout-ms", "30000".parse().unwrap());
+            caller.call(req).await
+        })
+    });
+    let answers = futures::future::join_all(calls).await;
+    let mut ok = 0;
+    for a in answers {
+        let a = a.unwrap().unwrap();
+        assert_eq!(a.status, 200, "{}", a.text());
+        ok += 1;
+    }
+    assert_eq!(ok, 200);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_or_wrong_caller_key_gets_401_with_a_json_reason() {
+    let stack = Stack::builder().start().await.unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    for key in [None, Some("not-the-key")] {
+        let a = Caller::new(stack.http, key)
+            .get(&format!("/relay/{TUNNEL_ID}/hello"))
+            .await
+            .unwrap();
+        assert_eq!(a.status, 401);
+        assert_eq!(a.json()["error"], "unauthorized", "{}", a.text());
+        assert!(a.json()["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(
+            !a.text().contains("not-the-key"),
+            "the key is echoed: {}",
+            a.text()
+        );
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_tunnel_id_gets_503_with_retry_after() {
+    let stack = Stack::builder().start().await.unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let a = stack
+        .caller()
+        .get("/relay/nobody-here/hello")
+        .await
+        .unwrap();
+    assert_eq!(a.status, 503);
+    assert_eq!(a.json()["error"], "tunnel_unavailable", "{}", a.text());
+    assert_eq!(a.json()["tunnel_id"], "nobody-here");
+    assert!(a.headers.contains_key("retry-after"));
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_stream_free_before_the_deadline_gets_503_no_capacity() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed_pool(1))
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let caller = stack.caller();
+    // The agent's only stream is held by a slow call.
+    let holder = {
+        let caller = caller.clone();
+        tokio::spawn(async move { caller.get(&format!("/relay/{TUNNEL_ID}/slow/3000")).await })
+    };
+    eventually("the slow call holds the stream", READY, || async {
+        stack.upstream.in_flight() == 1
+    })
+    .await;
+    let mut req = caller.request(
+        Method::GET,
+        &format!("/relay/{TUNNEL_ID}/hello"),
+        Bytes::new(),
+    );
+    req.headers_mut()
+        .insert("x-relay-timeout-ms", "300".parse().unwrap());
+    let started = Instant::now();
+    let a = caller.call(req).await.unwrap();
+    assert_eq!(a.status, 503, "{}", a.text());
+    assert_eq!(a.json()["error"], "no_capacity", "{}", a.text());
+    assert!(a.headers.contains_key("retry-after"));
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "the queued call outlived its deadline"
+    );
+    assert_eq!(holder.await.unwrap().unwrap().status, 200);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_upstream_gets_502_and_the_stream_serves_the_next_call() {
+    // A port with nothing listening.
+    let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead_url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed_pool(1))
+        .agent_config(move |c| c.upstream = dead_url)
+        .start()
+        .await
+        .unwrap();
+    let caller = stack.caller();
+    let mut last = None;
+    let deadline = Instant::now() + READY;
+    while Instant::now() < deadline {
+        let a = caller
+            .get(&format!("/relay/{TUNNEL_ID}/hello"))
+            .await
+            .unwrap();
+        if a.status == 502 {
+            last = Some(a);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let a = last.expect("a 502 within the deadline");
+    assert_eq!(a.json()["error"], "upstream_unreachable", "{}", a.text());
+    // The same single stream answers again: it went back to idle.
+    let b = caller
+        .get(&format!("/relay/{TUNNEL_ID}/hello"))
+        .await
+        .unwrap();
+    assert_eq!(b.status, 502, "{}", b.text());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_slow_upstream_gets_504_with_a_json_reason() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed_pool(2))
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let caller = stack.caller();
+    let mut req = caller.request(
+        Method::GET,
+        &format!("/relay/{TUNNEL_ID}/slow/5000"),
+        Bytes::new(),
+    );
+    req.headers_mut()
+        .insert("x-relay-timeout-ms", "400".parse().unwrap());
+    let a = caller.call(req).await.unwrap();
+    assert_eq!(a.status, 504, "{}", a.text());
+    let code = a.json()["error"].as_str().unwrap_or_default().to_string();
+    assert!(
+        code == "upstream_timeout" || code == "deadline_exceeded",
+        "{}",
+        a.text()
+    );
+    // Streams are reusable afterwards.
+    let b = caller
+        .get(&format!("/relay/{TUNNEL_ID}/hello"))
+        .await
+        .unwrap();
+    assert_eq!(b.status, 200);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_leaving_mid_call_cancels_the_upstream_and_frees_the_stream() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed_pool(1))
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let caller = stack.caller();
+    let pending = {
+        let caller = caller.clone();
+        tokio::spawn(async move { caller.get(&format!("/relay/{TUNNEL_ID}/slow/10000")).await })
+    };
+    eventually("the call reached the upstream", READY, || async {
+        stack.upstream.in_flight() == 1
+    })
+    .await;
+    pending.abort();
+    eventually("the upstream request was dropped", READY, || async {
+        stack.upstream.in_flight() == 0 && stack.upstream.cancelled() >= 1
+    })
+    .await;
+    // The single stream is idle again and serves the next call.
+    let a = caller
+        .get(&format!("/relay/{TUNNEL_ID}/hello"))
+        .await
+        .unwrap();
+    assert_eq!(a.status, 200, "{}", a.text());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_agent_token_is_refused_and_retried_with_backoff() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed_pool(2))
+        .agent_config(|c| c.token = relay_common::Secret::new("not-a-known-token"))
+        .start()
+        .await
+        .unwrap();
+    let server = stack.servers[0].as_ref().unwrap();
+    let refused = || {
+        let text = relay_common::admin::render_metrics(&server.registry);
+        text.lines()
+            .find(|l| l.starts_with("relay_tunnel_stream_opens_total{result=\"unauthenticated\"}"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    eventually("the server refused the agent", READY, || async {
+        refused() >= 2.0
+    })
+    .await;
+    // Backoff: over the next second the agent retries only a handful of times.
+    let before = refused();
+    let until = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let during = refused() - before;
+    assert!(
+        during <= 20.0,
+        "agent hammered the server: {during} refused opens in 1 s"
+    );
+    let a = stack
+        .caller()
+        .get(&format!("/relay/{TUNNEL_ID}/hello"))
+        .await
+        .unwrap();
+    assert_eq!(a.status, 503);
+    stack.shutdown().await;
+}
