@@ -4,5 +4,6 @@
 
 pub mod client;
 pub mod lb;
+pub mod metrics;
 pub mod stack;
 pub mod upstream;

@@ -1,0 +1,206 @@
+//! Per-server coverage end to end: a dispatcher, three tunnel servers behind the
+//! stream-placing load-balancer fixture with zone-skewed placement, one agent and an
+//! upstream that takes 200 ms per call. Every call goes to one server (the only one the
+//! dispatcher knows), which the load balancer starves of new streams: the incident.
+//! With coverage off the calls queue behind its single stream; with coverage on the agent
+//! grows there until every call is in flight.
+
+use bytes::Bytes;
+use http::Method;
+use relay_agent::coverage::plan::CoverageConfig;
+use relay_tests::lb::Policy;
+use relay_tests::metrics::histogram;
+use relay_tests::stack::{Stack, TUNNEL_ID};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+
+const CALLS: usize = 500;
+
+/// Zone skew: the first stream lands on server 0 (so it holds one stream and is the
+/// server the calls go to), then 5% of new streams land there and 95% on servers 1 and 2.
+fn zone_skew() -> Policy {
+    Policy::scripted(|n| {
+        if n == 0 {
+            return 0;
+        }
+        match n.wrapping_mul(2_654_435_761) % 100 {
+            0..5 => 0,
+            5..95 => 1,
+            _ => 2,
+        }
+    })
+}
+
+struct Outcome {
+    ok: usize,
+    no_capacity: usize,
+    other: Vec<String>,
+    /// Seconds calls waited for a stream on the routed server, summed.
+    queued_call_seconds: f64,
+    queue_wait_p99: f64,
+    states_seen: BTreeSet<String>,
+    streams_on_routed: u64,
+    /// Client-side latency p99 over all calls, seconds.
+    latency_p99: f64,
+}
+
+async fn run(coverage: CoverageConfig) -> Outcome {
+    let enabled = coverage.enabled;
+    let stack = Stack::builder()
+        .servers(3)
+        .zones(&["far", "near", "near"])
+        .routed_servers(1)
+        .placement(zone_skew())
+        .coverage(coverage)
+        .upstream_latency(Duration::from_millis(200))
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    let routed = stack.servers[0].as_ref().unwrap().server_id.clone();
+
+    // Watch /systemcheck while the load runs.
+    let states = Arc::new(Mutex::new(BTreeSet::new()));
+    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let admin = stack.agent_admin.unwrap();
+    let watcher = {
+        let (states, watching, routed) = (states.clone(), watching.clone(), routed.clone());
+        tokio::spawn(async move {
+            let client = relay_tests::client::Caller::new(admin, None);
+            while watching.load(std::sync::atomic::Ordering::SeqCst) {
+                if let Ok(a) = client.get("/systemcheck").await {
+                    for s in a.json()["servers"].as_array().into_iter().flatten() {
+                        if s["server_id"] == routed.as_str() {
+                            if let Some(st) = s["state"].as_str() {
+                                states.lock().unwrap().insert(st.to_string());
+                            }
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    let caller = stack.caller();
+    let calls = (0..CALLS).map(|i| {
+        let caller = caller.clone();
+        tokio::spawn(async move {
+            let mut req = caller.request(
+                Method::GET,
+                &format!("/relay/{TUNNEL_ID}/hello?i={i}"),
+                Bytes::new(),
+            );
+            req.headers_mut()
+                .insert("x-relay-timeout-ms", "15000".parse().unwrap());
+            let t = Instant::now();
+            (caller.call(req).await, t.elapsed())
+        })
+    });
+    let answers = futures::future::join_all(calls).await;
+    // After the load the routed server settles as covered (coverage on).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while enabled && !states.lock().unwrap().contains("covered") && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    watching.store(false, std::sync::atomic::Ordering::SeqCst);
+    let _ = watcher.await;
+
+    let mut out = Outcome {
+        ok: 0,
+        no_capacity: 0,
+        other: vec![],
+        queued_call_seconds: 0.0,
+        queue_wait_p99: 0.0,
+        states_seen: BTreeSet::new(),
+        streams_on_routed: 0,
+        latency_p99: 0.0,
+    };
+    let mut latencies = Vec::new();
+    for a in answers {
+        let (a, took) = a.unwrap();
+        latencies.push(took.as_secs_f64());
+        match a {
+            Ok(a) if a.status == 200 => out.ok += 1,
+            Ok(a) if a.status == 503 && a.json()["error"] == "no_capacity" => out.no_capacity += 1,
+            Ok(a) => out.other.push(format!("{} {}", a.status, a.text())),
+            Err(e) => out.other.push(e.to_string()),
+        }
+    }
+    latencies.sort_by(f64::total_cmp);
+    out.latency_p99 = latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)];
+    let server = stack.servers[0].as_ref().unwrap();
+    let wait = histogram(&server.registry, "relay_tunnel_queue_wait_seconds");
+    out.queued_call_seconds = wait.sum;
+    out.queue_wait_p99 = wait.quantile(0.99);
+    out.states_seen = states.lock().unwrap().clone();
+    out.streams_on_routed = relay_tests::metrics::value(
+        &server.registry,
+        "relay_tunnel_streams",
+        &[("tunnel_id", TUNNEL_ID)],
+    ) as u64;
+    stack.shutdown().await;
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zone_skew_incident_queues_without_coverage_and_is_cured_with_it() {
+    let started = Instant::now();
+    let off = run(CoverageConfig {
+        enabled: false,
+        fixed_streams: 8,
+        ..CoverageConfig::default()
+    })
+    .await;
+    eprintln!(
+        "coverage off: ok {} no_capacity {} other {} queued call-seconds {:.1} queue-wait p99 <= {:.3}s call p99 {:.3}s streams on routed server {} ({:.1}s)",
+        off.ok, off.no_capacity, off.other.len(), off.queued_call_seconds, off.queue_wait_p99, off.latency_p99, off.streams_on_routed, started.elapsed().as_secs_f64()
+    );
+    let started = Instant::now();
+    let on = run(CoverageConfig::default()).await;
+    eprintln!(
+        "coverage on: ok {} no_capacity {} other {} queued call-seconds {:.1} queue-wait p99 <= {:.3}s call p99 {:.3}s streams on routed server {} states {:?} ({:.1}s)",
+        on.ok, on.no_capacity, on.other.len(), on.queued_call_seconds, on.queue_wait_p99, on.latency_p99, on.streams_on_routed, on.states_seen, started.elapsed().as_secs_f64()
+    );
+
+    // The incident: the routed server holds one stream and calls queue behind it.
+    assert_eq!(
+        off.streams_on_routed, 1,
+        "coverage off keeps the routed server at its single stream"
+    );
+    assert!(
+        off.no_capacity > 0,
+        "coverage off: calls should have queued out; other: {:?}",
+        &off.other[..off.other.len().min(3)]
+    );
+    // Cured: every call completes, none is turned away.
+    assert_eq!(
+        on.ok,
+        CALLS,
+        "coverage on: no_capacity {} other {:?}",
+        on.no_capacity,
+        &on.other[..on.other.len().min(3)]
+    );
+    assert!(
+        on.streams_on_routed > 8,
+        "coverage on grew the routed server: {}",
+        on.streams_on_routed
+    );
+    assert!(
+        on.queued_call_seconds < off.queued_call_seconds,
+        "queueing fell with coverage on"
+    );
+    // /systemcheck reported the routed server growing under load and covered after it.
+    assert!(
+        on.states_seen.contains("growing"),
+        "states seen: {:?}",
+        on.states_seen
+    );
+    assert!(
+        on.states_seen.contains("covered"),
+        "states seen: {:?}",
+        on.states_seen
+    );
+}
