@@ -6,8 +6,11 @@
 
 pub mod admin;
 pub mod config;
+#[cfg(any(test, feature = "dev-certs"))]
+pub mod devcerts;
 pub mod secret;
 pub mod shutdown;
 pub mod telemetry;
+pub mod tls;
 
 pub use secret::Secret;

@@ -1,0 +1,542 @@
+//! TLS for every hop, with rustls: server and client configs built from PEM files,
+//! mutual TLS where a client CA is configured, and reloading on SIGHUP or when a file
+//! changes, without dropping established connections (each new handshake uses the newest
+//! config; live connections keep theirs).
+//!
+//! This module owns certificates and handshakes only; it knows nothing of tunnels or
+//! calls. A config that fails to load on reload is logged and the previous one stays.
+
+use arc_swap::ArcSwap;
+use futures::Stream;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls_pki_types::pem::PemObject;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// ALPN for gRPC hops: HTTP/2 only.
+pub const ALPN_H2: &[&[u8]] = &[b"h2"];
+/// ALPN for the dispatcher's HTTP front: HTTP/2 and HTTP/1.1.
+pub const ALPN_HTTP: &[&[u8]] = &[b"h2", b"http/1.1"];
+
+/// Longest a TLS handshake may take before the connection is dropped.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `[tls]` of a listener.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ServerTls {
+    /// PEM certificate chain presented to clients.
+    pub cert: PathBuf,
+    /// PEM private key of `cert`.
+    pub key: PathBuf,
+    /// PEM bundle of CAs whose client certificates are accepted. Set: mutual TLS.
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+    /// With `client_ca`: accept clients without a certificate too (they are then
+    /// authenticated by other means, e.g. a token).
+    #[serde(default)]
+    pub client_cert_optional: bool,
+}
+
+/// `[tls]` of a client (dialer).
+#[derive(Clone, Debug, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ClientTls {
+    /// PEM bundle of CAs trusted to sign the server's certificate.
+    pub ca: Option<PathBuf>,
+    /// PEM client certificate chain, for servers that require mutual TLS.
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// PEM private key of `cert`.
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+    /// Name to verify in the server's certificate instead of the URL's host.
+    #[serde(default)]
+    pub server_name: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {path}: {message}")]
+    Read { path: PathBuf, message: String },
+    #[error("{path}: no certificate found")]
+    NoCertificate { path: PathBuf },
+    #[error("{0}")]
+    Rustls(#[from] rustls::Error),
+    #[error("client CA: {0}")]
+    Verifier(String),
+    #[error("tls key `{key}`: {message}")]
+    Config { key: &'static str, message: String },
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| TlsError::Read {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(certs)
+}
+
+fn key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| TlsError::Read {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+fn roots(path: &Path) -> Result<RootCertStore, TlsError> {
+    let mut store = RootCertStore::empty();
+    for c in certs(path)? {
+        store.add(c)?;
+    }
+    Ok(store)
+}
+
+/// Builds a server config from PEM files.
+pub fn server_config(s: &ServerTls, alpn: &[&[u8]]) -> Result<ServerConfig, TlsError> {
+    let builder =
+        ServerConfig::builder_with_provider(provider()).with_safe_default_protocol_versions()?;
+    let builder = match &s.client_ca {
+        Some(ca) => {
+            let v = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots(ca)?),
+                provider(),
+            );
+            let v = if s.client_cert_optional {
+                v.allow_unauthenticated()
+            } else {
+                v
+            };
+            builder.with_client_cert_verifier(
+                v.build().map_err(|e| TlsError::Verifier(e.to_string()))?,
+            )
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_single_cert(certs(&s.cert)?, key(&s.key)?)?;
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// Builds a client config from PEM files.
+pub fn client_config(c: &ClientTls, alpn: &[&[u8]]) -> Result<ClientConfig, TlsError> {
+    let Some(ca) = &c.ca else {
+        return Err(TlsError::Config {
+            key: "ca",
+            message: "a CA bundle is required to verify the server".into(),
+        });
+    };
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots(ca)?);
+    let mut config = match (&c.cert, &c.key) {
+        (Some(cert), Some(k)) => builder.with_client_auth_cert(certs(cert)?, key(k)?)?,
+        (None, None) => builder.with_no_client_auth(),
+        _ => {
+            return Err(TlsError::Config {
+                key: "cert",
+                message: "cert and key must be given together".into(),
+            })
+        }
+    };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// Something that can rebuild itself from its files.
+pub trait Reload: Send + Sync {
+    /// Rebuilds from the files; on error the old config stays.
+    fn reload(&self) -> Result<(), TlsError>;
+    /// The files it is built from (watched for changes).
+    fn files(&self) -> Vec<PathBuf>;
+    /// For log lines.
+    fn name(&self) -> &str;
+}
+
+/// A server config that can be swapped while serving.
+#[derive(Clone)]
+pub struct TlsServer {
+    settings: ServerTls,
+    alpn: &'static [&'static [u8]],
+    current: Arc<ArcSwap<ServerConfig>>,
+    name: &'static str,
+}
+
+impl TlsServer {
+    pub fn new(
+        name: &'static str,
+        settings: ServerTls,
+        alpn: &'static [&'static [u8]],
+    ) -> Result<Self, TlsError> {
+        let config = server_config(&settings, alpn)?;
+        Ok(TlsServer {
+            settings,
+            alpn,
+            current: Arc::new(ArcSwap::from_pointee(config)),
+            name,
+        })
+    }
+
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.current.load_full())
+    }
+}
+
+impl Reload for TlsServer {
+    fn reload(&self) -> Result<(), TlsError> {
+        self.current
+            .store(Arc::new(server_config(&self.settings, self.alpn)?));
+        Ok(())
+    }
+
+    fn files(&self) -> Vec<PathBuf> {
+        let mut f = vec![self.settings.cert.clone(), self.settings.key.clone()];
+        f.extend(self.settings.client_ca.clone());
+        f
+    }
+
+    fn name(&self) -> &str {
+        self.name
+    }
+}
+
+/// A client config that can be swapped while dialing.
+#[derive(Clone)]
+pub struct TlsClient {
+    settings: ClientTls,
+    alpn: &'static [&'static [u8]],
+    current: Arc<ArcSwap<ClientConfig>>,
+    name: &'static str,
+}
+
+impl TlsClient {
+    pub fn new(
+        name: &'static str,
+        settings: ClientTls,
+        alpn: &'static [&'static [u8]],
+    ) -> Result<Self, TlsError> {
+        let config = client_config(&settings, alpn)?;
+        Ok(TlsClient {
+            settings,
+            alpn,
+            current: Arc::new(ArcSwap::from_pointee(config)),
+            name,
+        })
+    }
+
+    /// Opens TCP to `addr` and runs the handshake, verifying `host` (or the configured
+    /// `server_name`).
+    pub async fn connect(
+        &self,
+        host: &str,
+        addr: &str,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let tcp = TcpStream::connect(addr).await?;
+        let _ = tcp.set_nodelay(true);
+        let name = self
+            .settings
+            .server_name
+            .as_deref()
+            .unwrap_or(host)
+            .to_string();
+        let name = ServerName::try_from(name)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let connector = tokio_rustls::TlsConnector::from(self.current.load_full());
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, connector.connect(name, tcp))
+            .await
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "tls handshake timed out")
+            })?
+    }
+
+    /// A connector for `tonic::transport::Endpoint::connect_with_connector`: dials the
+    /// URI's host and port over TLS.
+    pub fn tonic_connector(
+        &self,
+    ) -> impl tower::Service<
+        http::Uri,
+        Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>,
+        Error = std::io::Error,
+        Future = Pin<
+            Box<
+                dyn std::future::Future<
+                        Output = std::io::Result<
+                            hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>,
+                        >,
+                    > + Send,
+            >,
+        >,
+    > + Clone
+           + Send
+           + 'static {
+        let me = self.clone();
+        tower::service_fn(move |uri: http::Uri| {
+            let me = me.clone();
+            Box::pin(async move {
+                let host = uri
+                    .host()
+                    .ok_or_else(|| {
+                        std::io::Error::new(std::io::ErrorKind::InvalidInput, "url without a host")
+                    })?
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_string();
+                let port = uri.port_u16().unwrap_or(443);
+                let addr = if host.contains(':') {
+                    format!("[{host}]:{port}")
+                } else {
+                    format!("{host}:{port}")
+                };
+                let tls = me.connect(&host, &addr).await?;
+                Ok(hyper_util::rt::TokioIo::new(tls))
+            }) as Pin<Box<dyn std::future::Future<Output = _> + Send>>
+        })
+    }
+}
+
+impl Reload for TlsClient {
+    fn reload(&self) -> Result<(), TlsError> {
+        self.current
+            .store(Arc::new(client_config(&self.settings, self.alpn)?));
+        Ok(())
+    }
+
+    fn files(&self) -> Vec<PathBuf> {
+        let mut f: Vec<PathBuf> = self.settings.ca.iter().cloned().collect();
+        f.extend(self.settings.cert.clone());
+        f.extend(self.settings.key.clone());
+        f
+    }
+
+    fn name(&self) -> &str {
+        self.name
+    }
+}
+
+/// Reloads every item on SIGHUP, and when one of its files changes (checked every
+/// `poll`), until `stop`.
+pub async fn watch(items: Vec<Arc<dyn Reload>>, poll: Duration, stop: CancellationToken) {
+    if items.is_empty() {
+        return;
+    }
+    let stamp = |r: &Arc<dyn Reload>| -> Vec<Option<SystemTime>> {
+        r.files()
+            .iter()
+            .map(|f| std::fs::metadata(f).and_then(|m| m.modified()).ok())
+            .collect()
+    };
+    let mut stamps: Vec<_> = items.iter().map(stamp).collect();
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    let mut tick = tokio::time::interval(poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        #[cfg(unix)]
+        let hup_fut = async {
+            match hup.as_mut() {
+                Some(h) => {
+                    h.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let hup_fut = std::future::pending::<()>();
+        let forced = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            _ = hup_fut => true,
+            _ = tick.tick() => false,
+        };
+        for (i, item) in items.iter().enumerate() {
+            let now = stamp(item);
+            if !forced && now == stamps[i] {
+                continue;
+            }
+            stamps[i] = now;
+            match item.reload() {
+                Ok(()) => info!(what = item.name(), "tls config reloaded"),
+                Err(e) => {
+                    warn!(what = item.name(), error = %e, "tls config reload failed; keeping the previous one")
+                }
+            }
+        }
+    }
+}
+
+/// A server-side connection: plain TCP (where a config says `insecure = true`) or TLS.
+pub enum MaybeTls {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl MaybeTls {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            MaybeTls::Plain(s) => s,
+            MaybeTls::Tls(s) => s.get_ref().0,
+        }
+    }
+
+    /// Whether the peer presented a client certificate that verified.
+    pub fn has_client_cert(&self) -> bool {
+        match self {
+            MaybeTls::Plain(_) => false,
+            MaybeTls::Tls(s) => s
+                .get_ref()
+                .1
+                .peer_certificates()
+                .is_some_and(|c| !c.is_empty()),
+        }
+    }
+}
+
+impl AsyncRead for MaybeTls {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for MaybeTls {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            MaybeTls::Plain(s) => s.is_write_vectored(),
+            MaybeTls::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_flush(cx),
+            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            MaybeTls::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+impl tonic::transport::server::Connected for MaybeTls {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        tonic::transport::server::TcpConnectInfo {
+            local_addr: self.tcp().local_addr().ok(),
+            remote_addr: self.tcp().peer_addr().ok(),
+        }
+    }
+}
+
+/// Accepts connections on `listener` with Nagle off, running TLS handshakes (when `tls`
+/// is set) concurrently so one slow client cannot stall the accept loop. A failed
+/// handshake is logged and skipped; the stream yields only ready connections.
+pub fn incoming(
+    listener: TcpListener,
+    tls: Option<TlsServer>,
+    stop: CancellationToken,
+) -> impl Stream<Item = std::io::Result<MaybeTls>> + Send + 'static {
+    let (tx, rx) = mpsc::channel::<std::io::Result<MaybeTls>>(64);
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer): (TcpStream, SocketAddr) = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return,
+                _ = tx.closed() => return,
+                r = listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = tcp.set_nodelay(true);
+            match &tls {
+                None => {
+                    if tx.send(Ok(MaybeTls::Plain(tcp))).await.is_err() {
+                        return;
+                    }
+                }
+                Some(tls) => {
+                    let acceptor = tls.acceptor();
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                            Ok(Ok(s)) => {
+                                let _ = tx.send(Ok(MaybeTls::Tls(Box::new(s)))).await;
+                            }
+                            Ok(Err(e)) => info!(%peer, error = %e, "tls handshake refused"),
+                            Err(_) => info!(%peer, "tls handshake timed out"),
+                        }
+                    });
+                }
+            }
+        }
+    });
+    tokio_stream_from(rx)
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: mpsc::Receiver<T>,
+) -> impl Stream<Item = T> + Send + 'static {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+#[cfg(test)]
+mod tests;
