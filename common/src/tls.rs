@@ -222,6 +222,11 @@ impl Reload for TlsServer {
     }
 }
 
+/// A dialed TLS connection, ready for hyper/tonic.
+pub type TlsIo = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+/// The future of one TLS dial.
+pub type ConnectFuture = Pin<Box<dyn std::future::Future<Output = std::io::Result<TlsIo>> + Send>>;
+
 /// A client config that can be swapped while dialing.
 #[derive(Clone)]
 pub struct TlsClient {
@@ -277,17 +282,9 @@ impl TlsClient {
         &self,
     ) -> impl tower::Service<
         http::Uri,
-        Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>,
+        Response = TlsIo,
         Error = std::io::Error,
-        Future = Pin<
-            Box<
-                dyn std::future::Future<
-                        Output = std::io::Result<
-                            hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>,
-                        >,
-                    > + Send,
-            >,
-        >,
+        Future = ConnectFuture,
     > + Clone
            + Send
            + 'static {
@@ -311,7 +308,7 @@ impl TlsClient {
                 };
                 let tls = me.connect(&host, &addr).await?;
                 Ok(hyper_util::rt::TokioIo::new(tls))
-            }) as Pin<Box<dyn std::future::Future<Output = _> + Send>>
+            }) as ConnectFuture
         })
     }
 }
