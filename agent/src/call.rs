@@ -4,47 +4,108 @@
 //! exactly one terminal frame (a body chunk with `end`, a head with `end_of_stream`, or a
 //! `CallError`). Upstream errors map to wire error kinds here, once.
 //!
+//! Before the upstream is contacted, a call passes the agent's gates in this order: the
+//! concurrency cap (`coverage.max_inflight` calls at once, a permit held for the call's
+//! life), then `filter::Policy::prepare` (limits, request safety, accept filters). A
+//! refused call gets a `CallError` of kind `REFUSED` whose message names the reason, a
+//! log line (method, path without query, reason) and a count in
+//! `relay_agent_filter_refusals_total{reason}`. The call deadline is the head's
+//! `deadline_ms` (or `call_timeout` when 0), capped at `max_call_timeout`.
+//!
 //! It never reads the tunnel stream itself (the stream task owns that) and never sends a
 //! frame after its terminal one. Dropping the future drops the upstream request: that is
 //! how a Cancel is carried out.
 
 use crate::error::UpstreamError;
-use crate::metrics::CallOutcome;
+use crate::filter::{log_path, short, Policy, Reason, Rejection};
+use crate::metrics::{AgentMetrics, CallOutcome};
 use crate::upstream::{Upstream, UpstreamRequest};
 use bytes::Bytes;
-use http::header::{HeaderMap, HeaderName, HeaderValue};
-use http::Method;
 use relay_proto::agent_frame::Kind;
 use relay_proto::{
     AgentFrame, BodyChunk, CallError, CallErrorKind, Header, RequestHead, ResponseHead,
 };
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio::time::Instant;
+
+/// What every call shares: the upstream client, the accept policy, the concurrency cap,
+/// the deadlines and the metrics.
+pub struct CallContext {
+    upstream: Upstream,
+    policy: Policy,
+    metrics: AgentMetrics,
+    inflight: Arc<Semaphore>,
+    max_inflight: u32,
+    call_timeout: Duration,
+    max_call_timeout: Duration,
+}
+
+impl CallContext {
+    /// `max_inflight` calls may run at once; a call without a deadline gets
+    /// `call_timeout`; no call gets more than `max_call_timeout`.
+    pub fn new(
+        upstream: Upstream,
+        policy: Policy,
+        metrics: AgentMetrics,
+        max_inflight: u32,
+        call_timeout: Duration,
+        max_call_timeout: Duration,
+    ) -> Self {
+        CallContext {
+            upstream,
+            policy,
+            metrics,
+            inflight: Arc::new(Semaphore::new(max_inflight as usize)),
+            max_inflight,
+            call_timeout,
+            max_call_timeout,
+        }
+    }
+}
 
 /// Runs one call to its terminal frame and returns how it ended.
 pub(crate) async fn run_call(
-    upstream: Upstream,
+    ctx: Arc<CallContext>,
     head: RequestHead,
     body: Option<mpsc::Receiver<Bytes>>,
     out: mpsc::Sender<AgentFrame>,
-    default_timeout: Duration,
 ) -> CallOutcome {
     let call_id = head.call_id;
-    let budget = if head.deadline_ms > 0 {
+    let Ok(_permit) = ctx.inflight.clone().try_acquire_owned() else {
+        let refusal = Rejection::Refused {
+            reason: Reason::Concurrency,
+            message: format!(
+                "the agent is already carrying its limit of {} concurrent calls (coverage.max_inflight)",
+                ctx.max_inflight
+            ),
+        };
+        return reject(&ctx, &out, &head, refusal).await;
+    };
+    let asked = if head.deadline_ms > 0 {
         Duration::from_millis(u64::from(head.deadline_ms))
     } else {
-        default_timeout
+        ctx.call_timeout
     };
-    let deadline = Instant::now() + budget;
+    let capped = asked > ctx.max_call_timeout;
+    let deadline = Instant::now() + asked.min(ctx.max_call_timeout);
 
-    let request = match to_request(head, body) {
-        Ok(r) => r,
-        Err(e) => return fail(&out, call_id, &e).await,
+    let prepared = match ctx.policy.prepare(&head) {
+        Ok(p) => p,
+        Err(r) => return reject(&ctx, &out, &head, r).await,
     };
-    let mut response = match upstream.send(request, deadline).await {
+    tracing::debug!(call_id, rule = %prepared.rule, "call allowed");
+    let request = UpstreamRequest {
+        method: prepared.method,
+        path_and_query: prepared.path_and_query.as_str().to_owned(),
+        headers: prepared.headers,
+        body,
+        body_limit: ctx.policy.limits().max_body_bytes,
+    };
+    let mut response = match ctx.upstream.send(request, deadline).await {
         Ok(r) => r,
-        Err(e) => return fail(&out, call_id, &e).await,
+        Err(e) => return fail(&ctx, &out, call_id, &e, capped).await,
     };
 
     let empty = response.is_empty();
@@ -94,8 +155,8 @@ pub(crate) async fn run_call(
     match streamed {
         Ok(Ok(true)) => CallOutcome::Ok,
         Ok(Ok(false)) => CallOutcome::StreamLost,
-        Ok(Err(e)) => fail(&out, call_id, &e).await,
-        Err(_) => fail(&out, call_id, &UpstreamError::Timeout).await,
+        Ok(Err(e)) => fail(&ctx, &out, call_id, &e, capped).await,
+        Err(_) => fail(&ctx, &out, call_id, &UpstreamError::Timeout, capped).await,
     }
 }
 
@@ -109,6 +170,7 @@ pub(crate) fn classify(e: &UpstreamError) -> (CallErrorKind, CallOutcome) {
         ),
         UpstreamError::Timeout => (CallErrorKind::UpstreamTimeout, CallOutcome::UpstreamTimeout),
         UpstreamError::Aborted(_) => (CallErrorKind::UpstreamAborted, CallOutcome::UpstreamAborted),
+        UpstreamError::BodyTooLarge(_) => (CallErrorKind::Refused, CallOutcome::Refused),
     }
 }
 
@@ -125,33 +187,61 @@ pub(crate) fn call_error(
     }))
 }
 
-async fn fail(out: &mpsc::Sender<AgentFrame>, call_id: u64, e: &UpstreamError) -> CallOutcome {
+async fn fail(
+    ctx: &CallContext,
+    out: &mpsc::Sender<AgentFrame>,
+    call_id: u64,
+    e: &UpstreamError,
+    capped: bool,
+) -> CallOutcome {
     let (kind, outcome) = classify(e);
-    tracing::info!(call_id, kind = kind.as_str_name(), error = %e, "call failed");
-    match out.send(call_error(call_id, kind, e.to_string())).await {
+    let message = match e {
+        UpstreamError::Timeout if capped => format!(
+            "{e}: the call's deadline was capped at the agent's max_call_timeout ({}s)",
+            ctx.max_call_timeout.as_secs_f64()
+        ),
+        _ => e.to_string(),
+    };
+    if let UpstreamError::BodyTooLarge(_) = e {
+        ctx.metrics.refused(Reason::BodySize);
+        tracing::warn!(call_id, reason = Reason::BodySize.as_str(), detail = %message, "call refused");
+    } else {
+        tracing::info!(call_id, kind = kind.as_str_name(), error = %message, "call failed");
+    }
+    match out.send(call_error(call_id, kind, message)).await {
         Ok(()) => outcome,
         Err(_) => CallOutcome::StreamLost,
     }
 }
 
-fn to_request(
-    head: RequestHead,
-    body: Option<mpsc::Receiver<Bytes>>,
-) -> Result<UpstreamRequest, UpstreamError> {
-    let method = Method::from_bytes(head.method.as_bytes())
-        .map_err(|_| UpstreamError::BadRequest(format!("invalid method {:?}", head.method)))?;
-    let mut headers = HeaderMap::with_capacity(head.headers.len());
-    for h in head.headers {
-        let name = HeaderName::from_bytes(h.name.as_bytes())
-            .map_err(|_| UpstreamError::BadRequest(format!("invalid header name {:?}", h.name)))?;
-        let value = HeaderValue::from_bytes(&h.value)
-            .map_err(|_| UpstreamError::BadRequest(format!("invalid value for header {name}")))?;
-        headers.append(name, value);
+/// Answers a call the agent will not make: counted, logged (method and path without the
+/// query, escaped), and a CallError naming the reason.
+async fn reject(
+    ctx: &CallContext,
+    out: &mpsc::Sender<AgentFrame>,
+    head: &RequestHead,
+    rejection: Rejection,
+) -> CallOutcome {
+    let call_id = head.call_id;
+    let method = short(&head.method);
+    let path = log_path(&head.path_and_query);
+    let (kind, outcome) = match rejection.reason() {
+        Some(reason) => {
+            ctx.metrics.refused(reason);
+            tracing::warn!(call_id, method = ?method, path = ?path, reason = reason.as_str(), detail = %rejection.message(), "call refused");
+            (CallErrorKind::Refused, CallOutcome::Refused)
+        }
+        None => {
+            tracing::info!(call_id, method = ?method, path = ?path, detail = %rejection.message(), "bad request");
+            (CallErrorKind::BadRequest, CallOutcome::BadRequest)
+        }
+    };
+    let message = match rejection.reason() {
+        Some(reason) => format!("refused ({}): {}", reason.as_str(), rejection.message()),
+        None => rejection.message().to_string(),
+    };
+    match out.send(call_error(call_id, kind, message)).await {
+        Ok(()) => outcome,
+        Err(_) => CallOutcome::StreamLost,
     }
-    Ok(UpstreamRequest {
-        method,
-        path_and_query: head.path_and_query,
-        headers,
-        body,
-    })
 }

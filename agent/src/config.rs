@@ -4,6 +4,8 @@
 //! This module only describes and checks settings; it opens nothing.
 
 use crate::coverage::plan::CoverageConfig;
+pub use crate::filter::AllowRule;
+use crate::filter::{Policy, SizeLimits};
 use http::Uri;
 use relay_common::config::ConfigError;
 use relay_common::Secret;
@@ -38,6 +40,15 @@ pub struct Config {
     /// Bound on a call whose RequestHead carries no deadline (`deadline_ms = 0`).
     #[serde(with = "humantime_serde")]
     pub call_timeout: Duration,
+    /// Longest deadline the cloud side may ask for; a longer `deadline_ms` is capped to it
+    /// (and a call that then times out says so).
+    #[serde(with = "humantime_serde")]
+    pub max_call_timeout: Duration,
+    /// `[limits]`: per-call size bounds.
+    pub limits: LimitsConfig,
+    /// `[[allow]]`: the accept filters, owned by the customer. A call is made only when
+    /// one rule allows it; with no rule every call is refused (default deny).
+    pub allow: Vec<AllowRule>,
     /// Cap on concurrent upstream requests; unset means one per stream (the pool caps it).
     pub max_upstream_connections: Option<usize>,
     /// `[coverage]`: the sizing tick's rules and constants.
@@ -56,6 +67,28 @@ pub struct UpstreamCheckConfig {
     /// Bound on one check.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
+}
+
+/// `[limits]`. The concurrent-call cap is `coverage.max_inflight`.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Bound on one request head as it arrives on the wire: method + target + every
+    /// header's name and value (+4 bytes each). A larger head is refused.
+    pub max_header_bytes: usize,
+    /// Bound on one request body in bytes; unset means no bound. A declared
+    /// Content-Length above it is refused before the upstream is contacted; a streamed
+    /// body that passes it aborts the upstream request.
+    pub max_body_bytes: Option<u64>,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_header_bytes: 64 * 1024,
+            max_body_bytes: None,
+        }
+    }
 }
 
 impl Default for UpstreamCheckConfig {
@@ -83,6 +116,9 @@ impl Default for Config {
             backoff_initial: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
             call_timeout: Duration::from_secs(300),
+            max_call_timeout: Duration::from_secs(3600),
+            limits: LimitsConfig::default(),
+            allow: Vec::new(),
             max_upstream_connections: None,
             coverage: CoverageConfig::default(),
         }
@@ -132,6 +168,19 @@ impl Config {
                 "must be at least backoff_initial",
             ));
         }
+        if self.max_call_timeout < self.call_timeout {
+            return Err(ConfigError::invalid(
+                "max_call_timeout",
+                "must be at least call_timeout",
+            ));
+        }
+        if self.limits.max_header_bytes < 256 {
+            return Err(ConfigError::invalid(
+                "limits.max_header_bytes",
+                "must be at least 256",
+            ));
+        }
+        self.policy()?;
         if self.max_upstream_connections == Some(0) {
             return Err(ConfigError::invalid(
                 "max_upstream_connections",
@@ -152,6 +201,12 @@ impl Config {
                 "must be at least 1 when coverage is off",
             ));
         }
+        if c.max_inflight == 0 {
+            return Err(ConfigError::invalid(
+                "coverage.max_inflight",
+                "must be at least 1",
+            ));
+        }
         if c.fixed_streams > c.max_streams {
             return Err(ConfigError::invalid(
                 "coverage.fixed_streams",
@@ -159,6 +214,19 @@ impl Config {
             ));
         }
         Ok(())
+    }
+}
+
+impl Config {
+    /// The compiled accept policy (`[[allow]]` + `[limits]`); errors name the rule's key.
+    pub fn policy(&self) -> Result<Policy, ConfigError> {
+        Policy::new(
+            &self.allow,
+            SizeLimits {
+                max_header_bytes: self.limits.max_header_bytes,
+                max_body_bytes: self.limits.max_body_bytes,
+            },
+        )
     }
 }
 
@@ -253,6 +321,122 @@ mod tests {
     }
 
     #[test]
+    fn allow_rules_and_limits_parse_from_toml() {
+        let text = r#"
+            token = "t"
+            max_call_timeout = "10m"
+            [limits]
+            max_header_bytes = 16384
+            max_body_bytes = 1048576
+            [[allow]]
+            name = "scm-read"
+            methods = ["GET", "HEAD"]
+            path = "/api/v4/**"
+            [[allow]]
+            methods = ["POST"]
+            path = "/api/v4/projects/*/trigger/pipeline"
+            headers = { "x-api-version" = "2" }
+            query = { ref = "main" }
+        "#;
+        let c: Config = relay_common::config::parse(text, Path::new("agent.toml")).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.allow.len(), 2);
+        assert_eq!(c.allow[0].name.as_deref(), Some("scm-read"));
+        assert_eq!(c.allow[1].query["ref"], "main");
+        assert_eq!(c.limits.max_body_bytes, Some(1 << 20));
+        assert_eq!(c.max_call_timeout, Duration::from_secs(600));
+        assert_eq!(c.policy().unwrap().rule_count(), 2);
+
+        let err = relay_common::config::parse::<Config>(
+            "[[allow]]\nmethods = [\"GET\"]\npath = \"/a\"\nhost = \"x\"",
+            Path::new("a.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("host"), "{err}");
+    }
+
+    #[test]
+    fn example_configs_are_valid() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        for file in ["local/agent.toml", "filters/agent.toml"] {
+            let c: Config = relay_common::config::load(Some(&root.join(file)))
+                .unwrap_or_else(|e| panic!("{file}: {e}"));
+            c.validate().unwrap_or_else(|e| panic!("{file}: {e}"));
+            assert!(!c.allow.is_empty(), "{file} allows something");
+        }
+    }
+
+    #[test]
+    fn example_filters_allow_fetches_and_refuse_pushes() {
+        use crate::filter::Reason;
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/filters/agent.toml");
+        let c: Config = relay_common::config::load(Some(&path)).unwrap();
+        let policy = c.policy().unwrap();
+        let check = |method: &str, target: &str, headers: &[(&str, &str)]| {
+            let head = relay_proto::RequestHead {
+                call_id: 1,
+                method: method.into(),
+                path_and_query: target.into(),
+                headers: headers
+                    .iter()
+                    .map(|(n, v)| relay_proto::Header::new(*n, *v))
+                    .collect(),
+                deadline_ms: 0,
+                end_of_stream: true,
+            };
+            policy.prepare(&head).map(|_| ()).map_err(|r| r.reason())
+        };
+        assert_eq!(check("GET", "/api/v4/projects?page=2", &[]), Ok(()));
+        assert_eq!(
+            check(
+                "GET",
+                "/team/app.git/info/refs?service=git-upload-pack",
+                &[]
+            ),
+            Ok(())
+        );
+        assert_eq!(
+            check(
+                "POST",
+                "/team/app.git/git-upload-pack",
+                &[("content-type", "application/x-git-upload-pack-request")]
+            ),
+            Ok(())
+        );
+        assert_eq!(
+            check("DELETE", "/api/v4/projects/1", &[]),
+            Err(Some(Reason::Method))
+        );
+        assert_eq!(
+            check(
+                "GET",
+                "/team/app.git/info/refs?service=git-receive-pack",
+                &[]
+            ),
+            Err(Some(Reason::Query))
+        );
+        assert_eq!(
+            check("POST", "/team/app.git/git-receive-pack", &[]),
+            Err(Some(Reason::Path))
+        );
+        assert_eq!(
+            check(
+                "POST",
+                "/api/v4/projects/1/statuses/abc",
+                &[("x-api-version", "3")]
+            ),
+            Err(Some(Reason::Header))
+        );
+    }
+
+    #[test]
+    fn defaults_deny_every_call() {
+        assert!(valid().allow.is_empty());
+        assert_eq!(valid().policy().unwrap().rule_count(), 0);
+    }
+
+    #[test]
     fn unknown_keys_are_named() {
         let err = relay_common::config::parse::<Config>("tunels = []", Path::new("a.toml"))
             .unwrap_err()
@@ -290,6 +474,34 @@ mod tests {
                     ..valid()
                 },
                 "`upstream`",
+            ),
+            (
+                Config {
+                    max_call_timeout: Duration::from_secs(1),
+                    ..valid()
+                },
+                "`max_call_timeout`",
+            ),
+            (
+                Config {
+                    limits: LimitsConfig {
+                        max_header_bytes: 10,
+                        ..Default::default()
+                    },
+                    ..valid()
+                },
+                "`limits.max_header_bytes`",
+            ),
+            (
+                Config {
+                    allow: vec![AllowRule {
+                        methods: vec!["GET".into()],
+                        path: "no-slash".into(),
+                        ..Default::default()
+                    }],
+                    ..valid()
+                },
+                "`allow[0].path`",
             ),
             (
                 Config {

@@ -29,6 +29,9 @@ pub enum UpstreamError {
     /// The response body broke off after the head.
     #[error("upstream aborted the response: {0}")]
     Aborted(String),
+    /// The request body went past `limits.max_body_bytes`; the request was aborted.
+    #[error("request body exceeds the agent's limits.max_body_bytes ({0} bytes)")]
+    BodyTooLarge(u64),
 }
 
 /// Why a tunnel stream could not be opened (no ServerHello).

@@ -2,16 +2,18 @@
 //! the tunnel servers and performs the calls they hand it against one upstream origin.
 //!
 //! Parts: `config` (typed settings), `coverage` (the sizing actor; `coverage::plan` is its
-//! pure rules), `stream` (one tunnel stream), `call` (one call on a stream), `upstream`
-//! (the HTTP client to the origin), `admin` (`/systemcheck`, `/readyz`, `/metrics`),
-//! `metrics`. `run` wires them together; `spawn` does the same and returns a handle the
-//! end-to-end tests can observe.
+//! pure rules), `stream` (one tunnel stream), `call` (one call on a stream), `filter`
+//! (the customer's accept filters, request safety checks and size limits; default deny),
+//! `upstream` (the HTTP client to the origin), `admin` (`/systemcheck`, `/readyz`,
+//! `/metrics`), `metrics`. `run` wires them together; `spawn` does the same and returns a
+//! handle the end-to-end tests can observe.
 
 pub mod admin;
-mod call;
+pub mod call;
 pub mod config;
 pub mod coverage;
 pub mod error;
+pub mod filter;
 pub mod metrics;
 pub mod stream;
 pub mod upstream;
@@ -101,12 +103,26 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         config.max_upstream_connections,
     )?;
     let dialer = Dialer::new(&config.tunnels, &config.token, config.connect_timeout)?;
+    let policy = config.policy()?;
+    if policy.rule_count() == 0 {
+        tracing::warn!(
+            "no [[allow]] rules: every call is refused (accept filters are default deny)"
+        );
+    }
+    let rules = policy.rule_count();
+    let calls = call::CallContext::new(
+        upstream.clone(),
+        policy,
+        metrics.clone(),
+        config.coverage.max_inflight,
+        config.call_timeout,
+        config.max_call_timeout,
+    );
     let ctx = StreamContext {
         dialer,
-        upstream: upstream.clone(),
+        calls: Arc::new(calls),
         metrics: metrics.clone(),
         connect_timeout: config.connect_timeout,
-        call_timeout: config.call_timeout,
     };
     let planner = coverage::plan::Planner::new(config.coverage.clone());
     let (actor, coverage_rx) = CoverageActor::new(
@@ -135,7 +151,7 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         admin_routes,
         stop_admin.clone().cancelled_owned(),
     ));
-    tracing::info!(tunnels = ?config.tunnels, upstream = %config.upstream, coverage = config.coverage.enabled, "agent started");
+    tracing::info!(tunnels = ?config.tunnels, upstream = %config.upstream, allow_rules = rules, coverage = config.coverage.enabled, "agent started");
     let actor_stop = stop.clone();
     let task = tokio::spawn(async move {
         actor.run(actor_stop.cancelled_owned()).await;

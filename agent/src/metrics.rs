@@ -4,6 +4,7 @@
 //! This module only defines and updates series; it decides nothing.
 
 use crate::coverage::plan::{ActionKind, State};
+use crate::filter::Reason;
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 /// How a call ended, as counted in `relay_agent_calls_total{outcome}`.
@@ -88,6 +89,8 @@ pub struct AgentMetrics {
     pub call_duration: Histogram,
     /// `relay_agent_stream_opens_total{result}`.
     pub stream_opens: IntCounterVec,
+    /// `relay_agent_filter_refusals_total{reason}`.
+    pub filter_refusals: IntCounterVec,
 }
 
 impl AgentMetrics {
@@ -136,12 +139,20 @@ impl AgentMetrics {
             ),
             &["result"],
         )?;
+        let filter_refusals = IntCounterVec::new(
+            Opts::new(
+                "relay_agent_filter_refusals_total",
+                "Calls the agent refused before reaching the upstream (accept filters, request safety, limits), by reason",
+            ),
+            &["reason"],
+        )?;
         registry.register(Box::new(server_streams.clone()))?;
         registry.register(Box::new(coverage_state.clone()))?;
         registry.register(Box::new(coverage_actions.clone()))?;
         registry.register(Box::new(calls.clone()))?;
         registry.register(Box::new(call_duration.clone()))?;
         registry.register(Box::new(stream_opens.clone()))?;
+        registry.register(Box::new(filter_refusals.clone()))?;
         // Export every fixed label value from the start so rates work from zero.
         for a in ActionKind::ALL {
             coverage_actions.with_label_values(&[a.as_str()]);
@@ -152,6 +163,9 @@ impl AgentMetrics {
         for r in OpenResult::ALL {
             stream_opens.with_label_values(&[r.as_str()]);
         }
+        for r in Reason::ALL {
+            filter_refusals.with_label_values(&[r.as_str()]);
+        }
         Ok(AgentMetrics {
             server_streams,
             coverage_state,
@@ -159,7 +173,15 @@ impl AgentMetrics {
             calls,
             call_duration,
             stream_opens,
+            filter_refusals,
         })
+    }
+
+    /// Counts one refused call.
+    pub fn refused(&self, reason: Reason) {
+        self.filter_refusals
+            .with_label_values(&[reason.as_str()])
+            .inc();
     }
 
     pub fn call_ended(&self, outcome: CallOutcome, seconds: f64) {

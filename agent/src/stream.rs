@@ -13,11 +13,10 @@
 //! call's deadline and by HTTP/2 keepalive on the connection instead, so a long download
 //! is not cut for lack of pings.
 
-use crate::call::{call_error, run_call};
+use crate::call::{call_error, run_call, CallContext};
 use crate::coverage::{CloseReason, Connector, Landing, StreamEvent, StreamLink};
 use crate::error::OpenError;
 use crate::metrics::{AgentMetrics, CallOutcome, OpenResult};
-use crate::upstream::Upstream;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use relay_common::config::ConfigError;
@@ -50,7 +49,17 @@ const RETIRE_LINGER: Duration = Duration::from_secs(10);
 pub struct Dialer {
     endpoints: Vec<Endpoint>,
     auth: MetadataValue<Ascii>,
-    channels: Mutex<HashMap<usize, Channel>>,
+    /// Per endpoint index: the cached channel and its generation (see [`Dialer::evict`]).
+    channels: Mutex<HashMap<usize, (u64, Channel)>>,
+    next_generation: std::sync::atomic::AtomicU64,
+}
+
+/// Which cached connection a stream was opened on, so a stream that finds it dead can
+/// have it replaced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelId {
+    endpoint: usize,
+    generation: u64,
 }
 
 impl std::fmt::Debug for Dialer {
@@ -101,11 +110,12 @@ impl Dialer {
             endpoints,
             auth,
             channels: Mutex::new(HashMap::new()),
+            next_generation: std::sync::atomic::AtomicU64::new(1),
         })
     }
 
     /// A channel to a random endpoint (created lazily, then reused).
-    fn pick(&self) -> (String, Channel) {
+    fn pick(&self) -> (String, Channel, ChannelId) {
         let i = if self.endpoints.len() == 1 {
             0
         } else {
@@ -113,23 +123,47 @@ impl Dialer {
         };
         let endpoint = &self.endpoints[i];
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        let channel = channels
+        let (generation, channel) = channels
             .entry(i)
-            .or_insert_with(|| endpoint.connect_lazy())
+            .or_insert_with(|| {
+                let g = self
+                    .next_generation
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                (g, endpoint.connect_lazy())
+            })
             .clone();
-        (endpoint.uri().to_string(), channel)
+        let id = ChannelId {
+            endpoint: i,
+            generation,
+        };
+        (endpoint.uri().to_string(), channel, id)
+    }
+
+    /// Forgets the cached connection `id` (if it is still the cached one), so the next
+    /// open to that endpoint dials a new connection. Used when a stream on it went silent
+    /// (missed heartbeats) or an open on it got no hello: a connection that a NAT or load
+    /// balancer dropped silently, or a frozen server, would otherwise take every new
+    /// stream until HTTP/2 keepalive notices (tens of seconds). Streams still on the old
+    /// connection keep it until they end.
+    pub fn evict(&self, id: ChannelId) {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        if channels
+            .get(&id.endpoint)
+            .is_some_and(|(g, _)| *g == id.generation)
+        {
+            channels.remove(&id.endpoint);
+        }
     }
 }
 
 /// Everything a stream task needs, shared by all of them.
 pub struct StreamContext {
     pub dialer: Dialer,
-    pub upstream: Upstream,
+    /// Upstream client, accept policy, limits and deadlines for the calls.
+    pub calls: Arc<CallContext>,
     pub metrics: AgentMetrics,
     /// Bound on dial + hello.
     pub connect_timeout: Duration,
-    /// Bound on a call whose RequestHead carries no deadline.
-    pub call_timeout: Duration,
 }
 
 /// The real `Connector`: each open is a stream task running `run_stream`.
@@ -150,11 +184,14 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         // A retire signal during the open is not acted on until the hello: the server may
         // already count this stream as idle and hand it a call, so it retires with the
         // GoingAway handshake like any other (bounded by connect_timeout).
-        let opened = tokio::time::timeout(ctx.connect_timeout, open(&ctx)).await;
+        let (endpoint, channel, channel_id) = ctx.dialer.pick();
+        let opened = tokio::time::timeout(ctx.connect_timeout, open(&ctx, endpoint, channel)).await;
         let (out, inbound, hello) = match opened {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => return open_failed(&ctx, &link, e),
             Err(_) => {
+                // The connection may be dead without knowing it: dial afresh next time.
+                ctx.dialer.evict(channel_id);
                 let e = OpenError::Other("timed out waiting for the server hello".into());
                 return open_failed(&ctx, &link, e);
             }
@@ -171,6 +208,9 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         let session = Session::new(ctx.clone(), &link, out, inbound, landing.heartbeat);
         link.emit(StreamEvent::Landed(landing.clone()));
         let reason = session.run(&mut link).await;
+        if reason == CloseReason::HeartbeatMissed {
+            ctx.dialer.evict(channel_id);
+        }
         match &reason {
             CloseReason::Malformed(_) => {
                 warn!(server_id = %landing.server_id, %reason, "closing tunnel stream")
@@ -207,6 +247,8 @@ fn status_to_open_error(s: &tonic::Status) -> OpenError {
 
 async fn open(
     ctx: &StreamContext,
+    endpoint: String,
+    channel: Channel,
 ) -> Result<
     (
         mpsc::Sender<AgentFrame>,
@@ -215,7 +257,6 @@ async fn open(
     ),
     OpenError,
 > {
-    let (endpoint, channel) = ctx.dialer.pick();
     let (tx, rx) = mpsc::channel(OUTBOUND_FRAMES);
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
     request
@@ -456,11 +497,10 @@ impl Session {
                 });
                 self.emit(id, StreamEvent::CallStarted);
                 self.call_fut = Some(Box::pin(run_call(
-                    self.ctx.upstream.clone(),
+                    self.ctx.calls.clone(),
                     head,
                     body_rx,
                     self.out.clone(),
-                    self.ctx.call_timeout,
                 )));
             }
             In::RequestBody(chunk) => match self.call.as_mut() {

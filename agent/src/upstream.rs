@@ -3,9 +3,13 @@
 //! bodies from a bounded channel, the response head deadline and a re-chunking response
 //! body reader.
 //!
-//! It knows nothing about tunnels, frames or call ids: the caller (`call.rs`) turns wire
-//! frames into an `UpstreamRequest` and the answer back into frames, so accept filters can
-//! sit in front of `Upstream::send` later without touching either side.
+//! It knows nothing about tunnels, frames, call ids or accept filters: the caller
+//! (`call.rs`) runs `filter::Policy::prepare` first, turns the result into an
+//! `UpstreamRequest` and the answer back into frames. The target host is always the
+//! configured origin: the URI's authority and `Host` come from config, never from the
+//! request. The client never follows redirects (hyper does not): a 3xx goes back to the
+//! caller as is, so a `Location` pointing elsewhere cannot make the agent reach that host.
+//! The streamed request body is counted against `limits.max_body_bytes`.
 
 use crate::error::UpstreamError;
 use bytes::Bytes;
@@ -14,20 +18,21 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, StatusCode, Uri};
 use http_body::{Body as _, Frame};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Empty, StreamBody};
+use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt as _;
 
-type ReqBody = UnsyncBoxBody<Bytes, Infallible>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type ReqBody = UnsyncBoxBody<Bytes, BoxError>;
 
 /// One request for the upstream, already checked for shape but not yet for policy.
 #[derive(Debug)]
@@ -40,6 +45,9 @@ pub struct UpstreamRequest {
     /// Request body chunks, fed through a bounded channel; `None` for no body. The body
     /// ends when the sender is dropped.
     pub body: Option<mpsc::Receiver<Bytes>>,
+    /// Bound on the request body's bytes; past it the request is aborted and the call
+    /// fails with `UpstreamError::BodyTooLarge`.
+    pub body_limit: Option<u64>,
 }
 
 /// The HTTP client to one origin. Cheap to clone.
@@ -63,6 +71,9 @@ pub struct UpstreamResponse {
     pub headers: HeaderMap,
     body: Incoming,
     pending: Bytes,
+    /// Set when the request body went past its limit (the request was aborted).
+    body_limit_hit: Arc<AtomicBool>,
+    body_limit: Option<u64>,
     _permit: Option<OwnedSemaphorePermit>,
 }
 
@@ -118,7 +129,8 @@ impl Upstream {
         req: UpstreamRequest,
         deadline: Instant,
     ) -> Result<UpstreamResponse, UpstreamError> {
-        let request = self.build(req)?;
+        let body_limit = req.body_limit;
+        let (request, body_limit_hit) = self.build(req)?;
         let permit = match &self.inner.limit {
             None => None,
             Some(sem) => match tokio::time::timeout_at(deadline, sem.clone().acquire_owned()).await
@@ -133,7 +145,14 @@ impl Upstream {
         let response =
             match tokio::time::timeout_at(deadline, self.inner.client.request(request)).await {
                 Err(_) => return Err(UpstreamError::Timeout),
-                Ok(Err(e)) => return Err(UpstreamError::Unreachable(error_chain(&e))),
+                Ok(Err(e)) => {
+                    return Err(match body_limit {
+                        Some(limit) if body_limit_hit.load(Ordering::SeqCst) => {
+                            UpstreamError::BodyTooLarge(limit)
+                        }
+                        _ => UpstreamError::Unreachable(error_chain(&e)),
+                    })
+                }
                 Ok(Ok(r)) => r,
             };
         let (parts, body) = response.into_parts();
@@ -144,6 +163,8 @@ impl Upstream {
             headers,
             body,
             pending: Bytes::new(),
+            body_limit_hit,
+            body_limit,
             _permit: permit,
         })
     }
@@ -160,8 +181,9 @@ impl Upstream {
             path_and_query: path.to_string(),
             headers: HeaderMap::new(),
             body: None,
+            body_limit: None,
         };
-        let request = self.build(req)?;
+        let (request, _) = self.build(req)?;
         match tokio::time::timeout(timeout, self.inner.client.request(request)).await {
             Err(_) => Err(UpstreamError::Timeout),
             Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
@@ -169,10 +191,15 @@ impl Upstream {
         }
     }
 
-    fn build(&self, req: UpstreamRequest) -> Result<Request<ReqBody>, UpstreamError> {
-        if !req.path_and_query.starts_with('/') {
+    /// The hyper request for `req`, plus the flag its body sets when it passes its limit.
+    fn build(
+        &self,
+        req: UpstreamRequest,
+    ) -> Result<(Request<ReqBody>, Arc<AtomicBool>), UpstreamError> {
+        // `filter::Policy::prepare` refuses these first; this is the last line of defence.
+        if !req.path_and_query.starts_with('/') || req.path_and_query.starts_with("//") {
             return Err(UpstreamError::BadRequest(
-                "request target must start with '/'".into(),
+                "request target must start with a single '/'".into(),
             ));
         }
         let pq: PathAndQuery = req
@@ -185,11 +212,17 @@ impl Upstream {
             .path_and_query(pq)
             .build()
             .map_err(|e| UpstreamError::BadRequest(format!("invalid request target: {e}")))?;
+        let hit = Arc::new(AtomicBool::new(false));
         let body: ReqBody = match req.body {
-            None => Empty::new().boxed_unsync(),
-            Some(rx) => {
-                StreamBody::new(ReceiverStream::new(rx).map(|b| Ok(Frame::data(b)))).boxed_unsync()
+            None => Empty::new().map_err(|e| match e {}).boxed_unsync(),
+            Some(rx) => LimitedBody {
+                rx,
+                seen: 0,
+                limit: req.body_limit,
+                hit: hit.clone(),
+                done: false,
             }
+            .boxed_unsync(),
         };
         let mut headers = req.headers;
         strip_hop_by_hop(&mut headers);
@@ -198,7 +231,34 @@ impl Upstream {
         *request.method_mut() = req.method;
         *request.uri_mut() = uri;
         *request.headers_mut() = headers;
-        Ok(request)
+        Ok((request, hit))
+    }
+}
+
+#[cfg(test)]
+impl Upstream {
+    /// `build` for the property tests: (URI authority, Host header, has Transfer-Encoding).
+    pub(crate) fn build_for_test(
+        &self,
+        req: UpstreamRequest,
+    ) -> Result<(String, String, bool), UpstreamError> {
+        let (r, _) = self.build(req)?;
+        let authority = r
+            .uri()
+            .authority()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let host = r
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        Ok((
+            authority,
+            host,
+            r.headers().contains_key(header::TRANSFER_ENCODING),
+        ))
     }
 }
 
@@ -221,7 +281,14 @@ impl UpstreamResponse {
             }
             match self.body.frame().await {
                 None => return Ok(None),
-                Some(Err(e)) => return Err(UpstreamError::Aborted(error_chain(&e))),
+                Some(Err(e)) => {
+                    return Err(match self.body_limit {
+                        Some(limit) if self.body_limit_hit.load(Ordering::SeqCst) => {
+                            UpstreamError::BodyTooLarge(limit)
+                        }
+                        _ => UpstreamError::Aborted(error_chain(&e)),
+                    })
+                }
                 Some(Ok(frame)) => {
                     // Trailers are not carried by the wire yet; skip them.
                     if let Ok(data) = frame.into_data() {
@@ -230,6 +297,56 @@ impl UpstreamResponse {
                 }
             }
         }
+    }
+}
+
+/// A request body fed from the stream's channel, counted against its limit.
+struct LimitedBody {
+    rx: mpsc::Receiver<Bytes>,
+    seen: u64,
+    limit: Option<u64>,
+    hit: Arc<AtomicBool>,
+    done: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("request body exceeds {0} bytes")]
+struct BodyLimit(u64);
+
+impl http_body::Body for LimitedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(None) => {
+                self.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(data)) => {
+                let seen = self.seen.saturating_add(data.len() as u64);
+                self.seen = seen;
+                match self.limit {
+                    Some(limit) if seen > limit => {
+                        self.done = true;
+                        self.hit.store(true, Ordering::SeqCst);
+                        Poll::Ready(Some(Err(Box::new(BodyLimit(limit)))))
+                    }
+                    _ => Poll::Ready(Some(Ok(Frame::data(data)))),
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
     }
 }
 
@@ -245,6 +362,11 @@ const HOP_BY_HOP: [&str; 9] = [
     "transfer-encoding",
     "upgrade",
 ];
+
+/// True for a header that `strip_hop_by_hop` always removes.
+pub(crate) fn is_hop_by_hop(name: &str) -> bool {
+    HOP_BY_HOP.contains(&name)
+}
 
 /// Removes hop-by-hop headers, including any that `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -277,6 +399,40 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// A streamed body passes whole when within its limit, and otherwise ends in an
+        /// error (and the flag) no later than the chunk that crosses it.
+        #[test]
+        fn body_limit_passes_or_stops_at_the_crossing_chunk(
+            chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..64), 0..12),
+            limit in prop::option::of(0u64..400),
+        ) {
+            let total: u64 = chunks.iter().map(|c| c.len() as u64).sum();
+            let (tx, rx) = mpsc::channel(chunks.len().max(1));
+            for c in &chunks {
+                tx.try_send(Bytes::from(c.clone())).unwrap();
+            }
+            drop(tx);
+            let hit = Arc::new(AtomicBool::new(false));
+            let body = LimitedBody { rx, seen: 0, limit, hit: hit.clone(), done: false };
+            let got = futures::executor::block_on(body.collect());
+            match limit {
+                Some(l) if total > l => {
+                    prop_assert!(got.is_err());
+                    prop_assert!(hit.load(Ordering::SeqCst));
+                }
+                _ => {
+                    let bytes = got.map_err(|e| e.to_string()).unwrap().to_bytes();
+                    prop_assert_eq!(bytes.to_vec(), chunks.concat());
+                    prop_assert!(!hit.load(Ordering::SeqCst));
+                }
+            }
+        }
+    }
 
     #[test]
     fn hop_by_hop_headers_are_stripped() {
@@ -294,12 +450,13 @@ mod tests {
     #[tokio::test]
     async fn target_not_starting_with_slash_is_a_bad_request() {
         let up = Upstream::new("http://127.0.0.1:9", Duration::from_secs(1), None).unwrap();
-        for target in ["http://evil.example/x", "x/y", "", "*"] {
+        for target in ["http://evil.example/x", "x/y", "", "*", "//evil.example/x"] {
             let req = UpstreamRequest {
                 method: Method::GET,
                 path_and_query: target.into(),
                 headers: HeaderMap::new(),
                 body: None,
+                body_limit: None,
             };
             let err = up
                 .send(req, Instant::now() + Duration::from_secs(1))

@@ -1,0 +1,765 @@
+//! Accept filters and request safety: the customer's `[[allow]]` rules, the checks that
+//! keep the cloud side from steering the agent anywhere but its configured origin, and
+//! the per-call size limits. `Policy::prepare` turns a wire `RequestHead` into the parts of
+//! an upstream request, or into a `Rejection` that names the reason.
+//!
+//! Order of the checks (the first that fails decides):
+//! 1. `limits.max_header_bytes` on the head as it came off the wire;
+//! 2. CR, LF or NUL anywhere in the method, target, header names or values (`injection`);
+//! 3. the target is origin-form: starts with one `/` (absolute-URI, authority-form,
+//!    asterisk-form and `//host` targets are refused: `target`);
+//! 4. the path has no dot segments (also percent-encoded, with `;params`, or hidden behind
+//!    `%2F` / `\`), no empty segment in the middle, no `%00`, no broken escape (`unsafe_path`);
+//! 5. no header that asks the upstream to use another host, path or method
+//!    (`X-Forwarded-Host`, `X-Original-URL`, `X-HTTP-Method-Override`, ...: `override_header`);
+//! 6. exactly one valid `Content-Length` or one `Transfer-Encoding: chunked`, never both
+//!    (`smuggling`), and a declared length within `limits.max_body_bytes` (`body_size`);
+//! 7. the `[[allow]]` rules (`path`, `method`, `header`, `query`): default deny.
+//!
+//! The `Host` header the cloud side sends is never used: the upstream client always sets it
+//! to the configured origin. Rules match the path exactly as it is sent upstream, segment
+//! by segment after percent-decoding. Refusal messages name the rule and the header or
+//! query *name* that failed, never a value.
+//!
+//! Pure: no I/O, no clock, no metrics. `call.rs` counts and logs what this module decides.
+
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
+use http::Method;
+use relay_common::config::ConfigError;
+use relay_proto::RequestHead;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// One `[[allow]]` rule: a call is allowed when its method, path, required headers and
+/// required query parameters all match one rule.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AllowRule {
+    /// Optional label used in log lines and refusal messages (default `allow[i]`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Methods this rule allows, e.g. `["GET", "HEAD"]`; `"*"` allows any method.
+    /// Compared case-insensitively. Required, non-empty.
+    pub methods: Vec<String>,
+    /// Path pattern: starts with `/`; `*` as a whole segment matches exactly one non-empty
+    /// segment, `*` inside a segment matches any characters within it (`*.json`), `**` as
+    /// a whole segment matches any number of segments, including none (`/api/**` matches
+    /// `/api`, `/api/` and everything below). Everything else is literal and
+    /// case-sensitive. The query string is not part of the path.
+    pub path: String,
+    /// Required headers: name (case-insensitive) -> value pattern (exact, `*` matches any
+    /// characters). Every occurrence of the header must match, and at least one must exist.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Required query parameters: name -> value pattern, matched after percent-decoding
+    /// (`+` is a space). Every occurrence must match, and at least one must exist.
+    #[serde(default)]
+    pub query: BTreeMap<String, String>,
+}
+
+/// The per-call size limits the policy enforces itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizeLimits {
+    /// Bound on method + target + every header (name + value + 4) of one request head.
+    pub max_header_bytes: usize,
+    /// Bound on a request body; `None` for no bound.
+    pub max_body_bytes: Option<u64>,
+}
+
+/// Why a call was refused: the `reason` label of `relay_agent_filter_refusals_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// No rule's path pattern matches.
+    Path,
+    /// A rule's path matches, but not with this method.
+    Method,
+    /// Path and method match, a required header does not.
+    Header,
+    /// Path, method and headers match, a required query parameter does not.
+    Query,
+    /// Not an origin-form target (absolute-URI, authority-form, `*`, `//...`).
+    Target,
+    /// Dot segments, empty segments, `%00` or broken percent-encoding in the path.
+    UnsafePath,
+    /// CR, LF or NUL in the method, target or a header.
+    Injection,
+    /// A header asking the upstream for another host, path or method.
+    OverrideHeader,
+    /// Duplicate or conflicting Content-Length / Transfer-Encoding.
+    Smuggling,
+    /// The request head exceeds `limits.max_header_bytes`.
+    HeaderSize,
+    /// The request body exceeds `limits.max_body_bytes`.
+    BodySize,
+    /// The agent already carries `coverage.max_inflight` calls.
+    Concurrency,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 12] = [
+        Reason::Path,
+        Reason::Method,
+        Reason::Header,
+        Reason::Query,
+        Reason::Target,
+        Reason::UnsafePath,
+        Reason::Injection,
+        Reason::OverrideHeader,
+        Reason::Smuggling,
+        Reason::HeaderSize,
+        Reason::BodySize,
+        Reason::Concurrency,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Path => "path",
+            Reason::Method => "method",
+            Reason::Header => "header",
+            Reason::Query => "query",
+            Reason::Target => "target",
+            Reason::UnsafePath => "unsafe_path",
+            Reason::Injection => "injection",
+            Reason::OverrideHeader => "override_header",
+            Reason::Smuggling => "smuggling",
+            Reason::HeaderSize => "header_size",
+            Reason::BodySize => "body_size",
+            Reason::Concurrency => "concurrency",
+        }
+    }
+}
+
+/// A call the agent will not make.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rejection {
+    /// Refused by policy (`CallErrorKind::Refused`, HTTP 403 at the dispatcher).
+    Refused { reason: Reason, message: String },
+    /// Not a valid HTTP request (`CallErrorKind::BadRequest`, HTTP 400).
+    BadRequest(String),
+}
+
+impl Rejection {
+    fn refused(reason: Reason, message: impl Into<String>) -> Self {
+        Rejection::Refused {
+            reason,
+            message: message.into(),
+        }
+    }
+
+    /// The refusal reason, if this is a refusal.
+    pub fn reason(&self) -> Option<Reason> {
+        match self {
+            Rejection::Refused { reason, .. } => Some(*reason),
+            Rejection::BadRequest(_) => None,
+        }
+    }
+
+    /// The message sent back in the CallError.
+    pub fn message(&self) -> &str {
+        match self {
+            Rejection::Refused { message, .. } => message,
+            Rejection::BadRequest(m) => m,
+        }
+    }
+}
+
+/// An allowed request, ready for the upstream client (which strips hop-by-hop headers and
+/// sets `Host`).
+#[derive(Debug)]
+pub struct Prepared {
+    pub method: Method,
+    pub path_and_query: PathAndQuery,
+    /// The caller's headers, without `Host` and `Transfer-Encoding`.
+    pub headers: HeaderMap,
+    /// The declared body length, if any.
+    pub content_length: Option<u64>,
+    /// Label of the rule that allowed the call.
+    pub rule: String,
+}
+
+/// Headers that ask an upstream (or a framework or proxy in front of it) to act on
+/// another host, URL or method than the request's own: refused outright.
+const OVERRIDE_HEADERS: [&str; 10] = [
+    "x-forwarded-host",
+    "x-forwarded-server",
+    "x-original-host",
+    "x-host",
+    "x-http-host-override",
+    "x-original-url",
+    "x-rewrite-url",
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+];
+
+/// The compiled `[[allow]]` rules plus the size limits. Built once at start.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    rules: Vec<Rule>,
+    limits: SizeLimits,
+}
+
+#[derive(Clone, Debug)]
+struct Rule {
+    label: String,
+    /// Uppercase method names; `None` means any.
+    methods: Option<Vec<String>>,
+    path: Vec<Seg>,
+    headers: Vec<(HeaderName, Vec<u8>)>,
+    query: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Seg {
+    /// `**`: any number of segments.
+    Deep,
+    /// `*`: exactly one non-empty segment.
+    One,
+    /// Literal text, possibly with `*` wildcards inside one segment.
+    Glob(Vec<u8>),
+}
+
+impl Policy {
+    /// Compiles `rules`; errors name the key (`allow[2].path`).
+    pub fn new(rules: &[AllowRule], limits: SizeLimits) -> Result<Policy, ConfigError> {
+        let rules = rules
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Rule::compile(i, r))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Policy { rules, limits })
+    }
+
+    /// Number of `[[allow]]` rules (0: every call is refused).
+    pub fn rule_count(&self) -> usize {
+        self.rules.len()
+    }
+
+    /// The size limits.
+    pub fn limits(&self) -> SizeLimits {
+        self.limits
+    }
+
+    /// Checks `head` against the limits, the safety rules and the allow rules.
+    pub fn prepare(&self, head: &RequestHead) -> Result<Prepared, Rejection> {
+        let head_bytes = head.method.len()
+            + head.path_and_query.len()
+            + head
+                .headers
+                .iter()
+                .map(|h| h.name.len() + h.value.len() + 4)
+                .sum::<usize>();
+        if head_bytes > self.limits.max_header_bytes {
+            return Err(Rejection::refused(
+                Reason::HeaderSize,
+                format!(
+                    "request head of {head_bytes} bytes exceeds the agent's limits.max_header_bytes ({})",
+                    self.limits.max_header_bytes
+                ),
+            ));
+        }
+        let bad = |b: &u8| matches!(b, b'\r' | b'\n' | 0);
+        if head.method.bytes().any(|b| bad(&b)) || head.path_and_query.bytes().any(|b| bad(&b)) {
+            return Err(Rejection::refused(
+                Reason::Injection,
+                "CR, LF or NUL in the request line",
+            ));
+        }
+        for h in &head.headers {
+            if h.name.bytes().any(|b| bad(&b)) || h.value.iter().any(bad) {
+                return Err(Rejection::refused(
+                    Reason::Injection,
+                    "CR, LF or NUL in a request header",
+                ));
+            }
+        }
+        let method = Method::from_bytes(head.method.as_bytes()).map_err(|_| {
+            Rejection::BadRequest(format!("invalid method {:?}", short(&head.method)))
+        })?;
+        let pq = origin_form(&head.path_and_query)?;
+        let segments = path_segments(pq.path())?;
+        let headers = header_map(head)?;
+        let content_length = framing(&headers, head.end_of_stream)?;
+        if let (Some(n), Some(max)) = (content_length, self.limits.max_body_bytes) {
+            if n > max {
+                return Err(Rejection::refused(
+                    Reason::BodySize,
+                    format!("request body of {n} bytes exceeds the agent's limits.max_body_bytes ({max})"),
+                ));
+            }
+        }
+        let rule = self.allowed(&method, &pq, &segments, &headers)?;
+        let mut headers = headers;
+        headers.remove(http::header::HOST);
+        headers.remove(http::header::TRANSFER_ENCODING);
+        Ok(Prepared {
+            method,
+            path_and_query: pq,
+            headers,
+            content_length,
+            rule,
+        })
+    }
+
+    /// The first rule that allows the call, or the refusal of the rule that came closest.
+    fn allowed(
+        &self,
+        method: &Method,
+        pq: &PathAndQuery,
+        segments: &[Vec<u8>],
+        headers: &HeaderMap,
+    ) -> Result<String, Rejection> {
+        let query = pq.query().map(parse_query).unwrap_or_default();
+        // (stage reached, refusal) of the closest rule: path < method < header < query.
+        let mut closest: Option<(u8, Rejection)> = None;
+        for rule in &self.rules {
+            let (stage, refusal) = match rule.check(method, pq.path(), segments, headers, &query) {
+                Ok(()) => return Ok(rule.label.clone()),
+                Err(x) => x,
+            };
+            if closest.as_ref().is_none_or(|(s, _)| stage > *s) {
+                closest = Some((stage, refusal));
+            }
+        }
+        Err(match closest {
+            Some((_, r)) => r,
+            None => Rejection::refused(
+                Reason::Path,
+                format!(
+                    "no accept filter allows {method} {}: the agent has no [[allow]] rules",
+                    short(pq.path())
+                ),
+            ),
+        })
+    }
+}
+
+impl Rule {
+    fn compile(i: usize, r: &AllowRule) -> Result<Rule, ConfigError> {
+        let key = |k: &str| format!("allow[{i}].{k}");
+        let label = match &r.name {
+            Some(n) if !n.trim().is_empty() => n.clone(),
+            Some(_) => return Err(ConfigError::invalid(key("name"), "must not be empty")),
+            None => format!("allow[{i}]"),
+        };
+        if r.methods.is_empty() {
+            return Err(ConfigError::invalid(
+                key("methods"),
+                "list at least one method, or \"*\" for any",
+            ));
+        }
+        let methods = if r.methods.iter().any(|m| m == "*") {
+            None
+        } else {
+            let mut out = Vec::with_capacity(r.methods.len());
+            for m in &r.methods {
+                let up = m.to_ascii_uppercase();
+                if Method::from_bytes(up.as_bytes()).is_err() {
+                    return Err(ConfigError::invalid(
+                        key("methods"),
+                        format!("{m:?} is not an HTTP method"),
+                    ));
+                }
+                out.push(up);
+            }
+            Some(out)
+        };
+        let path = compile_path(&r.path).map_err(|m| ConfigError::invalid(key("path"), m))?;
+        let mut headers = Vec::with_capacity(r.headers.len());
+        for (name, value) in &r.headers {
+            let n = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                ConfigError::invalid(key("headers"), format!("{name:?} is not a header name"))
+            })?;
+            if n == http::header::HOST
+                || crate::upstream::is_hop_by_hop(n.as_str())
+                || n == http::header::CONTENT_LENGTH
+            {
+                return Err(ConfigError::invalid(
+                    key("headers"),
+                    format!("{n} is set or removed by the agent and cannot be required"),
+                ));
+            }
+            if HeaderValue::from_str(value).is_err() {
+                return Err(ConfigError::invalid(
+                    key("headers"),
+                    format!("the pattern for {n} is not a valid header value"),
+                ));
+            }
+            headers.push((n, value.as_bytes().to_vec()));
+        }
+        let query = r
+            .query
+            .iter()
+            .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+            .collect();
+        Ok(Rule {
+            label,
+            methods,
+            path,
+            headers,
+            query,
+        })
+    }
+
+    /// `Err((stage, refusal))`: 0 path, 1 method, 2 header, 3 query.
+    fn check(
+        &self,
+        method: &Method,
+        path: &str,
+        segments: &[Vec<u8>],
+        headers: &HeaderMap,
+        query: &[(Vec<u8>, Vec<u8>)],
+    ) -> Result<(), (u8, Rejection)> {
+        if !match_path(&self.path, segments) {
+            return Err((
+                0,
+                Rejection::refused(
+                    Reason::Path,
+                    format!("no accept filter allows the path {}", short(path)),
+                ),
+            ));
+        }
+        if let Some(allowed) = &self.methods {
+            if !allowed
+                .iter()
+                .any(|m| m.eq_ignore_ascii_case(method.as_str()))
+            {
+                return Err((
+                    1,
+                    Rejection::refused(
+                        Reason::Method,
+                        format!(
+                            "method {} is not allowed on {} (rule {:?} allows {})",
+                            short(method.as_str()),
+                            short(path),
+                            self.label,
+                            allowed.join(", ")
+                        ),
+                    ),
+                ));
+            }
+        }
+        for (name, pattern) in &self.headers {
+            let mut values = headers.get_all(name).iter().peekable();
+            let ok = values.peek().is_some() && values.all(|v| glob(pattern, v.as_bytes()));
+            if !ok {
+                return Err((
+                    2,
+                    Rejection::refused(
+                        Reason::Header,
+                        format!(
+                            "required header {name} is missing or does not match (rule {:?})",
+                            self.label
+                        ),
+                    ),
+                ));
+            }
+        }
+        for (name, pattern) in &self.query {
+            let mut values = query.iter().filter(|(k, _)| k == name).peekable();
+            let ok = values.peek().is_some() && values.all(|(_, v)| glob(pattern, v));
+            if !ok {
+                return Err((
+                    3,
+                    Rejection::refused(
+                        Reason::Query,
+                        format!(
+                            "required query parameter {} is missing or does not match (rule {:?})",
+                            short(&String::from_utf8_lossy(name)),
+                            self.label
+                        ),
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A path pattern split into segments.
+fn compile_path(p: &str) -> Result<Vec<Seg>, String> {
+    let Some(rest) = p.strip_prefix('/') else {
+        return Err("must start with '/'".into());
+    };
+    if p.contains(['?', '#']) {
+        return Err("must not contain '?' or '#' (use `query` for query parameters)".into());
+    }
+    let parts: Vec<&str> = rest.split('/').collect();
+    let last = parts.len() - 1;
+    let mut segs = Vec::with_capacity(parts.len());
+    for (i, part) in parts.iter().enumerate() {
+        if part.is_empty() && i != last {
+            return Err("must not contain an empty segment ('//')".into());
+        }
+        segs.push(match *part {
+            "**" => Seg::Deep,
+            "*" => Seg::One,
+            _ if part.contains("**") => {
+                return Err("`**` must be a whole segment".into());
+            }
+            "." | ".." => return Err("must not contain '.' or '..' segments".into()),
+            _ => Seg::Glob(
+                percent_decode(part, false)
+                    .ok_or_else(|| format!("bad percent-encoding in {part:?}"))?,
+            ),
+        });
+    }
+    Ok(segs)
+}
+
+/// The target as origin-form `PathAndQuery`, or why not.
+fn origin_form(target: &str) -> Result<PathAndQuery, Rejection> {
+    if !target.starts_with('/') || target.starts_with("//") {
+        return Err(Rejection::refused(
+            Reason::Target,
+            "the request target must be a path starting with a single '/': absolute-URI, \
+             authority-form and '//host' targets are refused (the agent only calls its configured origin)",
+        ));
+    }
+    let pq: PathAndQuery = target
+        .parse()
+        .map_err(|e| Rejection::BadRequest(format!("invalid request target: {e}")))?;
+    // A fragment is dropped by the parser; what remains must still be a plain path.
+    if !pq.path().starts_with('/') || pq.path().starts_with("//") {
+        return Err(Rejection::BadRequest("invalid request target".into()));
+    }
+    Ok(pq)
+}
+
+/// The path's segments, percent-decoded, after the traversal checks.
+fn path_segments(path: &str) -> Result<Vec<Vec<u8>>, Rejection> {
+    let unsafe_path =
+        |why: &str| Rejection::refused(Reason::UnsafePath, format!("unsafe path: {why}"));
+    let rest = path.strip_prefix('/').unwrap_or(path);
+    let parts: Vec<&str> = rest.split('/').collect();
+    let last = parts.len() - 1;
+    let mut out = Vec::with_capacity(parts.len());
+    for (i, part) in parts.into_iter().enumerate() {
+        if part.is_empty() && i != last {
+            return Err(unsafe_path("empty segment ('//')"));
+        }
+        let decoded =
+            percent_decode(part, false).ok_or_else(|| unsafe_path("bad percent-encoding"))?;
+        if decoded.contains(&0) {
+            return Err(unsafe_path("NUL byte"));
+        }
+        // Servers differ on `%2F`, `\` and `;params`: refuse a dot segment under any of them.
+        let dot = decoded.split(|b| *b == b'/' || *b == b'\\').any(|piece| {
+            let name = piece.split(|b| *b == b';').next().unwrap_or(piece);
+            name == b"." || name == b".."
+        });
+        if dot {
+            return Err(unsafe_path("'.' or '..' segment"));
+        }
+        out.push(decoded);
+    }
+    Ok(out)
+}
+
+/// The head's headers as a `HeaderMap`, after the override-header check.
+fn header_map(head: &RequestHead) -> Result<HeaderMap, Rejection> {
+    let mut headers = HeaderMap::with_capacity(head.headers.len());
+    for h in &head.headers {
+        let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| {
+            Rejection::BadRequest(format!("invalid header name {:?}", short(&h.name)))
+        })?;
+        let value = HeaderValue::from_bytes(&h.value)
+            .map_err(|_| Rejection::BadRequest(format!("invalid value for header {name}")))?;
+        let overrides = OVERRIDE_HEADERS.contains(&name.as_str())
+            || (name == http::header::FORWARDED
+                && value
+                    .as_bytes()
+                    .to_ascii_lowercase()
+                    .windows(5)
+                    .any(|w| w == b"host="));
+        if overrides {
+            return Err(Rejection::refused(
+                Reason::OverrideHeader,
+                format!("header {name} asks for another host, URL or method and is refused"),
+            ));
+        }
+        headers.append(name, value);
+    }
+    Ok(headers)
+}
+
+/// Checks message framing; returns the declared Content-Length.
+fn framing(headers: &HeaderMap, no_body: bool) -> Result<Option<u64>, Rejection> {
+    let smuggling = |why: String| Rejection::refused(Reason::Smuggling, why);
+    let lengths: Vec<&HeaderValue> = headers
+        .get_all(http::header::CONTENT_LENGTH)
+        .iter()
+        .collect();
+    let encodings: Vec<&HeaderValue> = headers
+        .get_all(http::header::TRANSFER_ENCODING)
+        .iter()
+        .collect();
+    if lengths.len() > 1 {
+        return Err(smuggling("duplicate content-length headers".into()));
+    }
+    let length = match lengths.first() {
+        None => None,
+        Some(v) => {
+            let b = v.as_bytes();
+            if b.is_empty() || b.len() > 19 || !b.iter().all(u8::is_ascii_digit) {
+                return Err(smuggling(
+                    "content-length is not a plain decimal number".into(),
+                ));
+            }
+            let n = std::str::from_utf8(b)
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+                .ok_or_else(|| smuggling("content-length is not a plain decimal number".into()))?;
+            Some(n)
+        }
+    };
+    if !encodings.is_empty() {
+        if length.is_some() {
+            return Err(smuggling(
+                "content-length together with transfer-encoding".into(),
+            ));
+        }
+        let chunked_only = encodings.len() == 1
+            && encodings[0]
+                .to_str()
+                .is_ok_and(|s| s.trim().eq_ignore_ascii_case("chunked"));
+        if !chunked_only {
+            return Err(smuggling(
+                "transfer-encoding other than a single 'chunked'".into(),
+            ));
+        }
+    }
+    if no_body && length.is_some_and(|n| n > 0) {
+        return Err(smuggling(
+            "content-length announces a body but the request has none".into(),
+        ));
+    }
+    Ok(length)
+}
+
+/// `Seg` patterns against decoded segments: a small NFA over segment positions, so
+/// several `**` cost O(patterns x segments), never backtracking.
+fn match_path(pattern: &[Seg], segments: &[Vec<u8>]) -> bool {
+    let n = segments.len();
+    let mut reach = vec![false; n + 1];
+    reach[0] = true;
+    for seg in pattern {
+        let mut next = vec![false; n + 1];
+        match seg {
+            Seg::Deep => {
+                if let Some(first) = reach.iter().position(|r| *r) {
+                    next[first..].iter_mut().for_each(|x| *x = true);
+                }
+            }
+            _ => {
+                for i in 0..n {
+                    if reach[i] && segment_matches(seg, &segments[i]) {
+                        next[i + 1] = true;
+                    }
+                }
+            }
+        }
+        if !next.iter().any(|r| *r) {
+            return false;
+        }
+        reach = next;
+    }
+    reach[n]
+}
+
+fn segment_matches(seg: &Seg, s: &[u8]) -> bool {
+    // A decoded segment holding a separator ('%2F', '\') is matched only literally or by
+    // `**`: a wildcard meant for one segment never spans what a server may split.
+    let has_sep = s.iter().any(|b| *b == b'/' || *b == b'\\');
+    match seg {
+        Seg::Deep => true,
+        Seg::One => !s.is_empty() && !has_sep,
+        Seg::Glob(p) if p.contains(&b'*') => !has_sep && glob(p, s),
+        Seg::Glob(p) => p.as_slice() == s,
+    }
+}
+
+/// `*` matches any run of bytes; everything else is literal. Linear-time two-pointer
+/// wildcard match (backtracks only to the last `*`).
+fn glob(p: &[u8], s: &[u8]) -> bool {
+    let (mut pi, mut si) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while si < s.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, si));
+            pi += 1;
+        } else if pi < p.len() && p[pi] == s[si] {
+            pi += 1;
+            si += 1;
+        } else if let Some((sp, ss)) = star {
+            pi = sp + 1;
+            si = ss + 1;
+            star = Some((sp, ss + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|b| *b == b'*')
+}
+
+/// Query pairs, percent-decoded (`+` as space); undecodable pairs are kept raw so they
+/// can never satisfy a pattern that expects a decoded value by accident.
+fn parse_query(q: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            let dec = |x: &str| percent_decode(x, true).unwrap_or_else(|| x.as_bytes().to_vec());
+            (dec(k), dec(v))
+        })
+        .collect()
+}
+
+/// Percent-decodes `s`; `None` on a broken escape.
+fn percent_decode(s: &str, plus_is_space: bool) -> Option<Vec<u8>> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => {
+                let hex = b.get(i + 1..i + 3)?;
+                let hi = (hex[0] as char).to_digit(16)?;
+                let lo = (hex[1] as char).to_digit(16)?;
+                out.push(u8::try_from(hi * 16 + lo).ok()?);
+                i += 3;
+            }
+            b'+' if plus_is_space => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    Some(out)
+}
+
+/// At most 200 characters of `s`, for messages and logs.
+pub fn short(s: &str) -> String {
+    const MAX: usize = 200;
+    if s.len() <= MAX {
+        return s.to_string();
+    }
+    let mut end = MAX;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+/// The path of a target without its query, for log lines (the query may hold secrets).
+pub fn log_path(target: &str) -> String {
+    short(target.split(['?', '#']).next().unwrap_or(""))
+}
+
+#[cfg(test)]
+mod tests;
