@@ -17,6 +17,8 @@
 //!
 //! - **evacuated**: draining, or evacuated within `evacuated_for`. Its idle streams are
 //!   recycled (closed), busy ones finish first and go on a later tick. No grow, no fill.
+//!   A draining server's idle streams are held until another server is covered (make
+//!   before break: the tunnel id stays routable while replacements land).
 //! - **covered**: live >= budget.
 //! - **growing**: short with busy > 0. Opens `max(grow_min, in flight, shortfall)`: this
 //!   doubles the server under pressure without the hint and jumps straight to the
@@ -541,9 +543,16 @@ impl Planner {
     /// Evacuated (or draining): close the idle streams that are there; busy ones go on a
     /// later tick, once idle.
     fn recycle(&self, tick: &Tick, plan: &mut Plan) {
+        // Make before break: a draining server keeps serving on the streams it holds
+        // until another server is covered, so a tunnel id never drops out between the
+        // drain and the replacements landing.
+        let covered_elsewhere = tick
+            .servers
+            .iter()
+            .any(|o| o.state == State::Covered && !o.view.draining);
         for s in tick.servers.iter().filter(|s| s.state == State::Evacuated) {
             let idle = s.idle_streams();
-            if idle.is_empty() {
+            if idle.is_empty() || (s.view.draining && !covered_elsewhere) {
                 continue;
             }
             let why = if s.view.draining {

@@ -356,6 +356,26 @@ fn a_draining_server_recycles_its_idle_streams_and_counts_as_evacuated() {
 }
 
 #[test]
+fn a_draining_server_holds_its_idle_streams_until_another_server_is_covered() {
+    let mut s = Snap::new();
+    let mut b = s.server("b", 3, 0);
+    b.draining = true;
+    let mut p = Planner::new(cfg());
+    // b is the only home: keep serving there while the reserve opens elsewhere.
+    let plan = p.plan(&s.snap(0, &[b.clone()]));
+    assert!(plan.close.is_empty(), "{plan:?}");
+    assert_eq!(plan.open, 2);
+    // The replacements landed on a, which is not covered yet (one of two): still hold.
+    let a = s.server("a", 1, 0);
+    let plan = p.plan(&s.snap(1, &[a, b.clone()]));
+    assert!(plan.close.is_empty(), "{plan:?}");
+    // a is covered: b's idle streams go.
+    let a = s.server("a", 2, 0);
+    let plan = p.plan(&s.snap(2, &[a, b]));
+    assert_eq!(plan.close.len(), 3, "{plan:?}");
+}
+
+#[test]
 fn an_evacuated_server_that_is_the_only_home_is_kept() {
     let mut s = Snap::new();
     let a = s.server("a", 2, 0);
