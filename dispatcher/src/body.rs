@@ -224,6 +224,8 @@ pub struct CallGuard {
     metrics: Metrics,
     start: Instant,
     recorded: bool,
+    /// The tunnel server that answered (or the last one tried).
+    server_id: Option<Arc<str>>,
 }
 
 impl CallGuard {
@@ -233,7 +235,13 @@ impl CallGuard {
             metrics,
             start: Instant::now(),
             recorded: false,
+            server_id: None,
         }
+    }
+
+    /// The server the call went to, for the per-server outcome counter.
+    pub fn set_server(&mut self, server_id: Option<Arc<str>>) {
+        self.server_id = server_id;
     }
 
     pub fn finish(&mut self, outcome: &str) {
@@ -243,6 +251,11 @@ impl CallGuard {
         self.recorded = true;
         self.metrics.calls_in_flight.dec();
         self.metrics.calls.with_label_values(&[outcome]).inc();
+        let server = self.server_id.as_deref().unwrap_or("none");
+        self.metrics
+            .calls_by_server
+            .with_label_values(&[server, outcome])
+            .inc();
         self.metrics
             .call_duration
             .observe(self.start.elapsed().as_secs_f64());

@@ -33,6 +33,120 @@ pub struct Config {
     pub max_header_bytes: usize,
     /// Backends allowed to call, each with its own key (`Authorization: Bearer <key>`).
     pub callers: Vec<CallerConfig>,
+    /// How calls are routed among the tunnel servers holding a tunnel id.
+    pub routing: RoutingConfig,
+    /// Where the routing table lives and who may feed it.
+    pub registry: RegistryConfig,
+}
+
+/// How a server is chosen for a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutingPolicy {
+    /// The seed behaviour: the most recently announced healthy server. For comparison runs.
+    Sticky,
+    /// Sticky while the chosen server has idle streams; spills a share of calls to servers
+    /// holding idle streams while it is saturated; prefers the lowest latency tier.
+    Available,
+}
+
+/// `[routing]`: the server choice for each call.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    /// `"available"` (default) or `"sticky"`.
+    pub policy: RoutingPolicy,
+    /// Retry idempotent methods (GET, HEAD, OPTIONS, PUT, DELETE) on another server when
+    /// the call was lost after it may have reached an agent, as long as no response head
+    /// went to the caller. Off by default: an upstream may not be as idempotent as its verb.
+    pub retry_idempotent: bool,
+    /// Servers one call may try (first attempt included).
+    pub max_attempts: u32,
+    /// Spill share added per routing step while the chosen server is saturated and another
+    /// holds idle streams.
+    pub spill_step: f64,
+    /// Spill share removed per routing step once the chosen server has idle streams again.
+    pub spill_decay: f64,
+    /// Largest share of a tunnel id's new calls spilled away from its chosen server.
+    pub spill_max: f64,
+    /// Shortest time between two spill steps of one tunnel id (steps happen when reports
+    /// arrive or on the routing tick, at most this often).
+    #[serde(with = "humantime_serde")]
+    pub step_interval: Duration,
+    /// Group servers into latency tiers by the RTT they report and prefer the lowest tier
+    /// with capacity. Off: every server counts as tier 0 (one zone, or RTTs that are noise).
+    pub latency_tiers: bool,
+    /// Latency tiers: how far past a tier's bound a member may drift before it leaves the
+    /// tier, and how far inside the bound an outsider must come to join it (fraction).
+    pub tier_hysteresis: f64,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            policy: RoutingPolicy::Available,
+            retry_idempotent: false,
+            max_attempts: 3,
+            spill_step: 0.05,
+            spill_decay: 0.025,
+            spill_max: 0.5,
+            step_interval: Duration::from_millis(250),
+            latency_tiers: true,
+            tier_hysteresis: 0.2,
+        }
+    }
+}
+
+/// Where the routing table is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RegistryBackend {
+    /// Embedded: this dispatcher knows only the servers that report to it.
+    Memory,
+    /// Shared through Redis: every dispatcher routes every tunnel id.
+    Redis,
+}
+
+/// `[registry]`: the table of tunnel servers and who may feed it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RegistryConfig {
+    /// `"memory"` (default) or `"redis"`.
+    pub backend: RegistryBackend,
+    /// Redis URL (`redis://host:port/db`) when `backend = "redis"`.
+    pub url: Option<Secret>,
+    /// Prefix of every Redis key, so several fleets can share one Redis.
+    pub key_prefix: String,
+    /// A server's entry expires when it has not reported for this long (3x the servers'
+    /// report interval by default), so a dead or hung server drops out in bounded time.
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
+    /// How often the shared table is read back from Redis.
+    #[serde(with = "humantime_serde")]
+    pub refresh_interval: Duration,
+    /// Bound on one Redis round trip (connect or command); past it Redis counts as down.
+    #[serde(with = "humantime_serde")]
+    pub redis_timeout: Duration,
+    /// Shared secret tunnel servers must present (`authorization: Bearer`) on their report
+    /// stream. Unset: any server may report (fine on a private network only).
+    pub server_key: Option<Secret>,
+    /// Server ids allowed to report; empty allows any id.
+    pub allowed_servers: Vec<String>,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        RegistryConfig {
+            backend: RegistryBackend::Memory,
+            url: None,
+            key_prefix: "relay".into(),
+            lease: Duration::from_secs(3),
+            refresh_interval: Duration::from_millis(500),
+            redis_timeout: Duration::from_secs(1),
+            server_key: None,
+            allowed_servers: Vec::new(),
+        }
+    }
 }
 
 /// One backend allowed to call the dispatcher.
@@ -56,6 +170,8 @@ impl Default for Config {
             shutdown_grace: Duration::from_secs(10),
             max_header_bytes: 64 * 1024,
             callers: Vec::new(),
+            routing: RoutingConfig::default(),
+            registry: RegistryConfig::default(),
         }
     }
 }
@@ -96,6 +212,8 @@ impl Config {
                 "at least one caller key is needed (config [[callers]] or --caller-key / RELAY_CALLER_KEY)",
             ));
         }
+        self.validate_routing()?;
+        self.validate_registry()?;
         for (i, c) in self.callers.iter().enumerate() {
             if c.name.trim().is_empty() {
                 return Err(ConfigError::invalid(
@@ -113,6 +231,99 @@ impl Config {
                 return Err(ConfigError::invalid(
                     format!("callers[{i}].name"),
                     "duplicate caller name",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    fn validate_routing(&self) -> Result<(), ConfigError> {
+        let r = &self.routing;
+        let share = |v: f64| v.is_finite() && (0.0..=1.0).contains(&v);
+        if !share(r.spill_max) || r.spill_max >= 1.0 {
+            return Err(ConfigError::invalid(
+                "routing.spill_max",
+                "must be in [0, 1): the chosen server keeps some calls",
+            ));
+        }
+        if !share(r.spill_step) || r.spill_step == 0.0 {
+            return Err(ConfigError::invalid(
+                "routing.spill_step",
+                "must be in (0, 1]",
+            ));
+        }
+        if !share(r.spill_decay) || r.spill_decay == 0.0 {
+            return Err(ConfigError::invalid(
+                "routing.spill_decay",
+                "must be in (0, 1]",
+            ));
+        }
+        if !(r.tier_hysteresis.is_finite() && (0.0..1.0).contains(&r.tier_hysteresis)) {
+            return Err(ConfigError::invalid(
+                "routing.tier_hysteresis",
+                "must be in [0, 1)",
+            ));
+        }
+        if r.max_attempts == 0 || r.max_attempts > 10 {
+            return Err(ConfigError::invalid(
+                "routing.max_attempts",
+                "must be 1 to 10",
+            ));
+        }
+        if r.step_interval < Duration::from_millis(10) {
+            return Err(ConfigError::invalid(
+                "routing.step_interval",
+                "must be at least 10ms",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_registry(&self) -> Result<(), ConfigError> {
+        let r = &self.registry;
+        if r.lease < Duration::from_millis(100) {
+            return Err(ConfigError::invalid(
+                "registry.lease",
+                "must be at least 100ms",
+            ));
+        }
+        if r.refresh_interval < Duration::from_millis(10) || r.refresh_interval > r.lease {
+            return Err(ConfigError::invalid(
+                "registry.refresh_interval",
+                "must be at least 10ms and at most registry.lease",
+            ));
+        }
+        if r.redis_timeout.is_zero() {
+            return Err(ConfigError::invalid(
+                "registry.redis_timeout",
+                "must be greater than zero",
+            ));
+        }
+        if r.key_prefix.is_empty() {
+            return Err(ConfigError::invalid(
+                "registry.key_prefix",
+                "must not be empty",
+            ));
+        }
+        if r.server_key.as_ref().is_some_and(|k| k.is_empty()) {
+            return Err(ConfigError::invalid(
+                "registry.server_key",
+                "must not be empty when set",
+            ));
+        }
+        if r.backend == RegistryBackend::Redis {
+            let Some(url) = &r.url else {
+                return Err(ConfigError::invalid(
+                    "registry.url",
+                    "is required with backend = \"redis\"",
+                ));
+            };
+            if !(url.expose().starts_with("redis://") || url.expose().starts_with("rediss://")) {
+                return Err(ConfigError::invalid(
+                    "registry.url",
+                    "must be a redis:// or rediss:// URL",
                 ));
             }
         }
@@ -162,5 +373,56 @@ mod tests {
             .contains("max_call_timeout"));
         let cfg = Config::default();
         assert!(cfg.validate().unwrap_err().to_string().contains("callers"));
+    }
+
+    #[test]
+    fn routing_and_registry_sections_parse_and_are_checked() {
+        let cfg: Config = relay_common::config::parse(
+            r#"
+            [[callers]]
+            name = "ci"
+            key = "k"
+            [routing]
+            policy = "sticky"
+            retry_idempotent = true
+            [registry]
+            backend = "redis"
+            url = "redis://127.0.0.1:6379"
+            lease = "5s"
+            server_key = "sk"
+            allowed_servers = ["ts-1"]
+            "#,
+            Path::new("d.toml"),
+        )
+        .unwrap();
+        assert_eq!(cfg.routing.policy, RoutingPolicy::Sticky);
+        assert!(cfg.routing.retry_idempotent);
+        assert_eq!(cfg.registry.backend, RegistryBackend::Redis);
+        assert_eq!(cfg.registry.lease, Duration::from_secs(5));
+        assert_eq!(format!("{:?}", cfg.registry.server_key), "Some(***)");
+        cfg.validate().unwrap();
+        let mut bad = cfg.clone();
+        bad.registry.url = None;
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("registry.url"));
+        let mut bad = cfg.clone();
+        bad.routing.spill_max = 1.0;
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("spill_max"));
+        let err = relay_common::config::parse::<Config>(
+            "[routing]\npolicy = \"random\"",
+            Path::new("d.toml"),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("random") || err.to_string().contains("policy"),
+            "{err}"
+        );
     }
 }

@@ -1,25 +1,38 @@
-//! Forwarding one call to a tunnel server over `Forward.Call`, with at most one retry on
-//! another server while no agent can have taken the call.
+//! Forwarding one call to a tunnel server over `Forward.Call`, retrying on another server
+//! while that is safe.
 //!
 //! It owns the per-server gRPC channels (one lazily connected `Channel` per `forward_url`;
 //! calls multiplex over it) and the attempt logic up to the response head. It must not
 //! parse HTTP or choose error bodies: it hands back a `ResponseHead` plus the response
 //! stream, or a [`Failure`].
 //!
-//! Retry rule: an attempt may be retried when the tunnel server could not be reached (the
-//! RPC failed before any response) or answered `UNKNOWN_TUNNEL` / `DRAINING` (both mean no
-//! agent saw the call), and the request body sent so far can be replayed (see `body`).
-//! `NO_CAPACITY` goes back to the caller: another server is unlikely to do better within
-//! the same deadline and retrying would double the queueing.
+//! Retry rules (servers in the order the router picked, at most `max_attempts`, all within
+//! the call's deadline, and only while the request body sent so far can be replayed):
+//! - the call never reached an agent (the server could not be reached, refused the RPC, or
+//!   answered UNKNOWN_TUNNEL / DRAINING): retried on the next server;
+//! - NO_CAPACITY (never reached an agent either): fed back to the router as saturation, and
+//!   under the `available` policy retried on the next server if that one reported idle
+//!   streams; under `sticky` it goes back to the caller (the seed behaviour);
+//! - the call may have started (the stream or the server died before the response head):
+//!   retried only for idempotent methods (GET, HEAD, OPTIONS, PUT, DELETE) when
+//!   `[routing] retry_idempotent = true`; otherwise the caller gets a 502 `stream_lost`
+//!   that says the call may have reached the agent;
+//! - anything the agent answered is final.
+//!
+//! Once a response head is in hand the call is never retried: the head goes to the caller.
 
 use crate::body::RequestBody;
+use crate::config::RoutingPolicy;
 use crate::error::{ErrorCode, Failure};
 use crate::metrics::Metrics;
-use crate::registry::Route;
+use crate::registry::Registry;
+use crate::routing::{Pick, Target};
 use relay_proto::forward_client::ForwardClient;
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
-use relay_proto::{CallHead, ForwardRequest, ForwardResponse, Header, RequestHead, ResponseHead};
+use relay_proto::{
+    CallHead, ForwardErrorKind, ForwardRequest, ForwardResponse, Header, RequestHead, ResponseHead,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -30,8 +43,24 @@ use tracing::{debug, info};
 
 /// Largest response frame accepted from a tunnel server (a body chunk plus slack).
 const MAX_RESPONSE_FRAME: usize = 4 * 1024 * 1024;
-/// How many servers one call may try.
-const MAX_ATTEMPTS: usize = 2;
+
+/// Whether a failed attempt may be tried again elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// No agent saw the call.
+    Safe,
+    /// The server had no idle stream before its queue gave up; no agent saw the call.
+    NoCapacity,
+    /// The call may have reached an agent; only idempotent methods may be retried.
+    MaybeStarted,
+    /// Final (the agent answered, or the request is bad).
+    Never,
+}
+
+/// Methods that may be retried after they may have reached an agent, when configured.
+pub fn idempotent(method: &str) -> bool {
+    matches!(method, "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE")
+}
 
 /// One lazily connected channel per tunnel server `forward_url`.
 #[derive(Clone, Default)]
@@ -82,28 +111,38 @@ pub struct CallPlan {
 pub struct Answer {
     pub head: ResponseHead,
     pub stream: Streaming<ForwardResponse>,
-    pub server_id: String,
+    pub server_id: Arc<str>,
 }
 
 pub struct Forwarder {
     pub channels: Channels,
     pub metrics: Metrics,
+    /// For per-call feedback (NO_CAPACITY answers) to the router.
+    pub registry: Arc<Registry>,
+    pub policy: RoutingPolicy,
+    pub retry_idempotent: bool,
+    pub max_attempts: usize,
 }
 
+/// A failed call and the server that gave the last answer, if any was tried.
+pub type Failed = (Failure, Option<Arc<str>>);
+
 impl Forwarder {
-    /// Forwards the call to the first candidate, retrying once on the next one when allowed.
-    /// The caller bounds this with the call's deadline.
+    /// Forwards the call to the picked servers in order, retrying while the rules in the
+    /// module docs allow. The caller bounds this with the call's deadline.
     pub async fn forward(
         &self,
         plan: &CallPlan,
         body: &RequestBody,
-        candidates: &[Route],
-    ) -> Result<Answer, Failure> {
+        pick: &Pick,
+    ) -> Result<Answer, Failed> {
         let mut last = Failure::new(
             ErrorCode::TunnelUnavailable,
             "no tunnel server holds streams for this tunnel id",
         );
-        for (attempt, route) in candidates.iter().take(MAX_ATTEMPTS).enumerate() {
+        let mut last_server = None;
+        let servers = &pick.servers;
+        for (attempt, target) in servers.iter().take(self.max_attempts).enumerate() {
             if attempt > 0 {
                 if !body.replayable() {
                     debug!(
@@ -113,33 +152,46 @@ impl Forwarder {
                     break;
                 }
                 self.metrics.retries.inc();
-                info!(call_id = plan.call_id, server_id = %route.server_id, reason = %last.message, "retrying on another tunnel server");
+                info!(call_id = plan.call_id, server_id = %target.server_id, reason = %last.message, "retrying on another tunnel server");
             }
             self.metrics
                 .routing_decisions
-                .with_label_values(&[route.server_id.as_str()])
+                .with_label_values(&[&*target.server_id])
                 .inc();
-            match self.attempt(plan, body, route, attempt as u32).await {
+            last_server = Some(target.server_id.clone());
+            match self.attempt(plan, body, target, attempt as u32).await {
                 Ok(answer) => return Ok(answer),
-                Err((failure, retryable)) => {
-                    debug!(call_id = plan.call_id, server_id = %route.server_id, code = failure.code.as_str(), retryable, "forward attempt failed");
+                Err((failure, retry)) => {
+                    let next = servers.get(attempt + 1);
+                    let may = match retry {
+                        Retry::Safe => true,
+                        Retry::NoCapacity => {
+                            self.registry
+                                .note_no_capacity(&plan.tunnel_id, &target.server_id);
+                            self.policy == RoutingPolicy::Available
+                                && next.is_some_and(|n| n.idle > 0)
+                        }
+                        Retry::MaybeStarted => self.retry_idempotent && idempotent(&plan.method),
+                        Retry::Never => false,
+                    };
+                    debug!(call_id = plan.call_id, server_id = %target.server_id, code = failure.code.as_str(), ?retry, may, "forward attempt failed");
                     last = failure;
-                    if !retryable {
+                    if !may {
                         break;
                     }
                 }
             }
         }
-        Err(last)
+        Err((last, last_server))
     }
 
     async fn attempt(
         &self,
         plan: &CallPlan,
         body: &RequestBody,
-        route: &Route,
+        route: &Target,
         attempt: u32,
-    ) -> Result<Answer, (Failure, bool)> {
+    ) -> Result<Answer, (Failure, Retry)> {
         let unreachable = |why: String| {
             Failure::new(
                 ErrorCode::TunnelServerUnreachable,
@@ -149,7 +201,7 @@ impl Forwarder {
         let channel = self
             .channels
             .get(&route.forward_url)
-            .map_err(|e| (unreachable(e.to_string()), true))?;
+            .map_err(|e| (unreachable(e.to_string()), Retry::Safe))?;
         let remaining = plan.deadline.saturating_duration_since(Instant::now());
         let head = ForwardRequest::of(ReqKind::Head(CallHead {
             tunnel_id: plan.tunnel_id.clone(),
@@ -171,11 +223,15 @@ impl Forwarder {
             Err(status) => {
                 // Failing before any response header means the server never handed the call
                 // to an agent: connection refused/reset, or the server rejected the RPC.
-                let retryable = matches!(
+                let retry = if matches!(
                     status.code(),
                     tonic::Code::Unavailable | tonic::Code::Unknown
-                );
-                return Err((unreachable(status.message().to_string()), retryable));
+                ) {
+                    Retry::Safe
+                } else {
+                    Retry::Never
+                };
+                return Err((unreachable(status.message().to_string()), retry));
             }
         };
         let mut stream = response.into_inner();
@@ -189,22 +245,44 @@ impl Forwarder {
             }),
             Ok(Some(ForwardResponse {
                 kind: Some(RespKind::Error(e)),
-            })) => Err(Failure::from_forward_error(&e)),
+            })) => {
+                let (failure, _) = Failure::from_forward_error(&e);
+                let retry = match ForwardErrorKind::try_from(e.kind) {
+                    Ok(ForwardErrorKind::UnknownTunnel | ForwardErrorKind::Draining) => Retry::Safe,
+                    Ok(ForwardErrorKind::NoCapacity) => Retry::NoCapacity,
+                    Ok(ForwardErrorKind::StreamLost) => Retry::MaybeStarted,
+                    _ => Retry::Never,
+                };
+                Err((failure, retry))
+            }
             Ok(Some(_)) => Err((
                 Failure::new(
                     ErrorCode::StreamLost,
                     "tunnel server sent a body before the response head",
                 ),
-                false,
+                Retry::Never,
             )),
             Ok(None) => Err((
                 Failure::new(
                     ErrorCode::StreamLost,
-                    "tunnel server ended the call without a response",
+                    format!(
+                        "tunnel server {} ended the call without a response; it may have reached the agent",
+                        route.server_id
+                    ),
                 ),
-                false,
+                Retry::MaybeStarted,
             )),
-            Err(status) => Err((unreachable(status.message().to_string()), false)),
+            Err(status) => Err((
+                Failure::new(
+                    ErrorCode::StreamLost,
+                    format!(
+                        "tunnel server {} went away before the response head ({}); the call may have reached the agent, so it was not retried",
+                        route.server_id,
+                        status.message()
+                    ),
+                ),
+                Retry::MaybeStarted,
+            )),
         }
     }
 }

@@ -12,7 +12,7 @@ use crate::error::{ErrorCode, Failure};
 use crate::forward::{CallPlan, Forwarder};
 use crate::headers::{self, TIMEOUT_HEADER};
 use crate::metrics::Metrics;
-use crate::registry::RouteTable;
+use crate::registry::Registry;
 use crate::report::valid_tunnel_id;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
@@ -36,7 +36,7 @@ pub struct Front {
     call_timeout: Duration,
     max_call_timeout: Duration,
     max_header_bytes: usize,
-    routes: Arc<dyn RouteTable>,
+    routes: Arc<Registry>,
     forwarder: Forwarder,
     metrics: Metrics,
     next_call_id: AtomicU64,
@@ -53,7 +53,7 @@ struct Accepted<'a> {
 impl Front {
     pub fn new(
         config: &Config,
-        routes: Arc<dyn RouteTable>,
+        routes: Arc<Registry>,
         forwarder: Forwarder,
         metrics: Metrics,
     ) -> Self {
@@ -202,14 +202,16 @@ impl Front {
         accepted: Accepted<'_>,
     ) -> Response<RelayBody> {
         let tunnel_id = accepted.tunnel_id;
-        let candidates = self.routes.candidates(&tunnel_id);
-        if candidates.is_empty() {
+        let Some(pick) = self.routes.route(&tunnel_id) else {
             let f = Failure::new(
                 ErrorCode::TunnelUnavailable,
                 "no tunnel server holds streams for this tunnel id",
             );
             info!(code = f.code.as_str(), "call failed");
             return self.fail(guard, &f, Some(&tunnel_id));
+        };
+        if pick.spilled {
+            self.metrics.spills.inc();
         }
         let end_of_stream = body.is_end_stream();
         let caller_body: Option<CallerBody> =
@@ -225,21 +227,23 @@ impl Front {
             deadline: start + accepted.timeout,
         };
         let forwarded = tokio::select! {
-            r = tokio::time::timeout_at(plan.deadline, self.forwarder.forward(&plan, &request_body, &candidates)) => {
-                r.unwrap_or_else(|_| Err(Failure::new(
+            r = tokio::time::timeout_at(plan.deadline, self.forwarder.forward(&plan, &request_body, &pick)) => {
+                r.unwrap_or_else(|_| Err((Failure::new(
                     ErrorCode::DeadlineExceeded,
                     format!("no response head within {} ms", accepted.timeout.as_millis()),
-                )))
+                ), None)))
             }
-            why = request_body.failed() => Err(Failure::new(ErrorCode::BadRequest, why)),
+            why = request_body.failed() => Err((Failure::new(ErrorCode::BadRequest, why), None)),
         };
         let answer = match forwarded {
             Ok(a) => a,
-            Err(f) => {
-                info!(code = f.code.as_str(), message = %f.message, "call failed");
+            Err((f, server)) => {
+                info!(code = f.code.as_str(), message = %f.message, server_id = ?server, "call failed");
+                guard.set_server(server);
                 return self.fail(guard, &f, Some(&tunnel_id));
             }
         };
+        guard.set_server(Some(answer.server_id.clone()));
         let status = match u16::try_from(answer.head.status)
             .ok()
             .and_then(|s| StatusCode::from_u16(s).ok())

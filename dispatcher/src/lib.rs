@@ -6,9 +6,11 @@
 //! response back. Three listeners: the HTTP front (HTTP/1.1 + h2c), the registry gRPC
 //! listener, and the admin listener (`/metrics`, `/healthz`, `/readyz`, `/debug/routes`).
 //!
-//! Modules: `config` (settings), `front` (HTTP), `forward` (calls to tunnel servers),
-//! `body` (streaming bodies both ways), `headers` (header rules), `registry` (the routing
-//! table behind a trait), `report` (the gRPC service feeding it), `metrics`, `error`.
+//! Modules: `config` (settings), `front` (HTTP), `forward` (calls to tunnel servers and
+//! retries), `body` (streaming bodies both ways), `headers` (header rules), `routing` (the
+//! pure routing decision: sticky / available, spill share, latency tiers), `registry` (the
+//! routing table and leases), `shared` (the Redis-backed shared registry), `report` (the
+//! gRPC service feeding the table), `metrics`, `error`.
 //!
 //! The crate never buffers a whole body, never logs or forwards a caller key, and takes
 //! already-bound listeners so tests and the one-process demo can run it on `127.0.0.1:0`.
@@ -22,18 +24,25 @@ pub mod headers;
 pub mod metrics;
 pub mod registry;
 pub mod report;
+pub mod routing;
+pub mod shared;
 
-pub use config::{CallerConfig, Config};
+pub use config::{
+    CallerConfig, Config, RegistryBackend, RegistryConfig, RoutingConfig, RoutingPolicy,
+};
 pub use error::RunError;
 
 use forward::{Channels, Forwarder};
-use registry::{MemoryRegistry, RouteTable};
+use registry::Registry;
 use relay_common::admin::{self, Admin};
+use relay_common::config::ConfigError;
+use shared::{SharedHealth, SharedStore};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -61,7 +70,6 @@ pub async fn run(
     config.validate()?;
     let prometheus = prometheus::Registry::new();
     let metrics = metrics::Metrics::register(&prometheus)?;
-    let routes: Arc<dyn RouteTable> = Arc::new(MemoryRegistry::new());
     let channels = Channels::default();
 
     let addrs = (
@@ -69,13 +77,92 @@ pub async fn run(
         listeners.registry.local_addr().ok(),
         listeners.admin.local_addr().ok(),
     );
-    info!(http = ?addrs.0, registry = ?addrs.1, admin = ?addrs.2, callers = config.callers.len(), "dispatcher starting");
+    info!(http = ?addrs.0, registry = ?addrs.1, admin = ?addrs.2, callers = config.callers.len(),
+        policy = ?config.routing.policy, registry_backend = ?config.registry.backend, "dispatcher starting");
+    let dispatcher_id = match addrs.1 {
+        Some(a) => format!("dispatcher@{a}"),
+        None => "dispatcher".to_string(),
+    };
+    let shared = config.registry.backend == RegistryBackend::Redis;
+    let routes = Arc::new(Registry::new(
+        config.routing.clone(),
+        config.registry.lease,
+        dispatcher_id,
+        shared,
+        metrics.clone(),
+    ));
+
+    // Shared registry (Redis): a background task; routing never waits on it.
+    let background_stop = CancellationToken::new();
+    let health = match (&config.registry.url, shared) {
+        (Some(url), true) => {
+            let client = redis::Client::open(url.expose()).map_err(|e| {
+                ConfigError::invalid(
+                    "registry.url",
+                    format!("not a usable Redis URL: {:?}", e.kind()),
+                )
+            })?;
+            let health = Arc::new(SharedHealth::default());
+            let store = SharedStore {
+                registry: routes.clone(),
+                client,
+                key_prefix: config.registry.key_prefix.clone(),
+                lease: config.registry.lease,
+                refresh_interval: config.registry.refresh_interval,
+                timeout: config.registry.redis_timeout,
+                health: health.clone(),
+                metrics: metrics.clone(),
+                stop: background_stop.clone(),
+            };
+            tokio::spawn(store.run());
+            Some(health)
+        }
+        _ => None,
+    };
+
+    // Routing tick: steps spill shares with no report arriving and expires leases.
+    {
+        let (routes, metrics, channels, stop) = (
+            routes.clone(),
+            metrics.clone(),
+            channels.clone(),
+            background_stop.clone(),
+        );
+        let period = config.routing.step_interval.min(config.registry.lease / 4);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                routes.tick(tokio::time::Instant::now());
+                let expired = routes.sweep(tokio::time::Instant::now());
+                for info in &expired {
+                    metrics.lease_expiries.inc();
+                    warn!(server_id = %info.server_id, "tunnel server dropped: no report within its lease");
+                    if !routes.uses_forward_url(&info.forward_url) {
+                        channels.evict(&info.forward_url);
+                    }
+                }
+                if !expired.is_empty() {
+                    let counts = routes.counts();
+                    metrics.tunnel_servers.set(counts.servers as i64);
+                    metrics.tunnels.set(counts.tunnels as i64);
+                }
+            }
+        });
+    }
 
     // Registry listener.
     let registry_stop = CancellationToken::new();
     let registry_up = Arc::new(AtomicBool::new(false));
     let report = report::ReportService {
         routes: routes.clone(),
+        server_key: config.registry.server_key.clone(),
+        allowed_servers: config.registry.allowed_servers.clone(),
         metrics: metrics.clone(),
         channels: channels.clone(),
         stop: registry_stop.clone(),
@@ -103,14 +190,35 @@ pub async fn run(
     let admin = {
         let (routes_ready, routes_debug) = (routes.clone(), routes.clone());
         let (up, draining) = (registry_up.clone(), draining.clone());
+        let (health_ready, health_debug) = (health.clone(), health.clone());
+        let registry_status = |h: &Option<Arc<SharedHealth>>| match h {
+            Some(h) => h.status(),
+            None => (
+                true,
+                serde_json::json!({"backend": "memory", "state": "ok"}),
+            ),
+        };
         Admin::new(prometheus)
             .with_ready(move || {
                 let counts = routes_ready.counts();
-                let ready = up.load(Ordering::SeqCst) && !draining.load(Ordering::SeqCst);
-                (ready, serde_json::json!({"tunnel_servers": counts.servers, "tunnels": counts.tunnels}))
+                let (registry_ok, registry) = registry_status(&health_ready);
+                let ready =
+                    up.load(Ordering::SeqCst) && !draining.load(Ordering::SeqCst) && registry_ok;
+                (
+                    ready,
+                    serde_json::json!({
+                        "tunnel_servers": counts.servers,
+                        "tunnels": counts.tunnels,
+                        "registry": registry,
+                    }),
+                )
             })
             .with_routes(move |path| {
-                (path == "/debug/routes").then(|| admin::json(http::StatusCode::OK, &routes_debug.snapshot()))
+                (path == "/debug/routes").then(|| {
+                    let mut snap = routes_debug.snapshot();
+                    snap["registry"] = registry_status(&health_debug).1;
+                    admin::json(http::StatusCode::OK, &snap)
+                })
             })
     };
     let admin_task = tokio::spawn(admin::serve(
@@ -122,10 +230,14 @@ pub async fn run(
     // HTTP front.
     let front = Arc::new(front::Front::new(
         &config,
-        routes,
+        routes.clone(),
         Forwarder {
             channels,
             metrics: metrics.clone(),
+            registry: routes.clone(),
+            policy: config.routing.policy,
+            retry_idempotent: config.routing.retry_idempotent,
+            max_attempts: config.routing.max_attempts as usize,
         },
         metrics,
     ));
@@ -171,6 +283,7 @@ pub async fn run(
             }
         }
     }
+    background_stop.cancel();
     admin_stop.cancel();
     let _ = admin_task.await;
     info!("dispatcher stopped");

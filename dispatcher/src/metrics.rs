@@ -3,7 +3,10 @@
 //!
 //! Labels carry outcomes and server ids only: never a caller key, token or tunnel secret.
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
 
 /// Handles to every dispatcher metric; cheap to clone.
 #[derive(Clone)]
@@ -22,6 +25,23 @@ pub struct Metrics {
     pub tunnels: IntGauge,
     /// Calls currently in flight.
     pub calls_in_flight: IntGauge,
+    /// Calls by the server that answered them (the last one tried) and outcome.
+    pub calls_by_server: IntCounterVec,
+    /// Calls whose first choice was a spill away from the tunnel id's home server.
+    pub spills: IntCounter,
+    /// Share of each tunnel id's new calls spilled away from its home server.
+    pub spill_share: GaugeVec,
+    /// Smoothed RTT each server reports for each tunnel id's streams.
+    pub server_rtt: GaugeVec,
+    /// Latency tier of each server for each tunnel id (0 = best; -1 = not routable).
+    pub server_tier: IntGaugeVec,
+    /// Tunnel server entries dropped because their lease ran out.
+    pub lease_expiries: IntCounter,
+    /// Report streams refused, by reason.
+    pub reports_refused: IntCounterVec,
+    /// 1 while the shared registry (Redis) is unreachable and routing runs on the last
+    /// known table.
+    pub registry_degraded: IntGauge,
 }
 
 impl Metrics {
@@ -67,6 +87,61 @@ impl Metrics {
             "relay_dispatcher_calls_in_flight",
             "Calls currently in flight",
         )?;
+        let calls_by_server = IntCounterVec::new(
+            Opts::new(
+                "relay_dispatcher_calls_by_server_total",
+                "Calls by the tunnel server that answered them (the last one tried) and outcome",
+            ),
+            &["server_id", "outcome"],
+        )?;
+        let spills = IntCounter::new(
+            "relay_dispatcher_spills_total",
+            "Calls whose first choice was a spill away from the tunnel id's home server",
+        )?;
+        let spill_share = GaugeVec::new(
+            Opts::new(
+                "relay_dispatcher_spill_share",
+                "Share of a tunnel id's new calls spilled away from its home server",
+            ),
+            &["tunnel_id"],
+        )?;
+        let server_rtt = GaugeVec::new(
+            Opts::new(
+                "relay_dispatcher_server_rtt_seconds",
+                "Smoothed round-trip time a tunnel server measures to a tunnel id's agent streams",
+            ),
+            &["server_id", "tunnel_id"],
+        )?;
+        let server_tier = IntGaugeVec::new(
+            Opts::new(
+                "relay_dispatcher_server_tier",
+                "Latency tier of a tunnel server for a tunnel id (0 = best, -1 = not routable)",
+            ),
+            &["server_id", "tunnel_id"],
+        )?;
+        let lease_expiries = IntCounter::new(
+            "relay_dispatcher_lease_expiries_total",
+            "Tunnel server entries dropped because the server stopped reporting within its lease",
+        )?;
+        let reports_refused = IntCounterVec::new(
+            Opts::new(
+                "relay_dispatcher_reports_refused_total",
+                "Report streams refused, by reason",
+            ),
+            &["reason"],
+        )?;
+        let registry_degraded = IntGauge::new(
+            "relay_dispatcher_registry_degraded",
+            "1 while the shared registry is unreachable and routing runs on the last known table",
+        )?;
+        registry.register(Box::new(calls_by_server.clone()))?;
+        registry.register(Box::new(spills.clone()))?;
+        registry.register(Box::new(spill_share.clone()))?;
+        registry.register(Box::new(server_rtt.clone()))?;
+        registry.register(Box::new(server_tier.clone()))?;
+        registry.register(Box::new(lease_expiries.clone()))?;
+        registry.register(Box::new(reports_refused.clone()))?;
+        registry.register(Box::new(registry_degraded.clone()))?;
         registry.register(Box::new(calls.clone()))?;
         registry.register(Box::new(call_duration.clone()))?;
         registry.register(Box::new(routing_decisions.clone()))?;
@@ -82,6 +157,14 @@ impl Metrics {
             tunnel_servers,
             tunnels,
             calls_in_flight,
+            calls_by_server,
+            spills,
+            spill_share,
+            server_rtt,
+            server_tier,
+            lease_expiries,
+            reports_refused,
+            registry_degraded,
         })
     }
 }

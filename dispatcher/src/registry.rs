@@ -1,21 +1,30 @@
-//! The routing registry: tunnel id -> tunnel servers holding streams of it, fed by the
-//! servers' report streams (see `report`), read on every call by the HTTP front.
+//! The routing table: tunnel id -> tunnel servers holding streams of it, with each server's
+//! last load figures, and the [`Router`] that turns it into a per tunnel id plan.
 //!
-//! [`RouteTable`] is the boundary: the HTTP front and the report service only talk to the
-//! trait. [`MemoryRegistry`] is the embedded in-memory table. Reads are synchronous on
-//! purpose: a shared-store implementation (Redis, next) keeps a local replica updated in the
-//! background, so the call path never awaits the network to route.
+//! Two sources feed it:
+//! - *local* entries, one per report stream open on this dispatcher (see `report`); each
+//!   stream is a session, and a server that reconnects opens a new session that replaces its
+//!   old one, so a slow-to-die old stream cannot erase the new entries;
+//! - *shared* entries, read back from Redis by the `shared` module when several dispatchers
+//!   serve one fleet ([`Registry::apply_shared`]); a local entry always wins over a shared
+//!   one for the same server id.
 //!
-//! Each report stream is a *session*. A server that reconnects opens a new session that
-//! replaces its old one (and resends its TunnelUp frames); anything the stale session sends
-//! or its late end is ignored, so a slow-to-die old stream cannot erase the new entries.
+//! Leases: a local entry that has not reported for `lease` is dropped by [`Registry::sweep`]
+//! (a hung server whose stream stays open); shared entries carry their lease in Redis and
+//! vanish from the next read when it runs out.
 //!
-//! This module must not do I/O; it reads the clock only through `tokio::time::Instant`.
+//! Reads on the call path ([`Registry::route`]) take one short `Mutex` section to clone the
+//! tunnel id's plan and never wait on the network. This module must not do I/O; it reads
+//! the clock only through `tokio::time::Instant`.
 
-use serde::Serialize;
-use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
-use std::time::SystemTime;
+use crate::config::RoutingConfig;
+use crate::metrics::Metrics;
+use crate::routing::{Pick, Router, ServerView};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// Identity of one report stream.
@@ -23,7 +32,7 @@ use tokio::time::Instant;
 pub struct SessionId(u64);
 
 /// What a tunnel server says about itself in its `ServerIntro`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerInfo {
     pub server_id: String,
     pub zone: String,
@@ -32,7 +41,7 @@ pub struct ServerInfo {
 }
 
 /// One tunnel id's figures in a server's last load report.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TunnelFigures {
     pub idle: u32,
     pub busy: u32,
@@ -41,18 +50,22 @@ pub struct TunnelFigures {
 }
 
 /// A server's last load report.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadFigures {
-    pub tunnels: HashMap<String, TunnelFigures>,
+    pub tunnels: BTreeMap<String, TunnelFigures>,
     pub calls_in_flight: u32,
     pub draining: bool,
 }
 
-/// A server a call may be forwarded to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Route {
-    pub server_id: String,
-    pub forward_url: String,
+/// A server's entry as shared between dispatchers (the JSON stored in Redis).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerRecord {
+    pub info: ServerInfo,
+    /// Tunnel ids the server holds streams of.
+    pub tunnels: Vec<String>,
+    pub load: Option<LoadFigures>,
+    /// The dispatcher the server reports to.
+    pub dispatcher: String,
 }
 
 /// Sizes of the table, for gauges and readiness.
@@ -62,26 +75,13 @@ pub struct RouteCounts {
     pub tunnels: usize,
 }
 
-/// The routing table as seen by the rest of the dispatcher.
-pub trait RouteTable: Send + Sync + 'static {
-    /// A server opened a report stream. Replaces any earlier session of the same server id.
-    fn join(&self, server: ServerInfo) -> SessionId;
-    /// The server now holds streams of `tunnel_id`. False if the session is no longer current.
-    fn tunnel_up(&self, session: SessionId, tunnel_id: &str) -> bool;
-    /// The server holds no stream of `tunnel_id` any more. False if the session is stale.
-    fn tunnel_down(&self, session: SessionId, tunnel_id: &str) -> bool;
-    /// Stores the server's latest load figures. False if the session is stale.
-    fn load(&self, session: SessionId, load: LoadFigures) -> bool;
-    /// The report stream ended: forget the server and all its tunnel ids. Returns the
-    /// server's info if the session was current.
-    fn leave(&self, session: SessionId) -> Option<ServerInfo>;
-    /// Servers to try for `tunnel_id`, best first. Empty: nobody holds it.
-    fn candidates(&self, tunnel_id: &str) -> Vec<Route>;
-    /// Whether any current server uses `forward_url` (to drop cached channels).
-    fn uses_forward_url(&self, forward_url: &str) -> bool;
-    fn counts(&self) -> RouteCounts;
-    /// The whole table for `/debug/routes`.
-    fn snapshot(&self) -> serde_json::Value;
+/// A change of a local entry that the shared store must write (`Some`) or delete (`None`).
+pub type Publish = (String, Option<ServerRecord>);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    Local(SessionId),
+    Shared,
 }
 
 struct Announced {
@@ -89,67 +89,56 @@ struct Announced {
     wall: SystemTime,
 }
 
-struct ServerEntry {
+struct Entry {
     info: ServerInfo,
+    origin: Origin,
     joined: Instant,
+    /// Last frame from the server (local) or last read that listed it (shared).
+    seen: Instant,
     tunnels: HashMap<String, Announced>,
     load: Option<(Instant, LoadFigures)>,
 }
 
-impl ServerEntry {
+impl Entry {
     fn draining(&self) -> bool {
         self.load.as_ref().is_some_and(|(_, l)| l.draining)
     }
+
+    fn record(&self, dispatcher: &str) -> ServerRecord {
+        let mut tunnels: Vec<String> = self.tunnels.keys().cloned().collect();
+        tunnels.sort();
+        ServerRecord {
+            info: self.info.clone(),
+            tunnels,
+            load: self.load.as_ref().map(|(_, l)| l.clone()),
+            dispatcher: dispatcher.to_string(),
+        }
+    }
 }
 
-#[derive(Default)]
 struct Table {
     next_session: u64,
-    servers: HashMap<SessionId, ServerEntry>,
-    by_server_id: HashMap<String, SessionId>,
-    /// Index: tunnel id -> sessions announcing it.
-    tunnels: HashMap<String, HashSet<SessionId>>,
+    /// By server id.
+    entries: HashMap<String, Entry>,
+    router: Router,
+    /// Local changes not yet written to the shared store, by server id.
+    dirty: HashMap<String, Option<ServerRecord>>,
+    /// Label sets currently exported, to remove them when they go.
+    gauged_tunnels: HashSet<String>,
+    gauged_pairs: HashSet<(String, String)>,
 }
 
-impl Table {
-    fn remove_session(&mut self, session: SessionId) -> Option<ServerEntry> {
-        let entry = self.servers.remove(&session)?;
-        if self.by_server_id.get(&entry.info.server_id) == Some(&session) {
-            self.by_server_id.remove(&entry.info.server_id);
-        }
-        for tunnel_id in entry.tunnels.keys() {
-            self.unindex(tunnel_id, session);
-        }
-        Some(entry)
-    }
-
-    fn unindex(&mut self, tunnel_id: &str, session: SessionId) {
-        if let Some(set) = self.tunnels.get_mut(tunnel_id) {
-            set.remove(&session);
-            if set.is_empty() {
-                self.tunnels.remove(tunnel_id);
-            }
-        }
-    }
-}
-
-/// The embedded in-memory routing table. One short `Mutex` section per operation.
-#[derive(Default)]
-pub struct MemoryRegistry {
+/// The dispatcher's routing table. See the module docs.
+pub struct Registry {
     table: Mutex<Table>,
-}
-
-impl MemoryRegistry {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    fn with<R>(&self, f: impl FnOnce(&mut Table) -> R) -> R {
-        // A panic while holding the lock cannot leave the table half-updated in a way that
-        // matters more than losing routing, so recover the guard instead of propagating.
-        let mut guard = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut guard)
-    }
+    lease: Duration,
+    /// Name of this dispatcher in shared records.
+    dispatcher: String,
+    /// Whether local changes are queued for the shared store.
+    shared: bool,
+    /// Wakes the shared store's writer when `dirty` gains an entry.
+    pub dirty_notify: Notify,
+    metrics: Metrics,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -158,165 +147,440 @@ fn unix_ms(t: SystemTime) -> u64 {
         .unwrap_or(0)
 }
 
-impl RouteTable for MemoryRegistry {
-    fn join(&self, server: ServerInfo) -> SessionId {
-        self.with(|t| {
+fn ms(d: Duration) -> u64 {
+    d.as_millis().min(u128::from(u64::MAX)) as u64
+}
+
+impl Registry {
+    /// `shared`: queue local changes for a shared store (Redis backend).
+    pub fn new(
+        routing: RoutingConfig,
+        lease: Duration,
+        dispatcher: String,
+        shared: bool,
+        metrics: Metrics,
+    ) -> Self {
+        Registry {
+            table: Mutex::new(Table {
+                next_session: 0,
+                entries: HashMap::new(),
+                router: Router::new(routing),
+                dirty: HashMap::new(),
+                gauged_tunnels: HashSet::new(),
+                gauged_pairs: HashSet::new(),
+            }),
+            lease,
+            dispatcher,
+            shared,
+            dirty_notify: Notify::new(),
+            metrics,
+        }
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Table) -> R) -> R {
+        // A panic while holding the lock cannot leave the table half-updated in a way that
+        // matters more than losing routing, so recover the guard instead of propagating.
+        let mut guard = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut guard)
+    }
+
+    /// Applies a change to a local entry, queues it for the shared store and rebuilds the
+    /// routing plans.
+    fn change<R>(&self, session: SessionId, f: impl FnOnce(&mut Entry) -> R) -> Option<R> {
+        let now = Instant::now();
+        let (r, publish) = self.with(|t| {
+            let entry = t
+                .entries
+                .values_mut()
+                .find(|e| e.origin == Origin::Local(session))?;
+            entry.seen = now;
+            let r = f(entry);
+            let id = entry.info.server_id.clone();
+            let record = entry.record(&self.dispatcher);
+            let publish = self.shared;
+            if publish {
+                t.dirty.insert(id, Some(record));
+            }
+            self.rebuild(t, now);
+            Some((r, publish))
+        })?;
+        if publish {
+            self.dirty_notify.notify_one();
+        }
+        Some(r)
+    }
+
+    /// A server opened a report stream. Replaces any earlier entry of the same server id.
+    pub fn join(&self, server: ServerInfo) -> SessionId {
+        let now = Instant::now();
+        let session = self.with(|t| {
             t.next_session += 1;
             let session = SessionId(t.next_session);
-            if let Some(old) = t.by_server_id.get(&server.server_id).copied() {
-                t.remove_session(old);
+            let id = server.server_id.clone();
+            let entry = Entry {
+                info: server,
+                origin: Origin::Local(session),
+                joined: now,
+                seen: now,
+                tunnels: HashMap::new(),
+                load: None,
+            };
+            if self.shared {
+                t.dirty
+                    .insert(id.clone(), Some(entry.record(&self.dispatcher)));
             }
-            t.by_server_id.insert(server.server_id.clone(), session);
-            t.servers.insert(
-                session,
-                ServerEntry {
-                    info: server,
-                    joined: Instant::now(),
-                    tunnels: HashMap::new(),
-                    load: None,
-                },
-            );
+            t.entries.insert(id, entry);
+            self.rebuild(t, now);
             session
-        })
+        });
+        if self.shared {
+            self.dirty_notify.notify_one();
+        }
+        session
     }
 
-    fn tunnel_up(&self, session: SessionId, tunnel_id: &str) -> bool {
-        self.with(|t| {
-            let Some(entry) = t.servers.get_mut(&session) else {
-                return false;
-            };
-            entry.tunnels.insert(
-                tunnel_id.to_string(),
-                Announced {
+    /// The server now holds streams of `tunnel_id`. False if the session is no longer current.
+    pub fn tunnel_up(&self, session: SessionId, tunnel_id: &str) -> bool {
+        self.change(session, |e| {
+            e.tunnels
+                .entry(tunnel_id.to_string())
+                .or_insert_with(|| Announced {
                     at: Instant::now(),
                     wall: SystemTime::now(),
-                },
-            );
-            t.tunnels
-                .entry(tunnel_id.to_string())
-                .or_default()
-                .insert(session);
-            true
+                });
         })
+        .is_some()
     }
 
-    fn tunnel_down(&self, session: SessionId, tunnel_id: &str) -> bool {
-        self.with(|t| {
-            let Some(entry) = t.servers.get_mut(&session) else {
-                return false;
-            };
-            if entry.tunnels.remove(tunnel_id).is_some() {
-                t.unindex(tunnel_id, session);
-            }
-            true
+    /// The server holds no stream of `tunnel_id` any more. False if the session is stale.
+    pub fn tunnel_down(&self, session: SessionId, tunnel_id: &str) -> bool {
+        self.change(session, |e| {
+            e.tunnels.remove(tunnel_id);
         })
+        .is_some()
     }
 
-    fn load(&self, session: SessionId, load: LoadFigures) -> bool {
-        self.with(|t| {
-            let Some(entry) = t.servers.get_mut(&session) else {
-                return false;
-            };
-            entry.load = Some((Instant::now(), load));
-            true
+    /// Stores the server's latest load figures. False if the session is stale.
+    pub fn load(&self, session: SessionId, load: LoadFigures) -> bool {
+        self.change(session, |e| {
+            e.load = Some((Instant::now(), load));
         })
+        .is_some()
     }
 
-    fn leave(&self, session: SessionId) -> Option<ServerInfo> {
-        self.with(|t| t.remove_session(session).map(|e| e.info))
-    }
-
-    fn candidates(&self, tunnel_id: &str) -> Vec<Route> {
-        self.with(|t| {
-            let Some(sessions) = t.tunnels.get(tunnel_id) else {
-                return Vec::new();
-            };
-            let mut found: Vec<(Instant, Route)> = sessions
+    /// The report stream ended: forget the server and all its tunnel ids. Returns the
+    /// server's info if the session was current.
+    pub fn leave(&self, session: SessionId) -> Option<ServerInfo> {
+        let now = Instant::now();
+        let info = self.with(|t| {
+            let id = t
+                .entries
                 .iter()
-                .filter_map(|s| t.servers.get(s))
-                .filter(|e| !e.draining())
-                .filter_map(|e| {
-                    let announced = e.tunnels.get(tunnel_id)?;
-                    Some((
-                        announced.at,
-                        Route {
-                            server_id: e.info.server_id.clone(),
-                            forward_url: e.info.forward_url.clone(),
-                        },
-                    ))
+                .find(|(_, e)| e.origin == Origin::Local(session))
+                .map(|(id, _)| id.clone())?;
+            let entry = t.entries.remove(&id)?;
+            if self.shared {
+                t.dirty.insert(id, None);
+            }
+            self.rebuild(t, now);
+            Some(entry.info)
+        })?;
+        if self.shared {
+            self.dirty_notify.notify_one();
+        }
+        Some(info)
+    }
+
+    /// Drops local entries that have not reported within the lease and steps the routing.
+    /// Returns the servers whose lease expired.
+    pub fn sweep(&self, now: Instant) -> Vec<ServerInfo> {
+        let lease = self.lease;
+        let expired = self.with(|t| {
+            let expired: Vec<String> = t
+                .entries
+                .iter()
+                .filter(|(_, e)| {
+                    matches!(e.origin, Origin::Local(_))
+                        && now.saturating_duration_since(e.seen) > lease
                 })
+                .map(|(id, _)| id.clone())
                 .collect();
-            // Most recently announced first (the seed behaviour); server id breaks ties so the
-            // order is stable.
-            found.sort_by(|a, b| {
-                b.0.cmp(&a.0)
-                    .then_with(|| a.1.server_id.cmp(&b.1.server_id))
-            });
-            found.into_iter().map(|(_, r)| r).collect()
+            let mut gone = Vec::with_capacity(expired.len());
+            for id in expired {
+                if let Some(e) = t.entries.remove(&id) {
+                    gone.push(e.info);
+                }
+                if self.shared {
+                    t.dirty.insert(id, None);
+                }
+            }
+            self.rebuild(t, now);
+            gone
+        });
+        if self.shared && !expired.is_empty() {
+            self.dirty_notify.notify_one();
+        }
+        expired
+    }
+
+    /// Replaces the shared entries with `records` read from the shared store. Servers that
+    /// report here are skipped (the local entry is the fresher one). With `prune` false,
+    /// entries missing from `records` are kept (just after an outage, while the other
+    /// dispatchers have not rewritten their records yet).
+    pub fn apply_shared(&self, records: Vec<ServerRecord>, prune: bool) {
+        let now = Instant::now();
+        self.with(|t| {
+            let listed: HashSet<String> =
+                records.iter().map(|r| r.info.server_id.clone()).collect();
+            t.entries
+                .retain(|id, e| e.origin != Origin::Shared || !prune || listed.contains(id));
+            for r in records {
+                let id = r.info.server_id.clone();
+                if matches!(t.entries.get(&id), Some(e) if e.origin != Origin::Shared) {
+                    continue;
+                }
+                let entry = t.entries.entry(id).or_insert_with(|| Entry {
+                    info: r.info.clone(),
+                    origin: Origin::Shared,
+                    joined: now,
+                    seen: now,
+                    tunnels: HashMap::new(),
+                    load: None,
+                });
+                entry.info = r.info;
+                entry.seen = now;
+                let held: HashSet<&String> = r.tunnels.iter().collect();
+                entry.tunnels.retain(|id, _| held.contains(id));
+                for tid in &r.tunnels {
+                    entry
+                        .tunnels
+                        .entry(tid.clone())
+                        .or_insert_with(|| Announced {
+                            at: now,
+                            wall: SystemTime::now(),
+                        });
+                }
+                if entry.load.as_ref().map(|(_, l)| l) != r.load.as_ref() {
+                    entry.load = r.load.map(|l| (now, l));
+                }
+            }
+            self.rebuild(t, now);
+        });
+    }
+
+    /// Local changes not yet written to the shared store.
+    pub fn take_dirty(&self) -> Vec<Publish> {
+        self.with(|t| t.dirty.drain().collect())
+    }
+
+    /// Puts back changes a failed write could not store (newer ones win).
+    pub fn restore_dirty(&self, items: Vec<Publish>) {
+        self.with(|t| {
+            for (id, record) in items {
+                t.dirty.entry(id).or_insert(record);
+            }
+        });
+    }
+
+    /// Current records of every local entry (rewritten after the shared store comes back).
+    pub fn local_records(&self) -> Vec<Publish> {
+        self.with(|t| {
+            t.entries
+                .values()
+                .filter(|e| matches!(e.origin, Origin::Local(_)))
+                .map(|e| (e.info.server_id.clone(), Some(e.record(&self.dispatcher))))
+                .collect()
         })
     }
 
-    fn uses_forward_url(&self, forward_url: &str) -> bool {
+    /// The servers to try for a call of `tunnel_id`, first choice first; `None` when no
+    /// server holds it.
+    pub fn route(&self, tunnel_id: &str) -> Option<Pick> {
+        let plan = self.with(|t| t.router.plan(tunnel_id))?;
+        Some(plan.pick())
+    }
+
+    /// Per-call feedback: `server_id` answered NO_CAPACITY for `tunnel_id`.
+    pub fn note_no_capacity(&self, tunnel_id: &str, server_id: &str) {
+        self.with(|t| t.router.note_no_capacity(tunnel_id, server_id));
+    }
+
+    /// Steps the routing (spill decay and growth) without a table change.
+    pub fn tick(&self, now: Instant) {
+        self.with(|t| self.rebuild(t, now));
+    }
+
+    /// Whether any current server uses `forward_url` (to drop cached channels).
+    pub fn uses_forward_url(&self, forward_url: &str) -> bool {
         self.with(|t| {
-            t.servers
+            t.entries
                 .values()
                 .any(|e| e.info.forward_url == forward_url)
         })
     }
 
-    fn counts(&self) -> RouteCounts {
+    pub fn counts(&self) -> RouteCounts {
         self.with(|t| RouteCounts {
-            servers: t.servers.len(),
-            tunnels: t.tunnels.len(),
+            servers: t.entries.len(),
+            tunnels: t
+                .entries
+                .values()
+                .flat_map(|e| e.tunnels.keys())
+                .collect::<HashSet<_>>()
+                .len(),
         })
     }
 
-    fn snapshot(&self) -> serde_json::Value {
+    /// Rebuilds the routing plans from the entries and refreshes the routing gauges.
+    fn rebuild(&self, t: &mut Table, now: Instant) {
+        let mut views: HashMap<String, Vec<ServerView>> = HashMap::new();
+        for e in t.entries.values() {
+            let server_id: Arc<str> = Arc::from(e.info.server_id.as_str());
+            let forward_url: Arc<str> = Arc::from(e.info.forward_url.as_str());
+            for (tid, announced) in &e.tunnels {
+                let f = e
+                    .load
+                    .as_ref()
+                    .and_then(|(_, l)| l.tunnels.get(tid))
+                    .cloned()
+                    .unwrap_or_default();
+                views.entry(tid.clone()).or_default().push(ServerView {
+                    server_id: server_id.clone(),
+                    forward_url: forward_url.clone(),
+                    announced: announced.at,
+                    draining: e.draining(),
+                    idle: f.idle,
+                    busy: f.busy,
+                    queued: f.queued,
+                    rtt_us: f.rtt_us,
+                });
+            }
+        }
+        t.router.update(now, &views);
+        self.export_gauges(t, &views);
+    }
+
+    fn export_gauges(&self, t: &mut Table, views: &HashMap<String, Vec<ServerView>>) {
+        let m = &self.metrics;
+        let mut tunnels = HashSet::new();
+        let mut pairs = HashSet::new();
+        for (tid, servers) in views {
+            let Some(status) = t.router.status(tid) else {
+                continue;
+            };
+            m.spill_share
+                .with_label_values(&[tid.as_str()])
+                .set(status.spill_share);
+            tunnels.insert(tid.clone());
+            for v in servers {
+                let pair = (v.server_id.to_string(), tid.clone());
+                m.server_rtt
+                    .with_label_values(&[&pair.0, &pair.1])
+                    .set(f64::from(v.rtt_us) / 1e6);
+                let tier = status
+                    .tiers
+                    .iter()
+                    .find(|(s, _)| *s == v.server_id)
+                    .map(|(_, k)| *k as i64)
+                    .unwrap_or(-1);
+                m.server_tier
+                    .with_label_values(&[&pair.0, &pair.1])
+                    .set(tier);
+                pairs.insert(pair);
+            }
+        }
+        for gone in t.gauged_tunnels.difference(&tunnels) {
+            let _ = m.spill_share.remove_label_values(&[gone.as_str()]);
+        }
+        for (s, tid) in t.gauged_pairs.difference(&pairs) {
+            let _ = m.server_rtt.remove_label_values(&[s, tid]);
+            let _ = m.server_tier.remove_label_values(&[s, tid]);
+        }
+        t.gauged_tunnels = tunnels;
+        t.gauged_pairs = pairs;
+    }
+
+    /// The whole table for `/debug/routes`: per tunnel id the servers with their figures,
+    /// tier, the home and the spill share; per server its origin, lease and load.
+    pub fn snapshot(&self) -> serde_json::Value {
         let now = Instant::now();
+        let lease = self.lease;
         self.with(|t| {
-            let mut tunnel_ids: Vec<&String> = t.tunnels.keys().collect();
-            tunnel_ids.sort();
-            let tunnels: Vec<serde_json::Value> = tunnel_ids
+            let mut by_tunnel: BTreeMap<&str, Vec<&Entry>> = BTreeMap::new();
+            for e in t.entries.values() {
+                for tid in e.tunnels.keys() {
+                    by_tunnel.entry(tid.as_str()).or_default().push(e);
+                }
+            }
+            let tunnels: Vec<serde_json::Value> = by_tunnel
                 .into_iter()
-                .map(|tid| {
-                    let mut servers: Vec<(&ServerEntry, &Announced)> = t.tunnels[tid]
-                        .iter()
-                        .filter_map(|s| t.servers.get(s))
-                        .filter_map(|e| Some((e, e.tunnels.get(tid)?)))
-                        .collect();
-                    servers.sort_by_key(|s| std::cmp::Reverse(s.1.at));
-                    let servers: Vec<serde_json::Value> = servers
+                .map(|(tid, mut entries)| {
+                    let status = t.router.status(tid);
+                    let order: Vec<String> = t
+                        .router
+                        .plan(tid)
+                        .map(|p| p.order().iter().map(|x| x.server_id.to_string()).collect())
+                        .unwrap_or_default();
+                    entries.sort_by_key(|e| {
+                        order
+                            .iter()
+                            .position(|s| *s == e.info.server_id)
+                            .unwrap_or(usize::MAX)
+                    });
+                    let servers: Vec<serde_json::Value> = entries
                         .into_iter()
-                        .map(|(e, a)| {
+                        .map(|e| {
+                            let a = &e.tunnels[tid];
                             let figures = e.load.as_ref().and_then(|(_, l)| l.tunnels.get(tid));
+                            let tier = status.as_ref().and_then(|s| {
+                                s.tiers
+                                    .iter()
+                                    .find(|(id, _)| **id == *e.info.server_id)
+                                    .map(|(_, k)| *k)
+                            });
                             serde_json::json!({
                                 "server_id": e.info.server_id,
                                 "zone": e.info.zone,
                                 "forward_url": e.info.forward_url,
                                 "announced_unix_ms": unix_ms(a.wall),
-                                "announced_age_ms": now.saturating_duration_since(a.at).as_millis() as u64,
+                                "announced_age_ms": ms(now.saturating_duration_since(a.at)),
                                 "draining": e.draining(),
                                 "load": figures,
+                                "tier": tier,
                             })
                         })
                         .collect();
-                    serde_json::json!({"tunnel_id": tid, "servers": servers})
+                    serde_json::json!({
+                        "tunnel_id": tid,
+                        "policy": t.router.policy(),
+                        "home": status.as_ref().and_then(|s| s.home.as_deref().map(str::to_string)),
+                        "spill_share": status.as_ref().map(|s| s.spill_share).unwrap_or(0.0),
+                        "order": order,
+                        "servers": servers,
+                    })
                 })
                 .collect();
-            let mut entries: Vec<&ServerEntry> = t.servers.values().collect();
+            let mut entries: Vec<&Entry> = t.entries.values().collect();
             entries.sort_by(|a, b| a.info.server_id.cmp(&b.info.server_id));
             let servers: Vec<serde_json::Value> = entries
                 .into_iter()
                 .map(|e| {
+                    let age = now.saturating_duration_since(e.seen);
                     serde_json::json!({
                         "server_id": e.info.server_id,
                         "zone": e.info.zone,
                         "forward_url": e.info.forward_url,
-                        "connected_age_ms": now.saturating_duration_since(e.joined).as_millis() as u64,
+                        "origin": match e.origin { Origin::Local(_) => "local", Origin::Shared => "shared" },
+                        "connected_age_ms": ms(now.saturating_duration_since(e.joined)),
+                        "seen_age_ms": ms(age),
+                        "lease_left_ms": match e.origin {
+                            Origin::Local(_) => Some(ms(lease.saturating_sub(age))),
+                            Origin::Shared => None,
+                        },
                         "tunnels": e.tunnels.len(),
                         "draining": e.draining(),
                         "calls_in_flight": e.load.as_ref().map(|(_, l)| l.calls_in_flight),
-                        "load_age_ms": e.load.as_ref().map(|(at, _)| now.saturating_duration_since(*at).as_millis() as u64),
+                        "load_age_ms": e.load.as_ref().map(|(at, _)| ms(now.saturating_duration_since(*at))),
                     })
                 })
                 .collect();
@@ -328,7 +592,21 @@ impl RouteTable for MemoryRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+    use crate::config::RoutingPolicy;
+
+    fn registry(shared: bool) -> Registry {
+        let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
+        Registry::new(
+            RoutingConfig {
+                policy: RoutingPolicy::Sticky,
+                ..RoutingConfig::default()
+            },
+            Duration::from_secs(3),
+            "d1".into(),
+            shared,
+            metrics,
+        )
+    }
 
     fn info(id: &str) -> ServerInfo {
         ServerInfo {
@@ -338,20 +616,46 @@ mod tests {
         }
     }
 
-    fn ids(routes: Vec<Route>) -> Vec<String> {
-        routes.into_iter().map(|r| r.server_id).collect()
+    fn ids(r: &Registry, tunnel_id: &str) -> Vec<String> {
+        r.route(tunnel_id)
+            .map(|p| {
+                p.servers
+                    .into_iter()
+                    .map(|t| t.server_id.to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn load(tunnels: &[(&str, u32)], draining: bool) -> LoadFigures {
+        LoadFigures {
+            tunnels: tunnels
+                .iter()
+                .map(|(t, idle)| {
+                    (
+                        t.to_string(),
+                        TunnelFigures {
+                            idle: *idle,
+                            ..Default::default()
+                        },
+                    )
+                })
+                .collect(),
+            calls_in_flight: 0,
+            draining,
+        }
     }
 
     #[tokio::test(start_paused = true)]
-    async fn most_recently_announced_server_comes_first() {
-        let r = MemoryRegistry::new();
+    async fn most_recently_announced_server_comes_first_under_sticky() {
+        let r = registry(false);
         let a = r.join(info("a"));
         let b = r.join(info("b"));
         r.tunnel_up(b, "demo");
         tokio::time::advance(Duration::from_millis(5)).await;
         r.tunnel_up(a, "demo");
-        assert_eq!(ids(r.candidates("demo")), ["a", "b"]);
-        assert!(r.candidates("other").is_empty());
+        assert_eq!(ids(&r, "demo"), ["a", "b"]);
+        assert!(r.route("other").is_none());
         assert_eq!(
             r.counts(),
             RouteCounts {
@@ -362,42 +666,111 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn draining_servers_and_downed_tunnels_are_skipped() {
-        let r = MemoryRegistry::new();
+    async fn draining_servers_come_last_and_downed_tunnels_are_dropped() {
+        let r = registry(false);
         let a = r.join(info("a"));
         let b = r.join(info("b"));
-        r.tunnel_up(a, "demo");
         r.tunnel_up(b, "demo");
-        r.load(
-            a,
-            LoadFigures {
-                draining: true,
-                ..Default::default()
-            },
-        );
-        assert_eq!(ids(r.candidates("demo")), ["b"]);
+        tokio::time::advance(Duration::from_millis(5)).await;
+        r.tunnel_up(a, "demo");
+        r.load(a, load(&[("demo", 3)], true));
+        assert_eq!(ids(&r, "demo"), ["b", "a"]);
         r.tunnel_down(b, "demo");
-        assert!(r.candidates("demo").is_empty());
-        assert_eq!(r.counts().tunnels, 1, "a still holds it while draining");
+        assert_eq!(ids(&r, "demo"), ["a"], "only a draining server is left");
+        assert_eq!(r.counts().tunnels, 1);
     }
 
     #[tokio::test(start_paused = true)]
     async fn leaving_removes_every_entry_and_a_stale_session_is_ignored() {
-        let r = MemoryRegistry::new();
+        let r = registry(false);
         let old = r.join(info("a"));
         r.tunnel_up(old, "demo");
         let new = r.join(info("a"));
         assert!(
-            r.candidates("demo").is_empty(),
+            r.route("demo").is_none(),
             "the new session must resend its tunnels"
         );
         assert!(!r.tunnel_up(old, "demo"));
         assert!(r.tunnel_up(new, "demo"));
         assert_eq!(r.leave(old), None);
-        assert_eq!(ids(r.candidates("demo")), ["a"]);
+        assert_eq!(ids(&r, "demo"), ["a"]);
         assert_eq!(r.leave(new), Some(info("a")));
-        assert!(r.candidates("demo").is_empty());
+        assert!(r.route("demo").is_none());
         assert_eq!(r.counts(), RouteCounts::default());
         assert!(!r.uses_forward_url("http://a"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_server_that_stops_reporting_expires_after_its_lease() {
+        let r = registry(true);
+        let a = r.join(info("a"));
+        let b = r.join(info("b"));
+        r.tunnel_up(a, "demo");
+        r.tunnel_up(b, "demo");
+        r.take_dirty();
+        let mut expired = Vec::new();
+        for _ in 0..4 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            r.load(b, load(&[("demo", 1)], false));
+            expired.extend(r.sweep(Instant::now()));
+        }
+        // a last reported 4 s ago (lease 3 s): gone at the sweep above.
+        assert_eq!(expired, [info("a")]);
+        assert_eq!(ids(&r, "demo"), ["b"]);
+        assert!(!r.load(a, load(&[], false)), "the expired session is stale");
+        let dirty = r.take_dirty();
+        assert!(dirty.contains(&("a".to_string(), None)), "{dirty:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shared_records_route_and_local_entries_win() {
+        let r = registry(true);
+        let rec = |id: &str, tunnels: &[&str]| ServerRecord {
+            info: info(id),
+            tunnels: tunnels.iter().map(|s| s.to_string()).collect(),
+            load: Some(load(&[("demo", 2)], false)),
+            dispatcher: "d2".into(),
+        };
+        r.apply_shared(
+            vec![rec("x", &["demo"]), rec("y", &["demo", "other"])],
+            true,
+        );
+        assert_eq!(
+            r.counts(),
+            RouteCounts {
+                servers: 2,
+                tunnels: 2
+            }
+        );
+        assert_eq!(ids(&r, "other"), ["y"]);
+        // y reconnects here: the local entry replaces the shared one and stays.
+        let y = r.join(info("y"));
+        r.tunnel_up(y, "third");
+        r.apply_shared(
+            vec![rec("x", &["demo"]), rec("y", &["demo", "other"])],
+            true,
+        );
+        assert_eq!(ids(&r, "third"), ["y"]);
+        assert!(r.route("other").is_none());
+        // Right after an outage a missing record is kept; then it is dropped.
+        r.apply_shared(vec![], false);
+        assert_eq!(ids(&r, "demo"), ["x"]);
+        r.apply_shared(vec![], true);
+        assert!(r.route("demo").is_none());
+        assert_eq!(ids(&r, "third"), ["y"]);
+        let snap = r.snapshot();
+        assert_eq!(snap["servers"][0]["origin"], "local");
+    }
+
+    #[test]
+    fn a_record_round_trips_through_json() {
+        let rec = ServerRecord {
+            info: info("a"),
+            tunnels: vec!["demo".into()],
+            load: Some(load(&[("demo", 2)], true)),
+            dispatcher: "d".into(),
+        };
+        let json = serde_json::to_string(&rec).unwrap();
+        assert_eq!(serde_json::from_str::<ServerRecord>(&json).unwrap(), rec);
     }
 }

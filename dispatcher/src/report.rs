@@ -1,13 +1,20 @@
 //! The `Registry.Report` gRPC service: each tunnel server keeps one client stream open and
 //! tells the dispatcher which tunnel ids it holds streams for, plus periodic load figures.
 //!
-//! It owns the translation from report frames to [`RouteTable`] updates and the lifetime of
-//! a server's entries (they live exactly as long as its report stream). It must not route
-//! calls or talk to tunnel servers.
+//! It owns the translation from report frames to [`Registry`] updates and the lifetime of
+//! a server's local entries (they live as long as its report stream, and no longer than the
+//! lease past its last frame). It must not route calls or talk to tunnel servers.
+//!
+//! Admission: with `[registry] server_key` set, a stream must carry
+//! `authorization: Bearer <key>` (compared in constant time) or it is refused with
+//! UNAUTHENTICATED; with `allowed_servers` set, an intro naming another server id is refused
+//! with PERMISSION_DENIED. Every refusal is logged with the peer address and counted; the
+//! key is never logged.
 
 use crate::forward::Channels;
 use crate::metrics::Metrics;
-use crate::registry::{LoadFigures, RouteTable, ServerInfo, SessionId, TunnelFigures};
+use crate::registry::{LoadFigures, Registry, ServerInfo, SessionId, TunnelFigures};
+use relay_common::Secret;
 use relay_proto::server_report::Kind;
 use relay_proto::{ReportAck, ServerReport};
 use std::sync::Arc;
@@ -30,7 +37,11 @@ pub fn valid_tunnel_id(id: &str) -> bool {
 
 /// The service tunnel servers report to.
 pub struct ReportService {
-    pub routes: Arc<dyn RouteTable>,
+    pub routes: Arc<Registry>,
+    /// Shared secret tunnel servers must present; `None` admits any.
+    pub server_key: Option<Secret>,
+    /// Server ids allowed to report; empty admits any.
+    pub allowed_servers: Vec<String>,
     pub metrics: Metrics,
     pub channels: Channels,
     /// Cancelled at shutdown: open report streams end with UNAVAILABLE.
@@ -65,6 +76,38 @@ impl ReportService {
     fn refuse(peer: &str, why: String) -> Status {
         warn!(%peer, reason = %why, "report stream refused");
         Status::invalid_argument(why)
+    }
+
+    /// Checks the stream's bearer key when one is configured.
+    fn authenticate(
+        &self,
+        peer: &str,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<(), Status> {
+        let Some(key) = &self.server_key else {
+            return Ok(());
+        };
+        let presented = metadata
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        match presented {
+            Some(p) if key.matches(p.as_bytes()) => Ok(()),
+            _ => {
+                let why = if presented.is_some() {
+                    "wrong tunnel server key"
+                } else {
+                    "missing tunnel server key: send authorization: Bearer <registry.server_key>"
+                };
+                self.metrics
+                    .reports_refused
+                    .with_label_values(&["unauthenticated"])
+                    .inc();
+                warn!(%peer, reason = why, "report stream refused");
+                Err(Status::unauthenticated(why))
+            }
+        }
     }
 
     fn intro(
@@ -210,6 +253,7 @@ impl relay_proto::registry_server::Registry for ReportService {
             .remote_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|| "unknown".into());
+        self.authenticate(&peer, request.metadata())?;
         let mut stream = request.into_inner();
         let first = tokio::select! {
             biased;
@@ -219,8 +263,23 @@ impl relay_proto::registry_server::Registry for ReportService {
                 Err(_) => return Err(Self::refuse(&peer, "no ServerIntro within 10s".into())),
             },
         };
-        let info = Self::intro(&peer, first)?;
+        let info = Self::intro(&peer, first).inspect_err(|_| {
+            self.metrics
+                .reports_refused
+                .with_label_values(&["bad_intro"])
+                .inc();
+        })?;
         let server_id = info.server_id.clone();
+        if !self.allowed_servers.is_empty() && !self.allowed_servers.contains(&server_id) {
+            self.metrics
+                .reports_refused
+                .with_label_values(&["unknown_server"])
+                .inc();
+            warn!(%peer, %server_id, "report stream refused: server id not in registry.allowed_servers");
+            return Err(Status::permission_denied(format!(
+                "tunnel server {server_id:?} is not allowed to report here"
+            )));
+        }
         info!(%peer, %server_id, zone = %info.zone, forward_url = %info.forward_url, "tunnel server joined");
         let session = self.routes.join(info);
         let _guard = SessionGuard { svc: self, session };
@@ -235,9 +294,9 @@ impl relay_proto::registry_server::Registry for ReportService {
             match frame {
                 Ok(Some(frame)) => {
                     if !self.apply(&peer, session, &server_id, frame)? {
-                        info!(%server_id, "report stream superseded by a newer one from the same server");
+                        info!(%server_id, "report stream superseded by a newer one from the same server, or its lease expired");
                         return Err(Status::aborted(
-                            "superseded by a newer report stream from this server",
+                            "superseded by a newer report stream from this server, or the lease expired",
                         ));
                     }
                     self.update_gauges();

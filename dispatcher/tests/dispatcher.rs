@@ -51,6 +51,10 @@ async fn bind() -> TcpListener {
 }
 
 async fn start_dispatcher() -> Dispatcher {
+    start_dispatcher_with(|_| {}).await
+}
+
+async fn start_dispatcher_with(tweak: impl FnOnce(&mut Config)) -> Dispatcher {
     let (http, registry, admin) = (bind().await, bind().await, bind().await);
     let addrs = (
         http.local_addr().unwrap(),
@@ -64,8 +68,16 @@ async fn start_dispatcher() -> Dispatcher {
             name: "ci".into(),
             key: relay_common::Secret::new(KEY),
         }],
+        // The fake servers announce once and never send load reports.
+        registry: relay_dispatcher::RegistryConfig {
+            lease: Duration::from_secs(600),
+            refresh_interval: Duration::from_secs(1),
+            ..Default::default()
+        },
         ..Config::default()
     };
+    let mut config = config;
+    tweak(&mut config);
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(relay_dispatcher::run(
         config,
@@ -888,7 +900,9 @@ async fn an_error_after_the_head_aborts_the_body() {
 
 #[tokio::test]
 async fn retries_on_another_server_when_the_newest_is_unreachable() {
-    let d = start_dispatcher().await;
+    // Sticky: the most recently announced server is tried first.
+    let d =
+        start_dispatcher_with(|c| c.routing.policy = relay_dispatcher::RoutingPolicy::Sticky).await;
     let good = start_fake(None).await;
     let _good = announce(&d, "ts-good", &good.url, "demo").await;
     let dead_url = {
@@ -925,7 +939,9 @@ async fn retries_on_another_server_when_the_newest_is_unreachable() {
 
 #[tokio::test]
 async fn retries_on_another_server_when_the_newest_lost_the_tunnel() {
-    let d = start_dispatcher().await;
+    // Sticky: the most recently announced server is tried first.
+    let d =
+        start_dispatcher_with(|c| c.routing.policy = relay_dispatcher::RoutingPolicy::Sticky).await;
     let good = start_fake(None).await;
     let stale = start_fake(Some("unknown_tunnel")).await;
     let _good = announce(&d, "ts-good", &good.url, "demo").await;
@@ -1043,4 +1059,216 @@ async fn shutdown_lets_a_call_in_flight_finish() {
         tokio::net::TcpStream::connect(http).await.is_err(),
         "no longer accepting"
     );
+}
+
+// ---------------------------------------------------------------- routing, retries, admission
+
+fn load_frame(tunnel_id: &str, idle: u32, busy: u32, queued: u32) -> ServerReport {
+    ServerReport {
+        kind: Some(ReportKind::Load(relay_proto::LoadReport {
+            tunnels: vec![relay_proto::TunnelLoad {
+                tunnel_id: tunnel_id.into(),
+                idle,
+                busy,
+                queued,
+                rtt_us: 0,
+            }],
+            calls_in_flight: busy,
+            draining: false,
+        })),
+    }
+}
+
+/// A report stream carrying `authorization: Bearer <key>` when `key` is set.
+async fn report_stream_with_key(
+    registry: SocketAddr,
+    key: Option<&str>,
+    first: Vec<ServerReport>,
+) -> Announcer {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{registry}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    for f in first {
+        tx.send(f).await.unwrap();
+    }
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    if let Some(k) = key {
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {k}").parse().unwrap());
+    }
+    let result = tokio::spawn(async move { RegistryClient::new(channel).report(request).await });
+    Announcer { tx, result }
+}
+
+/// Announces `server_id` with load figures for `tunnel_id` and waits until it is routable.
+async fn announce_with_load(
+    d: &Dispatcher,
+    server_id: &str,
+    forward_url: &str,
+    tunnel_id: &str,
+    idle: u32,
+) -> Announcer {
+    let a = report_stream(
+        d.registry,
+        vec![
+            intro(server_id, forward_url),
+            up(tunnel_id),
+            load_frame(tunnel_id, idle, 0, 0),
+        ],
+    )
+    .await;
+    d.wait_route(tunnel_id, server_id, true).await;
+    a
+}
+
+async fn home_of(d: &Dispatcher, tunnel_id: &str) -> String {
+    let routes: serde_json::Value =
+        serde_json::from_str(&d.admin_get("/debug/routes").await).unwrap();
+    routes["tunnels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tunnel_id"] == tunnel_id)
+        .and_then(|t| t["home"].as_str())
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[tokio::test]
+async fn reports_without_the_server_key_or_from_unlisted_servers_are_refused() {
+    let d = start_dispatcher_with(|c| {
+        c.registry.server_key = Some(relay_common::Secret::new("server-key"));
+        c.registry.allowed_servers = vec!["ts-1".into()];
+    })
+    .await;
+    let fake = start_fake(None).await;
+    for key in [None, Some("wrong")] {
+        let a = report_stream_with_key(d.registry, key, vec![intro("ts-1", &fake.url), up("demo")])
+            .await;
+        let status = a.result.await.unwrap().unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+        assert!(!status.message().contains("server-key"));
+    }
+    let a = report_stream_with_key(
+        d.registry,
+        Some("server-key"),
+        vec![intro("ts-9", &fake.url), up("demo")],
+    )
+    .await;
+    let status = a.result.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert_eq!(
+        d.metric("relay_dispatcher_reports_refused_total{reason=\"unauthenticated\"}")
+            .await,
+        2.0
+    );
+    assert_eq!(d.metric("relay_dispatcher_tunnel_servers").await, 0.0);
+
+    let _ok = report_stream_with_key(
+        d.registry,
+        Some("server-key"),
+        vec![intro("ts-1", &fake.url), up("demo")],
+    )
+    .await;
+    d.wait_route("demo", "ts-1", true).await;
+    assert_eq!(d.get("/relay/demo/x", "").await.status, StatusCode::OK);
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn no_capacity_is_retried_on_a_server_reporting_idle_streams_under_available() {
+    let d = start_dispatcher().await;
+    let full = start_fake(Some("no_capacity")).await;
+    let spare = start_fake(None).await;
+    let _full = announce_with_load(&d, "ts-full", &full.url, "demo", 5).await;
+    let _spare = announce_with_load(&d, "ts-spare", &spare.url, "demo", 1).await;
+    assert_eq!(home_of(&d, "demo").await, "ts-full", "most idle streams");
+    let answer = d.get("/relay/demo/x", "").await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!((full.seen().len(), spare.seen().len()), (1, 1));
+    assert_eq!(d.metric("relay_dispatcher_retries_total").await, 1.0);
+    assert_eq!(
+        d.metric("relay_dispatcher_calls_by_server_total{outcome=\"ok\",server_id=\"ts-spare\"}")
+            .await,
+        1.0
+    );
+    d.shutdown().await;
+
+    // Sticky keeps the seed behaviour: NO_CAPACITY goes back to the caller.
+    let d =
+        start_dispatcher_with(|c| c.routing.policy = relay_dispatcher::RoutingPolicy::Sticky).await;
+    let full = start_fake(Some("no_capacity")).await;
+    let spare = start_fake(None).await;
+    let _spare = announce_with_load(&d, "ts-spare", &spare.url, "demo", 1).await;
+    let _full = announce_with_load(&d, "ts-full", &full.url, "demo", 5).await;
+    let answer = d.get("/relay/demo/x", "").await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.json()["error"], "no_capacity");
+    assert_eq!(spare.seen().len(), 0);
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_call_lost_before_its_head_is_retried_only_when_idempotent_and_enabled() {
+    for retry_idempotent in [false, true] {
+        let d = start_dispatcher_with(|c| c.routing.retry_idempotent = retry_idempotent).await;
+        let lossy = start_fake(Some("stream_lost")).await;
+        let good = start_fake(None).await;
+        let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
+        let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
+        let get = d.get("/relay/demo/x", "").await;
+        let post = d
+            .send(
+                d.request(Method::POST, "/relay/demo/x", Some(KEY))
+                    .body(
+                        Full::new(Bytes::from_static(b"p"))
+                            .map_err(|n| match n {})
+                            .boxed(),
+                    )
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(
+            post.status,
+            StatusCode::BAD_GATEWAY,
+            "POST is never retried"
+        );
+        assert_eq!(post.json()["error"], "stream_lost");
+        if retry_idempotent {
+            assert_eq!(get.status, StatusCode::OK);
+            assert_eq!(good.seen().len(), 1);
+        } else {
+            assert_eq!(get.status, StatusCode::BAD_GATEWAY);
+            assert_eq!(good.seen().len(), 0);
+        }
+        d.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn a_server_that_stops_reporting_is_dropped_after_its_lease() {
+    let d = start_dispatcher_with(|c| {
+        c.registry.lease = Duration::from_millis(400);
+        c.registry.refresh_interval = Duration::from_millis(100);
+    })
+    .await;
+    let fake = start_fake(None).await;
+    // Announces once, then stays silent with its stream open (a hung server).
+    let a = announce_with_load(&d, "ts-hung", &fake.url, "demo", 2).await;
+    let started = Instant::now();
+    d.wait_route("demo", "ts-hung", false).await;
+    let gone_after = started.elapsed();
+    assert!(gone_after < Duration::from_secs(2), "{gone_after:?}");
+    assert_eq!(d.metric("relay_dispatcher_lease_expiries_total").await, 1.0);
+    let answer = d.get("/relay/demo/x", "").await;
+    assert_eq!(answer.json()["error"], "tunnel_unavailable");
+    // Its next frame finds the session gone: the stream ends and the server must rejoin.
+    a.tx.send(load_frame("demo", 2, 0, 0)).await.unwrap();
+    let status = a.result.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Aborted);
+    d.shutdown().await;
 }

@@ -2,6 +2,7 @@
 //! validated with errors that name the key.
 
 use relay_common::config::ConfigError;
+use relay_common::Secret;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -25,6 +26,9 @@ pub struct Config {
     pub forward_url: Option<String>,
     /// Registry endpoints of the dispatchers this server reports to.
     pub dispatchers: Vec<String>,
+    /// Shared secret sent to dispatchers (`authorization: Bearer`) on the report stream;
+    /// must match the dispatcher's `[registry] server_key`. Never logged.
+    pub dispatcher_key: Option<Secret>,
     /// TOML file of `[[tokens]] tunnel_id = "...", sha256 = "<hex>"` entries.
     pub token_store: Option<PathBuf>,
     /// Period of pings on every stream; a stream silent for `heartbeat * heartbeat_misses`
@@ -58,6 +62,7 @@ impl Default for Config {
             admin_listen: ([127, 0, 0, 1], 9441).into(),
             forward_url: None,
             dispatchers: vec!["http://127.0.0.1:8460".into()],
+            dispatcher_key: None,
             token_store: None,
             heartbeat: Duration::from_secs(10),
             heartbeat_misses: 3,

@@ -8,6 +8,12 @@
 //! `Mutex`, never held across `.await`. Lock order is map shard, then slots: adding the
 //! first stream and removing the last one both hold the shard so a tunnel entry is never
 //! orphaned.
+//!
+//! RTT: the hub keeps one smoothed round-trip time per tunnel id, fed by the stream readers
+//! from the heartbeat ping -> pong round trip of idle streams (see [`Rtt`]). Measuring on the
+//! server rather than in the agent is a deliberate choice: it is the same round trip the
+//! agent would time, it needs no new agent frame, and the figure lives where the load report
+//! is built, so the dispatcher gets it without a second source of truth.
 
 use crate::metrics::ServerMetrics;
 use crate::stream::StreamHandle;
@@ -40,6 +46,38 @@ pub struct Limits {
 pub struct Tunnel {
     pub id: String,
     slots: Mutex<Slots>,
+    rtt: Mutex<Rtt>,
+}
+
+/// Smoothed round-trip time (EWMA) of one tunnel id's streams on this server.
+///
+/// Sample rules (from the design): a sample is capped at 4x the current average, so one
+/// stalled pong cannot blow the average up; a sample below a quarter of the average
+/// replaces it, so a path that got much faster is believed at once.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Rtt {
+    /// Microseconds; 0 while no sample was taken.
+    avg_us: f64,
+}
+
+impl Rtt {
+    /// Weight of a new sample.
+    pub const ALPHA: f64 = 0.2;
+
+    pub fn observe(&mut self, sample_us: f64) {
+        let sample = sample_us.max(1.0);
+        if self.avg_us <= 0.0 || sample < self.avg_us / 4.0 {
+            self.avg_us = sample;
+            return;
+        }
+        let sample = sample.min(self.avg_us * 4.0);
+        self.avg_us += Self::ALPHA * (sample - self.avg_us);
+    }
+
+    /// The average in whole microseconds, 0 if unknown.
+    pub fn micros(&self) -> u32 {
+        self.avg_us.round().clamp(0.0, u32::MAX as f64) as u32
+    }
 }
 
 #[derive(Default)]
@@ -119,6 +157,7 @@ impl Hub {
                     Arc::new(Tunnel {
                         id: tunnel_id.to_string(),
                         slots: Mutex::default(),
+                        rtt: Mutex::default(),
                     })
                 });
             let mut s = lock(&entry.slots);
@@ -315,19 +354,28 @@ impl Hub {
         self.tunnels.iter().map(|t| t.key().clone()).collect()
     }
 
-    /// Per tunnel id figures for the load report.
+    /// One round-trip sample (ping -> pong on an idle stream) of the tunnel id.
+    pub fn observe_rtt(&self, tunnel_id: &str, sample: std::time::Duration) {
+        if let Some(t) = self.tunnels.get(tunnel_id) {
+            lock(&t.rtt).observe(sample.as_secs_f64() * 1e6);
+        }
+    }
+
+    /// Per tunnel id figures for the load report: idle counts only streams that can take a
+    /// call now (a retiring or closing stream still on the stack is not capacity).
     pub fn load(&self) -> Vec<TunnelLoad> {
         self.tunnels
             .iter()
             .map(|t| {
+                let rtt_us = lock(&t.rtt).micros();
                 let mut s = lock(&t.slots);
                 let queued = s.queued();
                 TunnelLoad {
                     tunnel_id: t.id.clone(),
-                    idle: s.idle.len() as u32,
+                    idle: s.idle.iter().filter(|h| h.is_usable()).count() as u32,
                     busy: s.busy as u32,
                     queued,
-                    rtt_us: 0,
+                    rtt_us,
                 }
             })
             .collect()
@@ -370,4 +418,38 @@ fn hand_to_waiter(s: &mut Slots, mut handle: Arc<StreamHandle>) -> Option<Arc<St
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A panic elsewhere never leaves these short sections half-done; keep serving.
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod rtt_tests {
+    use super::Rtt;
+
+    #[test]
+    fn first_sample_sets_the_average_and_later_ones_smooth_it() {
+        let mut r = Rtt::default();
+        assert_eq!(r.micros(), 0, "unknown until the first sample");
+        r.observe(1000.0);
+        assert_eq!(r.micros(), 1000);
+        r.observe(2000.0);
+        assert_eq!(r.micros(), 1200);
+    }
+
+    #[test]
+    fn a_sample_is_capped_at_four_times_the_average() {
+        let mut r = Rtt::default();
+        r.observe(1000.0);
+        r.observe(1_000_000.0);
+        // Capped at 4000: 1000 + 0.2 * 3000.
+        assert_eq!(r.micros(), 1600);
+    }
+
+    #[test]
+    fn a_sample_below_a_quarter_of_the_average_replaces_it() {
+        let mut r = Rtt::default();
+        r.observe(10_000.0);
+        r.observe(2_000.0);
+        assert_eq!(r.micros(), 2000);
+        r.observe(600.0); // above 2000 / 4: smoothed, not replaced
+        assert_eq!(r.micros(), 1720);
+    }
 }

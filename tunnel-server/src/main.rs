@@ -37,6 +37,9 @@ struct Args {
     /// Token store file.
     #[arg(long, env = "RELAY_TOKEN_STORE")]
     token_store: Option<PathBuf>,
+    /// Shared secret for the dispatchers' registry (overrides `dispatcher_key`).
+    #[arg(long, env = "RELAY_DISPATCHER_KEY", hide_env_values = true)]
+    dispatcher_key: Option<String>,
 }
 
 #[tokio::main]
@@ -56,6 +59,9 @@ async fn main_inner() -> anyhow::Result<()> {
     let mut config: Config = relay_common::config::load(args.config.as_deref())?;
     if let Some(v) = args.server_id {
         config.server_id = v;
+    }
+    if let Some(v) = args.dispatcher_key {
+        config.dispatcher_key = Some(relay_common::Secret::new(v));
     }
     if let Some(v) = args.zone {
         config.zone = v;

@@ -5,8 +5,13 @@
 //!
 //! Announcements are computed as the difference between what the hub holds and what this
 //! dispatcher was told, so they can neither be lost nor reordered.
+//!
+//! With a `dispatcher_key` configured the stream carries `authorization: Bearer <key>`;
+//! a dispatcher that refuses it (UNAUTHENTICATED / PERMISSION_DENIED) is logged with its
+//! reason and retried with backoff like any other failure. The key is never logged.
 
 use crate::hub::Hub;
+use relay_common::Secret;
 use relay_proto::registry_client::RegistryClient;
 use relay_proto::{server_report, LoadReport, ServerIntro, ServerReport, TunnelDown, TunnelUp};
 use std::collections::HashSet;
@@ -23,6 +28,8 @@ pub struct Reporter {
     pub dispatcher: String,
     pub intro: ServerIntro,
     pub interval: Duration,
+    /// Shared secret the dispatcher expects from tunnel servers, if any.
+    pub key: Option<Secret>,
     pub stop: CancellationToken,
 }
 
@@ -63,7 +70,14 @@ impl Reporter {
                 self.intro.clone(),
             )))
             .await;
-        let call = tokio::spawn(async move { client.report(ReceiverStream::new(rx)).await });
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        if let Some(key) = &self.key {
+            let value = format!("Bearer {}", key.expose())
+                .parse()
+                .map_err(|_| "dispatcher_key is not a valid header value".to_string())?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        let mut call = tokio::spawn(async move { client.report(request).await });
         info!(dispatcher = %self.dispatcher, "reporting to dispatcher");
         let mut told: HashSet<String> = HashSet::new();
         let mut tick = tokio::time::interval(self.interval);
@@ -109,7 +123,14 @@ impl Reporter {
                 _ = tick.tick() => self.send_load(&tx).await?,
             }
             if call.is_finished() {
-                return Err("dispatcher ended the report stream".into());
+                return Err(match (&mut call).await {
+                    Ok(Err(status)) => format!(
+                        "dispatcher ended the report stream: {:?}: {}",
+                        status.code(),
+                        status.message()
+                    ),
+                    _ => "dispatcher ended the report stream".to_string(),
+                });
             }
         }
     }

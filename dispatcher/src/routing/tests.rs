@@ -1,0 +1,485 @@
+//! Tables of cases for the routing decision: spill share, tiers, draining, sticky.
+
+use super::*;
+use std::time::Duration;
+
+fn cfg(policy: RoutingPolicy) -> RoutingConfig {
+    RoutingConfig {
+        policy,
+        spill_step: 0.1,
+        spill_decay: 0.05,
+        spill_max: 0.5,
+        step_interval: Duration::from_millis(100),
+        tier_hysteresis: 0.2,
+        ..RoutingConfig::default()
+    }
+}
+
+/// A server view: (id, idle, busy, queued, rtt_us), announced at `t0 + announced_ms`.
+#[derive(Clone, Copy)]
+struct S {
+    id: &'static str,
+    idle: u32,
+    busy: u32,
+    queued: u32,
+    rtt_us: u32,
+    draining: bool,
+    announced_ms: u64,
+}
+
+fn s(id: &'static str, idle: u32, busy: u32, queued: u32) -> S {
+    S {
+        id,
+        idle,
+        busy,
+        queued,
+        rtt_us: 0,
+        draining: false,
+        announced_ms: 0,
+    }
+}
+
+impl S {
+    fn rtt(mut self, ms: f64) -> Self {
+        self.rtt_us = (ms * 1000.0) as u32;
+        self
+    }
+    fn draining(mut self) -> Self {
+        self.draining = true;
+        self
+    }
+    fn announced(mut self, ms: u64) -> Self {
+        self.announced_ms = ms;
+        self
+    }
+}
+
+struct Sim {
+    router: Router,
+    t0: Instant,
+    now: Instant,
+}
+
+impl Sim {
+    fn new(policy: RoutingPolicy) -> Self {
+        let t0 = Instant::now();
+        Sim {
+            router: Router::new(cfg(policy)),
+            t0,
+            now: t0,
+        }
+    }
+
+    /// One report round: advances time by one step interval and updates.
+    fn step(&mut self, servers: &[S]) {
+        self.now += Duration::from_millis(100);
+        self.update(servers);
+    }
+
+    /// Updates without advancing time (a report arriving between steps).
+    fn update(&mut self, servers: &[S]) {
+        let views = servers
+            .iter()
+            .map(|s| ServerView {
+                server_id: Arc::from(s.id),
+                forward_url: Arc::from(format!("http://{}", s.id).as_str()),
+                announced: self.t0 + Duration::from_millis(s.announced_ms),
+                draining: s.draining,
+                idle: s.idle,
+                busy: s.busy,
+                queued: s.queued,
+                rtt_us: s.rtt_us,
+            })
+            .collect();
+        let table = HashMap::from([("demo".to_string(), views)]);
+        self.router.update(self.now, &table);
+    }
+
+    fn spill(&self) -> f64 {
+        self.router.status("demo").unwrap().spill_share
+    }
+
+    fn home(&self) -> String {
+        self.router
+            .status("demo")
+            .unwrap()
+            .home
+            .map(|h| h.to_string())
+            .unwrap_or_default()
+    }
+
+    fn order(&self) -> Vec<String> {
+        self.router
+            .plan("demo")
+            .map(|p| p.order().iter().map(|t| t.server_id.to_string()).collect())
+            .unwrap_or_default()
+    }
+
+    fn tier(&self, id: &str) -> usize {
+        self.router
+            .status("demo")
+            .unwrap()
+            .tiers
+            .iter()
+            .find(|(s, _)| &**s == id)
+            .map(|(_, t)| *t)
+            .unwrap()
+    }
+
+    /// How many of `n` calls go first to each server.
+    fn spread(&self, n: u64) -> HashMap<String, u64> {
+        let plan = self.router.plan("demo").unwrap();
+        let mut out = HashMap::new();
+        for i in 0..n {
+            let p = plan.pick_nth(i);
+            *out.entry(p.servers[0].server_id.to_string()).or_default() += 1;
+        }
+        out
+    }
+}
+
+fn approx(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9
+}
+
+#[test]
+fn home_is_the_server_with_the_most_idle_streams_and_stays_while_it_has_idle_ones() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 2, 0, 0), s("b", 9, 0, 0), s("c", 1, 0, 0)]);
+    assert_eq!(sim.home(), "b");
+    // b is busier than a now but still has an idle stream: no flap.
+    sim.step(&[s("a", 5, 0, 0), s("b", 1, 8, 0), s("c", 1, 0, 0)]);
+    assert_eq!(sim.home(), "b");
+    assert_eq!(sim.spill(), 0.0);
+    assert_eq!(sim.spread(100)["b"], 100);
+}
+
+#[test]
+fn spill_share_rises_in_steps_while_home_is_saturated_and_caps() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 4, 0, 0), s("b", 2, 0, 0)]);
+    assert_eq!(sim.home(), "a");
+    let saturated = [s("a", 0, 4, 3), s("b", 2, 0, 0)];
+    let mut seen = Vec::new();
+    for _ in 0..8 {
+        sim.step(&saturated);
+        seen.push(sim.spill());
+    }
+    let want = [0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5];
+    assert!(
+        seen.iter().zip(want).all(|(a, b)| approx(*a, b)),
+        "{seen:?}"
+    );
+    assert_eq!(sim.home(), "a", "saturation alone does not move the home");
+    let spread = sim.spread(1000);
+    assert_eq!((spread["a"], spread["b"]), (500, 500));
+}
+
+#[test]
+fn spill_share_steps_at_most_once_per_step_interval() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 4, 0, 0), s("b", 2, 0, 0)]);
+    let saturated = [s("a", 0, 4, 3), s("b", 2, 0, 0)];
+    sim.step(&saturated);
+    // Three more reports within the same interval (three servers reporting) do not step.
+    for _ in 0..3 {
+        sim.update(&saturated);
+    }
+    assert!(approx(sim.spill(), 0.1), "{}", sim.spill());
+}
+
+#[test]
+fn spill_share_decays_when_the_home_clears() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 4, 0, 0), s("b", 2, 0, 0)]);
+    for _ in 0..4 {
+        sim.step(&[s("a", 0, 4, 3), s("b", 2, 0, 0)]);
+    }
+    assert!(approx(sim.spill(), 0.4));
+    let mut seen = Vec::new();
+    for _ in 0..10 {
+        sim.step(&[s("a", 2, 2, 0), s("b", 2, 0, 0)]);
+        seen.push((sim.spill() * 100.0).round() as u32);
+    }
+    assert_eq!(seen, [35, 30, 25, 20, 15, 10, 5, 0, 0, 0]);
+}
+
+#[test]
+fn nothing_spills_when_every_server_is_saturated() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 4, 0, 0), s("b", 2, 0, 0)]);
+    for _ in 0..3 {
+        sim.step(&[s("a", 0, 4, 3), s("b", 2, 0, 0)]);
+    }
+    assert!(sim.spill() > 0.0);
+    sim.step(&[s("a", 0, 4, 3), s("b", 0, 2, 1)]);
+    assert_eq!(sim.spill(), 0.0);
+    assert_eq!(sim.spread(100)["a"], 100);
+    // Stays zero for as long as all are saturated.
+    for _ in 0..5 {
+        sim.step(&[s("a", 0, 4, 9), s("b", 0, 2, 9)]);
+        assert_eq!(sim.spill(), 0.0);
+    }
+}
+
+#[test]
+fn a_no_capacity_answer_counts_as_saturation_before_the_next_report() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 4, 0, 0), s("b", 2, 0, 0)]);
+    // The report says "full, nobody queued"; a call just got NO_CAPACITY from a.
+    sim.router.note_no_capacity("demo", "a");
+    sim.step(&[s("a", 0, 4, 0), s("b", 2, 0, 0)]);
+    assert!(approx(sim.spill(), 0.1), "{}", sim.spill());
+    // The hint is used once: the next step sees no queue and decays.
+    sim.step(&[s("a", 0, 4, 0), s("b", 2, 0, 0)]);
+    assert!(approx(sim.spill(), 0.05), "{}", sim.spill());
+}
+
+#[test]
+fn spilled_calls_go_to_servers_with_idle_streams_in_proportion() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[
+        s("a", 4, 0, 0),
+        s("b", 3, 0, 0),
+        s("c", 1, 0, 0),
+        s("d", 0, 1, 0),
+    ]);
+    for _ in 0..10 {
+        sim.step(&[
+            s("a", 0, 4, 2),
+            s("b", 3, 0, 0),
+            s("c", 1, 0, 0),
+            s("d", 0, 1, 0),
+        ]);
+    }
+    let spread = sim.spread(800);
+    assert_eq!(spread["a"], 400);
+    assert_eq!(spread["b"], 300);
+    assert_eq!(spread["c"], 100);
+    assert!(
+        !spread.contains_key("d"),
+        "d has no idle stream: {spread:?}"
+    );
+    // Every pick still lists every server, for retries.
+    let plan = sim.router.plan("demo").unwrap();
+    assert_eq!(plan.pick_nth(1).servers.len(), 4);
+}
+
+#[test]
+fn a_draining_server_is_never_chosen_while_another_can_serve() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 9, 0, 0), s("b", 1, 0, 0)]);
+    assert_eq!(sim.home(), "a");
+    sim.step(&[s("a", 9, 0, 0).draining(), s("b", 0, 1, 4)]);
+    assert_eq!(sim.home(), "b", "saturated but not draining");
+    assert_eq!(sim.order(), ["b", "a"], "draining last");
+    assert_eq!(sim.spread(100)["b"], 100);
+    // Draining servers are never spill targets either.
+    for _ in 0..5 {
+        sim.step(&[s("a", 9, 0, 0).draining(), s("b", 0, 1, 4), s("c", 0, 1, 4)]);
+    }
+    assert_eq!(sim.spill(), 0.0);
+    // Only draining servers left: they are still listed (they answer DRAINING, retried).
+    sim.step(&[s("a", 9, 0, 0).draining()]);
+    assert_eq!(sim.order(), ["a"]);
+}
+
+#[test]
+fn sticky_follows_the_most_recent_announcement_and_never_spills() {
+    let mut sim = Sim::new(RoutingPolicy::Sticky);
+    let servers = [
+        s("a", 9, 0, 0).announced(0),
+        s("b", 0, 1, 7).announced(20),
+        s("c", 3, 0, 0).announced(10),
+    ];
+    for _ in 0..5 {
+        sim.step(&servers);
+    }
+    assert_eq!(sim.order(), ["b", "c", "a"]);
+    assert_eq!(sim.spill(), 0.0);
+    assert_eq!(sim.spread(100)["b"], 100);
+    let mut servers = servers;
+    servers[1] = servers[1].draining();
+    sim.step(&servers);
+    assert_eq!(sim.order(), ["c", "a", "b"]);
+}
+
+#[test]
+fn tiers_group_servers_within_max_of_best_plus_2ms_and_twice_best() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    let servers = [
+        s("a", 1, 0, 0).rtt(1.0),
+        s("b", 1, 0, 0).rtt(2.9),
+        s("c", 1, 0, 0).rtt(4.0),
+        s("d", 1, 0, 0).rtt(30.0),
+        s("e", 1, 0, 0),
+    ];
+    sim.step(&servers);
+    // Bounds from best = 1 ms: 3 ms, 6 ms, 12 ms, 24 ms, 48 ms.
+    let tiers: Vec<usize> = ["a", "b", "c", "d", "e"]
+        .iter()
+        .map(|id| sim.tier(id))
+        .collect();
+    assert_eq!(tiers, [0, 0, 1, 4, 0]);
+    // Slow paths: 2 x best wins over best + 2 ms.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[
+        s("a", 1, 0, 0).rtt(40.0),
+        s("b", 1, 0, 0).rtt(79.0),
+        s("c", 1, 0, 0).rtt(81.0),
+    ]);
+    assert_eq!((sim.tier("a"), sim.tier("b"), sim.tier("c")), (0, 0, 1));
+}
+
+#[test]
+fn a_server_near_a_tier_boundary_does_not_flap() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    let with_b = |b_ms: f64| [s("a", 1, 0, 0).rtt(1.0), s("b", 1, 0, 0).rtt(b_ms)];
+    sim.step(&with_b(2.5));
+    assert_eq!(sim.tier("b"), 0);
+    // Bound 3 ms, hysteresis 20%: b may drift to 3.6 ms and stay.
+    for ms in [3.1, 3.5, 2.9, 3.4] {
+        sim.step(&with_b(ms));
+        assert_eq!(sim.tier("b"), 0, "at {ms} ms");
+    }
+    sim.step(&with_b(3.7));
+    assert_eq!(sim.tier("b"), 1, "left past the margin");
+    // Back just under the bound is not enough: it must come 20% inside (2.4 ms).
+    for ms in [2.9, 2.5, 3.2] {
+        sim.step(&with_b(ms));
+        assert_eq!(sim.tier("b"), 1, "at {ms} ms");
+    }
+    sim.step(&with_b(2.3));
+    assert_eq!(sim.tier("b"), 0);
+}
+
+#[test]
+fn the_home_is_taken_from_the_lowest_tier_with_capacity() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    // c has the most idle streams but is far away.
+    sim.step(&[
+        s("a", 2, 0, 0).rtt(1.0),
+        s("b", 1, 0, 0).rtt(1.5),
+        s("c", 9, 0, 0).rtt(20.0),
+    ]);
+    assert_eq!(sim.home(), "a");
+    // The near tier saturates: calls spill to the far server rather than queue (c is not
+    // big enough to take the home: 5 < 2 x 2 + 2).
+    for _ in 0..3 {
+        sim.step(&[
+            s("a", 0, 2, 3).rtt(1.0),
+            s("b", 0, 1, 1).rtt(1.5),
+            s("c", 5, 0, 0).rtt(20.0),
+        ]);
+    }
+    assert_eq!(sim.home(), "a");
+    assert!(approx(sim.spill(), 0.3));
+    assert_eq!(sim.order()[1], "c");
+    // A home in a far tier moves to a near one as soon as the near tier has capacity.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 0, 2, 0).rtt(1.0), s("c", 9, 0, 0).rtt(20.0)]);
+    assert_eq!(sim.home(), "c");
+    sim.step(&[s("a", 1, 1, 0).rtt(1.0), s("c", 9, 0, 0).rtt(20.0)]);
+    assert_eq!(sim.home(), "a");
+}
+
+#[test]
+fn spill_targets_prefer_the_lowest_tier_with_idle_streams() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    let servers = [
+        s("a", 0, 2, 3).rtt(1.0),
+        s("b", 1, 0, 0).rtt(1.2),
+        s("c", 5, 0, 0).rtt(20.0),
+    ];
+    sim.step(&[s("a", 2, 0, 0).rtt(1.0), servers[1], servers[2]]);
+    for _ in 0..10 {
+        sim.step(&servers);
+    }
+    let spread = sim.spread(100);
+    assert_eq!((spread["a"], spread["b"]), (50, 50));
+    assert!(!spread.contains_key("c"), "{spread:?}");
+}
+
+#[test]
+fn a_home_that_leaves_is_replaced_and_the_share_restarts() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 4, 0, 0), s("b", 2, 0, 0), s("c", 1, 0, 0)]);
+    for _ in 0..3 {
+        sim.step(&[s("a", 0, 4, 3), s("b", 2, 0, 0), s("c", 1, 0, 0)]);
+    }
+    assert!(sim.spill() > 0.0);
+    sim.step(&[s("b", 2, 0, 0), s("c", 1, 0, 0)]);
+    assert_eq!(sim.home(), "b");
+    assert_eq!(sim.spill(), 0.0);
+    sim.step(&[]);
+    assert!(sim.router.plan("demo").is_none());
+    sim.router.update(sim.now, &HashMap::new());
+    assert!(sim.router.status("demo").is_none(), "forgotten");
+}
+
+#[test]
+fn spill_share_stays_within_bounds_under_any_report_sequence() {
+    // A small exhaustive walk: every sequence of 6 reports over 3 load states.
+    let states = [
+        [s("a", 0, 4, 3), s("b", 2, 0, 0)],
+        [s("a", 2, 2, 0), s("b", 2, 0, 0)],
+        [s("a", 0, 4, 3), s("b", 0, 2, 2)],
+    ];
+    for seq in 0..3u32.pow(6) {
+        let mut sim = Sim::new(RoutingPolicy::Available);
+        sim.step(&[s("a", 4, 0, 0), s("b", 2, 0, 0)]);
+        let mut code = seq;
+        let mut prev = sim.spill();
+        for _ in 0..6 {
+            let st = &states[(code % 3) as usize];
+            code /= 3;
+            sim.step(st);
+            let now = sim.spill();
+            assert!((0.0..=0.5 + 1e-9).contains(&now));
+            assert!(now - prev <= 0.1 + 1e-9, "rose by more than one step");
+            if st[1].idle == 0 {
+                assert_eq!(now, 0.0);
+            }
+            prev = now;
+        }
+    }
+}
+
+#[test]
+fn a_home_dwarfed_by_another_server_yields_once_and_does_not_swing_back() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    // Only c had reported when the home was picked.
+    sim.step(&[s("a", 0, 0, 0), s("c", 2, 0, 0)]);
+    assert_eq!(sim.home(), "c");
+    // a reports 21 idle streams: more than twice c's pool of 2 (plus 2).
+    sim.step(&[s("a", 21, 0, 0), s("c", 2, 0, 0)]);
+    assert_eq!(sim.home(), "a");
+    // A comparable server never takes the home from one with idle streams.
+    sim.step(&[s("a", 1, 20, 0), s("c", 5, 0, 0)]);
+    assert_eq!(sim.home(), "a");
+    // Not dwarfed (5 < 2 * 4 + 2): stays, with spill for the overflow.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 4, 0, 0), s("b", 1, 0, 0)]);
+    sim.step(&[s("a", 0, 4, 2), s("b", 5, 0, 0)]);
+    assert_eq!(sim.home(), "a");
+    assert!(approx(sim.spill(), 0.1));
+}
+
+#[test]
+fn a_saturated_home_yields_across_tiers_and_tiers_can_be_turned_off() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("near", 1, 0, 0).rtt(1.0), s("far", 21, 0, 0).rtt(10.0)]);
+    assert_eq!(sim.home(), "near", "lowest tier with capacity");
+    sim.step(&[s("near", 0, 1, 6).rtt(1.0), s("far", 21, 0, 0).rtt(10.0)]);
+    assert_eq!(sim.home(), "far", "queueing costs more than 9 ms");
+
+    let mut router = Router::new(RoutingConfig {
+        latency_tiers: false,
+        ..cfg(RoutingPolicy::Available)
+    });
+    let mut sim2 = Sim::new(RoutingPolicy::Available);
+    std::mem::swap(&mut sim2.router, &mut router);
+    sim2.step(&[s("near", 1, 0, 0).rtt(1.0), s("far", 21, 0, 0).rtt(10.0)]);
+    assert_eq!(sim2.home(), "far");
+    assert_eq!((sim2.tier("near"), sim2.tier("far")), (0, 0));
+}

@@ -1,0 +1,309 @@
+//! The shared registry: keeps this dispatcher's [`Registry`] in step with the other
+//! dispatchers of a fleet through Redis (`[registry] backend = "redis"`).
+//!
+//! One background task owns the Redis connection. It writes each local server's record
+//! (`<prefix>:server:<server_id>`, JSON, expiring after `lease`) whenever the server
+//! reports, and lists the server id in the set `<prefix>:servers`; every
+//! `refresh_interval` it reads all records back into the registry. A server that stops
+//! reporting stops being rewritten, so its key expires and every dispatcher drops it
+//! within `lease + refresh_interval`; the reader that finds an id without a key removes it
+//! from the set and counts a lease expiry.
+//!
+//! The call path never waits on Redis: it routes from the registry's local table. When
+//! Redis is unreachable the task keeps the last known shared entries, reports degraded (see
+//! [`SharedHealth`], used by `/readyz`), retries with backoff, and once Redis answers again
+//! rewrites every local record before anything else (keys may have expired meanwhile).
+//!
+//! This module must not route calls; it never logs the Redis URL (it may hold a password).
+
+use crate::metrics::Metrics;
+use crate::registry::{Publish, Registry, ServerRecord};
+use redis::aio::MultiplexedConnection;
+use redis::AsyncConnectionConfig;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Longest wait between two reconnect attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Whether the shared registry is reachable, for `/readyz`.
+#[derive(Default)]
+pub struct SharedHealth {
+    state: Mutex<HealthState>,
+}
+
+#[derive(Default)]
+struct HealthState {
+    /// Why Redis counts as down, and since when.
+    degraded: Option<(String, Instant)>,
+    last_ok: Option<Instant>,
+}
+
+impl SharedHealth {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HealthState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `(healthy, detail)`.
+    pub fn status(&self) -> (bool, serde_json::Value) {
+        let now = Instant::now();
+        let s = self.lock();
+        let age = |t: Instant| now.saturating_duration_since(t).as_millis() as u64;
+        match &s.degraded {
+            Some((why, since)) => (
+                false,
+                serde_json::json!({
+                    "backend": "redis",
+                    "state": "degraded",
+                    "error": why,
+                    "degraded_for_ms": age(*since),
+                    "last_ok_age_ms": s.last_ok.map(age),
+                    "routing": "from the last known table",
+                }),
+            ),
+            None => (
+                s.last_ok.is_some(),
+                serde_json::json!({
+                    "backend": "redis",
+                    "state": if s.last_ok.is_some() { "ok" } else { "connecting" },
+                    "last_ok_age_ms": s.last_ok.map(age),
+                }),
+            ),
+        }
+    }
+
+    /// Marks Redis down; true when it was up before.
+    fn down(&self, why: String) -> bool {
+        let mut s = self.lock();
+        let was_up = s.degraded.is_none();
+        let since = s
+            .degraded
+            .as_ref()
+            .map(|(_, t)| *t)
+            .unwrap_or_else(Instant::now);
+        s.degraded = Some((why, since));
+        was_up
+    }
+
+    /// Marks Redis up; true when it was down before.
+    fn up(&self) -> bool {
+        let mut s = self.lock();
+        s.last_ok = Some(Instant::now());
+        s.degraded.take().is_some()
+    }
+}
+
+/// The Redis side of the shared registry. See the module docs.
+pub struct SharedStore {
+    pub registry: Arc<Registry>,
+    pub client: redis::Client,
+    pub key_prefix: String,
+    pub lease: Duration,
+    pub refresh_interval: Duration,
+    pub timeout: Duration,
+    pub health: Arc<SharedHealth>,
+    pub metrics: Metrics,
+    pub stop: CancellationToken,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum StoreError {
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("redis did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+impl SharedStore {
+    fn set_key(&self) -> String {
+        format!("{}:servers", self.key_prefix)
+    }
+
+    fn server_key(&self, server_id: &str) -> String {
+        format!("{}:server:{}", self.key_prefix, server_id)
+    }
+
+    async fn bounded<T>(
+        &self,
+        f: impl std::future::Future<Output = Result<T, redis::RedisError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, f).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    async fn connect(&self) -> Result<MultiplexedConnection, StoreError> {
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        self.bounded(
+            self.client
+                .get_multiplexed_async_connection_with_config(&config),
+        )
+        .await
+    }
+
+    async fn write(
+        &self,
+        conn: &mut MultiplexedConnection,
+        items: &[Publish],
+    ) -> Result<(), StoreError> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let lease_ms = self.lease.as_millis().max(1) as u64;
+        let mut pipe = redis::pipe();
+        for (id, record) in items {
+            match record {
+                Some(r) => {
+                    let json = serde_json::to_string(r).unwrap_or_default();
+                    pipe.cmd("SET")
+                        .arg(self.server_key(id))
+                        .arg(json)
+                        .arg("PX")
+                        .arg(lease_ms)
+                        .ignore();
+                    pipe.cmd("SADD").arg(self.set_key()).arg(id).ignore();
+                }
+                None => {
+                    pipe.cmd("DEL").arg(self.server_key(id)).ignore();
+                    pipe.cmd("SREM").arg(self.set_key()).arg(id).ignore();
+                }
+            }
+        }
+        self.bounded(pipe.query_async::<()>(conn)).await
+    }
+
+    async fn read(&self, conn: &mut MultiplexedConnection, prune: bool) -> Result<(), StoreError> {
+        let ids: Vec<String> = self
+            .bounded(redis::cmd("SMEMBERS").arg(self.set_key()).query_async(conn))
+            .await?;
+        let mut records = Vec::with_capacity(ids.len());
+        if !ids.is_empty() {
+            let keys: Vec<String> = ids.iter().map(|id| self.server_key(id)).collect();
+            let values: Vec<Option<String>> = self
+                .bounded(redis::cmd("MGET").arg(&keys).query_async(conn))
+                .await?;
+            let mut expired = Vec::new();
+            for (id, value) in ids.iter().zip(values) {
+                match value {
+                    None => expired.push(id.clone()),
+                    Some(json) => match serde_json::from_str::<ServerRecord>(&json) {
+                        Ok(r) if r.info.server_id == *id => records.push(r),
+                        Ok(_) | Err(_) => {
+                            warn!(server_id = %id, "ignoring an unreadable shared registry record")
+                        }
+                    },
+                }
+            }
+            if !expired.is_empty() {
+                let removed: u64 = self
+                    .bounded(
+                        redis::cmd("SREM")
+                            .arg(self.set_key())
+                            .arg(&expired)
+                            .query_async(conn),
+                    )
+                    .await?;
+                if removed > 0 {
+                    self.metrics.lease_expiries.inc_by(removed);
+                    info!(servers = ?expired, "tunnel servers dropped from the shared registry: lease expired");
+                }
+            }
+        }
+        self.registry.apply_shared(records, prune);
+        Ok(())
+    }
+
+    /// Runs until `stop` is cancelled.
+    pub async fn run(self) {
+        let mut conn: Option<MultiplexedConnection> = None;
+        let mut refresh = tokio::time::interval(self.refresh_interval);
+        refresh.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        let mut backoff = Duration::from_millis(100);
+        let mut next_try = Instant::now();
+        // Rewrite every local record on the first success and after each outage.
+        let mut republish = true;
+        // After an outage, other dispatchers need a moment to rewrite their records (Redis
+        // may have restarted empty): for one lease, missing records do not drop entries.
+        let mut recovered_at: Option<Instant> = None;
+        let mut was_down = false;
+        loop {
+            let mut read = false;
+            tokio::select! {
+                // Stop first; then local changes (they renew leases); then the read tick.
+                biased;
+                _ = self.stop.cancelled() => break,
+                _ = self.registry.dirty_notify.notified() => {}
+                _ = refresh.tick() => read = true,
+            }
+            if conn.is_none() && Instant::now() < next_try {
+                continue;
+            }
+            let mut items = self.registry.take_dirty();
+            if republish {
+                let mut all = self.registry.local_records();
+                all.retain(|(id, _)| !items.iter().any(|(i, _)| i == id));
+                items.extend(all);
+            }
+            let prune = recovered_at
+                .is_none_or(|t| Instant::now().saturating_duration_since(t) >= self.lease);
+            let result = self.sync(&mut conn, &items, read, prune).await;
+            match result {
+                Ok(()) => {
+                    if was_down {
+                        was_down = false;
+                        recovered_at = Some(Instant::now());
+                    }
+                    republish = false;
+                    backoff = Duration::from_millis(100);
+                    if self.health.up() {
+                        info!("shared registry reachable again");
+                    }
+                    self.metrics.registry_degraded.set(0);
+                }
+                Err(e) => {
+                    conn = None;
+                    republish = true;
+                    was_down = true;
+                    self.registry.restore_dirty(items);
+                    if self.health.down(e.to_string()) {
+                        warn!(error = %e, "shared registry unreachable: routing from the last known table");
+                    }
+                    self.metrics.registry_degraded.set(1);
+                    next_try = Instant::now() + backoff;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+        // Best effort: remove the records of servers that left during shutdown.
+        let items = self.registry.take_dirty();
+        if !items.is_empty() {
+            if let Some(mut c) = conn {
+                let _ = self.write(&mut c, &items).await;
+            }
+        }
+    }
+
+    async fn sync(
+        &self,
+        conn: &mut Option<MultiplexedConnection>,
+        items: &[Publish],
+        read: bool,
+        prune: bool,
+    ) -> Result<(), StoreError> {
+        let c = match conn {
+            Some(c) => c,
+            None => conn.insert(self.connect().await?),
+        };
+        self.write(c, items).await?;
+        if read {
+            self.read(c, prune).await?;
+        }
+        Ok(())
+    }
+}
