@@ -3,7 +3,10 @@
 //! (`upstream`). The `relay-fleet` binary (demo and load tester) is built on it.
 
 pub mod client;
+pub mod fleet;
+pub mod haproxy;
 pub mod lb;
 pub mod metrics;
+pub mod procs;
 pub mod stack;
 pub mod upstream;

@@ -4,6 +4,12 @@
 //!
 //! Used by the end-to-end tests, the `relay-fleet demo` and the load tester. Builders
 //! choose the shape; `Stack` exposes the addresses and the handles to inject faults.
+//!
+//! Fleet shapes (all opt-in; the defaults keep one agent with [`TOKEN`] -> [`TUNNEL_ID`]):
+//! several agents, each with its own token and tunnel id ([`agent_identity`]); standby
+//! server slots brought up later ([`Stack::start_server`]); kill, drain and restart a
+//! server; restart an agent; per-component tokio runtimes ([`Runtimes`]) so the load
+//! tester can read each component's CPU time from its threads.
 
 use crate::client::Caller;
 use crate::lb::{LbHandle, LoadBalancer, Policy};
@@ -12,8 +18,10 @@ use relay_agent::coverage::plan::CoverageConfig;
 use relay_common::Secret;
 use relay_tunnel_server::{TokenStore, TunnelServerHandle};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -21,6 +29,43 @@ use tokio_util::sync::CancellationToken;
 pub const TOKEN: &str = "dev-token";
 pub const TUNNEL_ID: &str = "demo";
 pub const CALLER_KEY: &str = "dev-caller-key";
+/// Shared secret tunnel servers present to the dispatcher's registry.
+pub const SERVER_KEY: &str = "dev-server-key";
+
+/// Token and tunnel id of agent `i` in a multi-agent stack: agent 0 is [`TOKEN`] ->
+/// [`TUNNEL_ID`], agent `i > 0` is `dev-token-{i}` -> `demo-{i}`. Every tunnel server of
+/// the stack accepts all of them.
+pub fn agent_identity(i: usize) -> (String, String) {
+    if i == 0 {
+        (TOKEN.to_string(), TUNNEL_ID.to_string())
+    } else {
+        (format!("{TOKEN}-{i}"), format!("{TUNNEL_ID}-{i}"))
+    }
+}
+
+/// Runtimes the components run on (`Handle`s of runtimes the caller owns and keeps alive
+/// longer than the stack). Every task a component spawns lands on its runtime, so its
+/// threads' CPU time is that component's.
+#[derive(Clone, Debug)]
+pub struct Runtimes {
+    pub dispatcher: Handle,
+    pub servers: Handle,
+    pub agents: Handle,
+    pub lb: Handle,
+    pub upstream: Handle,
+}
+
+/// Runs `fut` on `rt` (so what it spawns stays there), or inline without one.
+async fn on_rt<F>(rt: Option<&Handle>, fut: F) -> anyhow::Result<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    match rt {
+        Some(h) => Ok(h.spawn(fut).await?),
+        None => Ok(fut.await),
+    }
+}
 
 /// Adjusts the agent's config once the stack has filled in endpoints, token and upstream.
 type AgentTweak = Box<dyn FnOnce(&mut relay_agent::Config) + Send>;
@@ -35,7 +80,14 @@ pub struct StackBuilder {
     tunnel: relay_tunnel_server::Config,
     dispatcher: relay_dispatcher::Config,
     agent: bool,
+    routed: Option<usize>,
     agent_cfg: Option<AgentTweak>,
+    agents: usize,
+    standby: usize,
+    runtimes: Option<Runtimes>,
+    upstream_latency_fn: Option<Arc<dyn Fn() -> Duration + Send + Sync>>,
+    lb_seed: u64,
+    agent_addrs: Vec<SocketAddr>,
 }
 
 impl Default for StackBuilder {
@@ -50,7 +102,14 @@ impl Default for StackBuilder {
             tunnel: relay_tunnel_server::Config::default(),
             dispatcher: relay_dispatcher::Config::default(),
             agent: true,
+            routed: None,
             agent_cfg: None,
+            agents: 1,
+            standby: 0,
+            runtimes: None,
+            upstream_latency_fn: None,
+            lb_seed: 7,
+            agent_addrs: Vec::new(),
         }
     }
 }
@@ -109,6 +168,54 @@ impl StackBuilder {
         self
     }
 
+    /// Only the first `n` tunnel servers report to the dispatcher; the others hold the
+    /// agent's streams where no call is ever routed (the incident's "idle streams on
+    /// other servers").
+    pub fn routed_servers(mut self, n: usize) -> Self {
+        self.routed = Some(n);
+        self
+    }
+
+    /// Starts `n` agents (default 1), agent `i` with [`agent_identity`]`(i)`; the
+    /// [`StackBuilder::agent_config`] tweak applies to each.
+    pub fn agents(mut self, n: usize) -> Self {
+        self.agents = n;
+        self
+    }
+
+    /// Adds `n` server slots that start down (`ts-{servers+1}`..): bring one up with
+    /// [`Stack::start_server`]. With the load-balancer fixture they are backends marked
+    /// down until then.
+    pub fn standby_servers(mut self, n: usize) -> Self {
+        self.standby = n;
+        self
+    }
+
+    /// Runs each component on its own runtime.
+    pub fn runtimes(mut self, runtimes: Runtimes) -> Self {
+        self.runtimes = Some(runtimes);
+        self
+    }
+
+    /// Upstream delay drawn per request (overrides [`StackBuilder::upstream_latency`]).
+    pub fn upstream_latency_fn(mut self, f: impl Fn() -> Duration + Send + Sync + 'static) -> Self {
+        self.upstream_latency_fn = Some(Arc::new(f));
+        self
+    }
+
+    /// Seed of the load-balancer fixture's random placement (default 7).
+    pub fn lb_seed(mut self, seed: u64) -> Self {
+        self.lb_seed = seed;
+        self
+    }
+
+    /// Binds server `i`'s agent-facing listener on `addrs[i]` (the rest on port 0), so a
+    /// load balancer configured before the stack starts (a real HAProxy) can point there.
+    pub fn server_agent_addrs(mut self, addrs: Vec<SocketAddr>) -> Self {
+        self.agent_addrs = addrs;
+        self
+    }
+
     /// Starts no agent (tests that script their own).
     pub fn without_agent(mut self) -> Self {
         self.agent = false;
@@ -117,13 +224,13 @@ impl StackBuilder {
 
     pub async fn start(self) -> anyhow::Result<Stack> {
         let stop = CancellationToken::new();
-        let stop_agent = CancellationToken::new();
         let mut tasks = Vec::new();
-        let mut agent_task = None;
-        let upstream = Upstream::builder()
-            .latency(self.upstream_latency)
-            .spawn()
-            .await?;
+        let rts = self.runtimes.clone();
+        let mut ub = Upstream::builder().latency(self.upstream_latency);
+        if let Some(f) = self.upstream_latency_fn.clone() {
+            ub = ub.latency_fn(move || f());
+        }
+        let upstream = on_rt(rts.as_ref().map(|r| &r.upstream), ub.spawn()).await??;
 
         let any = || TcpListener::bind("127.0.0.1:0");
         let front = match self.front {
@@ -139,19 +246,35 @@ impl StackBuilder {
         let registry = dl.registry.local_addr()?;
         let dispatcher_admin = dl.admin.local_addr()?;
         let mut dcfg = self.dispatcher;
+        let server_key = dcfg
+            .registry
+            .server_key
+            .get_or_insert_with(|| Secret::new(SERVER_KEY))
+            .clone();
         dcfg.callers = vec![relay_dispatcher::config::CallerConfig {
             name: "dev".into(),
             key: Secret::new(CALLER_KEY),
         }];
         let s = stop.clone();
-        tasks.push(tokio::spawn(async move {
+        let dispatcher = async move {
             if let Err(e) = relay_dispatcher::run(dcfg, dl, s.cancelled_owned()).await {
                 tracing::error!(error = %e, "dispatcher stopped");
             }
-        }));
+        };
+        tasks.push(match rts.as_ref() {
+            Some(r) => r.dispatcher.spawn(dispatcher),
+            None => tokio::spawn(dispatcher),
+        });
+        let agent_count = if self.agent { self.agents } else { 0 };
+        let mut tokens = TokenStore::single(TOKEN, TUNNEL_ID);
+        for i in 1..agent_count {
+            let (token, id) = agent_identity(i);
+            tokens.add(&token, &id);
+        }
+        let mut slots = Vec::new();
 
         let mut servers = Vec::new();
-        for i in 0..self.servers {
+        for i in 0..self.servers + self.standby {
             let mut cfg = self.tunnel.clone();
             cfg.server_id = format!("ts-{}", i + 1);
             cfg.zone = self
@@ -159,27 +282,56 @@ impl StackBuilder {
                 .get(i)
                 .cloned()
                 .unwrap_or_else(|| format!("zone-{}", i + 1));
-            cfg.dispatchers = vec![format!("http://{registry}")];
+            cfg.dispatchers = if self.routed.is_none_or(|n| i < n) {
+                vec![format!("http://{registry}")]
+            } else {
+                vec![]
+            };
+            cfg.dispatcher_key.get_or_insert_with(|| server_key.clone());
+            if i >= self.servers {
+                slots.push(cfg);
+                servers.push(None);
+                continue;
+            }
             let l = relay_tunnel_server::Listeners {
-                agent: any().await?,
+                agent: match self.agent_addrs.get(i) {
+                    Some(a) => TcpListener::bind(a).await?,
+                    None => any().await?,
+                },
                 forward: any().await?,
                 admin: any().await?,
             };
-            servers.push(Some(
-                relay_tunnel_server::start(cfg, TokenStore::single(TOKEN, TUNNEL_ID), l).await?,
-            ));
+            let handle = on_rt(
+                rts.as_ref().map(|r| &r.servers),
+                relay_tunnel_server::start(cfg.clone(), tokens.clone(), l),
+            )
+            .await??;
+            slots.push(cfg);
+            servers.push(Some(handle));
         }
         let lb = match self.placement {
             Some(policy) => {
-                let addrs = servers.iter().flatten().map(|s| s.agent_addr);
-                Some(
-                    LoadBalancer::builder()
-                        .backends(addrs)
-                        .policy(policy)
-                        .seed(7)
-                        .spawn()
-                        .await?,
-                )
+                // Standby slots point at the first live server until they come up.
+                let first = servers.iter().flatten().map(|s| s.agent_addr).next();
+                let addrs: Vec<SocketAddr> = servers
+                    .iter()
+                    .map(|s| s.as_ref().map(|s| s.agent_addr))
+                    .map(|a| {
+                        a.or(first)
+                            .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9)))
+                    })
+                    .collect();
+                let b = LoadBalancer::builder()
+                    .backends(addrs)
+                    .policy(policy)
+                    .seed(self.lb_seed);
+                let lb = on_rt(rts.as_ref().map(|r| &r.lb), b.spawn()).await??;
+                for (i, s) in servers.iter().enumerate() {
+                    if s.is_none() {
+                        lb.set_backend_down(i, true);
+                    }
+                }
+                Some(lb)
             }
             None => None,
         };
@@ -192,25 +344,44 @@ impl StackBuilder {
                 .collect(),
         };
         let mut agent_admin = None;
-        if self.agent {
-            let admin = any().await?;
-            agent_admin = Some(admin.local_addr()?);
-            let mut cfg = relay_agent::Config {
+        let mut agents = Vec::new();
+        if agent_count > 0 {
+            let mut template = relay_agent::Config {
                 tunnels,
                 token: Secret::new(TOKEN),
                 upstream: upstream.url(),
                 coverage: self.coverage,
+                // Accept filters are default deny; the harness allows every method and path.
+                allow: vec![relay_agent::config::AllowRule {
+                    name: Some("harness-all".into()),
+                    methods: vec!["*".into()],
+                    path: "/**".into(),
+                    ..Default::default()
+                }],
                 ..relay_agent::Config::default()
             };
             if let Some(f) = self.agent_cfg {
-                f(&mut cfg);
+                f(&mut template);
             }
-            let s = stop_agent.clone();
-            agent_task = Some(tokio::spawn(async move {
-                if let Err(e) = relay_agent::run(cfg, admin, s.cancelled_owned()).await {
-                    tracing::error!(error = %e, "agent stopped");
+            for i in 0..agent_count {
+                let (token, tunnel_id) = agent_identity(i);
+                let mut cfg = template.clone();
+                if i > 0 {
+                    cfg.token = Secret::new(&token);
                 }
-            }));
+                let admin = any().await?;
+                let addr = admin.local_addr()?;
+                if i == 0 {
+                    agent_admin = Some(addr);
+                }
+                let handle = spawn_agent(rts.as_ref(), cfg.clone(), admin);
+                agents.push(AgentSlot {
+                    tunnel_id,
+                    cfg,
+                    admin: addr,
+                    handle,
+                });
+            }
         }
         Ok(Stack {
             http,
@@ -220,9 +391,13 @@ impl StackBuilder {
             lb,
             upstream,
             stop,
-            stop_agent,
-            agent_task,
             tasks,
+            agents,
+            slots,
+            tokens,
+            runtimes: rts,
+            registries: Vec::new(),
+            last_addrs: Default::default(),
         })
     }
 }
@@ -237,9 +412,40 @@ pub struct Stack {
     pub lb: Option<LbHandle>,
     pub upstream: UpstreamHandle,
     stop: CancellationToken,
-    stop_agent: CancellationToken,
-    agent_task: Option<JoinHandle<()>>,
     tasks: Vec<JoinHandle<()>>,
+    agents: Vec<AgentSlot>,
+    /// Config of each server slot (id, zone, dispatchers), for restarts.
+    slots: Vec<relay_tunnel_server::Config>,
+    tokens: TokenStore,
+    runtimes: Option<Runtimes>,
+    /// Registries of server incarnations that were stopped, by slot.
+    registries: Vec<(usize, prometheus::Registry)>,
+    /// Listener addresses of stopped servers, by slot, to restart them on the same ports.
+    last_addrs: std::collections::HashMap<usize, (SocketAddr, SocketAddr, SocketAddr)>,
+}
+
+struct AgentSlot {
+    tunnel_id: String,
+    cfg: relay_agent::Config,
+    admin: SocketAddr,
+    /// `None` if the agent failed to start (logged) or is restarting.
+    handle: Option<relay_agent::AgentHandle>,
+}
+
+/// Starts one agent on its runtime; a start error is logged, as `relay_agent::run` would.
+fn spawn_agent(
+    rts: Option<&Runtimes>,
+    cfg: relay_agent::Config,
+    admin: TcpListener,
+) -> Option<relay_agent::AgentHandle> {
+    let _guard = rts.map(|r| r.agents.enter());
+    match relay_agent::spawn(cfg, admin) {
+        Ok(h) => Some(h),
+        Err(e) => {
+            tracing::error!(error = %e, "agent stopped");
+            None
+        }
+    }
 }
 
 impl Stack {
@@ -281,13 +487,176 @@ impl Stack {
         Ok((a.status.as_u16(), a.json()))
     }
 
+    /// Number of agents started (their indexes for [`agent_identity`]).
+    pub fn agent_count(&self) -> usize {
+        self.agents.len()
+    }
+
+    /// Tunnel ids of the agents, in agent order.
+    pub fn tunnel_ids(&self) -> Vec<String> {
+        self.agents.iter().map(|a| a.tunnel_id.clone()).collect()
+    }
+
+    /// Agent `i`'s handle (metrics registry, coverage view, systemcheck), if running.
+    pub fn agent(&self, i: usize) -> Option<&relay_agent::AgentHandle> {
+        self.agents.get(i).and_then(|a| a.handle.as_ref())
+    }
+
+    /// Agent `i`'s admin listener address.
+    pub fn agent_admin_addr(&self, i: usize) -> Option<SocketAddr> {
+        self.agents.get(i).map(|a| a.admin)
+    }
+
+    /// Stops agent `i` (its streams retire gracefully) and starts it again with the same
+    /// config, on the same admin port when it is free.
+    pub async fn restart_agent(&mut self, i: usize) -> anyhow::Result<()> {
+        let slot = self
+            .agents
+            .get_mut(i)
+            .ok_or_else(|| anyhow::anyhow!("no agent {i}"))?;
+        if let Some(h) = slot.handle.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(15), h.shutdown()).await;
+        }
+        self.respawn_agent(i).await
+    }
+
+    /// Server id of slot `i` (`ts-{i+1}`), running or not.
+    pub fn server_id(&self, i: usize) -> Option<&str> {
+        self.slots.get(i).map(|c| c.server_id.as_str())
+    }
+
+    /// Metric registries of every server incarnation so far, by slot: running ones and
+    /// ones killed, drained or restarted (so totals survive faults).
+    pub fn server_registries(&self) -> Vec<(usize, prometheus::Registry)> {
+        let mut out = self.registries.clone();
+        for (i, s) in self.servers.iter().enumerate() {
+            if let Some(s) = s {
+                out.push((i, s.registry.clone()));
+            }
+        }
+        out
+    }
+
+    /// Crashes server `i` (no drain, no goodbye); with the load-balancer fixture the
+    /// backend is marked down. False if it was not running.
+    pub fn kill_server(&mut self, i: usize) -> bool {
+        let Some(s) = self.servers.get_mut(i).and_then(Option::take) else {
+            return false;
+        };
+        if let Some(lb) = &self.lb {
+            lb.set_backend_down(i, true);
+        }
+        self.registries.push((i, s.registry.clone()));
+        self.last_addrs
+            .insert(i, (s.agent_addr, s.forward_addr, s.admin_addr));
+        s.abort();
+        true
+    }
+
+    /// Drains and stops server `i` gracefully (as on SIGTERM); with the load-balancer
+    /// fixture the backend is marked down first. False if it was not running.
+    pub async fn drain_server(&mut self, i: usize) -> bool {
+        match self.take_server(i) {
+            Some(s) => {
+                s.shutdown().await;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Takes server `i` out of the stack (the load-balancer fixture marks it down) and
+    /// hands it over still running, so the caller can drain it (`shutdown`) without
+    /// holding the stack.
+    pub fn take_server(&mut self, i: usize) -> Option<TunnelServerHandle> {
+        let s = self.servers.get_mut(i).and_then(Option::take)?;
+        if let Some(lb) = &self.lb {
+            lb.set_backend_down(i, true);
+        }
+        self.registries.push((i, s.registry.clone()));
+        self.last_addrs
+            .insert(i, (s.agent_addr, s.forward_addr, s.admin_addr));
+        Some(s)
+    }
+
+    /// Takes agent `i`'s handle out (to stop it without holding the stack); start it
+    /// again with [`Stack::respawn_agent`].
+    pub fn take_agent(&mut self, i: usize) -> Option<relay_agent::AgentHandle> {
+        self.agents.get_mut(i).and_then(|a| a.handle.take())
+    }
+
+    /// Starts agent `i` again with its config if it is not running.
+    pub async fn respawn_agent(&mut self, i: usize) -> anyhow::Result<()> {
+        let slot = self
+            .agents
+            .get_mut(i)
+            .ok_or_else(|| anyhow::anyhow!("no agent {i}"))?;
+        if slot.handle.is_some() {
+            return Ok(());
+        }
+        let admin = match TcpListener::bind(slot.admin).await {
+            Ok(l) => l,
+            Err(_) => TcpListener::bind("127.0.0.1:0").await?,
+        };
+        slot.admin = admin.local_addr()?;
+        slot.handle = spawn_agent(self.runtimes.as_ref(), slot.cfg.clone(), admin);
+        if i == 0 {
+            self.agent_admin = Some(slot.admin);
+        }
+        anyhow::ensure!(slot.handle.is_some(), "agent {i} failed to start again");
+        Ok(())
+    }
+
+    /// Starts server slot `i` (a standby slot, or one killed or drained) with the same
+    /// server id, on its previous ports when they are free; the load-balancer fixture
+    /// sends new streams there again. Errors if it is running.
+    pub async fn start_server(&mut self, i: usize) -> anyhow::Result<()> {
+        let cfg = self
+            .slots
+            .get(i)
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("no server slot {i}"))?;
+        anyhow::ensure!(
+            self.servers[i].is_none(),
+            "server {} is running",
+            cfg.server_id
+        );
+        let bind = |port: Option<SocketAddr>| async move {
+            match port {
+                Some(a) => match TcpListener::bind(a).await {
+                    Ok(l) => Ok(l),
+                    Err(_) => TcpListener::bind("127.0.0.1:0").await,
+                },
+                None => TcpListener::bind("127.0.0.1:0").await,
+            }
+        };
+        let prev = self.last_addrs.get(&i).copied();
+        let l = relay_tunnel_server::Listeners {
+            agent: bind(prev.map(|p| p.0)).await?,
+            forward: bind(prev.map(|p| p.1)).await?,
+            admin: bind(prev.map(|p| p.2)).await?,
+        };
+        let handle = on_rt(
+            self.runtimes.as_ref().map(|r| &r.servers),
+            relay_tunnel_server::start(cfg, self.tokens.clone(), l),
+        )
+        .await??;
+        if let Some(lb) = &self.lb {
+            lb.set_backend_addr(i, handle.agent_addr);
+            lb.set_backend_down(i, false);
+        }
+        self.servers[i] = Some(handle);
+        Ok(())
+    }
+
     /// Stops everything gracefully, from the agent inward: agent, tunnel servers,
     /// dispatcher.
     pub async fn shutdown(mut self) {
-        self.stop_agent.cancel();
-        if let Some(t) = self.agent_task.take() {
-            let _ = tokio::time::timeout(Duration::from_secs(15), t).await;
-        }
+        let agents = self.agents.iter_mut().filter_map(|a| a.handle.take());
+        futures::future::join_all(
+            agents.map(|h| tokio::time::timeout(Duration::from_secs(15), h.shutdown())),
+        )
+        .await;
         for s in self.servers.iter_mut().filter_map(Option::take) {
             s.shutdown().await;
         }

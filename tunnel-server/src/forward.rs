@@ -27,6 +27,10 @@ const CANCEL_ACK: Duration = Duration::from_secs(10);
 
 pub struct ForwardService {
     pub hub: Arc<Hub>,
+    /// `relay_tunnel_calls_received_total`: every `Forward.Call` that reached this handler.
+    /// Each one ends with exactly one `relay_tunnel_calls_total{outcome}`, so once quiet
+    /// the two agree (the per-hop accounting check).
+    pub received: prometheus::IntCounter,
     pub queue_timeout: Duration,
     pub tracker: tokio_util::task::TaskTracker,
 }
@@ -39,8 +43,17 @@ impl relay_proto::forward_server::Forward for ForwardService {
         &self,
         request: Request<Streaming<ForwardRequest>>,
     ) -> Result<Response<Self::CallStream>, Status> {
+        self.received.inc();
         let mut inbound = request.into_inner();
-        let head = match inbound.message().await? {
+        let first = match inbound.message().await {
+            Ok(m) => m,
+            Err(status) => {
+                // The dispatcher's stream broke before the head: still one outcome.
+                self.hub.metrics.call("bad_request");
+                return Err(status);
+            }
+        };
+        let head = match first {
             Some(ForwardRequest {
                 kind: Some(forward_request::Kind::Head(h)),
             }) => h,
@@ -89,54 +102,65 @@ impl Call {
                 (deadline / 10).clamp(Duration::from_millis(5), Duration::from_millis(250));
             wait = wait.min(deadline.saturating_sub(margin));
         }
-        let gone = self.to_caller.clone();
-        let stream = match hub
-            .acquire(
-                &self.tunnel_id,
-                now + wait,
-                async move { gone.closed().await },
-            )
-            .await
-        {
-            Ok(s) => s,
-            Err(e) => {
-                let (kind, outcome, msg) = match e {
-                    AcquireError::UnknownTunnel => (
-                        ForwardErrorKind::UnknownTunnel,
-                        "unknown_tunnel",
-                        format!("no stream of tunnel id {} on this server", self.tunnel_id),
-                    ),
-                    AcquireError::NoCapacity(why) => {
-                        (ForwardErrorKind::NoCapacity, "no_capacity", why.to_string())
-                    }
-                    AcquireError::Draining => (
-                        ForwardErrorKind::Draining,
-                        "draining",
-                        "tunnel server is draining".to_string(),
-                    ),
-                    AcquireError::Cancelled => {
-                        hub.metrics.call("cancelled");
-                        return;
-                    }
-                };
-                hub.metrics.call(outcome);
-                let _ = self
-                    .to_caller
-                    .send(Ok(ForwardResponse::error(kind, msg)))
-                    .await;
-                return;
+        let (stream, call_id, mut done) = loop {
+            let gone = self.to_caller.clone();
+            let stream = match hub
+                .acquire(
+                    &self.tunnel_id,
+                    now + wait,
+                    async move { gone.closed().await },
+                )
+                .await
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    let (kind, outcome, msg) = match e {
+                        AcquireError::UnknownTunnel => (
+                            ForwardErrorKind::UnknownTunnel,
+                            "unknown_tunnel",
+                            format!("no stream of tunnel id {} on this server", self.tunnel_id),
+                        ),
+                        AcquireError::NoCapacity(why) => {
+                            (ForwardErrorKind::NoCapacity, "no_capacity", why.to_string())
+                        }
+                        AcquireError::Draining => (
+                            ForwardErrorKind::Draining,
+                            "draining",
+                            "tunnel server is draining".to_string(),
+                        ),
+                        AcquireError::Cancelled => {
+                            hub.metrics.call("cancelled");
+                            return;
+                        }
+                    };
+                    hub.metrics.call(outcome);
+                    let _ = self
+                        .to_caller
+                        .send(Ok(ForwardResponse::error(kind, msg)))
+                        .await;
+                    return;
+                }
+            };
+            let call_id = hub.next_call_id();
+            let (done_tx, done) = oneshot::channel();
+            hub.metrics.in_flight.inc();
+            let slot = CallSlot {
+                call_id,
+                to_caller: self.to_caller.clone(),
+                done: Some(done_tx),
+                head_seen: false,
+                started: now,
+            };
+            match stream.begin_call(slot) {
+                Ok(()) => break (stream, call_id, done),
+                Err(_) => {
+                    // The stream died between acquire and now; no agent saw the call:
+                    // give the stream back (the hub closes it) and take another.
+                    hub.metrics.in_flight.dec();
+                    hub.release(stream);
+                }
             }
         };
-        let call_id = hub.next_call_id();
-        let (done_tx, mut done) = oneshot::channel();
-        hub.metrics.in_flight.inc();
-        stream.begin_call(CallSlot {
-            call_id,
-            to_caller: self.to_caller.clone(),
-            done: Some(done_tx),
-            head_seen: false,
-            started: now,
-        });
         let mut head = self.request;
         head.call_id = call_id;
         if head.deadline_ms > 0 {

@@ -136,8 +136,14 @@ pub async fn start(
         }
     }));
 
+    let received = prometheus::IntCounter::new(
+        "relay_tunnel_calls_received_total",
+        "Forward calls received from dispatchers; each ends with one relay_tunnel_calls_total outcome",
+    )?;
+    registry.register(Box::new(received.clone()))?;
     let forward = forward::ForwardService {
         hub: hub.clone(),
+        received,
         queue_timeout: config.queue_timeout,
         tracker: tracker.clone(),
     };
@@ -200,6 +206,7 @@ pub async fn start(
             dispatcher: d.clone(),
             intro: intro.clone(),
             interval: config.report_interval,
+            key: config.dispatcher_key.clone(),
             stop: stop_reports.clone(),
         };
         tasks.push(tokio::spawn(reporter.run()));

@@ -5,6 +5,12 @@
 //!
 //! The reader is the only place a call on a stream ends, so a call gets exactly one
 //! outcome: the agent's terminal frame, or `STREAM_LOST` when the stream dies first.
+//!
+//! RTT: the reader times each heartbeat ping to its pong and feeds the hub's per tunnel id
+//! EWMA ([`crate::hub::Rtt`]). Only pings sent and answered while the stream carries no
+//! call count: a busy stream's pong can wait behind body chunks, which is queueing, not
+//! network. A first ping goes out right after the hello so the figure is known within a
+//! round trip of the stream opening rather than a heartbeat later.
 
 use crate::hub::{AddError, Hub};
 use futures::StreamExt;
@@ -37,6 +43,9 @@ pub struct StreamHandle {
     call: Mutex<Option<CallSlot>>,
     /// The agent sent GoingAway (or the stream is closing): hand it no new call.
     retiring: AtomicBool,
+    /// The reader has ended: a call put on the stream now would never end. Set and read
+    /// only while holding `call`.
+    ended: AtomicBool,
     close: CancellationToken,
 }
 
@@ -75,13 +84,27 @@ impl StreamHandle {
         }
     }
 
-    /// Puts a call on the stream. The stream must have come from `Hub::acquire`.
-    pub fn begin_call(&self, slot: CallSlot) {
-        *lock(&self.call) = Some(slot);
+    /// Puts a call on the stream. The stream must have come from `Hub::acquire`. Hands the
+    /// slot back if the stream's reader ended meanwhile (the stream died between acquire
+    /// and now): nobody would end the call, so the caller must take another stream.
+    pub fn begin_call(&self, slot: CallSlot) -> Result<(), CallSlot> {
+        let mut call = lock(&self.call);
+        if self.ended.load(Ordering::SeqCst) {
+            return Err(slot);
+        }
+        *call = Some(slot);
+        Ok(())
     }
 
     fn take_call(&self) -> Option<CallSlot> {
         lock(&self.call).take()
+    }
+
+    /// The reader's last word: no call may begin from now on; returns the one in flight.
+    fn end_and_take_call(&self) -> Option<CallSlot> {
+        let mut call = lock(&self.call);
+        self.ended.store(true, Ordering::SeqCst);
+        call.take()
     }
 }
 
@@ -126,6 +149,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             out,
             call: Mutex::new(None),
             retiring: AtomicBool::new(false),
+            ended: AtomicBool::new(false),
             close: CancellationToken::new(),
         });
         let hello = ServerHello {
@@ -190,6 +214,9 @@ impl Reader {
         ping.tick().await;
         let mut last_seen = Instant::now();
         let mut seq = 0u64;
+        // The ping whose pong would be an RTT sample: (seq, sent at).
+        let mut timed: Option<(u64, Instant)> = None;
+        self.send_ping(&mut seq, &mut timed);
         let silence = self.heartbeat * self.misses;
         let end = loop {
             tokio::select! {
@@ -199,6 +226,9 @@ impl Reader {
                 msg = inbound.message() => match msg {
                     Ok(Some(frame)) => {
                         last_seen = Instant::now();
+                        if let Some(agent_frame::Kind::Pong(pong)) = &frame.kind {
+                            self.on_pong(pong.seq, &mut timed, last_seen);
+                        }
                         if let Err(status) = self.on_frame(frame).await {
                             break End::Protocol(status);
                         }
@@ -213,8 +243,7 @@ impl Reader {
                     if last_seen.elapsed() > silence {
                         break End::Heartbeat;
                     }
-                    seq += 1;
-                    self.handle.try_send(ServerFrame::of(server_frame::Kind::Ping(Ping { seq })));
+                    self.send_ping(&mut seq, &mut timed);
                 }
             }
         };
@@ -236,7 +265,7 @@ impl Reader {
         }
         self.hub.metrics.closes.with_label_values(&[reason]).inc();
         self.handle.retiring.store(true, Ordering::SeqCst);
-        let slot = self.handle.take_call();
+        let slot = self.handle.end_and_take_call();
         let was_busy = slot.is_some();
         if let Some(slot) = slot {
             let msg = match &end {
@@ -255,6 +284,36 @@ impl Reader {
         // outbound half now could drop that status before the agent sees it.
         if !matches!(end, End::Protocol(_)) {
             self.handle.close.cancel();
+        }
+    }
+
+    fn idle(&self) -> bool {
+        lock(&self.handle.call).is_none()
+    }
+
+    /// Sends the next heartbeat ping; times it when the stream is idle.
+    fn send_ping(&self, seq: &mut u64, timed: &mut Option<(u64, Instant)>) {
+        *seq += 1;
+        let sent = self
+            .handle
+            .try_send(ServerFrame::of(server_frame::Kind::Ping(Ping {
+                seq: *seq,
+            })));
+        *timed = (sent && self.idle()).then(|| (*seq, Instant::now()));
+    }
+
+    /// A pong arrived: one RTT sample if it answers the timed ping and no call came
+    /// onto the stream meanwhile.
+    fn on_pong(&self, seq: u64, timed: &mut Option<(u64, Instant)>, now: Instant) {
+        match *timed {
+            Some((s, sent)) if s == seq => {
+                *timed = None;
+                if self.idle() {
+                    self.hub
+                        .observe_rtt(&self.handle.tunnel_id, now.saturating_duration_since(sent));
+                }
+            }
+            _ => {}
         }
     }
 

@@ -3,12 +3,18 @@
 //! `relay-fleet demo` starts a sample upstream, a dispatcher, two tunnel servers and an
 //! agent on loopback, relays a few real calls, prints what happened and a curl line to
 //! try, then keeps serving until Ctrl-C.
+//!
+//! `relay-fleet run --scenario NAME|FILE` runs a simulated-fleet load test and reports
+//! (terminal table, `--json`, `--html`); `relay-fleet bench` compares direct and relayed
+//! calls; `relay-fleet scenarios` lists the built-ins; `relay-fleet tokens` prints the
+//! token store entries an external deployment needs for the simulated agents.
 
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use http::Method;
 use relay_tests::client::Caller;
-use relay_tests::stack::{Stack, CALLER_KEY, TUNNEL_ID};
+use relay_tests::fleet::{html, report, Mode, RunOptions, Scenario};
+use relay_tests::stack::{agent_identity, Stack, CALLER_KEY, TUNNEL_ID};
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -48,6 +54,60 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         latency_ms: u64,
     },
+    /// Run a load-test scenario and report. Embedded (the whole relay in this process) by
+    /// default; with --dispatcher and --tunnel, simulated agents and upstream drive a
+    /// running deployment. Ctrl-C stops the run and still reports what ran.
+    Run {
+        /// A built-in scenario name (see `relay-fleet scenarios`) or a TOML file.
+        #[arg(long)]
+        scenario: String,
+        /// External mode: the dispatcher's HTTP front, e.g. http://127.0.0.1:8080.
+        #[arg(long, requires = "tunnel", env = "RELAY_FLEET_DISPATCHER")]
+        dispatcher: Option<String>,
+        /// External mode: where agents dial (a tunnel server or its load balancer).
+        #[arg(long, requires = "dispatcher", env = "RELAY_FLEET_TUNNEL")]
+        tunnel: Option<String>,
+        /// External mode: the caller key for the dispatcher.
+        #[arg(long, default_value = "dev-caller-key", env = "RELAY_FLEET_CALLER_KEY")]
+        caller_key: String,
+        /// Write the report as JSON here.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+        /// Write the self-contained HTML report here.
+        #[arg(long)]
+        html: Option<std::path::PathBuf>,
+        /// Multiply every time on the scenario's timeline (duration, phases, bursts,
+        /// faults) by this, e.g. 0.25 for a quick look.
+        #[arg(long, default_value_t = 1.0)]
+        time_scale: f64,
+        /// Multiply the scenario's rates by this.
+        #[arg(long, default_value_t = 1.0)]
+        rate_scale: f64,
+        /// No progress line even on a terminal.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Direct-to-upstream vs relayed calls/s and latency at several numbers of
+    /// concurrent callers, side by side.
+    Bench {
+        /// Concurrent closed-loop callers per level.
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+        callers: Vec<usize>,
+        /// How long each side runs at each level.
+        #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+        each: Duration,
+        /// Write the rows as JSON here.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
+    /// List the built-in scenarios.
+    Scenarios,
+    /// Print token store entries (tunnel-server `token_store` TOML) for N simulated
+    /// agents, for external mode.
+    Tokens {
+        #[arg(long, default_value_t = 1)]
+        agents: usize,
+    },
 }
 
 #[tokio::main]
@@ -61,6 +121,60 @@ async fn main() -> std::process::ExitCode {
             once,
         } => demo(listen, servers, once).await,
         Command::Upstream { listen, latency_ms } => upstream(listen, latency_ms).await,
+        Command::Run {
+            scenario,
+            dispatcher,
+            tunnel,
+            caller_key,
+            json,
+            html,
+            time_scale,
+            rate_scale,
+            quiet,
+        } => {
+            let mode = match (dispatcher, tunnel) {
+                (Some(dispatcher), Some(tunnel)) => Mode::External {
+                    dispatcher,
+                    tunnel,
+                    caller_key,
+                },
+                _ => Mode::Embedded,
+            };
+            run(RunArgs {
+                scenario,
+                mode,
+                json,
+                html,
+                time_scale,
+                rate_scale,
+                quiet,
+            })
+            .await
+        }
+        Command::Bench {
+            callers,
+            each,
+            json,
+        } => bench(callers, each, json).await,
+        Command::Scenarios => {
+            for (name, _) in relay_tests::fleet::scenario::BUILTIN {
+                if let Some(s) = Scenario::builtin(name) {
+                    println!("{name:<16} {}", s.description);
+                }
+            }
+            Ok(())
+        }
+        Command::Tokens { agents } => {
+            println!("# token store entries for relay-fleet's simulated agents (tunnel server token_store)");
+            for i in 0..agents {
+                let (token, id) = agent_identity(i);
+                println!(
+                    "[[tokens]]\ntunnel_id = \"{id}\"\nsha256 = \"{}\"  # token {token}\n",
+                    relay_common::secret::sha256_hex(token.as_bytes())
+                );
+            }
+            Ok(())
+        }
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -184,5 +298,86 @@ async fn upstream(listen: SocketAddr, latency_ms: u64) -> anyhow::Result<()> {
         relay_common::shutdown::signal(),
     )
     .await;
+    Ok(())
+}
+
+struct RunArgs {
+    scenario: String,
+    mode: Mode,
+    json: Option<std::path::PathBuf>,
+    html: Option<std::path::PathBuf>,
+    time_scale: f64,
+    rate_scale: f64,
+    quiet: bool,
+}
+
+async fn run(a: RunArgs) -> anyhow::Result<()> {
+    let mut scenario = Scenario::load(&a.scenario)?;
+    if a.time_scale != 1.0 || a.rate_scale != 1.0 {
+        anyhow::ensure!(
+            a.time_scale > 0.0 && a.rate_scale >= 0.0,
+            "--time-scale must be > 0 and --rate-scale >= 0"
+        );
+        scenario = scenario.scaled(a.time_scale, a.rate_scale);
+        scenario.validate()?;
+    }
+    let stop = tokio_util::sync::CancellationToken::new();
+    let on_signal = stop.clone();
+    tokio::spawn(async move {
+        relay_common::shutdown::signal().await;
+        eprintln!("\nstopping: writing the report of what ran");
+        on_signal.cancel();
+    });
+    let report = relay_tests::fleet::run(
+        &scenario,
+        RunOptions {
+            mode: a.mode,
+            progress: !a.quiet,
+            stop,
+        },
+    )
+    .await?;
+    print!("{}", report::summary(&report));
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        println!("json report: {}", path.display());
+    }
+    if let Some(path) = &a.html {
+        std::fs::write(path, html::render(&report))
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        println!("html report: {}", path.display());
+    }
+    anyhow::ensure!(
+        report.passed(),
+        "scenario {} did not meet its expectations",
+        report.scenario
+    );
+    Ok(())
+}
+
+async fn bench(
+    callers: Vec<usize>,
+    each: Duration,
+    json: Option<std::path::PathBuf>,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        callers.iter().all(|c| (1..=4096).contains(c)),
+        "--callers: each level must be in 1..=4096"
+    );
+    let build = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    eprintln!(
+        "bench ({build} build): {} s per side per level, levels {callers:?}",
+        each.as_secs_f64()
+    );
+    let rows = relay_tests::fleet::bench::bench(&callers, each).await?;
+    print!("{}", relay_tests::fleet::bench::table(&rows));
+    if let Some(path) = json {
+        std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)?;
+    }
     Ok(())
 }

@@ -1,0 +1,1070 @@
+//! Runs one scenario: sets up the fleet (embedded stack or simulated agents against an
+//! external deployment), sends the load, injects the faults, samples the fleet once a
+//! second, and turns what it recorded into a [`Report`].
+//!
+//! Accounting: every call the load generator sends ends in exactly one recorded outcome
+//! (ok, or failed with a reason; a call past its client deadline is `client_timeout`, one
+//! still running when an interrupted run gives up waiting is `interrupted`). `calls_lost`
+//! is sent minus recorded outcomes, so anything but 0 is a bug in the relay or here.
+//!
+//! CPU: in embedded mode each component runs on its own tokio runtime whose threads are
+//! named after it (`fleet-dispatch`, `fleet-servers`, `fleet-agents`, `fleet-lb`,
+//! `fleet-upstream`); the report reads `/proc/self/task/*/stat` per thread name. The load
+//! generator and sampler run on the caller's runtime ("load generator" row). CPU of
+//! threads that exited during the run (idle blocking-pool threads) is only in the process
+//! total.
+//!
+//! This module must not write to stdout; the progress line goes to stderr (TTY only).
+
+use super::report::{self, Report, Sample, ServerStreams};
+use super::scenario::{Distribution, FaultAction, Placement, Scenario};
+use crate::client::Caller;
+use crate::lb::Policy;
+use crate::stack::{agent_identity, Runtimes, Stack, CALLER_KEY};
+use crate::upstream::{Upstream, UpstreamHandle};
+use bytes::Bytes;
+use http::Method;
+use http_body_util::BodyExt;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use relay_agent::AgentHandle;
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::runtime::Runtime;
+use tokio::sync::Semaphore;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+/// Where the fleet runs.
+#[derive(Clone, Debug)]
+pub enum Mode {
+    /// Dispatcher, tunnel servers, load balancer, agents and upstream in this process.
+    Embedded,
+    /// Simulated agents and upstream here, driving a running dispatcher and tunnel
+    /// endpoint (a server or its load balancer).
+    External {
+        dispatcher: String,
+        tunnel: String,
+        caller_key: String,
+    },
+}
+
+/// How to run.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    pub mode: Mode,
+    /// Draw the progress line on stderr (only if stderr is a terminal).
+    pub progress: bool,
+    /// Cancelled on Ctrl-C: the run stops and still reports what ran.
+    pub stop: CancellationToken,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            mode: Mode::Embedded,
+            progress: false,
+            stop: CancellationToken::new(),
+        }
+    }
+}
+
+/// Runtimes of the components, one per component, threads named after it.
+struct Rts {
+    rts: Vec<Runtime>,
+    handles: Runtimes,
+}
+
+impl Rts {
+    fn new() -> std::io::Result<Rts> {
+        let mk = |name: &str, threads: usize| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads)
+                .thread_name(name)
+                .enable_all()
+                .build()
+        };
+        let rts = vec![
+            mk("fleet-dispatch", 1)?,
+            mk("fleet-servers", 2)?,
+            mk("fleet-agents", 2)?,
+            mk("fleet-lb", 1)?,
+            mk("fleet-upstream", 1)?,
+        ];
+        let h = |i: usize| rts[i].handle().clone();
+        let handles = Runtimes {
+            dispatcher: h(0),
+            servers: h(1),
+            agents: h(2),
+            lb: h(3),
+            upstream: h(4),
+        };
+        Ok(Rts { rts, handles })
+    }
+
+    fn stop(self) {
+        for rt in self.rts {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// The fleet under test, as the sampler and the fault injector see it.
+enum Fleet {
+    Embedded(Arc<tokio::sync::Mutex<Stack>>),
+    External {
+        agents: Arc<tokio::sync::Mutex<Vec<Option<AgentHandle>>>>,
+        configs: Vec<relay_agent::Config>,
+        upstream: UpstreamHandle,
+        agent_rt: tokio::runtime::Handle,
+    },
+}
+
+/// What the load generator recorded.
+#[derive(Default)]
+pub(crate) struct Recorder {
+    pub sent: AtomicU64,
+    pub ok: AtomicU64,
+    pub failed: AtomicU64,
+    pub skipped: AtomicU64,
+    pub in_flight: AtomicI64,
+    pub inner: Mutex<RecInner>,
+}
+
+#[derive(Default)]
+pub(crate) struct RecInner {
+    /// (start second into the run, latency ms) of every answered call, ok or not.
+    pub latencies: Vec<(f32, f32)>,
+    pub failures: BTreeMap<String, u64>,
+    /// Start second of every failed call.
+    pub failed_at: Vec<f32>,
+}
+
+impl Recorder {
+    fn record(&self, t: f32, latency_ms: f32, outcome: Result<(), String>) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.latencies.push((t, latency_ms));
+        match outcome {
+            Ok(()) => {
+                self.ok.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(reason) => {
+                *g.failures.entry(reason).or_default() += 1;
+                g.failed_at.push(t);
+                self.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// One burst's progress.
+pub(crate) struct BurstStat {
+    pub at: f64,
+    pub calls: u64,
+    pub ok: AtomicU64,
+    pub done: AtomicU64,
+    /// Milliseconds from the burst's start to its last answer.
+    pub last_done_ms: AtomicU64,
+}
+
+/// What every call sends.
+#[derive(Clone)]
+struct CallShape {
+    method: Method,
+    suffix: String,
+    body: Bytes,
+    timeout: Duration,
+}
+
+impl CallShape {
+    fn from(s: &Scenario) -> CallShape {
+        let up = &s.upstream;
+        let (method, suffix, body) = if up.request_bytes > 0 {
+            let body: Bytes = (0..up.request_bytes).map(|i| (i % 251) as u8).collect();
+            (Method::POST, "/echo".to_string(), body)
+        } else if up.response_bytes > 0 {
+            (
+                Method::GET,
+                format!("/bytes/{}", up.response_bytes),
+                Bytes::new(),
+            )
+        } else {
+            (Method::GET, "/hello".to_string(), Bytes::new())
+        };
+        CallShape {
+            method,
+            suffix,
+            body,
+            timeout: s.load.call_timeout,
+        }
+    }
+}
+
+/// One call through the relay: Ok, or the failure reason (the dispatcher's `error`
+/// code, `http_<status>`, `transport`, `body`, `client_timeout`).
+async fn one_call(caller: &Caller, tunnel_id: &str, shape: &CallShape) -> Result<(), String> {
+    let req = caller.request(
+        shape.method.clone(),
+        &format!("/relay/{tunnel_id}{}", shape.suffix),
+        shape.body.clone(),
+    );
+    let work = async {
+        let resp = caller
+            .send(req)
+            .await
+            .map_err(|_| "transport".to_string())?;
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if status.is_success() {
+            while let Some(frame) = body.frame().await {
+                frame.map_err(|_| "body".to_string())?;
+            }
+            return Ok(());
+        }
+        let bytes = body
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let code = serde_json::from_slice::<serde_json::Value>(&bytes)
+            .ok()
+            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string));
+        Err(code.unwrap_or_else(|| format!("http_{}", status.as_u16())))
+    };
+    match tokio::time::timeout(shape.timeout, work).await {
+        Ok(r) => r,
+        Err(_) => Err("client_timeout".into()),
+    }
+}
+
+/// Upstream delay sampler for the scenario's distribution.
+fn latency_fn(s: &Scenario) -> impl Fn() -> Duration + Send + Sync + 'static {
+    let mean = s.upstream.latency;
+    let dist = s.upstream.distribution;
+    let rng = Mutex::new(StdRng::seed_from_u64(s.seed ^ 0x5eed));
+    move || {
+        if mean.is_zero() {
+            return Duration::ZERO;
+        }
+        let u: f64 = rng.lock().map(|mut r| r.gen::<f64>()).unwrap_or(0.5);
+        match dist {
+            Distribution::Fixed => mean,
+            Distribution::Uniform => mean.mul_f64(0.5 + u),
+            Distribution::Exponential => mean.mul_f64((-(1.0 - u).max(1e-9).ln()).min(20.0)),
+        }
+    }
+}
+
+fn policy(s: &Scenario, p: Placement) -> Policy {
+    match p {
+        Placement::Uniform => Policy::Uniform,
+        Placement::RoundRobin => Policy::RoundRobin,
+        Placement::Weighted => Policy::Weighted(s.servers.weights.clone()),
+        Placement::Unfillable => Policy::Unfillable(s.servers.unfillable.saturating_sub(1)),
+    }
+}
+
+/// `/proc` readings: CPU seconds per thread name and of the process, peak and current RSS.
+pub(crate) mod procstat {
+    use std::collections::BTreeMap;
+
+    /// Linux clock ticks per second (USER_HZ), fixed at 100 on every mainstream kernel.
+    const HZ: f64 = 100.0;
+
+    fn parse_stat(text: &str) -> Option<(String, f64)> {
+        let open = text.find('(')?;
+        let close = text.rfind(')')?;
+        let comm = text.get(open + 1..close)?.to_string();
+        let rest: Vec<&str> = text.get(close + 2..)?.split_whitespace().collect();
+        // After "pid (comm) ": state is field 3; utime and stime are fields 14 and 15.
+        let utime: f64 = rest.get(11)?.parse().ok()?;
+        let stime: f64 = rest.get(12)?.parse().ok()?;
+        Some((comm, (utime + stime) / HZ))
+    }
+
+    /// CPU seconds of the whole process (exited threads included).
+    pub fn process_cpu() -> f64 {
+        std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|t| parse_stat(&t))
+            .map(|(_, s)| s)
+            .unwrap_or(0.0)
+    }
+
+    /// CPU seconds per live thread, keyed by thread id, with the thread's name.
+    pub fn threads() -> BTreeMap<u64, (String, f64)> {
+        let mut out = BTreeMap::new();
+        let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+            return out;
+        };
+        for e in dir.flatten() {
+            let Some(tid) = e.file_name().to_str().and_then(|s| s.parse::<u64>().ok()) else {
+                continue;
+            };
+            if let Some(v) = std::fs::read_to_string(e.path().join("stat"))
+                .ok()
+                .and_then(|t| parse_stat(&t))
+            {
+                out.insert(tid, v);
+            }
+        }
+        out
+    }
+
+    /// (VmHWM, VmRSS) in KiB.
+    pub fn memory_kib() -> (u64, u64) {
+        let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let field = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        (field("VmHWM:"), field("VmRSS:"))
+    }
+}
+
+/// Component name of a thread, from the runtime it belongs to.
+fn component(thread: &str) -> &'static str {
+    match thread {
+        "fleet-dispatch" => "dispatcher",
+        "fleet-servers" => "tunnel servers",
+        "fleet-agents" => "agents",
+        "fleet-lb" => "load balancer",
+        "fleet-upstream" => "upstream",
+        _ => "load generator",
+    }
+}
+
+/// CPU seconds per component between two thread readings.
+fn cpu_by_component(
+    before: &BTreeMap<u64, (String, f64)>,
+    after: &BTreeMap<u64, (String, f64)>,
+) -> BTreeMap<&'static str, f64> {
+    let mut out = BTreeMap::new();
+    for (tid, (name, cpu)) in after {
+        let base = before.get(tid).map(|(_, c)| *c).unwrap_or(0.0);
+        *out.entry(component(name)).or_insert(0.0) += (cpu - base).max(0.0);
+    }
+    out
+}
+
+/// Runs `scenario` and returns its report. Errors only if the fleet cannot be set up.
+pub async fn run(scenario: &Scenario, opts: RunOptions) -> anyhow::Result<Report> {
+    scenario.validate()?;
+    let rts = Rts::new()?;
+    let result = run_on(scenario, &opts, &rts).await;
+    rts.stop();
+    result
+}
+
+async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Result<Report> {
+    let s = scenario;
+    let (fleet, caller, tunnel_ids) = match &opts.mode {
+        Mode::Embedded => {
+            let cov = s.agents.coverage.clone();
+            let (qt, mq) = (s.servers.queue_timeout, s.servers.max_queue);
+            let zones: Vec<&str> = s.servers.zones.iter().map(String::as_str).collect();
+            let stack = Stack::builder()
+                .servers(s.servers.count)
+                .standby_servers(s.servers.standby)
+                .zones(&zones)
+                .placement(policy(s, s.servers.placement))
+                .lb_seed(s.seed)
+                .coverage(cov)
+                .agents(s.agents.count)
+                .runtimes(rts.handles.clone())
+                .upstream_latency_fn(latency_fn(s))
+                .tunnel_config(move |c| {
+                    c.queue_timeout = qt;
+                    c.max_queue_per_tunnel = mq;
+                })
+                .agent_config(|c| c.upstream_check.interval = Duration::from_secs(30))
+                .start()
+                .await?;
+            let caller = stack.caller();
+            let ids = stack.tunnel_ids();
+            (
+                Fleet::Embedded(Arc::new(tokio::sync::Mutex::new(stack))),
+                caller,
+                ids,
+            )
+        }
+        Mode::External {
+            dispatcher,
+            tunnel,
+            caller_key,
+        } => {
+            let front = reachable(dispatcher, "dispatcher (--dispatcher)").await?;
+            reachable(tunnel, "tunnel endpoint (--tunnel)").await?;
+            let upstream = rts
+                .handles
+                .upstream
+                .spawn(Upstream::builder().latency_fn(latency_fn(s)).spawn())
+                .await??;
+            let mut agents = Vec::new();
+            let mut configs = Vec::new();
+            let mut ids = Vec::new();
+            for i in 0..s.agents.count {
+                let (token, id) = agent_identity(i);
+                let mut cfg = relay_agent::Config {
+                    tunnels: vec![tunnel.clone()],
+                    token: relay_common::Secret::new(&token),
+                    upstream: upstream.url(),
+                    coverage: s.agents.coverage.clone(),
+                    ..relay_agent::Config::default()
+                };
+                cfg.upstream_check.interval = Duration::from_secs(30);
+                let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                let _g = rts.handles.agents.enter();
+                agents.push(Some(relay_agent::spawn(cfg.clone(), admin)?));
+                configs.push(cfg);
+                ids.push(id);
+            }
+            (
+                Fleet::External {
+                    agents: Arc::new(tokio::sync::Mutex::new(agents)),
+                    configs,
+                    upstream,
+                    agent_rt: rts.handles.agents.clone(),
+                },
+                Caller::new(front, Some(caller_key)),
+                ids,
+            )
+        }
+    };
+    let ready = wait_ready(&fleet, &caller, &tunnel_ids, &opts.stop).await;
+    let report = match ready {
+        Ok(()) => Some(drive(s, opts, &fleet, caller, tunnel_ids).await),
+        Err(e) => {
+            shutdown(fleet).await;
+            return Err(e);
+        }
+    };
+    shutdown(fleet).await;
+    report.ok_or_else(|| anyhow::anyhow!("no report"))
+}
+
+/// Fails fast with a clear message if `url` does not accept a TCP connection.
+async fn reachable(url: &str, what: &str) -> anyhow::Result<SocketAddr> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{what}: {url:?} is not a URL: {e}"))?;
+    let host = uri
+        .host()
+        .ok_or_else(|| anyhow::anyhow!("{what}: {url:?} has no host"))?;
+    let port = uri.port_u16().unwrap_or(80);
+    let addr = tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|e| anyhow::anyhow!("{what}: cannot resolve {host}: {e}"))?
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("{what}: {host} resolves to nothing"))?;
+    match tokio::time::timeout(Duration::from_secs(3), tokio::net::TcpStream::connect(addr)).await {
+        Ok(Ok(_)) => Ok(addr),
+        Ok(Err(e)) => anyhow::bail!("cannot reach the {what} at {url}: {e}; is it running?"),
+        Err(_) => anyhow::bail!("cannot reach the {what} at {url}: no answer within 3 s"),
+    }
+}
+
+/// Waits until every agent holds a stream and every tunnel id answers through the relay.
+async fn wait_ready(
+    fleet: &Fleet,
+    caller: &Caller,
+    ids: &[String],
+    stop: &CancellationToken,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (landed, total) = agents_landed(fleet).await;
+        if landed == total {
+            break;
+        }
+        if Instant::now() > deadline || stop.is_cancelled() {
+            anyhow::bail!(
+                "only {landed} of {total} agents hold a tunnel stream after 60 s: is the tunnel \
+                 endpoint right and does its token store know the fleet's tokens (relay-fleet tokens)?"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sem = Arc::new(Semaphore::new(32));
+    let mut probes = Vec::new();
+    for id in ids {
+        let (caller, id, sem) = (caller.clone(), id.clone(), sem.clone());
+        probes.push(tokio::spawn(async move {
+            let _p = sem.acquire_owned().await;
+            let mut last = String::new();
+            while Instant::now() < deadline {
+                match caller.get(&format!("/relay/{id}/hello")).await {
+                    Ok(a) if a.status == 200 => return Ok(()),
+                    Ok(a) => last = format!("{} {}", a.status, a.text()),
+                    Err(e) => last = e.to_string(),
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(anyhow::anyhow!(
+                "tunnel id {id} not routable within 60 s: last answer {last}"
+            ))
+        }));
+    }
+    for p in probes {
+        p.await??;
+    }
+    Ok(())
+}
+
+async fn agents_landed(fleet: &Fleet) -> (usize, usize) {
+    let count = |h: Option<&AgentHandle>| {
+        h.map(|h| h.coverage().borrow().streams_total > 0)
+            .unwrap_or(false)
+    };
+    match fleet {
+        Fleet::Embedded(stack) => {
+            let st = stack.lock().await;
+            let n = st.agent_count();
+            ((0..n).filter(|i| count(st.agent(*i))).count(), n)
+        }
+        Fleet::External { agents, .. } => {
+            let a = agents.lock().await;
+            (a.iter().filter(|h| count(h.as_ref())).count(), a.len())
+        }
+    }
+}
+
+/// Per-agent coverage-action counters, accumulated across agent restarts.
+#[derive(Default)]
+struct ActionTotals {
+    last: Vec<BTreeMap<String, u64>>,
+    total: BTreeMap<String, u64>,
+}
+
+impl ActionTotals {
+    fn update(&mut self, i: usize, now: BTreeMap<String, u64>) {
+        if self.last.len() <= i {
+            self.last.resize(i + 1, BTreeMap::new());
+        }
+        for (k, v) in &now {
+            let before = self.last[i].get(k).copied().unwrap_or(0);
+            // A restarted agent counts from 0 again.
+            let delta = if *v >= before { v - before } else { *v };
+            *self.total.entry(k.clone()).or_default() += delta;
+        }
+        self.last[i] = now;
+    }
+}
+
+fn agent_actions(h: &AgentHandle) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for f in h.registry().gather() {
+        if f.name() != "grpc_tunnel_coverage_actions_total" {
+            continue;
+        }
+        for m in f.get_metric() {
+            let action = m
+                .get_label()
+                .iter()
+                .find(|l| l.name() == "action")
+                .map(|l| l.value().to_string())
+                .unwrap_or_default();
+            out.insert(action, m.get_counter().get_value() as u64);
+        }
+    }
+    out
+}
+
+/// One reading of the fleet: streams per server by state (from the agents' coverage
+/// views), calls queued on the servers, coverage actions so far.
+async fn sample_fleet(
+    fleet: &Fleet,
+    actions: &mut ActionTotals,
+) -> (BTreeMap<String, ServerStreams>, Option<f64>) {
+    let mut servers: BTreeMap<String, ServerStreams> = BTreeMap::new();
+    let mut add = |i: usize, h: &AgentHandle, actions: &mut ActionTotals| {
+        for sv in &h.coverage().borrow().servers {
+            let e = servers.entry(sv.server_id.clone()).or_default();
+            e.idle += u64::from(sv.idle);
+            e.busy += u64::from(sv.streams.saturating_sub(sv.idle));
+        }
+        actions.update(i, agent_actions(h));
+    };
+    match fleet {
+        Fleet::Embedded(stack) => {
+            let st = stack.lock().await;
+            for i in 0..st.agent_count() {
+                if let Some(h) = st.agent(i) {
+                    add(i, h, actions);
+                }
+            }
+            let queued: f64 = st
+                .servers
+                .iter()
+                .flatten()
+                .map(|s| crate::metrics::value(&s.registry, "relay_tunnel_calls_queued", &[]))
+                .sum();
+            // Running servers with no stream of ours show as 0.
+            for s in st.servers.iter().flatten() {
+                servers.entry(s.server_id.clone()).or_default();
+            }
+            (servers, Some(queued))
+        }
+        Fleet::External { agents, .. } => {
+            let a = agents.lock().await;
+            for (i, h) in a.iter().enumerate() {
+                if let Some(h) = h {
+                    add(i, h, actions);
+                }
+            }
+            (servers, None)
+        }
+    }
+}
+
+/// Sends the load, runs faults and the sampler until the duration ends or `stop`.
+async fn drive(
+    s: &Scenario,
+    opts: &RunOptions,
+    fleet: &Fleet,
+    caller: Caller,
+    tunnel_ids: Vec<String>,
+) -> Report {
+    let rec = Arc::new(Recorder::default());
+    let shape = CallShape::from(s);
+    let threads_before = procstat::threads();
+    let cpu_before = procstat::process_cpu();
+    let start = Instant::now();
+    let end = start + s.duration;
+    let stop = opts.stop.clone();
+    let bursts: Arc<Vec<BurstStat>> = Arc::new(
+        s.load
+            .bursts
+            .iter()
+            .map(|b| BurstStat {
+                at: b.at.as_secs_f64(),
+                calls: b.calls as u64,
+                ok: AtomicU64::new(0),
+                done: AtomicU64::new(0),
+                last_done_ms: AtomicU64::new(0),
+            })
+            .collect(),
+    );
+    let events: Arc<Mutex<Vec<(f64, String)>>> = Arc::default();
+
+    // Load generator.
+    let gen = {
+        let (rec, caller, shape, stop, bursts) = (
+            rec.clone(),
+            caller.clone(),
+            shape.clone(),
+            stop.clone(),
+            bursts.clone(),
+        );
+        let s = s.clone();
+        let ids = Arc::new(tunnel_ids);
+        tokio::spawn(async move {
+            let mut rng = StdRng::seed_from_u64(s.seed);
+            let permits = Arc::new(Semaphore::new(s.load.max_in_flight));
+            let mut fired = vec![false; s.load.bursts.len()];
+            let mut acc = 0.0f64;
+            let mut last = Instant::now();
+            let mut tick = tokio::time::interval(Duration::from_millis(5));
+            tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+            let spawn_call = |idx: usize, permit, burst: Option<usize>| {
+                let (rec, caller, shape, ids, bursts) = (
+                    rec.clone(),
+                    caller.clone(),
+                    shape.clone(),
+                    ids.clone(),
+                    bursts.clone(),
+                );
+                rec.sent.fetch_add(1, Ordering::Relaxed);
+                rec.in_flight.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(async move {
+                    let _permit: Option<tokio::sync::OwnedSemaphorePermit> = permit;
+                    let t0 = Instant::now();
+                    let t = t0.duration_since(start).as_secs_f32();
+                    let outcome = one_call(&caller, &ids[idx], &shape).await;
+                    let ms = t0.elapsed().as_secs_f32() * 1000.0;
+                    if let Some(b) = burst.and_then(|b| bursts.get(b)) {
+                        if outcome.is_ok() {
+                            b.ok.fetch_add(1, Ordering::Relaxed);
+                        }
+                        b.done.fetch_add(1, Ordering::Relaxed);
+                        let since = (start.elapsed().as_secs_f64() - b.at).max(0.0);
+                        b.last_done_ms
+                            .fetch_max((since * 1000.0) as u64, Ordering::Relaxed);
+                    }
+                    rec.record(t, ms, outcome);
+                    rec.in_flight.fetch_sub(1, Ordering::Relaxed);
+                });
+            };
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let now = Instant::now();
+                if now >= end {
+                    return;
+                }
+                let t = now.duration_since(start);
+                let dt = now.duration_since(last).as_secs_f64();
+                last = now;
+                for (i, b) in s.load.bursts.iter().enumerate() {
+                    if !fired[i] && t >= b.at {
+                        fired[i] = true;
+                        for _ in 0..b.calls {
+                            spawn_call(b.tunnel, None, Some(i));
+                        }
+                    }
+                }
+                acc += s.rate_at(t) * dt;
+                while acc >= 1.0 {
+                    acc -= 1.0;
+                    let idx = if s.load.hot_share > 0.0 && rng.gen::<f64>() < s.load.hot_share {
+                        rng.gen_range(0..s.load.hot_tunnels)
+                    } else {
+                        rng.gen_range(0..ids.len())
+                    };
+                    match permits.clone().try_acquire_owned() {
+                        Ok(p) => spawn_call(idx, Some(p), None),
+                        Err(_) => {
+                            rec.skipped.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+        })
+    };
+
+    // Faults.
+    let faults = {
+        let mut list = s.faults.clone();
+        list.sort_by_key(|f| f.at);
+        let stop = stop.clone();
+        let events = events.clone();
+        let s = s.clone();
+        let fleet_faults = fault_target(fleet);
+        tokio::spawn(async move {
+            let mut added = 0;
+            for f in list {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep_until(start + f.at) => {}
+                }
+                let what = apply_fault(&s, &fleet_faults, &f, &mut added).await;
+                let t = start.elapsed().as_secs_f64();
+                tracing::info!(t, fault = %what, "fault");
+                events
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((t, what));
+            }
+        })
+    };
+
+    // Sampler (and progress line).
+    let progress = opts.progress && std::io::stderr().is_terminal();
+    let mut samples: Vec<Sample> = Vec::new();
+    let mut actions = ActionTotals::default();
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    let mut next_sample = start;
+    let mut last_ok_failed = (0u64, 0u64, start);
+    let mut rate_shown = 0.0;
+    let mut streams_shown = 0u64;
+    let mut interrupted = false;
+    let mut stopped_at: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled(), if !interrupted => { interrupted = true; }
+            _ = tick.tick() => {}
+        }
+        let now = Instant::now();
+        let generating = now < end && !interrupted;
+        let in_flight = rec.in_flight.load(Ordering::Relaxed);
+        if now >= next_sample || (!generating && in_flight == 0) {
+            next_sample += Duration::from_secs(1);
+            let (servers, queued) = sample_fleet(fleet, &mut actions).await;
+            let (ok, failed) = (
+                rec.ok.load(Ordering::Relaxed),
+                rec.failed.load(Ordering::Relaxed),
+            );
+            let dt = now.duration_since(last_ok_failed.2).as_secs_f64().max(1e-3);
+            rate_shown = (ok + failed - last_ok_failed.0 - last_ok_failed.1) as f64 / dt;
+            last_ok_failed = (ok, failed, now);
+            streams_shown = servers.values().map(|v| v.idle + v.busy).sum();
+            samples.push(Sample {
+                t: now.duration_since(start).as_secs_f64(),
+                servers,
+                in_flight: in_flight.max(0) as u64,
+                queued,
+                sent: rec.sent.load(Ordering::Relaxed),
+                ok,
+                failed,
+                actions: actions.total.clone(),
+            });
+        }
+        if progress {
+            draw_progress(s, start, &rec, rate_shown, streams_shown);
+        }
+        if !generating {
+            // Wait for calls in flight: to their client deadline, or 5 s when interrupted.
+            let grace = if interrupted {
+                Duration::from_secs(5)
+            } else {
+                s.load.call_timeout + Duration::from_secs(5)
+            };
+            let since = *stopped_at.get_or_insert(now);
+            if in_flight == 0 || now > since + grace {
+                break;
+            }
+        }
+    }
+    if progress {
+        eprint!("\r\x1b[K");
+        let _ = std::io::stderr().flush();
+    }
+    gen.abort();
+    faults.abort();
+    let _ = gen.await;
+    let _ = faults.await;
+    let ran_for = start.elapsed();
+    // Calls still running after the wait are recorded as interrupted.
+    let left = rec.in_flight.load(Ordering::Relaxed).max(0) as u64;
+    if left > 0 {
+        let mut g = rec.inner.lock().unwrap_or_else(|e| e.into_inner());
+        *g.failures.entry("interrupted".into()).or_default() += left;
+        rec.failed.fetch_add(left, Ordering::Relaxed);
+    }
+    let cpu = cpu_by_component(&threads_before, &procstat::threads());
+    let process_cpu = procstat::process_cpu() - cpu_before;
+    let queue_wait = match fleet {
+        Fleet::Embedded(stack) => {
+            let st = stack.lock().await;
+            let mut h = crate::metrics::Histogram::default();
+            for (_, r) in st.server_registries() {
+                let one = crate::metrics::histogram(&r, "relay_tunnel_queue_wait_seconds");
+                h.count += one.count;
+                h.sum += one.sum;
+                for (i, b) in one.buckets.iter().enumerate() {
+                    if h.buckets.len() <= i {
+                        h.buckets.push((b.0, 0));
+                    }
+                    h.buckets[i].1 += b.1;
+                }
+            }
+            Some(h)
+        }
+        Fleet::External { .. } => None,
+    };
+    let running_servers: Vec<String> = match fleet {
+        Fleet::Embedded(stack) => stack
+            .lock()
+            .await
+            .servers
+            .iter()
+            .flatten()
+            .map(|s| s.server_id.clone())
+            .collect(),
+        Fleet::External { .. } => Vec::new(),
+    };
+    let events = events.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let inner = std::mem::take(&mut *rec.inner.lock().unwrap_or_else(|e| e.into_inner()));
+    report::build(report::Inputs {
+        scenario: s,
+        mode: match &opts.mode {
+            Mode::Embedded => "embedded",
+            Mode::External { .. } => "external",
+        },
+        interrupted,
+        ran_for,
+        sent: rec.sent.load(Ordering::Relaxed),
+        ok: rec.ok.load(Ordering::Relaxed),
+        skipped: rec.skipped.load(Ordering::Relaxed),
+        rec: inner,
+        samples,
+        events,
+        bursts: &bursts,
+        queue_wait,
+        cpu,
+        process_cpu,
+        memory: procstat::memory_kib(),
+        running_servers,
+    })
+}
+
+fn draw_progress(s: &Scenario, start: Instant, rec: &Recorder, rate: f64, streams: u64) {
+    let el = start.elapsed().as_secs_f64();
+    let total = s.duration.as_secs_f64().max(0.001);
+    let frac = (el / total).min(1.0);
+    let width = 24;
+    let filled = (frac * width as f64) as usize;
+    eprint!(
+        "\r\x1b[K{} [{}{}] {:>5.1}/{:.0}s  {:>7.0} calls/s  errors {}  streams {}  in flight {}",
+        s.name,
+        "#".repeat(filled),
+        "-".repeat(width - filled),
+        el,
+        total,
+        rate,
+        rec.failed.load(Ordering::Relaxed),
+        streams,
+        rec.in_flight.load(Ordering::Relaxed)
+    );
+    let _ = std::io::stderr().flush();
+}
+
+/// What the fault task may touch.
+#[derive(Clone)]
+enum FaultTarget {
+    Embedded(Arc<tokio::sync::Mutex<Stack>>),
+    External {
+        agents: Arc<tokio::sync::Mutex<Vec<Option<AgentHandle>>>>,
+        configs: Vec<relay_agent::Config>,
+        agent_rt: tokio::runtime::Handle,
+    },
+}
+
+fn fault_target(fleet: &Fleet) -> FaultTarget {
+    match fleet {
+        Fleet::Embedded(s) => FaultTarget::Embedded(s.clone()),
+        Fleet::External {
+            agents,
+            configs,
+            agent_rt,
+            ..
+        } => FaultTarget::External {
+            agents: agents.clone(),
+            configs: configs.clone(),
+            agent_rt: agent_rt.clone(),
+        },
+    }
+}
+
+/// Applies one fault; returns what happened, for the timeline.
+async fn apply_fault(
+    s: &Scenario,
+    target: &FaultTarget,
+    f: &super::scenario::Fault,
+    added: &mut usize,
+) -> String {
+    let idx = f.server.saturating_sub(1);
+    let name = format!("ts-{}", f.server);
+    match (target, f.action) {
+        (FaultTarget::Embedded(stack), FaultAction::KillServer) => {
+            let done = stack.lock().await.kill_server(idx);
+            format!("kill {name}{}", if done { "" } else { " (not running)" })
+        }
+        (FaultTarget::Embedded(stack), FaultAction::DrainServer) => {
+            let taken = stack.lock().await.take_server(idx);
+            match taken {
+                Some(h) => {
+                    h.shutdown().await;
+                    format!("drain {name}")
+                }
+                None => format!("drain {name} (not running)"),
+            }
+        }
+        (FaultTarget::Embedded(stack), FaultAction::StartServer) => {
+            match stack.lock().await.start_server(idx).await {
+                Ok(()) => format!("start {name}"),
+                Err(e) => format!("start {name} failed: {e}"),
+            }
+        }
+        (FaultTarget::Embedded(stack), FaultAction::AddServer) => {
+            let slot = s.servers.count + *added;
+            *added += 1;
+            match stack.lock().await.start_server(slot).await {
+                Ok(()) => format!("add ts-{}", slot + 1),
+                Err(e) => format!("add ts-{} failed: {e}", slot + 1),
+            }
+        }
+        (FaultTarget::Embedded(stack), FaultAction::RestartAgent) => {
+            let h = stack.lock().await.take_agent(f.agent);
+            if let Some(h) = h {
+                let _ = tokio::time::timeout(Duration::from_secs(15), h.shutdown()).await;
+            }
+            match stack.lock().await.respawn_agent(f.agent).await {
+                Ok(()) => format!("restart agent {}", f.agent),
+                Err(e) => format!("restart agent {} failed: {e}", f.agent),
+            }
+        }
+        (FaultTarget::Embedded(stack), FaultAction::SetPlacement) => {
+            let p = f.placement.unwrap_or(Placement::Uniform);
+            match &stack.lock().await.lb {
+                Some(lb) => {
+                    lb.set_policy(policy(s, p));
+                    format!("placement {p:?}")
+                }
+                None => "placement: no load balancer".into(),
+            }
+        }
+        (
+            FaultTarget::External {
+                agents,
+                configs,
+                agent_rt,
+            },
+            FaultAction::RestartAgent,
+        ) => {
+            let h = agents.lock().await.get_mut(f.agent).and_then(Option::take);
+            if let Some(h) = h {
+                let _ = tokio::time::timeout(Duration::from_secs(15), h.shutdown()).await;
+            }
+            let Some(cfg) = configs.get(f.agent).cloned() else {
+                return format!("restart agent {}: no such agent", f.agent);
+            };
+            let admin = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                Ok(l) => l,
+                Err(e) => return format!("restart agent {} failed: {e}", f.agent),
+            };
+            let spawned = {
+                let _g = agent_rt.enter();
+                relay_agent::spawn(cfg, admin)
+            };
+            match spawned {
+                Ok(h) => {
+                    if let Some(slot) = agents.lock().await.get_mut(f.agent) {
+                        *slot = Some(h);
+                    }
+                    format!("restart agent {}", f.agent)
+                }
+                Err(e) => format!("restart agent {} failed: {e}", f.agent),
+            }
+        }
+        (FaultTarget::External { .. }, a) => {
+            format!("{a:?} skipped: external mode only restarts agents")
+        }
+    }
+}
+
+/// Stops the fleet, bounded.
+async fn shutdown(fleet: Fleet) {
+    let work = async move {
+        match fleet {
+            Fleet::Embedded(stack) => {
+                if let Ok(m) = Arc::try_unwrap(stack) {
+                    m.into_inner().shutdown().await;
+                }
+            }
+            Fleet::External {
+                agents, upstream, ..
+            } => {
+                let hs: Vec<AgentHandle> = agents.lock().await.drain(..).flatten().collect();
+                futures::future::join_all(hs.into_iter().map(|h| h.shutdown())).await;
+                drop(upstream);
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(30), work).await;
+}
+
+/// Caller key of the embedded stack (for docs and the external default).
+pub const EMBEDDED_CALLER_KEY: &str = CALLER_KEY;

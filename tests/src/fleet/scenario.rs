@@ -1,0 +1,529 @@
+//! Scenario files: what a fleet run simulates, as TOML (`deny_unknown_fields`), validated
+//! once with errors that name the key and the allowed range. The built-in scenarios are
+//! embedded from `tests/scenarios/*.toml`.
+//!
+//! This module parses and checks; it must not start anything.
+
+use relay_agent::coverage::plan::CoverageConfig;
+use relay_common::config::ConfigError;
+use serde::Deserialize;
+use std::path::Path;
+use std::time::Duration;
+
+/// Built-in scenarios: (name, TOML text).
+pub const BUILTIN: &[(&str, &str)] = &[
+    ("uniform", include_str!("../../scenarios/uniform.toml")),
+    ("zone-skew", include_str!("../../scenarios/zone-skew.toml")),
+    (
+        "unfillable",
+        include_str!("../../scenarios/unfillable.toml"),
+    ),
+    (
+        "burst-1000",
+        include_str!("../../scenarios/burst-1000.toml"),
+    ),
+    (
+        "server-restart",
+        include_str!("../../scenarios/server-restart.toml"),
+    ),
+    (
+        "rolling-drain",
+        include_str!("../../scenarios/rolling-drain.toml"),
+    ),
+    (
+        "server-returns",
+        include_str!("../../scenarios/server-returns.toml"),
+    ),
+    (
+        "many-agents",
+        include_str!("../../scenarios/many-agents.toml"),
+    ),
+];
+
+/// One simulated fleet run.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Scenario {
+    /// Name shown in the report.
+    pub name: String,
+    /// One line on what the scenario shows.
+    pub description: String,
+    /// How long load is sent (faults and bursts are placed within it).
+    #[serde(with = "humantime_serde")]
+    pub duration: Duration,
+    /// Seed of every random choice (tunnel ids of calls, upstream latency, placement).
+    pub seed: u64,
+    pub servers: Servers,
+    pub agents: Agents,
+    pub upstream: UpstreamSpec,
+    pub load: Load,
+    /// Faults on the timeline, in any order.
+    pub faults: Vec<Fault>,
+    /// The scenario's headline expectations, checked at the end of the run.
+    pub expect: Expect,
+}
+
+/// `[servers]`: the tunnel servers and how the load balancer places new streams.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Servers {
+    /// Tunnel servers running at the start (embedded mode), 1..=16.
+    pub count: usize,
+    /// Extra slots started later by an `add_server` fault, 0..=8.
+    pub standby: usize,
+    /// Zone of each server in order; the rest get `zone-<n>`.
+    pub zones: Vec<String>,
+    /// Where the load balancer places each new agent stream.
+    pub placement: Placement,
+    /// `placement = "weighted"`: weight per server index (zone skew), e.g. `[80, 10, 10]`.
+    pub weights: Vec<u32>,
+    /// `placement = "unfillable"`: the 1-based server that never gets a new stream.
+    pub unfillable: usize,
+    /// Tunnel server `queue_timeout`: longest a call waits for an idle stream.
+    #[serde(with = "humantime_serde")]
+    pub queue_timeout: Duration,
+    /// Tunnel server `max_queue_per_tunnel`.
+    pub max_queue: usize,
+}
+
+/// Stream placement policy of the load-balancer fixture.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Placement {
+    Uniform,
+    RoundRobin,
+    Weighted,
+    Unfillable,
+}
+
+/// `[agents]`: the simulated agents, one tunnel id each.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Agents {
+    /// Agents (= tunnel ids), 1..=5000.
+    pub count: usize,
+    /// The agents' `[coverage]` settings (same keys as the agent config).
+    pub coverage: CoverageConfig,
+}
+
+/// `[upstream]`: the simulated upstream every agent calls.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamSpec {
+    /// Mean delay before each response head.
+    #[serde(with = "humantime_serde")]
+    pub latency: Duration,
+    /// Shape of the delay around `latency`.
+    pub distribution: Distribution,
+    /// Response body bytes, 0..=16 MiB (0: a short `/hello` answer).
+    pub response_bytes: u64,
+    /// Request body bytes, 0..=16 MiB (> 0: the call is a `POST /echo`, echoed back).
+    pub request_bytes: u64,
+}
+
+/// Upstream delay distribution.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Distribution {
+    /// Always `latency`.
+    Fixed,
+    /// Uniform in [0.5, 1.5] x latency.
+    Uniform,
+    /// Exponential with mean `latency` (capped at 20 x latency).
+    Exponential,
+}
+
+/// `[load]`: calls over time.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Load {
+    /// Calls per second from the start, 0..=50000.
+    pub rate: f64,
+    /// Calls the load generator keeps in flight at most; arrivals beyond it are counted
+    /// as `skipped` (not sent). 1..=20000.
+    pub max_in_flight: usize,
+    /// Share of calls (0..=1) that go to the first `hot_tunnels` tunnel ids; the rest
+    /// spread uniformly over all.
+    pub hot_share: f64,
+    /// Tunnel ids that get `hot_share`, 1..=agents.
+    pub hot_tunnels: usize,
+    /// Client-side deadline of one call; a call past it fails as `client_timeout`.
+    #[serde(with = "humantime_serde")]
+    pub call_timeout: Duration,
+    /// Rate changes: from `at`, the rate moves linearly over `ramp` to `rate`.
+    pub phases: Vec<Phase>,
+    /// Bursts: `calls` calls at once at `at` to one tunnel id (beyond `max_in_flight`).
+    pub bursts: Vec<Burst>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Phase {
+    #[serde(with = "humantime_serde")]
+    pub at: Duration,
+    pub rate: f64,
+    #[serde(with = "humantime_serde", default)]
+    pub ramp: Duration,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Burst {
+    #[serde(with = "humantime_serde")]
+    pub at: Duration,
+    /// 1..=10000.
+    pub calls: usize,
+    /// 0-based agent index of the tunnel id the burst calls.
+    #[serde(default)]
+    pub tunnel: usize,
+}
+
+/// One fault on the timeline.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    #[serde(with = "humantime_serde")]
+    pub at: Duration,
+    pub action: FaultAction,
+    /// 1-based server (`ts-<n>`) for server faults.
+    #[serde(default)]
+    pub server: usize,
+    /// 0-based agent for `restart_agent`.
+    #[serde(default)]
+    pub agent: usize,
+    /// `set_placement`: the new policy (its `weights`/`unfillable` come from `[servers]`).
+    pub placement: Option<Placement>,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultAction {
+    /// Crash a server: no drain; its streams and calls in flight are cut.
+    KillServer,
+    /// Graceful shutdown of a server (drain, then stop).
+    DrainServer,
+    /// Start a killed or drained server again with the same id.
+    StartServer,
+    /// Bring up the next standby server slot.
+    AddServer,
+    /// Stop an agent gracefully and start it again.
+    RestartAgent,
+    /// Change the load balancer's placement policy.
+    SetPlacement,
+}
+
+/// `[expect]`: headline expectations; each one set is checked and shown in the report.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Expect {
+    /// Failed calls / sent calls at most this (0..=1).
+    pub max_failed_ratio: Option<f64>,
+    /// Queue-wait p99 (summed over tunnel servers) at most this.
+    #[serde(with = "humantime_serde")]
+    pub max_queue_wait_p99: Option<Duration>,
+    /// Every burst's last call answered within this of the burst's start.
+    #[serde(with = "humantime_serde")]
+    pub burst_done_within: Option<Duration>,
+    /// Peak streams (all agents, all servers) at most this.
+    pub max_peak_streams: Option<u64>,
+    /// Streams at the end of the run at most this (pruned back after a burst).
+    pub max_resting_streams: Option<u64>,
+    /// At the end every running server holds at least this many streams.
+    pub min_end_streams_per_server: Option<u64>,
+    /// Calls failed after the last fault at most this many.
+    pub max_failed_after_last_fault: Option<u64>,
+}
+
+impl Default for Scenario {
+    fn default() -> Self {
+        Scenario {
+            name: "custom".into(),
+            description: String::new(),
+            duration: Duration::from_secs(20),
+            seed: 1,
+            servers: Servers::default(),
+            agents: Agents::default(),
+            upstream: UpstreamSpec::default(),
+            load: Load::default(),
+            faults: Vec::new(),
+            expect: Expect::default(),
+        }
+    }
+}
+
+impl Default for Servers {
+    fn default() -> Self {
+        Servers {
+            count: 3,
+            standby: 0,
+            zones: Vec::new(),
+            placement: Placement::Uniform,
+            weights: Vec::new(),
+            unfillable: 1,
+            queue_timeout: Duration::from_secs(5),
+            max_queue: 1024,
+        }
+    }
+}
+
+impl Default for Agents {
+    fn default() -> Self {
+        Agents {
+            count: 1,
+            coverage: CoverageConfig::default(),
+        }
+    }
+}
+
+impl Default for UpstreamSpec {
+    fn default() -> Self {
+        UpstreamSpec {
+            latency: Duration::from_millis(10),
+            distribution: Distribution::Fixed,
+            response_bytes: 0,
+            request_bytes: 0,
+        }
+    }
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load {
+            rate: 100.0,
+            max_in_flight: 2000,
+            hot_share: 0.0,
+            hot_tunnels: 1,
+            call_timeout: Duration::from_secs(30),
+            phases: Vec::new(),
+            bursts: Vec::new(),
+        }
+    }
+}
+
+const MAX_BODY: u64 = 16 * 1024 * 1024;
+
+fn range<T: PartialOrd + std::fmt::Display>(
+    key: &str,
+    v: T,
+    lo: T,
+    hi: T,
+) -> Result<(), ConfigError> {
+    if v < lo || v > hi {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{v} is out of range: allowed {lo}..={hi}"),
+        ));
+    }
+    Ok(())
+}
+
+fn within(key: &str, at: Duration, duration: Duration) -> Result<(), ConfigError> {
+    if at > duration {
+        return Err(ConfigError::invalid(
+            key,
+            format!(
+                "{} is after the end of the run: allowed 0s..={}",
+                humantime::format_duration(at),
+                humantime::format_duration(duration)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Scenario {
+    /// A built-in scenario by name.
+    pub fn builtin(name: &str) -> Option<Scenario> {
+        let (_, text) = BUILTIN.iter().find(|(n, _)| *n == name)?;
+        // The built-ins are checked by the test suite; a broken one is a build bug.
+        Scenario::parse(text, Path::new(name)).ok()
+    }
+
+    /// A built-in name, or else a TOML file path.
+    pub fn load(name_or_file: &str) -> Result<Scenario, ConfigError> {
+        if let Some((_, text)) = BUILTIN.iter().find(|(n, _)| *n == name_or_file) {
+            return Scenario::parse(text, Path::new(name_or_file));
+        }
+        let path = Path::new(name_or_file);
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigError::invalid(
+                "--scenario",
+                format!(
+                    "{name_or_file:?} is neither a built-in ({}) nor a readable file: {e}",
+                    BUILTIN
+                        .iter()
+                        .map(|(n, _)| *n)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )
+        })?;
+        Scenario::parse(&text, path)
+    }
+
+    /// Parses and validates TOML text.
+    pub fn parse(text: &str, origin: &Path) -> Result<Scenario, ConfigError> {
+        let s: Scenario = relay_common::config::parse(text, origin)?;
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// Checks every key; the error names the key and the allowed range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        range("duration", self.duration.as_secs_f64(), 0.5, 24.0 * 3600.0)?;
+        let sv = &self.servers;
+        range("servers.count", sv.count, 1, 16)?;
+        range("servers.standby", sv.standby, 0, 8)?;
+        range("servers.max_queue", sv.max_queue, 1, 100_000)?;
+        range(
+            "servers.queue_timeout",
+            sv.queue_timeout.as_secs_f64(),
+            0.001,
+            300.0,
+        )?;
+        let slots = sv.count + sv.standby;
+        if sv.zones.len() > slots {
+            return Err(ConfigError::invalid(
+                "servers.zones",
+                format!(
+                    "{} zones for {slots} servers: allowed at most one per server",
+                    sv.zones.len()
+                ),
+            ));
+        }
+        let uses =
+            |p: Placement| sv.placement == p || self.faults.iter().any(|f| f.placement == Some(p));
+        if uses(Placement::Weighted)
+            && (sv.weights.len() != slots || sv.weights.iter().all(|w| *w == 0))
+        {
+            return Err(ConfigError::invalid(
+                "servers.weights",
+                format!("weighted placement needs {slots} weights (one per server, not all 0)"),
+            ));
+        }
+        if uses(Placement::Unfillable) {
+            range("servers.unfillable", sv.unfillable, 1, slots)?;
+        }
+        let ag = &self.agents;
+        range("agents.count", ag.count, 1, 5000)?;
+        // The agent's own rules for its coverage keys.
+        let probe = relay_agent::Config {
+            token: relay_common::Secret::new("probe"),
+            tunnels: vec!["http://127.0.0.1:1".into()],
+            upstream: "http://127.0.0.1:1".into(),
+            coverage: ag.coverage.clone(),
+            ..relay_agent::Config::default()
+        };
+        probe
+            .validate()
+            .map_err(|e| ConfigError::invalid("agents.coverage", e.to_string()))?;
+        let up = &self.upstream;
+        range("upstream.latency", up.latency.as_secs_f64(), 0.0, 60.0)?;
+        range("upstream.response_bytes", up.response_bytes, 0, MAX_BODY)?;
+        range("upstream.request_bytes", up.request_bytes, 0, MAX_BODY)?;
+        let ld = &self.load;
+        range("load.rate", ld.rate, 0.0, 50_000.0)?;
+        range("load.max_in_flight", ld.max_in_flight, 1, 20_000)?;
+        range("load.hot_share", ld.hot_share, 0.0, 1.0)?;
+        range("load.hot_tunnels", ld.hot_tunnels, 1, ag.count)?;
+        range(
+            "load.call_timeout",
+            ld.call_timeout.as_secs_f64(),
+            0.01,
+            600.0,
+        )?;
+        for (i, p) in ld.phases.iter().enumerate() {
+            range(&format!("load.phases[{i}].rate"), p.rate, 0.0, 50_000.0)?;
+            within(&format!("load.phases[{i}].at"), p.at, self.duration)?;
+        }
+        for (i, b) in ld.bursts.iter().enumerate() {
+            range(&format!("load.bursts[{i}].calls"), b.calls, 1, 10_000)?;
+            range(
+                &format!("load.bursts[{i}].tunnel"),
+                b.tunnel,
+                0,
+                ag.count - 1,
+            )?;
+            within(&format!("load.bursts[{i}].at"), b.at, self.duration)?;
+        }
+        for (i, f) in self.faults.iter().enumerate() {
+            within(&format!("faults[{i}].at"), f.at, self.duration)?;
+            match f.action {
+                FaultAction::KillServer | FaultAction::DrainServer | FaultAction::StartServer => {
+                    range(&format!("faults[{i}].server"), f.server, 1, slots)?;
+                }
+                FaultAction::RestartAgent => {
+                    range(&format!("faults[{i}].agent"), f.agent, 0, ag.count - 1)?;
+                }
+                FaultAction::AddServer => {}
+                FaultAction::SetPlacement => {
+                    if f.placement.is_none() {
+                        return Err(ConfigError::invalid(
+                            format!("faults[{i}].placement"),
+                            "set_placement needs placement = uniform|round-robin|weighted|unfillable",
+                        ));
+                    }
+                }
+            }
+        }
+        let adds = self
+            .faults
+            .iter()
+            .filter(|f| f.action == FaultAction::AddServer)
+            .count();
+        if adds > sv.standby {
+            return Err(ConfigError::invalid(
+                "faults",
+                format!(
+                    "{adds} add_server faults but servers.standby = {}: allowed at most standby",
+                    sv.standby
+                ),
+            ));
+        }
+        if let Some(r) = self.expect.max_failed_ratio {
+            range("expect.max_failed_ratio", r, 0.0, 1.0)?;
+        }
+        Ok(())
+    }
+
+    /// A shorter copy for tests and quick looks: every time on the timeline (duration,
+    /// phases, bursts, faults) times `time`, and rates times `rate`.
+    pub fn scaled(&self, time: f64, rate: f64) -> Scenario {
+        let t = |d: Duration| d.mul_f64(time);
+        let mut s = self.clone();
+        s.duration = t(s.duration);
+        s.load.rate *= rate;
+        for p in &mut s.load.phases {
+            p.at = t(p.at);
+            p.ramp = t(p.ramp);
+            p.rate *= rate;
+        }
+        for b in &mut s.load.bursts {
+            b.at = t(b.at);
+        }
+        for f in &mut s.faults {
+            f.at = t(f.at);
+        }
+        s
+    }
+
+    /// The load generator's target rate at `t` into the run.
+    pub fn rate_at(&self, t: Duration) -> f64 {
+        let mut rate = self.load.rate;
+        let mut phases: Vec<&Phase> = self.load.phases.iter().collect();
+        phases.sort_by_key(|p| p.at);
+        for p in phases {
+            if t < p.at {
+                break;
+            }
+            let into = (t - p.at).as_secs_f64();
+            let ramp = p.ramp.as_secs_f64();
+            rate = if ramp > 0.0 && into < ramp {
+                rate + (p.rate - rate) * into / ramp
+            } else {
+                p.rate
+            };
+        }
+        rate
+    }
+}

@@ -1,0 +1,232 @@
+//! A real HAProxy in front of tunnel servers, for the end-to-end test behind the kind of
+//! load balancer users deploy. It writes a config (the settings of
+//! `examples/haproxy/haproxy.cfg`: HTTP/2 on both sides, long timeouts for long-lived
+//! streams, `/readyz` health checks on each server's admin port) into a scratch directory,
+//! runs `haproxy -db -f <cfg>` on loopback, and kills it on drop.
+//!
+//! The binary is `$HAPROXY` if set, else `haproxy` on `PATH`, else `/usr/sbin/haproxy`
+//! (the Debian package; `.ci/run` installs it). HAProxy balances per HTTP request, and one
+//! gRPC tunnel stream is one request, so `weight` skews where new streams land.
+//!
+//! This module must not decide what a test asserts.
+
+use crate::procs::{free_addr, Proc, ScratchDir};
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// One backend: a tunnel server's agent-facing listener, its admin listener (health
+/// check on `/readyz`) and its weight.
+#[derive(Clone, Debug)]
+pub struct Backend {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub admin: Option<SocketAddr>,
+    pub weight: u32,
+    /// Starts in maintenance (`disabled`); bring it in with [`Haproxy::enable`].
+    pub disabled: bool,
+}
+
+/// Where the haproxy binary is, or an error that says how to install it.
+pub fn binary() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("HAPROXY") {
+        return Ok(PathBuf::from(p));
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let p = dir.join("haproxy");
+            if p.is_file() {
+                return Ok(p);
+            }
+        }
+    }
+    let p = PathBuf::from("/usr/sbin/haproxy");
+    anyhow::ensure!(
+        p.is_file(),
+        "haproxy not found: install the Debian package (`apt-get install haproxy`; .ci/run does) \
+         or set HAPROXY to the binary"
+    );
+    Ok(p)
+}
+
+/// The config HAProxy runs with: the example's settings with loopback addresses.
+pub fn config(
+    listen: SocketAddr,
+    stats: SocketAddr,
+    socket: &std::path::Path,
+    backends: &[Backend],
+) -> String {
+    let mut c = format!(
+        "global\n\
+         \x20   stats socket {} mode 600 level admin\n\
+         \x20   # Small for tests (haproxy needs about 2 file descriptors per connection);\n\
+         \x20   # the example config sizes it for production.\n\
+         \x20   maxconn 500\n\
+         \x20   # Agents multiplex many tunnel streams on one HTTP/2 connection (default 100).\n\
+         \x20   tune.h2.max-concurrent-streams 4096\n\
+         \n\
+         defaults\n\
+         \x20   mode http\n\
+         \x20   timeout connect 2s\n\
+         \x20   timeout client 1h\n\
+         \x20   timeout server 1h\n\
+         \x20   timeout tunnel 1h\n\
+         \x20   timeout http-request 10s\n\
+         \x20   timeout queue 5s\n\
+         \x20   timeout check 2s\n\
+         \n\
+         frontend stats\n\
+         \x20   bind {stats}\n\
+         \x20   http-request return status 200 content-type text/plain string ok if {{ path /healthz }}\n\
+         \x20   stats enable\n\
+         \x20   stats uri /stats\n\
+         \n\
+         frontend agents\n\
+         \x20   bind {listen} proto h2\n\
+         \x20   default_backend tunnel_servers\n\
+         \n\
+         backend tunnel_servers\n\
+         \x20   balance roundrobin\n\
+         \x20   option httpchk\n\
+         \x20   http-check send meth GET uri /readyz\n\
+         \x20   http-check expect status 200\n\
+         \x20   default-server proto h2 inter 500ms fall 2 rise 2\n",
+        socket.display()
+    );
+    for b in backends {
+        let check = match b.admin {
+            Some(a) => format!(" check addr {} port {}", a.ip(), a.port()),
+            None => String::new(),
+        };
+        let disabled = if b.disabled { " disabled" } else { "" };
+        let _ = writeln!(
+            c,
+            "    server {} {} weight {}{check}{disabled}",
+            b.name, b.addr, b.weight
+        );
+    }
+    c
+}
+
+/// A running haproxy. Dropping it kills the process.
+pub struct Haproxy {
+    pub addr: SocketAddr,
+    /// Stats page (`/stats`) and `/healthz`.
+    pub stats: SocketAddr,
+    backends: Vec<Backend>,
+    dir: ScratchDir,
+    proc: Option<Proc>,
+    starts: u32,
+}
+
+impl Haproxy {
+    /// Starts haproxy on a fresh loopback port in front of `backends`.
+    pub async fn start(backends: Vec<Backend>) -> anyhow::Result<Haproxy> {
+        let mut h = Haproxy {
+            addr: free_addr()?,
+            stats: free_addr()?,
+            backends,
+            dir: ScratchDir::new("haproxy")?,
+            proc: None,
+            starts: 0,
+        };
+        h.launch().await?;
+        Ok(h)
+    }
+
+    /// `http://{addr}`, for agents.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn launch(&mut self) -> anyhow::Result<()> {
+        let cfg = self.dir.path().join("haproxy.cfg");
+        std::fs::write(
+            &cfg,
+            config(self.addr, self.stats, &self.socket(), &self.backends),
+        )?;
+        self.starts += 1;
+        let bin = binary()?;
+        let check = std::process::Command::new(&bin)
+            .args(["-c", "-q", "-f"])
+            .arg(&cfg)
+            .output()?;
+        anyhow::ensure!(
+            check.status.success(),
+            "haproxy rejected its config: {}{}",
+            String::from_utf8_lossy(&check.stdout),
+            String::from_utf8_lossy(&check.stderr)
+        );
+        let proc = Proc::spawn(
+            "haproxy",
+            &bin,
+            &["-db".into(), "-f".into(), cfg.display().to_string()],
+            &[],
+            self.dir.path().join(format!("haproxy-{}.log", self.starts)),
+        )?;
+        self.proc = Some(proc);
+        // Up once its stats frontend answers (it binds every frontend together).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let c = crate::client::Caller::new(self.stats, None);
+        loop {
+            if matches!(c.get("/healthz").await, Ok(a) if a.status == 200) {
+                return Ok(());
+            }
+            if let Some(p) = self.proc.as_mut() {
+                if let Some(s) = p.try_exited() {
+                    anyhow::bail!("haproxy exited ({s}): {}", p.log_tail(20));
+                }
+            }
+            anyhow::ensure!(Instant::now() < deadline, "haproxy did not come up");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Kills haproxy (every agent connection drops at once, as in a crash or a hard
+    /// restart) and starts it again on the same ports with the same config.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+        self.launch().await
+    }
+
+    /// The CSV stats (`/stats;csv`): one line per frontend, backend and server.
+    pub async fn stats_csv(&self) -> anyhow::Result<String> {
+        let a = crate::client::Caller::new(self.stats, None)
+            .get("/stats;csv")
+            .await?;
+        Ok(a.text())
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("admin.sock")
+    }
+
+    /// One command on HAProxy's runtime API (the admin stats socket); its answer.
+    pub async fn command(&self, cmd: &str) -> anyhow::Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::UnixStream::connect(self.socket()).await?;
+        s.write_all(format!("{cmd}\n").as_bytes()).await?;
+        let mut out = String::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out)).await??;
+        Ok(out)
+    }
+
+    /// Takes a server out of maintenance (`enable server tunnel_servers/<name>`); it gets
+    /// new streams once its health check passes.
+    pub async fn enable(&self, name: &str) -> anyhow::Result<()> {
+        let out = self
+            .command(&format!("enable server tunnel_servers/{name}"))
+            .await?;
+        anyhow::ensure!(out.trim().is_empty(), "enable server {name}: {out}");
+        Ok(())
+    }
+
+    /// HAProxy's log so far.
+    pub fn log(&self) -> String {
+        self.proc.as_ref().map(|p| p.log()).unwrap_or_default()
+    }
+}

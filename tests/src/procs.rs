@@ -1,0 +1,547 @@
+//! The real binaries as child processes, for the fault tests that need a process boundary:
+//! SIGKILL (a crash with no goodbye), SIGSTOP (a frozen server whose sockets stay open),
+//! SIGTERM (the binary's own graceful drain), and per-process memory (`VmRSS`).
+//!
+//! The binaries are the ones `cargo test --workspace` (or `cargo build --bins`) builds next
+//! to the test executable: `target/<profile>/relay-tunnel-server` and friends. Each child
+//! gets a generated TOML config in its own scratch directory, listens on loopback ports
+//! picked free just before it starts, logs to a file there, and is killed when its
+//! [`Proc`] is dropped.
+//!
+//! Also here: reading a child's Prometheus `/metrics` text over HTTP ([`scrape`],
+//! [`metric`]). This module must not decide what a test asserts.
+
+use crate::client::Caller;
+use anyhow::Context;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Path of a workspace binary built next to the running test executable.
+pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("current_exe")?;
+    // target/<profile>/deps/<test>-<hash> -> target/<profile>/<name>
+    let dir = exe
+        .parent()
+        .and_then(|d| {
+            if d.ends_with("deps") {
+                d.parent()
+            } else {
+                Some(d)
+            }
+        })
+        .ok_or_else(|| anyhow::anyhow!("no parent directory for {}", exe.display()))?;
+    let path = dir.join(name);
+    anyhow::ensure!(
+        path.is_file(),
+        "{} not found: build the binaries first with `cargo build --bins` \
+         (`cargo test --workspace` builds them too)",
+        path.display()
+    );
+    Ok(path)
+}
+
+/// A loopback address that was free a moment ago (bound to port 0, then released), for a
+/// child that binds its own listeners.
+pub fn free_addr() -> anyhow::Result<SocketAddr> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?)
+}
+
+/// A scratch directory removed on drop.
+#[derive(Debug)]
+pub struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    pub fn new(prefix: &str) -> anyhow::Result<Self> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let path =
+            std::env::temp_dir().join(format!("relay-{prefix}-{}-{n}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&path)?;
+        Ok(ScratchDir(path))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        if std::env::var_os("RELAY_KEEP_SCRATCH").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// One child process, killed (SIGKILL) and reaped on drop.
+#[derive(Debug)]
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    log: PathBuf,
+    exited: Option<ExitStatus>,
+}
+
+impl Proc {
+    /// Starts `program` with `args`, stdout and stderr appended to `log`.
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        envs: &[(&str, &str)],
+        log: PathBuf,
+    ) -> anyhow::Result<Proc> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
+        let err = out.try_clone()?;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .env_remove("RELAY_CONFIG");
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", program.display()))?;
+        Ok(Proc {
+            name: name.to_string(),
+            child,
+            log,
+            exited: None,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal by name (`TERM`, `STOP`, `CONT`, `KILL`) with `kill(1)`.
+    pub fn signal(&self, sig: &str) -> anyhow::Result<()> {
+        let status = Command::new("kill")
+            .args(["-s", sig, &self.pid().to_string()])
+            .status()
+            .context("running kill(1)")?;
+        anyhow::ensure!(status.success(), "kill -s {sig} {} failed", self.pid());
+        Ok(())
+    }
+
+    /// SIGKILL and reap: a crash.
+    pub fn kill(&mut self) {
+        if self.exited.is_none() {
+            let _ = self.child.kill();
+            self.exited = self.child.wait().ok();
+        }
+    }
+
+    /// Whether the process has exited (reaping it if so).
+    pub fn try_exited(&mut self) -> Option<ExitStatus> {
+        if self.exited.is_none() {
+            self.exited = self.child.try_wait().ok().flatten();
+        }
+        self.exited
+    }
+
+    /// Waits (polling) until the process exits, up to `within`.
+    pub async fn wait_exit(&mut self, within: Duration) -> anyhow::Result<ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(s) = self.try_exited() {
+                return Ok(s);
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{} did not exit within {within:?}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Resident memory in KiB (`VmRSS` of `/proc/<pid>/status`), if it is running.
+    pub fn rss_kib(&self) -> Option<u64> {
+        if self.exited.is_some() {
+            return None;
+        }
+        rss_kib_of(&format!("/proc/{}/status", self.pid()))
+    }
+
+    /// The log so far (stdout and stderr).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The last `n` lines of the log, for failure messages.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // A stopped process must be continued to die promptly on some kernels' accounting;
+        // SIGKILL works on stopped processes, but reaping is cleaner after CONT.
+        if self.exited.is_none() {
+            let _ = self.signal("CONT");
+        }
+        self.kill();
+    }
+}
+
+/// `VmRSS` in KiB from a `/proc/.../status` file.
+pub fn rss_kib_of(status_path: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(status_path).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// This process's resident memory in KiB.
+pub fn self_rss_kib() -> Option<u64> {
+    rss_kib_of("/proc/self/status")
+}
+
+/// Polls `GET {path}` on `addr` until it answers `status`, up to `within`.
+pub async fn wait_http(
+    addr: SocketAddr,
+    path: &str,
+    status: u16,
+    within: Duration,
+) -> anyhow::Result<()> {
+    let c = Caller::new(addr, None);
+    let deadline = Instant::now() + within;
+    loop {
+        let last = c.get(path).await;
+        if matches!(&last, Ok(a) if a.status.as_u16() == status) {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "GET http://{addr}{path} did not answer {status} within {within:?}: {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// How many times a child is started on fresh ports when one was taken meanwhile (the
+/// ports are picked free, then bound by the child: another process can win the race).
+const PORT_ATTEMPTS: usize = 5;
+
+/// Waits for a child's `/healthz`. `Ok(false)`: it exited because a port was taken
+/// (start it again on other ports); `Err`: it failed otherwise or never came up.
+async fn wait_up(proc: &mut Proc, admin: SocketAddr, within: Duration) -> anyhow::Result<bool> {
+    let c = Caller::new(admin, None);
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = proc.try_exited() {
+            let log = proc.log_tail(20);
+            if log.contains("Address already in use") {
+                return Ok(false);
+            }
+            anyhow::bail!("{} exited ({status}) before it was up:\n{log}", proc.name);
+        }
+        if matches!(c.get("/healthz").await, Ok(a) if a.status == 200) {
+            return Ok(true);
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{} did not answer /healthz within {within:?}:\n{}",
+            proc.name,
+            proc.log_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// The Prometheus text of a child's admin `/metrics`.
+pub async fn scrape(admin: SocketAddr) -> anyhow::Result<String> {
+    let a = Caller::new(admin, None).get("/metrics").await?;
+    anyhow::ensure!(a.status == 200, "/metrics answered {}", a.status);
+    Ok(a.text())
+}
+
+/// Sum of the samples of `name` (exact metric name, no suffix matching) whose labels
+/// include every `labels` pair, in Prometheus text.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, rest) = match series.find('{') {
+                Some(i) => (&series[..i], &series[i..]),
+                None => (series, ""),
+            };
+            if n != name {
+                return None;
+            }
+            let all = labels
+                .iter()
+                .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
+            all.then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+/// Options of a tunnel server child.
+#[derive(Clone, Debug)]
+pub struct TunnelServerOpts {
+    pub server_id: String,
+    pub zone: String,
+    /// Registry URLs of the dispatchers it reports to.
+    pub dispatchers: Vec<String>,
+    pub dispatcher_key: String,
+    /// `(token, tunnel id)` pairs the token store accepts.
+    pub tokens: Vec<(String, String)>,
+    pub heartbeat: Duration,
+    pub shutdown_grace: Duration,
+    pub report_interval: Duration,
+}
+
+impl Default for TunnelServerOpts {
+    fn default() -> Self {
+        TunnelServerOpts {
+            server_id: "ts-1".into(),
+            zone: "zone-1".into(),
+            dispatchers: vec![],
+            dispatcher_key: crate::stack::SERVER_KEY.into(),
+            tokens: vec![(crate::stack::TOKEN.into(), crate::stack::TUNNEL_ID.into())],
+            heartbeat: Duration::from_secs(1),
+            shutdown_grace: Duration::from_secs(10),
+            report_interval: Duration::from_millis(250),
+        }
+    }
+}
+
+/// A `relay-tunnel-server` child.
+#[derive(Debug)]
+pub struct TunnelServerProc {
+    pub proc: Proc,
+    pub server_id: String,
+    pub agent_addr: SocketAddr,
+    pub forward_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub opts: TunnelServerOpts,
+}
+
+fn humantime(d: Duration) -> String {
+    format!("{}ms", d.as_millis())
+}
+
+impl TunnelServerProc {
+    /// Starts a tunnel server on fresh loopback ports and waits for its `/healthz`.
+    pub async fn start(dir: &Path, opts: TunnelServerOpts) -> anyhow::Result<Self> {
+        Self::start_on(dir, opts, None).await
+    }
+
+    /// Starts it on `ports` (agent, forward, admin), e.g. a restart on the same ports a
+    /// load balancer points at; fresh ports when `None`.
+    pub async fn start_on(
+        dir: &Path,
+        opts: TunnelServerOpts,
+        ports: Option<(SocketAddr, SocketAddr, SocketAddr)>,
+    ) -> anyhow::Result<Self> {
+        for _ in 0..PORT_ATTEMPTS {
+            let (agent, forward, admin) = match ports {
+                Some(p) => p,
+                None => (free_addr()?, free_addr()?, free_addr()?),
+            };
+            let mut s = Self::spawn(dir, opts.clone(), (agent, forward, admin))?;
+            if wait_up(&mut s.proc, admin, Duration::from_secs(20)).await? {
+                return Ok(s);
+            }
+            if ports.is_some() {
+                // Its old ports are taken (by a client socket, say): fresh ones.
+                return Box::pin(Self::start_on(dir, opts, None)).await;
+            }
+        }
+        anyhow::bail!(
+            "{}: no free ports after {PORT_ATTEMPTS} attempts",
+            opts.server_id
+        )
+    }
+
+    fn spawn(
+        dir: &Path,
+        opts: TunnelServerOpts,
+        (agent, forward, admin): (SocketAddr, SocketAddr, SocketAddr),
+    ) -> anyhow::Result<Self> {
+        let id = &opts.server_id.clone();
+        let tokens_path = dir.join(format!("{id}-tokens.toml"));
+        let mut tokens = String::new();
+        for (token, tunnel_id) in &opts.tokens {
+            let _ = writeln!(
+                tokens,
+                "[[tokens]]\ntunnel_id = \"{tunnel_id}\"\nsha256 = \"{}\"\n",
+                relay_common::secret::sha256_hex(token.as_bytes())
+            );
+        }
+        std::fs::write(&tokens_path, tokens)?;
+        let cfg_path = dir.join(format!("{id}.toml"));
+        let dispatchers: Vec<String> = opts.dispatchers.iter().map(|d| format!("{d:?}")).collect();
+        let cfg = format!(
+            "server_id = {id:?}\nzone = {:?}\nagent_listen = \"{agent}\"\nforward_listen = \"{forward}\"\n\
+             admin_listen = \"{admin}\"\ndispatchers = [{}]\ndispatcher_key = {:?}\ntoken_store = {:?}\n\
+             heartbeat = \"{}\"\nshutdown_grace = \"{}\"\nreport_interval = \"{}\"\n",
+            opts.zone,
+            dispatchers.join(", "),
+            opts.dispatcher_key,
+            tokens_path.display().to_string(),
+            humantime(opts.heartbeat),
+            humantime(opts.shutdown_grace),
+            humantime(opts.report_interval),
+        );
+        std::fs::write(&cfg_path, cfg)?;
+        let proc = Proc::spawn(
+            id,
+            &binary("relay-tunnel-server")?,
+            &["--config".into(), cfg_path.display().to_string()],
+            &[("RUST_LOG", "info")],
+            dir.join(format!("{id}.log")),
+        )?;
+        Ok(TunnelServerProc {
+            proc,
+            server_id: id.clone(),
+            agent_addr: agent,
+            forward_addr: forward,
+            admin_addr: admin,
+            opts,
+        })
+    }
+
+    pub fn agent_url(&self) -> String {
+        format!("http://{}", self.agent_addr)
+    }
+
+    /// Its listener addresses, to start a replacement on the same ports.
+    pub fn ports(&self) -> (SocketAddr, SocketAddr, SocketAddr) {
+        (self.agent_addr, self.forward_addr, self.admin_addr)
+    }
+}
+
+/// Options of a dispatcher child.
+#[derive(Clone, Debug)]
+pub struct DispatcherOpts {
+    pub caller_key: String,
+    pub server_key: String,
+    pub call_timeout: Duration,
+}
+
+impl Default for DispatcherOpts {
+    fn default() -> Self {
+        DispatcherOpts {
+            caller_key: crate::stack::CALLER_KEY.into(),
+            server_key: crate::stack::SERVER_KEY.into(),
+            call_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A `relay-dispatcher` child.
+#[derive(Debug)]
+pub struct DispatcherProc {
+    pub proc: Proc,
+    pub http: SocketAddr,
+    pub registry: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl DispatcherProc {
+    pub async fn start(dir: &Path, opts: DispatcherOpts) -> anyhow::Result<Self> {
+        for _ in 0..PORT_ATTEMPTS {
+            let (http, registry, admin) = (free_addr()?, free_addr()?, free_addr()?);
+            let cfg_path = dir.join("dispatcher.toml");
+            let cfg = format!(
+                "listen = \"{http}\"\nregistry_listen = \"{registry}\"\nadmin_listen = \"{admin}\"\n\
+                 call_timeout = \"{}\"\n\n[[callers]]\nname = \"test\"\nkey = {:?}\n\n[registry]\nserver_key = {:?}\n",
+                humantime(opts.call_timeout),
+                opts.caller_key,
+                opts.server_key,
+            );
+            std::fs::write(&cfg_path, cfg)?;
+            let mut proc = Proc::spawn(
+                "dispatcher",
+                &binary("relay-dispatcher")?,
+                &["--config".into(), cfg_path.display().to_string()],
+                &[("RUST_LOG", "info")],
+                dir.join("dispatcher.log"),
+            )?;
+            if wait_up(&mut proc, admin, Duration::from_secs(20)).await? {
+                return Ok(DispatcherProc {
+                    proc,
+                    http,
+                    registry,
+                    admin,
+                });
+            }
+        }
+        anyhow::bail!("dispatcher: no free ports after {PORT_ATTEMPTS} attempts")
+    }
+
+    pub fn registry_url(&self) -> String {
+        format!("http://{}", self.registry)
+    }
+}
+
+/// Options of an agent child.
+#[derive(Clone, Debug)]
+pub struct AgentOpts {
+    pub tunnels: Vec<String>,
+    pub token: String,
+    pub upstream: String,
+    /// Extra TOML appended to the generated config (e.g. a `[coverage]` table).
+    pub extra: String,
+}
+
+/// A `relay-agent` child.
+#[derive(Debug)]
+pub struct AgentProc {
+    pub proc: Proc,
+    pub admin: SocketAddr,
+}
+
+impl AgentProc {
+    pub async fn start(dir: &Path, opts: AgentOpts) -> anyhow::Result<Self> {
+        for _ in 0..PORT_ATTEMPTS {
+            let admin = free_addr()?;
+            let cfg_path = dir.join("agent.toml");
+            let tunnels: Vec<String> = opts.tunnels.iter().map(|t| format!("{t:?}")).collect();
+            let cfg = format!(
+                "tunnels = [{}]\ntoken = {:?}\nupstream = {:?}\nadmin_listen = \"{admin}\"\n\
+                 backoff_initial = \"100ms\"\nbackoff_max = \"2s\"\n\n\
+                 [[allow]]\nname = \"test-all\"\nmethods = [\"*\"]\npath = \"/**\"\n\n{}\n",
+                tunnels.join(", "),
+                opts.token,
+                opts.upstream,
+                opts.extra,
+            );
+            std::fs::write(&cfg_path, cfg)?;
+            let mut proc = Proc::spawn(
+                "agent",
+                &binary("relay-agent")?,
+                &["--config".into(), cfg_path.display().to_string()],
+                &[("RUST_LOG", "info")],
+                dir.join("agent.log"),
+            )?;
+            if wait_up(&mut proc, admin, Duration::from_secs(20)).await? {
+                return Ok(AgentProc { proc, admin });
+            }
+        }
+        anyhow::bail!("agent: no free ports after {PORT_ATTEMPTS} attempts")
+    }
+}

@@ -1,0 +1,1250 @@
+//! Reliability under faults: every call gets exactly one answer, and the fleet heals.
+//!
+//! Each test runs steady load through the dispatcher's HTTP front while it injects one
+//! fault: a tunnel server process killed (SIGKILL), frozen (SIGSTOP) or drained (SIGTERM),
+//! a rolling restart of every server, an agent restart, the upstream going away, callers
+//! leaving mid-call, the load balancer losing its connections, and a connection dropped
+//! silently on the path. Then it checks the accounting:
+//!
+//! - client: every call sent got exactly one answer (a response, or the caller's own
+//!   cancel), within its deadline plus slack (no hang);
+//! - dispatcher: `relay_dispatcher_calls_total` grew by exactly the calls sent and nothing
+//!   is in flight once quiet;
+//! - each tunnel server (every incarnation whose counters survive):
+//!   `relay_tunnel_calls_received_total == sum(relay_tunnel_calls_total)`, nothing in flight;
+//! - agent: no stream is busy once quiet (every call it started ended).
+//!
+//! The process-level faults run the real binaries as children (`relay_tests::procs`); the
+//! rest use the in-process stack. The soak runs the whole fleet as children so each
+//! process's memory can be read on its own.
+
+use bytes::Bytes;
+use http::Method;
+use relay_tests::client::Caller;
+use relay_tests::lb::Policy;
+use relay_tests::metrics::value;
+use relay_tests::procs::{
+    metric, scrape, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
+    TunnelServerOpts, TunnelServerProc,
+};
+use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
+use relay_tests::upstream::{Upstream, UpstreamHandle};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+const READY: Duration = Duration::from_secs(20);
+const QUIET: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------
+// Load and the client-side ledger
+
+#[derive(Clone)]
+struct LoadSpec {
+    workers: usize,
+    /// Upstream path after `/relay/{tunnel}` (e.g. `/slow/100`).
+    path: String,
+    /// The call's deadline (`x-relay-timeout-ms`).
+    timeout_ms: u64,
+    /// Every n-th call of a worker, the caller leaves after `cancel_after`.
+    cancel_every: Option<u64>,
+    cancel_after: Duration,
+}
+
+impl LoadSpec {
+    fn new(workers: usize, path: &str, timeout_ms: u64) -> Self {
+        LoadSpec {
+            workers,
+            path: path.into(),
+            timeout_ms,
+            cancel_every: None,
+            cancel_after: Duration::ZERO,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    sent: AtomicU64,
+    answered: AtomicU64,
+    ok: AtomicU64,
+    caller_cancelled: AtomicU64,
+    /// Answers other than 200 and caller cancels, by "status code" or "transport ...".
+    failures: Mutex<BTreeMap<String, u64>>,
+    /// Longest time to an answer, ms.
+    slowest_ms: AtomicU64,
+}
+
+impl Tally {
+    fn failed(&self) -> u64 {
+        self.failures.lock().unwrap().values().sum()
+    }
+
+    fn failures(&self) -> BTreeMap<String, u64> {
+        self.failures.lock().unwrap().clone()
+    }
+
+    fn sent(&self) -> u64 {
+        self.sent.load(Ordering::SeqCst)
+    }
+
+    fn summary(&self) -> String {
+        format!(
+            "sent {} answered {} ok {} caller-cancelled {} failed {:?} slowest {} ms",
+            self.sent(),
+            self.answered.load(Ordering::SeqCst),
+            self.ok.load(Ordering::SeqCst),
+            self.caller_cancelled.load(Ordering::SeqCst),
+            self.failures(),
+            self.slowest_ms.load(Ordering::SeqCst)
+        )
+    }
+}
+
+/// One call through the front; records its single answer in `tally`.
+async fn one_call(
+    caller: &Caller,
+    path: &str,
+    timeout_ms: u64,
+    leave: Option<Duration>,
+    tally: &Tally,
+) {
+    tally.sent.fetch_add(1, Ordering::SeqCst);
+    let mut req = caller.request(Method::GET, path, Bytes::new());
+    req.headers_mut().insert(
+        "x-relay-timeout-ms",
+        timeout_ms.to_string().parse().unwrap(),
+    );
+    let started = Instant::now();
+    let answer = match leave {
+        Some(after) => tokio::time::timeout(after, caller.call(req)).await.ok(),
+        None => Some(caller.call(req).await),
+    };
+    let took = started.elapsed().as_millis() as u64;
+    tally.slowest_ms.fetch_max(took, Ordering::SeqCst);
+    let key = match answer {
+        None => {
+            tally.caller_cancelled.fetch_add(1, Ordering::SeqCst);
+            None
+        }
+        Some(Ok(a)) if a.status == 200 => {
+            tally.ok.fetch_add(1, Ordering::SeqCst);
+            None
+        }
+        Some(Ok(a)) => {
+            let code = a.json()["error"].as_str().unwrap_or("?").to_string();
+            let retry = if a.status == 503 && !a.headers.contains_key("retry-after") {
+                " WITHOUT retry-after"
+            } else {
+                ""
+            };
+            Some(format!("{} {code}{retry}", a.status.as_u16()))
+        }
+        Some(Err(e)) => Some(format!("transport {e}")),
+    };
+    if let Some(k) = key {
+        *tally.failures.lock().unwrap().entry(k).or_default() += 1;
+    }
+    tally.answered.fetch_add(1, Ordering::SeqCst);
+}
+
+struct Load {
+    stop: Arc<AtomicBool>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+    tally: Arc<Tally>,
+    timeout_ms: u64,
+}
+
+fn start_load(front: SocketAddr, spec: LoadSpec) -> Load {
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let caller = Caller::new(front, Some(CALLER_KEY));
+    let workers = (0..spec.workers)
+        .map(|w| {
+            let (stop, tally, caller, spec) =
+                (stop.clone(), tally.clone(), caller.clone(), spec.clone());
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while !stop.load(Ordering::SeqCst) {
+                    i += 1;
+                    let leave = spec
+                        .cancel_every
+                        .filter(|n| i.is_multiple_of(*n))
+                        .map(|_| spec.cancel_after);
+                    let path = format!("/relay/{TUNNEL_ID}{}?w={w}&i={i}", spec.path);
+                    one_call(&caller, &path, spec.timeout_ms, leave, &tally).await;
+                }
+            })
+        })
+        .collect();
+    Load {
+        stop,
+        workers,
+        tally,
+        timeout_ms: spec.timeout_ms,
+    }
+}
+
+impl Load {
+    /// Stops the workers after their current call; fails if a call hangs.
+    async fn stop(self) -> Arc<Tally> {
+        self.stop.store(true, Ordering::SeqCst);
+        let bound = Duration::from_millis(self.timeout_ms) + Duration::from_secs(10);
+        for w in self.workers {
+            tokio::time::timeout(bound, w)
+                .await
+                .unwrap_or_else(|_| panic!("a call hung past its deadline + 10 s"))
+                .unwrap();
+        }
+        let t = self.tally;
+        assert_eq!(
+            t.sent(),
+            t.answered.load(Ordering::SeqCst),
+            "every call sent gets exactly one answer: {}",
+            t.summary()
+        );
+        assert!(
+            t.slowest_ms.load(Ordering::SeqCst) <= self.timeout_ms + 3000,
+            "an answer came long after the call's deadline: {}",
+            t.summary()
+        );
+        t
+    }
+
+    fn tally(&self) -> &Tally {
+        &self.tally
+    }
+}
+
+/// Polls `check` until it returns Ok, or panics with its last error after `within`.
+async fn settle<F, Fut>(what: &str, within: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        match check().await {
+            Ok(()) => return,
+            Err(e) if Instant::now() > deadline => {
+                panic!("{what}: not settled within {within:?}: {e}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// Polls `cond` until true; returns how long it took, or None at the deadline.
+async fn time_until<F, Fut>(within: Duration, mut cond: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while started.elapsed() < within {
+        if cond().await {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-hop accounting
+
+/// Dispatcher calls handled so far (every outcome) and in flight, from its `/metrics`.
+async fn dispatcher_calls(admin: SocketAddr) -> Result<(f64, f64), String> {
+    let text = scrape(admin).await.map_err(|e| e.to_string())?;
+    Ok((
+        metric(&text, "relay_dispatcher_calls_total", &[]),
+        metric(&text, "relay_dispatcher_calls_in_flight", &[]),
+    ))
+}
+
+/// Calls in, outcomes out and in flight of one tunnel server, as Prometheus text.
+fn server_ledger_text(name: &str, text: &str) -> Result<(), String> {
+    let received = metric(text, "relay_tunnel_calls_received_total", &[]);
+    let outcomes = metric(text, "relay_tunnel_calls_total", &[]);
+    let in_flight = metric(text, "relay_tunnel_calls_in_flight", &[]);
+    if received != outcomes || in_flight != 0.0 {
+        return Err(format!(
+            "{name}: received {received} outcomes {outcomes} in flight {in_flight}"
+        ));
+    }
+    Ok(())
+}
+
+fn server_ledger(name: &str, reg: &prometheus::Registry) -> Result<(), String> {
+    server_ledger_text(name, &relay_common::admin::render_metrics(reg))
+}
+
+fn agent_busy_text(text: &str) -> f64 {
+    metric(text, "grpc_tunnel_server_streams", &[("state", "busy")])
+}
+
+/// The accounting check on the in-process stack: `sent` calls since the dispatcher had
+/// handled `base` calls.
+async fn stack_accounted(stack: &Stack, sent: u64, base: f64) -> Result<(), String> {
+    let (calls, in_flight) = dispatcher_calls(stack.dispatcher_admin).await?;
+    if calls - base != sent as f64 || in_flight != 0.0 {
+        return Err(format!(
+            "dispatcher: {} outcomes for {sent} calls sent, {in_flight} in flight",
+            calls - base
+        ));
+    }
+    for (i, reg) in stack.server_registries() {
+        server_ledger(&format!("server slot {i}"), &reg)?;
+    }
+    for i in 0..stack.agent_count() {
+        if let Some(a) = stack.agent(i) {
+            let busy = value(
+                a.registry(),
+                "grpc_tunnel_server_streams",
+                &[("state", "busy")],
+            );
+            if busy != 0.0 {
+                return Err(format!("agent {i}: {busy} streams still busy"));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn dispatcher_base(admin: SocketAddr) -> f64 {
+    dispatcher_calls(admin).await.unwrap().0
+}
+
+/// Streams of the demo tunnel id on an in-process server.
+fn streams_on(stack: &Stack, i: usize) -> f64 {
+    stack.servers[i]
+        .as_ref()
+        .map(|s| {
+            value(
+                &s.registry,
+                "relay_tunnel_streams",
+                &[("tunnel_id", TUNNEL_ID)],
+            )
+        })
+        .unwrap_or(0.0)
+}
+
+async fn dispatcher_servers(admin: SocketAddr) -> f64 {
+    match scrape(admin).await {
+        Ok(t) => metric(&t, "relay_dispatcher_tunnel_servers", &[]),
+        Err(_) => -1.0,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The fleet as child processes
+
+struct Fleet {
+    dir: ScratchDir,
+    /// Kept alive for the fleet's life.
+    _upstream: UpstreamHandle,
+    dispatcher: DispatcherProc,
+    servers: Vec<Option<TunnelServerProc>>,
+    opts: Vec<TunnelServerOpts>,
+    ports: Vec<(SocketAddr, SocketAddr, SocketAddr)>,
+    agent: AgentProc,
+    /// Calls the fleet's own readiness probes sent through the dispatcher.
+    probes: AtomicU64,
+}
+
+impl Fleet {
+    async fn start(n: usize, heartbeat: Duration, upstream_latency: Duration) -> Fleet {
+        let dir = ScratchDir::new("fleet").unwrap();
+        let upstream = Upstream::builder()
+            .latency(upstream_latency)
+            .spawn()
+            .await
+            .unwrap();
+        let dispatcher = DispatcherProc::start(dir.path(), DispatcherOpts::default())
+            .await
+            .unwrap();
+        let mut servers = Vec::new();
+        let mut opts = Vec::new();
+        let mut ports = Vec::new();
+        for i in 0..n {
+            let o = TunnelServerOpts {
+                server_id: format!("ts-{}", i + 1),
+                zone: format!("zone-{}", i + 1),
+                dispatchers: vec![dispatcher.registry_url()],
+                heartbeat,
+                ..TunnelServerOpts::default()
+            };
+            let s = TunnelServerProc::start(dir.path(), o.clone())
+                .await
+                .unwrap();
+            ports.push(s.ports());
+            servers.push(Some(s));
+            opts.push(o);
+        }
+        let agent = AgentProc::start(
+            dir.path(),
+            AgentOpts {
+                tunnels: servers.iter().flatten().map(|s| s.agent_url()).collect(),
+                token: TOKEN.into(),
+                upstream: upstream.url(),
+                extra: String::new(),
+            },
+        )
+        .await
+        .unwrap();
+        let fleet = Fleet {
+            dir,
+            _upstream: upstream,
+            dispatcher,
+            servers,
+            opts,
+            ports,
+            agent,
+            probes: AtomicU64::new(0),
+        };
+        fleet.wait_covered(n).await;
+        fleet
+    }
+
+    fn front(&self) -> SocketAddr {
+        self.dispatcher.http
+    }
+
+    /// Waits until the dispatcher hears from `n` servers and a call answers 200. (The
+    /// agent holds streams where they landed, not necessarily on every server.)
+    async fn wait_covered(&self, n: usize) {
+        let t = time_until(READY, || async {
+            dispatcher_servers(self.dispatcher.admin).await >= n as f64
+        })
+        .await;
+        assert!(
+            t.is_some(),
+            "dispatcher hears from {} servers, not {n}",
+            dispatcher_servers(self.dispatcher.admin).await,
+        );
+        let c = Caller::new(self.front(), Some(CALLER_KEY));
+        let ok = time_until(READY, || async {
+            self.probes.fetch_add(1, Ordering::SeqCst);
+            matches!(c.get(&format!("/relay/{TUNNEL_ID}/hello")).await, Ok(a) if a.status == 200)
+        })
+        .await;
+        assert!(
+            ok.is_some(),
+            "fleet not routable:\n{}",
+            self.agent.proc.log_tail(20)
+        );
+    }
+
+    /// Index of the running server holding most of the agent's streams (the one carrying
+    /// the calls).
+    async fn busiest(&self) -> usize {
+        let streams = self.agent_servers().await;
+        (0..self.servers.len())
+            .filter(|i| self.servers[*i].is_some())
+            .max_by_key(|i| {
+                streams
+                    .get(&format!("ts-{}", i + 1))
+                    .map_or((0, 0), |s| (s.1, s.0))
+            })
+            .unwrap()
+    }
+
+    /// The agent's streams and busy streams per server id, from `/systemcheck`.
+    async fn agent_servers(&self) -> BTreeMap<String, (u64, u64)> {
+        let mut out = BTreeMap::new();
+        if let Ok(a) = Caller::new(self.agent.admin, None)
+            .get("/systemcheck")
+            .await
+        {
+            for s in a.json()["servers"].as_array().into_iter().flatten() {
+                let id = s["server_id"].as_str().unwrap_or("?").to_string();
+                let streams = s["streams"].as_u64().unwrap_or(0);
+                let busy = s["busy"].as_u64().unwrap_or(0);
+                out.insert(id, (streams, busy));
+            }
+        }
+        out
+    }
+
+    async fn agent_metrics(&self) -> String {
+        scrape(self.agent.admin).await.unwrap_or_default()
+    }
+
+    /// Streams of the demo tunnel id server `i` holds, per its own `/metrics`.
+    async fn server_streams(&self, i: usize) -> Option<f64> {
+        let s = self.servers[i].as_ref()?;
+        let t = scrape(s.admin_addr).await.ok()?;
+        Some(metric(
+            &t,
+            "relay_tunnel_streams",
+            &[("tunnel_id", TUNNEL_ID)],
+        ))
+    }
+
+    async fn restart(&mut self, i: usize) {
+        assert!(self.servers[i].is_none());
+        let s =
+            TunnelServerProc::start_on(self.dir.path(), self.opts[i].clone(), Some(self.ports[i]))
+                .await
+                .unwrap();
+        self.servers[i] = Some(s);
+    }
+
+    /// Dispatcher calls so far, less the fleet's own probes: the base of [`Fleet::accounted`].
+    async fn base(&self) -> f64 {
+        dispatcher_base(self.dispatcher.admin).await - self.probes.load(Ordering::SeqCst) as f64
+    }
+
+    /// The accounting check across the running processes: `sent` calls since [`Fleet::base`].
+    async fn accounted(&self, sent: u64, base: f64) -> Result<(), String> {
+        let (calls, in_flight) = dispatcher_calls(self.dispatcher.admin).await?;
+        let calls = calls - self.probes.load(Ordering::SeqCst) as f64;
+        if calls - base != sent as f64 || in_flight != 0.0 {
+            return Err(format!(
+                "dispatcher: {} outcomes for {sent} calls sent, {in_flight} in flight",
+                calls - base
+            ));
+        }
+        for s in self.servers.iter().flatten() {
+            let t = scrape(s.admin_addr).await.map_err(|e| e.to_string())?;
+            server_ledger_text(&s.server_id, &t)?;
+        }
+        let busy = agent_busy_text(&self.agent_metrics().await);
+        if busy != 0.0 {
+            return Err(format!("agent: {busy} streams still busy"));
+        }
+        Ok(())
+    }
+}
+
+/// Answers that a crash of the server carrying a call may give that call: it may have
+/// reached the agent, so it is not retried (POST-like safety), and the caller is told.
+fn crash_answers(k: &str) -> bool {
+    k.starts_with("502 stream_lost")
+        || k.starts_with("502 tunnel_server_unreachable")
+        || k.starts_with("503 tunnel_unavailable")
+        || k.starts_with("503 no_capacity")
+        || k.starts_with("504 ")
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
+    let mut fleet = Fleet::start(3, Duration::from_secs(1), Duration::ZERO).await;
+    let base = fleet.base().await;
+    let load = start_load(fleet.front(), LoadSpec::new(8, "/slow/100", 5000));
+    tokio::time::sleep(Duration::from_millis(1500)).await; // steady state before the fault
+    let victim = fleet.busiest().await;
+    let before = fleet.agent_servers().await;
+    let s = fleet.servers[victim].take().unwrap();
+    let id = s.server_id.clone();
+    let mut proc = s.proc;
+    proc.kill();
+    // The agent notices (its streams there fail) and the dispatcher drops the server.
+    let (agent_gone, dispatcher_gone) = tokio::join!(
+        time_until(QUIET, || async {
+            !fleet.agent_servers().await.contains_key(&id)
+        }),
+        time_until(QUIET, || async {
+            dispatcher_servers(fleet.dispatcher.admin).await == 2.0
+        })
+    );
+    let failed_at_kill = load.tally().failed();
+    // Calls keep succeeding on the other servers.
+    let ok_before = load.tally().ok.load(Ordering::SeqCst);
+    let ok_after = time_until(READY, || async {
+        load.tally().ok.load(Ordering::SeqCst) >= ok_before + 50
+    })
+    .await;
+    fleet.restart(victim).await;
+    fleet.wait_covered(3).await;
+    let tally = load.stop().await;
+    eprintln!(
+        "kill {id} (agent streams before: {before:?}): agent dropped it after {agent_gone:?}, dispatcher after {dispatcher_gone:?}; {}",
+        tally.summary()
+    );
+    assert!(
+        ok_after.is_some(),
+        "calls did not resume after the kill: {}",
+        tally.summary()
+    );
+    for (k, n) in tally.failures() {
+        assert!(
+            crash_answers(&k),
+            "unexpected answer {k} x{n}: {}",
+            tally.summary()
+        );
+    }
+    // Only calls caught on the crashed server (at most one per worker, plus a few routed
+    // there before the dispatcher heard) fail.
+    assert!(
+        tally.failed() <= 16,
+        "too many failures for one crash ({} at the kill): {}",
+        failed_at_kill,
+        tally.summary()
+    );
+    settle("accounting after a SIGKILL", QUIET, || {
+        fleet.accounted(tally.sent(), base)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dead() {
+    // Heartbeat 1 s: the agent drops a stream after 3 s without a frame.
+    let fleet = Fleet::start(2, Duration::from_secs(1), Duration::ZERO).await;
+    let base = fleet.base().await;
+    let load = start_load(fleet.front(), LoadSpec::new(4, "/slow/50", 3000));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let victim = fleet.busiest().await;
+    let before = fleet.agent_servers().await;
+    let expiries = |t: &str| metric(t, "relay_dispatcher_lease_expiries_total", &[]);
+    let expired_before = expiries(&scrape(fleet.dispatcher.admin).await.unwrap());
+    let frozen = fleet.servers[victim].as_ref().unwrap();
+    let id = frozen.server_id.clone();
+    frozen.proc.signal("STOP").unwrap();
+    // Both measured from the freeze: the agent drops its streams there after 3 silent
+    // heartbeats; the dispatcher drops the server when its lease (3 s) runs out.
+    let (agent_detect, dispatcher_detect) = tokio::join!(
+        time_until(QUIET, || async {
+            !fleet.agent_servers().await.contains_key(&id)
+        }),
+        time_until(QUIET, || async {
+            let t = scrape(fleet.dispatcher.admin).await.unwrap_or_default();
+            expiries(&t) > expired_before
+        })
+    );
+    // Once both noticed, calls succeed again.
+    let probes = Tally::default();
+    let c = Caller::new(fleet.front(), Some(CALLER_KEY));
+    for _ in 0..10 {
+        one_call(
+            &c,
+            &format!("/relay/{TUNNEL_ID}/hello"),
+            3000,
+            None,
+            &probes,
+        )
+        .await;
+    }
+    assert_eq!(
+        probes.ok.load(Ordering::SeqCst),
+        10,
+        "after detection: {}",
+        probes.summary()
+    );
+    fleet.servers[victim]
+        .as_ref()
+        .unwrap()
+        .proc
+        .signal("CONT")
+        .unwrap();
+    let tally = load.stop().await;
+    eprintln!(
+        "frozen {id} (agent streams before: {before:?}, heartbeat 1s): agent detected after {agent_detect:?}, dispatcher after {dispatcher_detect:?}; {}",
+        tally.summary()
+    );
+    let agent_detect = agent_detect.expect("the agent never dropped the frozen server's streams");
+    assert!(
+        agent_detect <= Duration::from_millis(3000 + 2000),
+        "frozen server found after {agent_detect:?}, bound is 3 heartbeats + 2 s"
+    );
+    assert!(
+        dispatcher_detect.is_some(),
+        "the dispatcher kept routing to the frozen server"
+    );
+    for (k, n) in tally.failures() {
+        assert!(
+            crash_answers(&k),
+            "unexpected answer {k} x{n}: {}",
+            tally.summary()
+        );
+    }
+    // After SIGCONT no stream stays half-dead: the thawed server and the agent agree on
+    // the streams between them (the agent may have reopened some there).
+    settle("streams agree after the thaw", QUIET, || async {
+        let server = fleet.server_streams(victim).await.unwrap_or(-1.0);
+        let agent = fleet.agent_servers().await.get(&id).map_or(0, |s| s.0) as f64;
+        if server == agent {
+            Ok(())
+        } else {
+            Err(format!(
+                "server {id} holds {server} streams, the agent {agent}"
+            ))
+        }
+    })
+    .await;
+    let sent = tally.sent() + probes.sent();
+    settle("accounting after a freeze", QUIET, || {
+        fleet.accounted(sent, base)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_a_tunnel_server_process_without_failing_a_call() {
+    let mut fleet = Fleet::start(2, Duration::from_secs(1), Duration::ZERO).await;
+    let base = fleet.base().await;
+    let load = start_load(fleet.front(), LoadSpec::new(6, "/slow/200", 10_000));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let victim = fleet.busiest().await;
+    let s = fleet.servers[victim].take().unwrap();
+    let mut proc = s.proc;
+    let started = Instant::now();
+    proc.signal("TERM").unwrap();
+    let status = proc.wait_exit(Duration::from_secs(15)).await.unwrap();
+    let took = started.elapsed();
+    let log = proc.log();
+    // Keep the load running a little on the remaining server.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let tally = load.stop().await;
+    eprintln!(
+        "SIGTERM: exited {status} after {took:?}; {}",
+        tally.summary()
+    );
+    assert!(status.success(), "exit status {status}\n{log}");
+    assert!(log.contains("draining"), "no drain in the log:\n{log}");
+    assert_eq!(
+        tally.failed(),
+        0,
+        "a drain failed calls: {}",
+        tally.summary()
+    );
+    settle("accounting after a drain", QUIET, || {
+        fleet.accounted(tally.sent(), base)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_restart_of_every_tunnel_server_under_steady_load_fails_no_call() {
+    let mut stack = Stack::builder()
+        .servers(3)
+        .placement(Policy::Uniform)
+        .tunnel_config(|c| {
+            c.shutdown_grace = Duration::from_secs(10);
+            c.report_interval = Duration::from_millis(250);
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let base = dispatcher_base(stack.dispatcher_admin).await;
+    let load = start_load(stack.http, LoadSpec::new(8, "/slow/100", 10_000));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let mut back = Vec::new();
+    for i in 0..3 {
+        // As an operator would: wait until the fleet is whole (every server reporting,
+        // the agent's streams on more than the one about to go), take the server out of
+        // the load balancer, SIGTERM it, wait for it to exit, start the new version.
+        let t = time_until(READY, || async {
+            dispatcher_servers(stack.dispatcher_admin).await == 3.0
+                && (0..3).any(|j| j != i && streams_on(&stack, j) > 0.0)
+        })
+        .await;
+        back.push(t);
+        assert!(t.is_some(), "fleet not whole before restarting server {i}");
+        let s = stack.take_server(i).unwrap();
+        s.shutdown().await;
+        stack.start_server(i).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let tally = load.stop().await;
+    eprintln!(
+        "rolling restart: fleet whole again before each step after {back:?}; {}",
+        tally.summary()
+    );
+    assert_eq!(
+        tally.failed(),
+        0,
+        "failed calls in a rolling restart: {}",
+        tally.summary()
+    );
+    assert!(tally.ok.load(Ordering::SeqCst) > 50, "{}", tally.summary());
+    settle("accounting after a rolling restart", QUIET, || {
+        stack_accounted(&stack, tally.sent(), base)
+    })
+    .await;
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_restart_routes_again_within_a_bound_and_calls_between_get_503_with_retry_after() {
+    let mut stack = Stack::builder().servers(2).start().await.unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let base = dispatcher_base(stack.dispatcher_admin).await;
+    let load = start_load(stack.http, LoadSpec::new(4, "/slow/50", 5000));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let agent = stack.take_agent(0).unwrap();
+    agent.shutdown().await; // streams retire; calls in flight finish first
+                            // With no agent, calls are answered at once with 503 and Retry-After, not held.
+    let probes = Tally::default();
+    let caller = stack.caller();
+    let gone = time_until(READY, || async {
+        one_call(
+            &caller,
+            &format!("/relay/{TUNNEL_ID}/hello"),
+            5000,
+            None,
+            &probes,
+        )
+        .await;
+        probes.failures().contains_key("503 tunnel_unavailable")
+    })
+    .await;
+    assert!(
+        gone.is_some(),
+        "the tunnel id stayed routable: {}",
+        probes.summary()
+    );
+    for _ in 0..5 {
+        let t = Instant::now();
+        one_call(
+            &caller,
+            &format!("/relay/{TUNNEL_ID}/hello"),
+            5000,
+            None,
+            &probes,
+        )
+        .await;
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "a call without an agent was held {:?}",
+            t.elapsed()
+        );
+    }
+    stack.respawn_agent(0).await.unwrap();
+    let restarted = Instant::now();
+    let routable = time_until(READY, || async {
+        one_call(
+            &caller,
+            &format!("/relay/{TUNNEL_ID}/hello"),
+            5000,
+            None,
+            &probes,
+        )
+        .await;
+        probes.ok.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let tally = load.stop().await;
+    eprintln!(
+        "agent restart: tunnel id routable again {routable:?} after the agent started ({:?} since); load {}; probes {}",
+        restarted.elapsed(),
+        tally.summary(),
+        probes.summary()
+    );
+    let routable = routable.expect("the tunnel id never became routable again");
+    assert!(
+        routable < Duration::from_secs(5),
+        "routable again only after {routable:?}"
+    );
+    for t in [&tally, &probes] {
+        for (k, n) in t.failures() {
+            assert_eq!(
+                k,
+                "503 tunnel_unavailable",
+                "unexpected answer x{n}: {}",
+                t.summary()
+            );
+        }
+    }
+    let sent = tally.sent() + probes.sent();
+    settle("accounting after an agent restart", QUIET, || {
+        stack_accounted(&stack, sent, base)
+    })
+    .await;
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_failure_and_callers_leaving_each_get_one_outcome() {
+    let mut stack = Stack::builder().servers(2).start().await.unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let base = dispatcher_base(stack.dispatcher_admin).await;
+    let mut spec = LoadSpec::new(6, "/slow/100", 5000);
+    spec.cancel_every = Some(4);
+    spec.cancel_after = Duration::from_millis(40);
+    let load = start_load(stack.http, spec);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // The upstream goes away (its port refuses connections), then comes back on it.
+    let addr: SocketAddr = stack
+        .upstream
+        .url()
+        .trim_start_matches("http://")
+        .parse()
+        .unwrap();
+    let stand_in = Upstream::builder().spawn().await.unwrap();
+    let old = std::mem::replace(&mut stack.upstream, stand_in);
+    let cancelled_before = old.cancelled();
+    old.shutdown().await;
+    let unreachable = time_until(READY, || async {
+        load.tally()
+            .failures()
+            .keys()
+            .any(|k| k.starts_with("502 upstream_unreachable"))
+    })
+    .await;
+    let back = Upstream::builder()
+        .spawn_on(TcpListener::bind(addr).await.unwrap())
+        .unwrap();
+    let _stand_in = std::mem::replace(&mut stack.upstream, back);
+    let ok_before = load.tally().ok.load(Ordering::SeqCst);
+    let recovered = time_until(READY, || async {
+        load.tally().ok.load(Ordering::SeqCst) > ok_before + 20
+    })
+    .await;
+    let tally = load.stop().await;
+    eprintln!(
+        "upstream down and back, callers leaving: {}; upstream saw {} cancels before the outage",
+        tally.summary(),
+        cancelled_before
+    );
+    assert!(
+        unreachable.is_some(),
+        "no call saw the upstream down: {}",
+        tally.summary()
+    );
+    assert!(
+        recovered.is_some(),
+        "calls did not recover: {}",
+        tally.summary()
+    );
+    assert!(tally.caller_cancelled.load(Ordering::SeqCst) > 0);
+    for (k, n) in tally.failures() {
+        assert!(
+            k.starts_with("502 upstream_unreachable") || k.starts_with("502 upstream_error"),
+            "unexpected answer {k} x{n}: {}",
+            tally.summary()
+        );
+    }
+    settle(
+        "accounting with upstream failures and cancels",
+        QUIET,
+        || stack_accounted(&stack, tally.sent(), base),
+    )
+    .await;
+    let text = scrape(stack.dispatcher_admin).await.unwrap();
+    assert!(
+        metric(
+            &text,
+            "relay_dispatcher_calls_total",
+            &[("outcome", "cancelled")]
+        ) > 0.0,
+        "the dispatcher counted no caller cancel:\n{text}"
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_balancer_dropping_every_stream_leaves_no_call_unanswered() {
+    let stack = Stack::builder()
+        .servers(3)
+        .placement(Policy::Uniform)
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let base = dispatcher_base(stack.dispatcher_admin).await;
+    let load = start_load(stack.http, LoadSpec::new(8, "/slow/100", 5000));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // The load balancer restarts: every stream through it is reset at once.
+    let lb = stack.lb.as_ref().unwrap();
+    for i in 0..3 {
+        lb.reset_backend(i);
+    }
+    let reset = Instant::now();
+    let ok_before = load.tally().ok.load(Ordering::SeqCst);
+    let recovered = time_until(READY, || async {
+        load.tally().ok.load(Ordering::SeqCst) > ok_before + 50
+    })
+    .await;
+    let tally = load.stop().await;
+    eprintln!(
+        "load balancer reset: calls flowing again after {recovered:?} ({:?}); {}",
+        reset.elapsed(),
+        tally.summary()
+    );
+    assert!(
+        recovered.is_some(),
+        "calls did not resume: {}",
+        tally.summary()
+    );
+    for (k, n) in tally.failures() {
+        assert!(
+            crash_answers(&k),
+            "unexpected answer {k} x{n}: {}",
+            tally.summary()
+        );
+    }
+    settle("accounting after a load balancer reset", QUIET, || {
+        stack_accounted(&stack, tally.sent(), base)
+    })
+    .await;
+    stack.shutdown().await;
+}
+
+/// A TCP relay that can silently drop every connection open now: their bytes stop flowing
+/// both ways while the sockets stay open (a NAT entry or load balancer that forgot them).
+/// Connections made later pass.
+struct Blackhole {
+    addr: SocketAddr,
+    generation: Arc<AtomicU64>,
+}
+
+impl Blackhole {
+    async fn start(target: SocketAddr) -> Blackhole {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let generation = Arc::new(AtomicU64::new(0));
+        let g = generation.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = l.accept().await {
+                let born = g.load(Ordering::SeqCst);
+                let g = g.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = TcpStream::connect(target).await else {
+                        return;
+                    };
+                    let _ = client.set_nodelay(true);
+                    let _ = server.set_nodelay(true);
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    let a = tokio::spawn(pipe(cr, sw, born, g.clone()));
+                    let b = tokio::spawn(pipe(sr, cw, born, g));
+                    let _ = tokio::join!(a, b);
+                });
+            }
+        });
+        Blackhole { addr, generation }
+    }
+
+    /// Silently drops every connection open now.
+    fn drop_open_connections(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    born: u64,
+    generation: Arc<AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if generation.load(Ordering::SeqCst) != born {
+            // Dropped: swallow everything, never close (keep both sockets open).
+            loop {
+                if matches!(from.read(&mut buf).await, Ok(0) | Err(_)) {
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silently_dropped_connection_is_found_by_heartbeat_on_both_ends() {
+    let server_addr = relay_tests::procs::free_addr().unwrap();
+    let hole = Blackhole::start(server_addr).await;
+    let hole_url = format!("http://{}", hole.addr);
+    let stack = Stack::builder()
+        .servers(1)
+        .server_agent_addrs(vec![server_addr])
+        .tunnel_config(|c| c.heartbeat = Duration::from_secs(1))
+        .agent_config(move |c| {
+            c.tunnels = vec![hole_url];
+            c.connect_timeout = Duration::from_secs(2);
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let base = dispatcher_base(stack.dispatcher_admin).await;
+    let load = start_load(stack.http, LoadSpec::new(2, "/slow/50", 4000));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let server = stack.servers[0].as_ref().unwrap();
+    let closes = |reason: &str| {
+        value(
+            &server.registry,
+            "relay_tunnel_stream_closes_total",
+            &[("reason", reason)],
+        )
+    };
+    let before = value(
+        &server.registry,
+        "relay_tunnel_streams",
+        &[("tunnel_id", TUNNEL_ID)],
+    );
+    let hb_before = closes("heartbeat");
+    hole.drop_open_connections();
+    // Server side: every stream on the dead connection is dropped by its heartbeat.
+    let server_found = time_until(QUIET, || async {
+        closes("heartbeat") - hb_before >= before
+    })
+    .await;
+    // Agent side: calls flow again on fresh streams over a new connection.
+    let ok_before = load.tally().ok.load(Ordering::SeqCst);
+    let flowing = time_until(QUIET, || async {
+        load.tally().ok.load(Ordering::SeqCst) > ok_before + 20
+    })
+    .await;
+    let tally = load.stop().await;
+    eprintln!(
+        "silent drop (heartbeat 1s, {before} streams): server dropped them after {server_found:?}, calls flowing again after {flowing:?}; {}",
+        tally.summary()
+    );
+    let server_found = server_found.expect("the server kept streams on a dead connection");
+    assert!(
+        server_found <= Duration::from_secs(3 + 2),
+        "found after {server_found:?}"
+    );
+    let flowing = flowing.expect("the agent did not reconnect");
+    assert!(
+        flowing <= Duration::from_secs(3 + 5),
+        "calls flowing only after {flowing:?}"
+    );
+    for (k, n) in tally.failures() {
+        assert!(
+            crash_answers(&k),
+            "unexpected answer {k} x{n}: {}",
+            tally.summary()
+        );
+    }
+    // No half-dead stream: what the server holds is what the agent holds.
+    settle("server and agent agree on streams", QUIET, || async {
+        let server = value(
+            &server.registry,
+            "relay_tunnel_streams",
+            &[("tunnel_id", TUNNEL_ID)],
+        );
+        let agent = stack.agent(0).unwrap().coverage().borrow().streams_total as f64;
+        (server == agent)
+            .then_some(())
+            .ok_or(format!("server holds {server} streams, agent {agent}"))
+    })
+    .await;
+    settle("accounting after a silent drop", QUIET, || {
+        stack_accounted(&stack, tally.sent(), base)
+    })
+    .await;
+    stack.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Soak
+
+/// Steady load on a fleet of child processes with a fault every `period`: a server killed
+/// and restarted, or drained and restarted, in turn. Returns the figures it printed.
+async fn soak(total: Duration, period: Duration) {
+    let mut fleet = Fleet::start(3, Duration::from_secs(2), Duration::ZERO).await;
+    let base = fleet.base().await;
+    let load = start_load(fleet.front(), LoadSpec::new(6, "/slow/20", 5000));
+    let rss = |f: &Fleet| {
+        (
+            f.dispatcher.proc.rss_kib().unwrap_or(0),
+            f.agent.proc.rss_kib().unwrap_or(0),
+        )
+    };
+    let agent_streams = |t: &str| metric(t, "grpc_tunnel_server_streams", &[]);
+    // Warm-up: let allocators and pools reach their working size.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (d0, a0) = rss(&fleet);
+    let s0 = agent_streams(&fleet.agent_metrics().await);
+    eprintln!("soak warm: dispatcher {d0} KiB, agent {a0} KiB, agent streams {s0}");
+    let started = Instant::now();
+    let mut n = 0usize;
+    let mut max_streams = s0;
+    while started.elapsed() + period <= total {
+        tokio::time::sleep(period / 2).await;
+        let i = n % 3;
+        let s = fleet.servers[i].take().unwrap();
+        let mut proc = s.proc;
+        if n.is_multiple_of(2) {
+            proc.kill();
+        } else {
+            proc.signal("TERM").unwrap();
+            let status = proc.wait_exit(Duration::from_secs(15)).await.unwrap();
+            assert!(status.success(), "drain exit {status}");
+        }
+        fleet.restart(i).await;
+        fleet.wait_covered(3).await;
+        n += 1;
+        max_streams = max_streams.max(agent_streams(&fleet.agent_metrics().await));
+        let (d, a) = rss(&fleet);
+        eprintln!(
+            "soak t={:.0}s fault {n} ({}) on ts-{}: dispatcher {d} KiB, agent {a} KiB; {}",
+            started.elapsed().as_secs_f64(),
+            if n % 2 == 1 { "kill" } else { "drain" },
+            i + 1,
+            load.tally().summary()
+        );
+        tokio::time::sleep(period / 2).await;
+    }
+    let (d1, a1) = rss(&fleet);
+    let s1 = agent_streams(&fleet.agent_metrics().await);
+    let tally = load.stop().await;
+    eprintln!(
+        "soak end after {:.0}s and {n} faults: dispatcher {d0} -> {d1} KiB, agent {a0} -> {a1} KiB, agent streams {s0} -> {s1} (max {max_streams}); {}",
+        started.elapsed().as_secs_f64(),
+        tally.summary()
+    );
+    for (k, c) in tally.failures() {
+        assert!(
+            crash_answers(&k),
+            "unexpected answer {k} x{c}: {}",
+            tally.summary()
+        );
+    }
+    // Flat: within 1.5x of warm (plus 4 MiB of allocator slack on small figures).
+    assert!(
+        d1 <= d0 * 3 / 2 + 4096,
+        "dispatcher memory grew {d0} -> {d1} KiB"
+    );
+    assert!(
+        a1 <= a0 * 3 / 2 + 4096,
+        "agent memory grew {a0} -> {a1} KiB"
+    );
+    assert!(
+        s1 <= (s0 * 1.5).max(s0 + 4.0),
+        "agent streams grew {s0} -> {s1}"
+    );
+    settle("accounting after the soak", QUIET, || {
+        fleet.accounted(tally.sent(), base)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_with_periodic_faults_keeps_memory_and_streams_flat_and_answers_every_call() {
+    soak(Duration::from_secs(60), Duration::from_secs(10)).await;
+}
+
+/// The long soak, by hand: `SOAK_SECS=1800 cargo test -p relay-tests --test reliability
+/// long_soak -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long; run by hand with SOAK_SECS"]
+async fn long_soak() {
+    let secs = std::env::var("SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(600);
+    soak(Duration::from_secs(secs), Duration::from_secs(20)).await;
+}

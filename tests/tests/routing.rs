@@ -1,0 +1,863 @@
+//! Dispatcher routing end to end on real sockets: zone-skewed placement under `sticky` vs
+//! `available`, a tunnel server killed mid-load, and two dispatchers sharing one real Redis
+//! (including Redis stopped and restarted mid-run).
+//!
+//! Redis tests start their own `redis-server` on a free loopback port. Without the binary
+//! they fail under CI (`CI=true`) and are skipped with a note locally.
+
+use relay_agent::coverage::plan::CoverageConfig;
+use relay_common::Secret;
+use relay_dispatcher::{RegistryBackend, RoutingPolicy};
+use relay_tests::client::Caller;
+use relay_tests::lb::Policy;
+use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
+use relay_tests::upstream::{Upstream, UpstreamHandle};
+use relay_tunnel_server::{TokenStore, TunnelServerHandle};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+const READY: Duration = Duration::from_secs(20);
+
+async fn eventually<F, Fut>(what: &str, within: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "not true within {within:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn admin_json(addr: SocketAddr, path: &str) -> (u16, serde_json::Value) {
+    match Caller::new(addr, None).get(path).await {
+        Ok(a) => (a.status.as_u16(), a.json()),
+        Err(_) => (0, serde_json::Value::Null),
+    }
+}
+
+async fn metric(addr: SocketAddr, prefix: &str) -> f64 {
+    let Ok(a) = Caller::new(addr, None).get("/metrics").await else {
+        return 0.0;
+    };
+    a.text()
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The `demo` entry of a dispatcher's `/debug/routes`.
+async fn demo_route(admin: SocketAddr) -> serde_json::Value {
+    let (_, routes) = admin_json(admin, "/debug/routes").await;
+    routes["tunnels"]
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["tunnel_id"] == TUNNEL_ID).cloned())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+fn servers_of(route: &serde_json::Value) -> Vec<serde_json::Value> {
+    route["servers"].as_array().cloned().unwrap_or_default()
+}
+
+fn figure(server: &serde_json::Value, key: &str) -> u64 {
+    server["load"][key].as_u64().unwrap_or(0)
+}
+
+// ---------------------------------------------------------------- load driver
+
+#[derive(Debug, Default, Clone)]
+struct Outcome {
+    sent: u64,
+    answered: u64,
+    ok: u64,
+    /// Error code -> count.
+    errors: std::collections::BTreeMap<String, u64>,
+    /// (sent at, HTTP status, error code) per call.
+    calls: Vec<(Instant, u16, String)>,
+}
+
+/// `workers` callers each send `path` back to back until `stop`.
+async fn drive(
+    caller: Caller,
+    workers: usize,
+    path: String,
+    timeout_ms: u64,
+    stop: Arc<AtomicBool>,
+) -> Outcome {
+    let mut tasks = Vec::new();
+    for _ in 0..workers {
+        let (caller, path, stop) = (caller.clone(), path.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Outcome::default();
+            while !stop.load(Ordering::SeqCst) {
+                let mut req = caller.request(http::Method::GET, &path, bytes::Bytes::new());
+                req.headers_mut().insert(
+                    "x-relay-timeout-ms",
+                    timeout_ms.to_string().parse().unwrap(),
+                );
+                let at = Instant::now();
+                out.sent += 1;
+                match caller.call(req).await {
+                    Ok(a) => {
+                        out.answered += 1;
+                        let code = if a.status == 200 {
+                            out.ok += 1;
+                            String::new()
+                        } else {
+                            let code = a.json()["error"].as_str().unwrap_or("?").to_string();
+                            *out.errors.entry(code.clone()).or_default() += 1;
+                            code
+                        };
+                        out.calls.push((at, a.status.as_u16(), code));
+                    }
+                    Err(e) => out.calls.push((at, 0, format!("no answer: {e}"))),
+                }
+            }
+            out
+        }));
+    }
+    let mut total = Outcome::default();
+    for t in tasks {
+        let o = t.await.unwrap();
+        total.sent += o.sent;
+        total.answered += o.answered;
+        total.ok += o.ok;
+        for (k, v) in o.errors {
+            *total.errors.entry(k).or_default() += v;
+        }
+        total.calls.extend(o.calls);
+    }
+    total
+}
+
+/// Queue waits observed by the tunnel servers: (cumulative bucket counts, total count).
+fn queue_waits(stack: &Stack) -> (Vec<(f64, u64)>, u64) {
+    let mut buckets: Vec<(f64, u64)> = Vec::new();
+    let mut total = 0;
+    for (_, registry) in stack.server_registries() {
+        for family in registry.gather() {
+            if family.name() != "relay_tunnel_queue_wait_seconds" {
+                continue;
+            }
+            for m in family.get_metric() {
+                let h = m.get_histogram();
+                total += h.get_sample_count();
+                for (i, b) in h.get_bucket().iter().enumerate() {
+                    if buckets.len() <= i {
+                        buckets.push((b.upper_bound(), 0));
+                    }
+                    buckets[i].1 += b.cumulative_count();
+                }
+            }
+        }
+    }
+    (buckets, total)
+}
+
+/// Queue-wait figures between two snapshots: (waits, waits over `over` s, p99 bound s).
+fn queue_wait_delta(
+    before: &(Vec<(f64, u64)>, u64),
+    after: &(Vec<(f64, u64)>, u64),
+    over: f64,
+) -> (u64, u64, f64) {
+    let total = after.1 - before.1;
+    let at = |v: &Vec<(f64, u64)>, i: usize| v.get(i).map(|b| b.1).unwrap_or(0);
+    let mut within_over = 0;
+    let mut p99 = f64::INFINITY;
+    for (i, (bound, _)) in after.0.iter().enumerate() {
+        let cum = at(&after.0, i) - at(&before.0, i);
+        if *bound <= over + 1e-12 {
+            within_over = cum;
+        }
+        if p99.is_infinite() && total > 0 && cum as f64 >= 0.99 * total as f64 {
+            p99 = *bound;
+        }
+    }
+    (total, total - within_over, p99)
+}
+
+// ---------------------------------------------------------------- zone skew
+
+const SKEW_STREAMS: u32 = 24;
+const SKEW_WORKERS: usize = 8;
+
+struct SkewRun {
+    outcome: Outcome,
+    /// Queue waits, waits over 24.3 ms, p99 upper bucket bound (s).
+    waits: (u64, u64, f64),
+    home_streams: u64,
+    placements: Vec<u64>,
+}
+
+/// One zone-skewed run under `policy`.
+///
+/// The seed behaviour sends every call to the most recently announced server. To stage the
+/// incident deterministically, the smallest server loses its streams (the load balancer
+/// resets them) and gets them back: it is then the last one announced, as a server that
+/// just regained a tunnel id is in production. Both policies get the same staging.
+async fn zone_skew_run(policy: RoutingPolicy) -> SkewRun {
+    let stack = Stack::builder()
+        .servers(3)
+        .placement(Policy::Weighted(vec![90, 5, 5]))
+        .coverage(CoverageConfig {
+            enabled: false,
+            fixed_streams: SKEW_STREAMS,
+            ..CoverageConfig::default()
+        })
+        // Capacity is the subject here; RTTs between loopback servers are scheduling noise.
+        .dispatcher_config(move |c| {
+            c.routing.policy = policy;
+            c.routing.latency_tiers = false;
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let all_idle = || async {
+        let route = demo_route(stack.dispatcher_admin).await;
+        let idle: u64 = servers_of(&route).iter().map(|s| figure(s, "idle")).sum();
+        idle == u64::from(SKEW_STREAMS)
+    };
+    eventually("all streams reported idle", READY, all_idle).await;
+    let lb = stack.lb.as_ref().unwrap();
+    let open = lb.open_streams();
+    let (small, n) = open
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| **n > 0)
+        .min_by_key(|(i, n)| (**n, *i))
+        .map(|(i, n)| (i, *n as usize))
+        .unwrap();
+    let small_id = stack.server_id(small).unwrap().to_string();
+    lb.set_next(vec![small; n]);
+    lb.reset_backend(small);
+    eventually(
+        "the small server lost and regained its streams",
+        READY,
+        || async {
+            let route = demo_route(stack.dispatcher_admin).await;
+            let servers = servers_of(&route);
+            let age = |id: &str| {
+                servers
+                    .iter()
+                    .find(|s| s["server_id"] == id)
+                    .and_then(|s| s["announced_age_ms"].as_u64())
+            };
+            let newest = servers
+                .iter()
+                .filter_map(|s| s["announced_age_ms"].as_u64())
+                .min();
+            all_idle().await
+                && age(&small_id).is_some()
+                && age(&small_id) == newest
+                && lb.open_streams()[small] as usize == n
+        },
+    )
+    .await;
+    if policy == RoutingPolicy::Available {
+        // The routing settles on the server holding the most streams (it may have picked
+        // a smaller one while the first reports were still coming in).
+        eventually("available settles on the biggest server", READY, || async {
+            let route = demo_route(stack.dispatcher_admin).await;
+            let servers = servers_of(&route);
+            let max = servers.iter().map(|s| figure(s, "idle")).max().unwrap_or(0);
+            servers
+                .iter()
+                .any(|s| s["server_id"] == route["home"] && figure(s, "idle") == max)
+        })
+        .await;
+    }
+    let route = demo_route(stack.dispatcher_admin).await;
+    let home = route["home"].as_str().unwrap_or_default().to_string();
+    let home_streams = servers_of(&route)
+        .iter()
+        .find(|s| s["server_id"] == home.as_str())
+        .map(|s| figure(s, "idle") + figure(s, "busy"))
+        .unwrap_or(0);
+    let placements = stack
+        .lb
+        .as_ref()
+        .map(|lb| lb.placements())
+        .unwrap_or_default();
+
+    let before = queue_waits(&stack);
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(drive(
+        stack.caller(),
+        SKEW_WORKERS,
+        format!("/relay/{TUNNEL_ID}/slow/50"),
+        400,
+        stop.clone(),
+    ));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::SeqCst);
+    let outcome = load.await.unwrap();
+    let after = queue_waits(&stack);
+    let waits = queue_wait_delta(&before, &after, 0.0243);
+    stack.shutdown().await;
+    SkewRun {
+        outcome,
+        waits,
+        home_streams,
+        placements,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zone_skew_queues_under_sticky_and_not_under_available() {
+    let sticky = zone_skew_run(RoutingPolicy::Sticky).await;
+    let available = zone_skew_run(RoutingPolicy::Available).await;
+    for (name, run) in [("sticky", &sticky), ("available", &available)] {
+        eprintln!(
+            "zone skew [{name}]: placements {:?}, home holds {} streams; calls {} ok {} errors {:?}; \
+             queue waits {} of which over 24 ms {}, p99 <= {:.4} s",
+            run.placements,
+            run.home_streams,
+            run.outcome.sent,
+            run.outcome.ok,
+            run.outcome.errors,
+            run.waits.0,
+            run.waits.1,
+            run.waits.2,
+        );
+        assert_eq!(
+            run.outcome.answered, run.outcome.sent,
+            "[{name}] every call gets an answer"
+        );
+    }
+    assert!(
+        sticky.home_streams < SKEW_WORKERS as u64,
+        "staging: sticky's server holds {} streams",
+        sticky.home_streams
+    );
+    assert!(sticky.waits.1 > 10, "sticky: {:?}", sticky.waits);
+    assert_eq!(
+        available.outcome.errors.get("no_capacity"),
+        None,
+        "available: {:?}",
+        available.outcome.errors
+    );
+    assert_eq!(available.outcome.ok, available.outcome.sent);
+    assert_eq!(
+        available.waits.1, 0,
+        "available queued calls: {:?}",
+        available.waits
+    );
+}
+
+// ---------------------------------------------------------------- killed server
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_mid_load_loses_only_calls_in_progress_and_every_call_is_answered() {
+    let mut stack = Stack::builder()
+        .servers(3)
+        .placement(Policy::RoundRobin)
+        .coverage(CoverageConfig {
+            enabled: false,
+            fixed_streams: 12,
+            ..CoverageConfig::default()
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    eventually("every server reports idle streams", READY, || async {
+        let route = demo_route(stack.dispatcher_admin).await;
+        let s = servers_of(&route);
+        s.len() == 3 && s.iter().all(|s| figure(s, "idle") > 0)
+    })
+    .await;
+    let home = demo_route(stack.dispatcher_admin).await["home"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let victim = (0..3)
+        .find(|i| stack.server_id(*i) == Some(home.as_str()))
+        .expect("home is one of the servers");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(drive(
+        stack.caller(),
+        6,
+        format!("/relay/{TUNNEL_ID}/slow/300"),
+        10_000,
+        stop.clone(),
+    ));
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let killed_at = Instant::now();
+    assert!(stack.kill_server(victim));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    stop.store(true, Ordering::SeqCst);
+    let outcome = load.await.unwrap();
+    let retries = metric(stack.dispatcher_admin, "relay_dispatcher_retries_total").await;
+    eprintln!(
+        "killed {home}: calls {} answered {} ok {} errors {:?}; dispatcher retries {retries}",
+        outcome.sent, outcome.answered, outcome.ok, outcome.errors
+    );
+    assert_eq!(outcome.answered, outcome.sent, "every call gets an answer");
+    for (at, status, code) in &outcome.calls {
+        if *status == 200 {
+            continue;
+        }
+        // Only calls that may have been on the killed server fail, with a clear 502.
+        assert_eq!(
+            (*status, code.as_str()),
+            (502, "stream_lost"),
+            "call sent {:?} after the kill",
+            at.checked_duration_since(killed_at)
+        );
+        assert!(*at < killed_at, "a call sent after the kill failed: {code}");
+    }
+    let failed = outcome.sent - outcome.ok;
+    assert!(failed <= 6, "more failures ({failed}) than calls in flight");
+    let after_kill = outcome.calls.iter().filter(|c| c.0 > killed_at).count();
+    assert!(after_kill > 6, "the load kept flowing after the kill");
+    stack.shutdown().await;
+}
+
+// ---------------------------------------------------------------- Redis fixture
+
+/// A `redis-server` of our own on a free loopback port; killed on drop.
+struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+/// Whether `redis-server` can be run. Under CI its absence is a failure.
+fn redis_available(test: &str) -> bool {
+    let found = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+        assert!(
+            !ci,
+            "{test}: redis-server is not installed (CI=true): .ci/run installs the Debian package redis-server"
+        );
+        eprintln!("{test}: SKIPPED: redis-server is not installed (apt-get install redis-server)");
+    }
+    found
+}
+
+impl RedisServer {
+    async fn start() -> Self {
+        // Redis cannot bind port 0: take a free port from the OS and release it.
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let dir =
+            std::env::temp_dir().join(format!("relay-test-redis-{}-{port}", std::process::id()));
+        let mut r = RedisServer {
+            child: None,
+            port,
+            dir,
+        };
+        r.restart().await;
+        r
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// (Re)starts the server on its port with an empty data set.
+    async fn restart(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        std::fs::create_dir_all(&self.dir).unwrap();
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .args(["--daemonize", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        self.child = Some(child);
+        let port = self.port;
+        eventually(
+            "redis-server answers PING",
+            Duration::from_secs(10),
+            || async move { ping(port).await },
+        )
+        .await;
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn ping(port: u16) -> bool {
+    let attempt = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        s.write_all(b"PING\r\n").await.ok()?;
+        let mut buf = [0u8; 7];
+        s.read_exact(&mut buf).await.ok()?;
+        Some(&buf == b"+PONG\r\n")
+    };
+    tokio::time::timeout(Duration::from_millis(500), attempt)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
+// ---------------------------------------------------------------- two dispatchers, one Redis
+
+struct DispatcherUnderTest {
+    http: SocketAddr,
+    registry: SocketAddr,
+    admin: SocketAddr,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn any() -> TcpListener {
+    TcpListener::bind("127.0.0.1:0").await.unwrap()
+}
+
+async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest {
+    let l = relay_dispatcher::Listeners {
+        http: any().await,
+        registry: any().await,
+        admin: any().await,
+    };
+    let (http, registry, admin) = (
+        l.http.local_addr().unwrap(),
+        l.registry.local_addr().unwrap(),
+        l.admin.local_addr().unwrap(),
+    );
+    let cfg = relay_dispatcher::Config {
+        callers: vec![relay_dispatcher::CallerConfig {
+            name: "dev".into(),
+            key: Secret::new(CALLER_KEY),
+        }],
+        call_timeout: Duration::from_secs(10),
+        registry: relay_dispatcher::RegistryConfig {
+            backend: RegistryBackend::Redis,
+            url: Some(Secret::new(redis_url)),
+            key_prefix: prefix.to_string(),
+            refresh_interval: Duration::from_millis(200),
+            redis_timeout: Duration::from_millis(500),
+            server_key: Some(Secret::new("fleet-key")),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let task = tokio::spawn(async move {
+        if let Err(e) = relay_dispatcher::run(cfg, l, s.cancelled_owned()).await {
+            panic!("dispatcher failed: {e}");
+        }
+    });
+    DispatcherUnderTest {
+        http,
+        registry,
+        admin,
+        stop,
+        task,
+    }
+}
+
+async fn start_server(id: &str, dispatcher: SocketAddr) -> TunnelServerHandle {
+    let cfg = relay_tunnel_server::Config {
+        server_id: id.to_string(),
+        dispatchers: vec![format!("http://{dispatcher}")],
+        dispatcher_key: Some(Secret::new("fleet-key")),
+        ..relay_tunnel_server::Config::default()
+    };
+    let l = relay_tunnel_server::Listeners {
+        agent: any().await,
+        forward: any().await,
+        admin: any().await,
+    };
+    relay_tunnel_server::start(cfg, TokenStore::single(TOKEN, TUNNEL_ID), l)
+        .await
+        .unwrap()
+}
+
+/// Two dispatchers on one Redis, ts-1 reporting to the first and ts-2 to the second, one
+/// agent dialing both servers.
+struct Fleet {
+    upstream: UpstreamHandle,
+    dispatchers: Vec<DispatcherUnderTest>,
+    servers: Vec<Option<TunnelServerHandle>>,
+    agent_stop: CancellationToken,
+    agent: tokio::task::JoinHandle<()>,
+}
+
+impl Fleet {
+    async fn start(redis_url: &str, prefix: &str) -> Fleet {
+        let upstream = Upstream::builder().spawn().await.unwrap();
+        let d1 = start_dispatcher(redis_url, prefix).await;
+        let d2 = start_dispatcher(redis_url, prefix).await;
+        let s1 = start_server("ts-1", d1.registry).await;
+        let s2 = start_server("ts-2", d2.registry).await;
+        let cfg = relay_agent::Config {
+            tunnels: vec![
+                format!("http://{}", s1.agent_addr),
+                format!("http://{}", s2.agent_addr),
+            ],
+            token: Secret::new(TOKEN),
+            upstream: upstream.url(),
+            coverage: CoverageConfig {
+                enabled: false,
+                fixed_streams: 8,
+                ..CoverageConfig::default()
+            },
+            allow: vec![relay_agent::config::AllowRule {
+                name: Some("test-all".into()),
+                methods: vec!["*".into()],
+                path: "/**".into(),
+                ..Default::default()
+            }],
+            ..relay_agent::Config::default()
+        };
+        let agent_stop = CancellationToken::new();
+        let admin = any().await;
+        let s = agent_stop.clone();
+        let agent = tokio::spawn(async move {
+            let _ = relay_agent::run(cfg, admin, s.cancelled_owned()).await;
+        });
+        Fleet {
+            upstream,
+            dispatchers: vec![d1, d2],
+            servers: vec![Some(s1), Some(s2)],
+            agent_stop,
+            agent,
+        }
+    }
+
+    /// Waits until dispatcher `d` routes `demo` to every server in `ids`.
+    async fn wait_sees(&self, d: usize, ids: &[&str]) {
+        let admin = self.dispatchers[d].admin;
+        let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+        eventually(
+            &format!("dispatcher {d} routes {TUNNEL_ID} to {ids:?}"),
+            READY,
+            || {
+                let ids = ids.clone();
+                async move {
+                    let route = demo_route(admin).await;
+                    let seen: Vec<String> = servers_of(&route)
+                        .iter()
+                        .filter(|s| figure(s, "idle") + figure(s, "busy") > 0)
+                        .filter_map(|s| s["server_id"].as_str().map(str::to_string))
+                        .collect();
+                    ids.iter().all(|i| seen.contains(i))
+                }
+            },
+        )
+        .await;
+    }
+
+    fn caller(&self, d: usize) -> Caller {
+        Caller::new(self.dispatchers[d].http, Some(CALLER_KEY))
+    }
+
+    async fn shutdown(mut self) {
+        self.agent_stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.agent).await;
+        for s in self.servers.iter_mut().filter_map(Option::take) {
+            s.shutdown().await;
+        }
+        for d in self.dispatchers {
+            d.stop.cancel();
+            let _ = tokio::time::timeout(Duration::from_secs(10), d.task).await;
+        }
+        self.upstream.shutdown().await;
+    }
+}
+
+fn unique_prefix(name: &str) -> String {
+    format!("relay-test-{name}-{}", std::process::id())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_dispatchers_sharing_redis_both_route_the_tunnel_id() {
+    // A shared instance (.ci/run exports one) is fine here: the key prefix is unique.
+    let mut _own = None;
+    let url = match std::env::var("RELAY_TEST_REDIS_URL") {
+        Ok(u) if !u.is_empty() => u,
+        _ => {
+            if !redis_available("two_dispatchers_sharing_redis_both_route_the_tunnel_id") {
+                return;
+            }
+            let r = RedisServer::start().await;
+            let url = r.url();
+            _own = Some(r);
+            url
+        }
+    };
+    let fleet = Fleet::start(&url, &unique_prefix("share")).await;
+    fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
+    fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
+    let (_, routes) = admin_json(fleet.dispatchers[0].admin, "/debug/routes").await;
+    let origin = |id: &str| {
+        routes["servers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["server_id"] == id)
+            .map(|s| s["origin"].clone())
+    };
+    assert_eq!(origin("ts-1"), Some("local".into()));
+    assert_eq!(origin("ts-2"), Some("shared".into()));
+    for d in 0..2 {
+        let caller = fleet.caller(d);
+        for _ in 0..20 {
+            let a = caller
+                .get(&format!("/relay/{TUNNEL_ID}/hello"))
+                .await
+                .unwrap();
+            assert_eq!(a.status, 200, "via dispatcher {d}: {}", a.text());
+        }
+    }
+    // ts-1 (the only server reporting to dispatcher 0) goes away: dispatcher 0 still routes
+    // through ts-2, which it knows only from Redis.
+    let mut fleet = fleet;
+    fleet.servers[0].take().unwrap().shutdown().await;
+    let admin0 = fleet.dispatchers[0].admin;
+    eventually("dispatcher 0 forgets ts-1", READY, || async {
+        !servers_of(&demo_route(admin0).await)
+            .iter()
+            .any(|s| s["server_id"] == "ts-1")
+    })
+    .await;
+    let caller = fleet.caller(0);
+    for _ in 0..10 {
+        let a = caller
+            .get(&format!("/relay/{TUNNEL_ID}/hello"))
+            .await
+            .unwrap();
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert!(
+        metric(
+            admin0,
+            "relay_dispatcher_calls_by_server_total{outcome=\"ok\",server_id=\"ts-2\"}"
+        )
+        .await
+            >= 10.0
+    );
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers() {
+    if !redis_available("redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers") {
+        return;
+    }
+    let mut redis = RedisServer::start().await;
+    let fleet = Fleet::start(&redis.url(), &unique_prefix("outage")).await;
+    fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
+    fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
+    for d in &fleet.dispatchers {
+        assert_eq!(admin_json(d.admin, "/readyz").await.0, 200);
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let loads: Vec<_> = (0..2)
+        .map(|d| {
+            tokio::spawn(drive(
+                fleet.caller(d),
+                2,
+                format!("/relay/{TUNNEL_ID}/slow/20"),
+                5000,
+                stop.clone(),
+            ))
+        })
+        .collect();
+
+    redis.stop();
+    let stopped_at = Instant::now();
+    for d in &fleet.dispatchers {
+        let admin = d.admin;
+        eventually(
+            "readyz reports the registry degraded",
+            READY,
+            || async move {
+                let (status, body) = admin_json(admin, "/readyz").await;
+                status == 503 && body["detail"]["registry"]["state"] == "degraded"
+            },
+        )
+        .await;
+    }
+    let degraded_after = stopped_at.elapsed();
+    // Still routing from the last known table.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    redis.restart().await;
+    let restarted_at = Instant::now();
+    for d in &fleet.dispatchers {
+        let admin = d.admin;
+        eventually("readyz recovers", READY, || async move {
+            admin_json(admin, "/readyz").await.0 == 200
+        })
+        .await;
+    }
+    let recovered_after = restarted_at.elapsed();
+    // The shared table is rebuilt in the fresh Redis.
+    fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
+    fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    let mut total = Outcome::default();
+    for l in loads {
+        let o = l.await.unwrap();
+        total.sent += o.sent;
+        total.answered += o.answered;
+        total.ok += o.ok;
+        for (k, v) in o.errors {
+            *total.errors.entry(k).or_default() += v;
+        }
+    }
+    eprintln!(
+        "redis outage: degraded seen after {degraded_after:?}, recovered {recovered_after:?} after restart; \
+         calls {} ok {} errors {:?}",
+        total.sent, total.ok, total.errors
+    );
+    assert_eq!(total.answered, total.sent);
+    assert_eq!(
+        total.ok, total.sent,
+        "calls kept flowing: {:?}",
+        total.errors
+    );
+    assert!(total.sent > 20, "the load ran: {}", total.sent);
+    fleet.shutdown().await;
+}
