@@ -108,7 +108,27 @@ pub(crate) async fn run_call(
         Err(e) => return fail(&ctx, &out, call_id, &e, capped).await,
     };
 
-    let empty = response.is_empty();
+    let mut empty = response.is_empty();
+    // A small body of known length travels inside the head: one frame per hop instead of
+    // two for the most common answer.
+    let mut first = None;
+    let mut whole = Bytes::new();
+    if !empty
+        && response
+            .exact_len()
+            .is_some_and(|n| n <= relay_proto::MAX_CHUNK as u64)
+    {
+        match tokio::time::timeout_at(deadline, response.next_chunk(relay_proto::MAX_CHUNK)).await {
+            Ok(Ok(Some((data, true)))) => {
+                whole = data;
+                empty = true;
+            }
+            Ok(Ok(Some((data, false)))) => first = Some(data),
+            Ok(Ok(None)) => empty = true,
+            Ok(Err(e)) => return fail(&ctx, &out, call_id, &e, capped).await,
+            Err(_) => return fail(&ctx, &out, call_id, &UpstreamError::Timeout, capped).await,
+        }
+    }
     let head = ResponseHead {
         call_id,
         status: u32::from(response.status.as_u16()),
@@ -118,6 +138,7 @@ pub(crate) async fn run_call(
             .map(|(n, v)| Header::new(n.as_str(), v.as_bytes()))
             .collect(),
         end_of_stream: empty,
+        body: whole.into(),
     };
     if out
         .send(AgentFrame::of(Kind::ResponseHead(head)))
@@ -133,7 +154,11 @@ pub(crate) async fn run_call(
     // The whole call stays bounded by the deadline, body included.
     let streamed = tokio::time::timeout_at(deadline, async {
         loop {
-            let (data, end) = match response.next_chunk(relay_proto::MAX_CHUNK).await {
+            let next = match first.take() {
+                Some(data) => Ok(Some((data, false))),
+                None => response.next_chunk(relay_proto::MAX_CHUNK).await,
+            };
+            let (data, end) = match next {
                 Ok(Some(piece)) => piece,
                 Ok(None) => (Bytes::new(), true),
                 Err(e) => return Err(e),

@@ -8,6 +8,7 @@ pub use crate::filter::AllowRule;
 use crate::filter::{Policy, SizeLimits};
 use http::Uri;
 use relay_common::config::ConfigError;
+use relay_common::tls::{ClientCerts, DialerTls};
 use relay_common::Secret;
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -53,6 +54,13 @@ pub struct Config {
     pub max_upstream_connections: Option<usize>,
     /// `[coverage]`: the sizing tick's rules and constants.
     pub coverage: CoverageConfig,
+    /// `[tls]`: how tunnel streams dial `tunnels`: `https://` URLs verified against `ca`
+    /// (with `cert` and `key` when the tunnel servers ask for client certificates), or
+    /// `insecure = true` for plain `http://` URLs (h2c; a warning at start).
+    pub tls: DialerTls,
+    /// How often the `[tls]` files are checked for changes (SIGHUP reloads at once).
+    #[serde(with = "humantime_serde")]
+    pub reload_interval: Duration,
 }
 
 /// `[upstream_check]`.
@@ -121,11 +129,19 @@ impl Default for Config {
             allow: Vec::new(),
             max_upstream_connections: None,
             coverage: CoverageConfig::default(),
+            tls: DialerTls::default(),
+            reload_interval: Duration::from_secs(5),
         }
     }
 }
 
 impl Config {
+    /// Plain `http://` tunnels (`[tls] insecure = true`): tests and the local example.
+    pub fn insecure(mut self) -> Self {
+        self.tls = DialerTls::insecure();
+        self
+    }
+
     /// Checks every key once; the error names the first offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.tunnels.is_empty() {
@@ -134,9 +150,17 @@ impl Config {
                 "at least one tunnel endpoint is required",
             ));
         }
-        for t in &self.tunnels {
-            check_http_url(t, false)
+        for (i, t) in self.tunnels.iter().enumerate() {
+            check_http_url(t, false, true)
                 .map_err(|m| ConfigError::invalid("tunnels", format!("{t:?}: {m}")))?;
+            self.tls.check_url("tls", &format!("tunnels[{i}]"), t)?;
+        }
+        self.tls.resolve("tls", ClientCerts::Optional)?;
+        if self.reload_interval < Duration::from_millis(10) {
+            return Err(ConfigError::invalid(
+                "reload_interval",
+                "must be at least 10ms",
+            ));
         }
         if self.token.is_empty() {
             return Err(ConfigError::invalid("token", "the agent token is required"));
@@ -144,7 +168,8 @@ impl Config {
         if http::HeaderValue::from_str(&format!("Bearer {}", self.token.expose())).is_err() {
             return Err(ConfigError::invalid("token", "must be printable ASCII"));
         }
-        check_http_url(&self.upstream, true).map_err(|m| ConfigError::invalid("upstream", m))?;
+        check_http_url(&self.upstream, true, false)
+            .map_err(|m| ConfigError::invalid("upstream", m))?;
         if !self.upstream_check.path.starts_with('/')
             || self
                 .upstream_check
@@ -238,16 +263,18 @@ fn nonzero(d: Duration, key: &str) -> Result<(), ConfigError> {
     }
 }
 
-/// `http://host:port` (port optional). `origin_only` also refuses a path or query.
-/// TLS is not built into this binary yet, so `https` is refused with a clear message
-/// rather than failing at the first dial.
-fn check_http_url(s: &str, origin_only: bool) -> Result<Uri, String> {
+/// `http://host:port` (port optional; `https://` too when `tls_ok`). `origin_only` also
+/// refuses a path or query. The upstream client speaks plain HTTP only, so an `https`
+/// upstream is refused with a clear message rather than failing at the first call.
+fn check_http_url(s: &str, origin_only: bool, tls_ok: bool) -> Result<Uri, String> {
     let uri: Uri = s.parse().map_err(|e| format!("not a URL: {e}"))?;
     match uri.scheme_str() {
         Some("http") => {}
+        Some("https") if tls_ok => {}
         Some("https") => {
-            return Err("https is not supported by this build (no TLS); use http".into())
+            return Err("https upstreams are not supported by this build; use http".into())
         }
+        _ if tls_ok => return Err("must start with https:// or http://".into()),
         _ => return Err("must start with http://".into()),
     }
     if uri.authority().is_none_or(|a| a.host().is_empty()) {
@@ -266,7 +293,7 @@ fn check_http_url(s: &str, origin_only: bool) -> Result<Uri, String> {
 pub(crate) fn upstream_origin(
     s: &str,
 ) -> Result<(http::uri::Scheme, http::uri::Authority), ConfigError> {
-    let uri = check_http_url(s, true).map_err(|m| ConfigError::invalid("upstream", m))?;
+    let uri = check_http_url(s, true, false).map_err(|m| ConfigError::invalid("upstream", m))?;
     let parts = uri.into_parts();
     match (parts.scheme, parts.authority) {
         (Some(s), Some(a)) => Ok((s, a)),
@@ -287,13 +314,75 @@ mod tests {
             token: Secret::new("dev-token"),
             ..Config::default()
         }
+        .insecure()
     }
 
     #[test]
-    fn defaults_are_valid_once_a_token_is_given() {
+    fn defaults_are_valid_once_a_token_and_the_transport_are_given() {
         valid().validate().unwrap();
         let err = Config::default().validate().unwrap_err().to_string();
+        assert!(err.contains("`tunnels[0]`"), "{err}");
+        assert!(err.contains("insecure = true"), "{err}");
+        let err = Config::default()
+            .insecure()
+            .validate()
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("`token`"), "{err}");
+    }
+
+    #[test]
+    fn tls_section_and_tunnel_schemes_must_agree() {
+        let tls = |t: &str| Config {
+            tunnels: vec![t.into()],
+            tls: DialerTls {
+                ca: Some("ca.pem".into()),
+                ..Default::default()
+            },
+            ..valid()
+        };
+        tls("https://relay.example.com:443").validate().unwrap();
+        let err = tls("http://relay.example.com")
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`tunnels[0]`") && err.contains("plain http"),
+            "{err}"
+        );
+        let err = Config {
+            tunnels: vec!["https://relay.example.com".into()],
+            ..valid()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("`tunnels[0]`") && err.contains("insecure"),
+            "{err}"
+        );
+        let err = Config {
+            tunnels: vec!["https://relay.example.com".into()],
+            tls: DialerTls::default(),
+            ..valid()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`tls.ca`"), "{err}");
+        let err = Config {
+            tls: DialerTls {
+                ca: Some("ca.pem".into()),
+                cert: Some("c.pem".into()),
+                ..Default::default()
+            },
+            tunnels: vec!["https://relay.example.com".into()],
+            ..valid()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`tls.key`"), "{err}");
     }
 
     #[test]
@@ -303,6 +392,8 @@ mod tests {
             token = "t"
             upstream = "http://10.0.0.5:8080"
             connect_timeout = "3s"
+            [tls]
+            insecure = true
             [upstream_check]
             path = "/health"
             [coverage]
@@ -325,6 +416,8 @@ mod tests {
         let text = r#"
             token = "t"
             max_call_timeout = "10m"
+            [tls]
+            insecure = true
             [limits]
             max_header_bytes = 16384
             max_body_bytes = 1048576
@@ -359,7 +452,7 @@ mod tests {
     #[test]
     fn example_configs_are_valid() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-        for file in ["local/agent.toml", "filters/agent.toml"] {
+        for file in ["local/agent.toml", "filters/agent.toml", "tls/agent.toml"] {
             let c: Config = relay_common::config::load(Some(&root.join(file)))
                 .unwrap_or_else(|e| panic!("{file}: {e}"));
             c.validate().unwrap_or_else(|e| panic!("{file}: {e}"));

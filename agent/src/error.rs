@@ -12,6 +12,11 @@ pub enum RunError {
     Config(#[from] ConfigError),
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("[tls]: {source}")]
+    Tls {
+        #[source]
+        source: relay_common::tls::TlsError,
+    },
 }
 
 /// Why a call against the upstream failed.

@@ -102,7 +102,26 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         config.connect_timeout,
         config.max_upstream_connections,
     )?;
-    let dialer = Dialer::new(&config.tunnels, &config.token, config.connect_timeout)?;
+    let tls = config
+        .tls
+        .resolve("tls", relay_common::tls::ClientCerts::Optional)?
+        .map(|c| {
+            relay_common::tls::TlsClient::new("tls", c, relay_common::tls::ALPN_H2)
+                .map_err(|source| RunError::Tls { source })
+        })
+        .transpose()?;
+    if tls.is_none() {
+        tracing::warn!(
+            hop = "tunnel streams ([tls])",
+            "insecure = true: this hop is plain text, without TLS"
+        );
+    }
+    let dialer = Dialer::new(
+        &config.tunnels,
+        &config.token,
+        config.connect_timeout,
+        tls.clone(),
+    )?;
     let policy = config.policy()?;
     if policy.rule_count() == 0 {
         tracing::warn!(
@@ -140,6 +159,15 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
 
     let stop = CancellationToken::new();
     let stop_admin = CancellationToken::new();
+    // Certificates: reloaded on SIGHUP or when their files change; new connections use
+    // the new ones, established streams keep theirs.
+    tokio::spawn(relay_common::tls::watch(
+        tls.into_iter()
+            .map(|t| Arc::new(t) as Arc<dyn relay_common::tls::Reload>)
+            .collect(),
+        config.reload_interval,
+        stop_admin.clone(),
+    ));
     let checker = tokio::spawn(admin::check_upstream(
         upstream,
         config.upstream_check.clone(),

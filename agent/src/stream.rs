@@ -49,6 +49,8 @@ const RETIRE_LINGER: Duration = Duration::from_secs(10);
 pub struct Dialer {
     endpoints: Vec<Endpoint>,
     auth: MetadataValue<Ascii>,
+    /// TLS for `https://` endpoints (`[tls]`); `None` dials plain h2c.
+    tls: Option<relay_common::tls::TlsClient>,
     /// Per endpoint index: the cached channel and its generation (see [`Dialer::evict`]).
     channels: Mutex<HashMap<usize, (u64, Channel)>>,
     next_generation: std::sync::atomic::AtomicU64,
@@ -76,6 +78,7 @@ impl Dialer {
         endpoints: &[String],
         token: &Secret,
         connect_timeout: Duration,
+        tls: Option<relay_common::tls::TlsClient>,
     ) -> Result<Self, ConfigError> {
         if endpoints.is_empty() {
             return Err(ConfigError::invalid(
@@ -109,6 +112,7 @@ impl Dialer {
         Ok(Dialer {
             endpoints,
             auth,
+            tls,
             channels: Mutex::new(HashMap::new()),
             next_generation: std::sync::atomic::AtomicU64::new(1),
         })
@@ -129,7 +133,11 @@ impl Dialer {
                 let g = self
                     .next_generation
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                (g, endpoint.connect_lazy())
+                let channel = match &self.tls {
+                    Some(tls) => endpoint.connect_with_connector_lazy(tls.tonic_connector()),
+                    None => endpoint.connect_lazy(),
+                };
+                (g, channel)
             })
             .clone();
         let id = ChannelId {

@@ -268,6 +268,13 @@ impl UpstreamResponse {
         self.body.is_end_stream()
     }
 
+    /// The body's length when the head tells it exactly (Content-Length).
+    pub fn exact_len(&self) -> Option<u64> {
+        http_body::Body::size_hint(&self.body)
+            .exact()
+            .map(|n| n + self.pending.len() as u64)
+    }
+
     /// The next piece of the body, at most `max` bytes, with `true` when it is known to be
     /// the last. `Ok(None)`: the body ended after a piece that was not marked last.
     pub async fn next_chunk(&mut self, max: usize) -> Result<Option<(Bytes, bool)>, UpstreamError> {

@@ -366,3 +366,16 @@ async fn shutdown_sends_going_away_and_returns() {
         .expect("shutdown finished")
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_small_answer_of_known_length_travels_inside_the_head() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = hyper_upstream().await;
+    let (_agent, _) = start_agent(config(&tunnel.url, &upstream, 1)).await;
+    let mut conn = tunnel.next_conn().await;
+    let a = conn.call(head(1, "GET", "/big?n=1000", true), vec![]).await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    assert_eq!(a.body, pattern(1000));
+    assert_eq!(a.chunks, 0, "one frame: the head carries the body");
+    assert!(a.head.as_ref().is_some_and(|h| h.end_of_stream));
+}

@@ -6,6 +6,7 @@
 //! This module owns certificates and handshakes only; it knows nothing of tunnels or
 //! calls. A config that fails to load on reload is logged and the previous one stays.
 
+use crate::config::ConfigError;
 use arc_swap::ArcSwap;
 use futures::Stream;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -78,6 +79,9 @@ pub enum TlsError {
     Verifier(String),
     #[error("tls key `{key}`: {message}")]
     Config { key: &'static str, message: String },
+    /// A non-TLS item reloaded through [`watch`] (a token store, say) failed.
+    #[error("{0}")]
+    Other(String),
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -332,6 +336,225 @@ impl Reload for TlsClient {
     }
 }
 
+/// A listener's TLS section as operators write it (`[agent_tls]`, `[tls]`...): TLS
+/// settings, or `insecure = true` for plain h2c. Neither is a config error, so plain text is
+/// always a written choice.
+#[derive(Clone, Debug, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ListenerTls {
+    /// Serve plain text (h2c / HTTP/1.1) on this listener; the process warns at start.
+    pub insecure: bool,
+    /// PEM certificate chain presented to clients.
+    pub cert: Option<PathBuf>,
+    /// PEM private key of `cert`.
+    pub key: Option<PathBuf>,
+    /// PEM bundle of CAs whose client certificates are accepted. Set: mutual TLS.
+    pub client_ca: Option<PathBuf>,
+    /// With `client_ca`: accept clients without a certificate too.
+    pub client_cert_optional: bool,
+}
+
+/// Whether a listener insists on client certificates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientCerts {
+    /// `client_ca` and `client_cert_optional` are the operator's choice.
+    Optional,
+    /// Mutual TLS: `client_ca` is required and every client must present a certificate.
+    Required,
+}
+
+impl ListenerTls {
+    /// Plain text, for tests and local examples.
+    pub fn insecure() -> Self {
+        ListenerTls {
+            insecure: true,
+            ..Default::default()
+        }
+    }
+
+    /// TLS with these settings.
+    pub fn tls(s: ServerTls) -> Self {
+        ListenerTls {
+            insecure: false,
+            cert: Some(s.cert),
+            key: Some(s.key),
+            client_ca: s.client_ca,
+            client_cert_optional: s.client_cert_optional,
+        }
+    }
+
+    /// Checks the section (named `section` in errors): `Some` settings for TLS, `None` for
+    /// plain text. Reads no file.
+    pub fn resolve(
+        &self,
+        section: &str,
+        certs: ClientCerts,
+    ) -> Result<Option<ServerTls>, ConfigError> {
+        let key = |k: &str| format!("{section}.{k}");
+        if self.insecure {
+            if self.cert.is_some() || self.key.is_some() || self.client_ca.is_some() {
+                return Err(ConfigError::invalid(
+                    key("insecure"),
+                    "insecure = true cannot be combined with cert, key or client_ca",
+                ));
+            }
+            return Ok(None);
+        }
+        let (cert, k) = match (&self.cert, &self.key) {
+            (Some(c), Some(k)) => (c.clone(), k.clone()),
+            (None, None) => {
+                return Err(ConfigError::invalid(
+                    section,
+                    "TLS is required: set cert and key, or insecure = true to serve plain text",
+                ))
+            }
+            (Some(_), None) => {
+                return Err(ConfigError::invalid(key("key"), "is required with cert"))
+            }
+            (None, Some(_)) => {
+                return Err(ConfigError::invalid(key("cert"), "is required with key"))
+            }
+        };
+        if certs == ClientCerts::Required {
+            if self.client_ca.is_none() {
+                return Err(ConfigError::invalid(
+                    key("client_ca"),
+                    "is required: this hop uses mutual TLS",
+                ));
+            }
+            if self.client_cert_optional {
+                return Err(ConfigError::invalid(
+                    key("client_cert_optional"),
+                    "is not allowed: this hop uses mutual TLS",
+                ));
+            }
+        }
+        if self.client_cert_optional && self.client_ca.is_none() {
+            return Err(ConfigError::invalid(
+                key("client_cert_optional"),
+                "needs client_ca",
+            ));
+        }
+        Ok(Some(ServerTls {
+            cert,
+            key: k,
+            client_ca: self.client_ca.clone(),
+            client_cert_optional: self.client_cert_optional,
+        }))
+    }
+}
+
+/// A dialer's TLS section (`[tls]` of the agent, `[forward_tls]` of the dispatcher...):
+/// TLS settings for `https://` URLs, or `insecure = true` for plain `http://` URLs.
+#[derive(Clone, Debug, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct DialerTls {
+    /// Dial plain `http://` URLs (h2c); the process warns at start.
+    pub insecure: bool,
+    /// PEM bundle of CAs trusted to sign the server's certificate.
+    pub ca: Option<PathBuf>,
+    /// PEM client certificate chain, for servers that require mutual TLS.
+    pub cert: Option<PathBuf>,
+    /// PEM private key of `cert`.
+    pub key: Option<PathBuf>,
+    /// Name to verify in the server's certificate instead of the URL's host.
+    pub server_name: Option<String>,
+}
+
+impl DialerTls {
+    /// Plain text, for tests and local examples.
+    pub fn insecure() -> Self {
+        DialerTls {
+            insecure: true,
+            ..Default::default()
+        }
+    }
+
+    /// TLS with these settings.
+    pub fn tls(c: ClientTls) -> Self {
+        DialerTls {
+            insecure: false,
+            ca: c.ca,
+            cert: c.cert,
+            key: c.key,
+            server_name: c.server_name,
+        }
+    }
+
+    /// Checks the section: `Some` settings for TLS, `None` for plain text. `certs =
+    /// Required` insists on a client certificate (the peer uses mutual TLS). Reads no file.
+    pub fn resolve(
+        &self,
+        section: &str,
+        certs: ClientCerts,
+    ) -> Result<Option<ClientTls>, ConfigError> {
+        let key = |k: &str| format!("{section}.{k}");
+        if self.insecure {
+            if self.ca.is_some() || self.cert.is_some() || self.key.is_some() {
+                return Err(ConfigError::invalid(
+                    key("insecure"),
+                    "insecure = true cannot be combined with ca, cert or key",
+                ));
+            }
+            return Ok(None);
+        }
+        if self.ca.is_none() {
+            return Err(ConfigError::invalid(
+                key("ca"),
+                "TLS is required: set ca (the CA bundle that signs the server's certificate), or insecure = true to dial plain http://",
+            ));
+        }
+        match (&self.cert, &self.key) {
+            (Some(_), None) => {
+                return Err(ConfigError::invalid(key("key"), "is required with cert"))
+            }
+            (None, Some(_)) => {
+                return Err(ConfigError::invalid(key("cert"), "is required with key"))
+            }
+            (None, None) if certs == ClientCerts::Required => {
+                return Err(ConfigError::invalid(
+                    key("cert"),
+                    "cert and key are required: this hop uses mutual TLS",
+                ))
+            }
+            _ => {}
+        }
+        if let Some(name) = &self.server_name {
+            if ServerName::try_from(name.clone()).is_err() {
+                return Err(ConfigError::invalid(
+                    key("server_name"),
+                    "is not a DNS name or IP address",
+                ));
+            }
+        }
+        Ok(Some(ClientTls {
+            ca: self.ca.clone(),
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+            server_name: self.server_name.clone(),
+        }))
+    }
+
+    /// Checks that `url` (config key `url_key`) has the scheme this section dials:
+    /// `https://` with TLS, `http://` with `insecure = true`.
+    pub fn check_url(&self, section: &str, url_key: &str, url: &str) -> Result<(), ConfigError> {
+        let https = url.starts_with("https://");
+        let http = url.starts_with("http://");
+        match (self.insecure, http, https) {
+            (true, true, _) | (false, _, true) => Ok(()),
+            (true, _, true) => Err(ConfigError::invalid(
+                url_key,
+                format!("{url:?} is https:// but [{section}] says insecure = true; configure [{section}] ca (and cert/key) instead"),
+            )),
+            (false, true, _) => Err(ConfigError::invalid(
+                url_key,
+                format!("{url:?} is plain http://: use https:// with [{section}], or set [{section}] insecure = true"),
+            )),
+            _ => Err(ConfigError::invalid(url_key, format!("{url:?} is not an http:// or https:// URL"))),
+        }
+    }
+}
+
 /// Reloads every item on SIGHUP, and when one of its files changes (checked every
 /// `poll`), until `stop`.
 pub async fn watch(items: Vec<Arc<dyn Reload>>, poll: Duration, stop: CancellationToken) {
@@ -374,9 +597,9 @@ pub async fn watch(items: Vec<Arc<dyn Reload>>, poll: Duration, stop: Cancellati
             }
             stamps[i] = now;
             match item.reload() {
-                Ok(()) => info!(what = item.name(), "tls config reloaded"),
+                Ok(()) => info!(what = item.name(), "reloaded from its files"),
                 Err(e) => {
-                    warn!(what = item.name(), error = %e, "tls config reload failed; keeping the previous one")
+                    warn!(what = item.name(), error = %e, "reload failed; keeping the previous one")
                 }
             }
         }

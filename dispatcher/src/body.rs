@@ -226,6 +226,8 @@ pub struct CallGuard {
     recorded: bool,
     /// The tunnel server that answered (or the last one tried).
     server_id: Option<Arc<str>>,
+    /// The caller's concurrency slot, given back when the call ends.
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl CallGuard {
@@ -236,7 +238,13 @@ impl CallGuard {
             start: Instant::now(),
             recorded: false,
             server_id: None,
+            permit: None,
         }
+    }
+
+    /// Holds the caller's concurrency slot until the call ends.
+    pub fn hold(&mut self, permit: tokio::sync::OwnedSemaphorePermit) {
+        self.permit = Some(permit);
     }
 
     /// The server the call went to, for the per-server outcome counter.
@@ -249,6 +257,7 @@ impl CallGuard {
             return;
         }
         self.recorded = true;
+        self.permit = None;
         self.metrics.calls_in_flight.dec();
         self.metrics.calls.with_label_values(&[outcome]).inc();
         let server = self.server_id.as_deref().unwrap_or("none");

@@ -5,6 +5,7 @@
 //! (loading goes through `relay_common::config`).
 
 use relay_common::config::ConfigError;
+use relay_common::tls::{ClientCerts, ClientTls, DialerTls, ListenerTls, ServerTls};
 use relay_common::Secret;
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -31,6 +32,26 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// Largest request head (request line plus headers) accepted; bigger ones get 431.
     pub max_header_bytes: usize,
+    /// Largest request body of one call, in bytes; unset: no bound. A declared
+    /// Content-Length above it gets 413 `body_too_large` before anything is forwarded; a
+    /// streamed body that passes it is cut (413 if no response head went out yet).
+    pub max_request_body_bytes: Option<u64>,
+    /// Largest gRPC message on the registry listener and on `Forward.Call` to tunnel
+    /// servers; a bigger frame ends that call or stream with RESOURCE_EXHAUSTED.
+    pub max_frame_bytes: usize,
+    /// `[tls]`: TLS of the HTTP front (ALPN h2 and http/1.1; `client_ca` for client
+    /// certificates), or `insecure = true` for plain HTTP/1.1 and h2c.
+    pub tls: ListenerTls,
+    /// `[registry_tls]`: TLS of the registry listener; mutual TLS (`client_ca` required:
+    /// only tunnel servers with a certificate from it may report), or `insecure = true`.
+    pub registry_tls: ListenerTls,
+    /// `[forward_tls]`: how `Forward.Call` dials tunnel servers' `https://` forward URLs
+    /// (`ca`, plus `cert` and `key`: tunnel servers' forward listeners use mutual TLS), or
+    /// `insecure = true` for `http://` forward URLs.
+    pub forward_tls: DialerTls,
+    /// How often certificate files are checked for changes (SIGHUP reloads at once).
+    #[serde(with = "humantime_serde")]
+    pub reload_interval: Duration,
     /// Backends allowed to call, each with its own key (`Authorization: Bearer <key>`).
     pub callers: Vec<CallerConfig>,
     /// How calls are routed among the tunnel servers holding a tunnel id.
@@ -157,6 +178,66 @@ pub struct CallerConfig {
     pub name: String,
     /// The caller's bearer key; compared in constant time and never logged.
     pub key: Secret,
+    /// Tunnel ids this caller may reach: exact ids or patterns where `*` matches any run of
+    /// characters (`"acme-*"`); `["*"]` allows every tunnel id. Required: there is no
+    /// implicit "all". Another tunnel id gets 403 `forbidden`.
+    pub tunnels: Vec<String>,
+    /// Calls of this caller in flight at once; one more gets 429 `too_many_calls`.
+    #[serde(default = "default_max_concurrent_calls")]
+    pub max_concurrent_calls: usize,
+}
+
+/// Default of `callers[].max_concurrent_calls`.
+pub const DEFAULT_MAX_CONCURRENT_CALLS: usize = 256;
+
+fn default_max_concurrent_calls() -> usize {
+    DEFAULT_MAX_CONCURRENT_CALLS
+}
+
+impl CallerConfig {
+    /// A caller that may reach every tunnel id, with the default concurrency bound.
+    pub fn allow_all(name: impl Into<String>, key: Secret) -> Self {
+        CallerConfig {
+            name: name.into(),
+            key,
+            tunnels: vec!["*".into()],
+            max_concurrent_calls: DEFAULT_MAX_CONCURRENT_CALLS,
+        }
+    }
+
+    /// Whether this caller may reach `tunnel_id`.
+    pub fn may_reach(&self, tunnel_id: &str) -> bool {
+        self.tunnels.iter().any(|p| pattern_matches(p, tunnel_id))
+    }
+}
+
+/// `*` matches any run of characters (none included); everything else is literal.
+pub fn pattern_matches(pattern: &str, id: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = id.strip_prefix(first) else {
+        return false;
+    };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else {
+        // No `*`: exact match.
+        return rest.is_empty();
+    };
+    for p in middle {
+        match rest.find(p) {
+            Some(i) => rest = &rest[i + p.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+/// The transport of each hop, checked: `None` is plain text (`insecure = true`).
+#[derive(Clone, Debug)]
+pub struct Transport {
+    pub front: Option<ServerTls>,
+    pub registry: Option<ServerTls>,
+    pub forward: Option<ClientTls>,
 }
 
 impl Default for Config {
@@ -169,6 +250,12 @@ impl Default for Config {
             max_call_timeout: Duration::from_secs(300),
             shutdown_grace: Duration::from_secs(10),
             max_header_bytes: 64 * 1024,
+            max_request_body_bytes: None,
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            tls: ListenerTls::default(),
+            registry_tls: ListenerTls::default(),
+            forward_tls: DialerTls::default(),
+            reload_interval: Duration::from_secs(5),
             callers: Vec::new(),
             routing: RoutingConfig::default(),
             registry: RegistryConfig::default(),
@@ -179,7 +266,32 @@ impl Default for Config {
 /// Smallest `max_header_bytes` accepted: hyper's HTTP/1 read buffer cannot be smaller.
 pub const MIN_HEADER_BYTES: usize = 8 * 1024;
 
+/// Default of `max_frame_bytes`: a 64 KiB body chunk plus generous room for heads.
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
+
 impl Config {
+    /// Plain text on every hop (`insecure = true` on each TLS section): tests and the
+    /// local example.
+    pub fn insecure(mut self) -> Self {
+        self.tls = ListenerTls::insecure();
+        self.registry_tls = ListenerTls::insecure();
+        self.forward_tls = DialerTls::insecure();
+        self
+    }
+
+    /// Checks the TLS sections.
+    pub fn transport(&self) -> Result<Transport, ConfigError> {
+        Ok(Transport {
+            front: self.tls.resolve("tls", ClientCerts::Optional)?,
+            registry: self
+                .registry_tls
+                .resolve("registry_tls", ClientCerts::Required)?,
+            forward: self
+                .forward_tls
+                .resolve("forward_tls", ClientCerts::Required)?,
+        })
+    }
+
     /// Checks the settings once at start; the error names the offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.call_timeout.is_zero() {
@@ -212,6 +324,28 @@ impl Config {
                 "at least one caller key is needed (config [[callers]] or --caller-key / RELAY_CALLER_KEY)",
             ));
         }
+        self.transport()?;
+        if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
+            return Err(ConfigError::invalid(
+                "max_frame_bytes",
+                format!(
+                    "must be at least {} (two body chunks)",
+                    2 * relay_proto::MAX_CHUNK
+                ),
+            ));
+        }
+        if self.max_request_body_bytes == Some(0) {
+            return Err(ConfigError::invalid(
+                "max_request_body_bytes",
+                "must be at least 1 when set",
+            ));
+        }
+        if self.reload_interval < Duration::from_millis(10) {
+            return Err(ConfigError::invalid(
+                "reload_interval",
+                "must be at least 10ms",
+            ));
+        }
         self.validate_routing()?;
         self.validate_registry()?;
         for (i, c) in self.callers.iter().enumerate() {
@@ -231,6 +365,31 @@ impl Config {
                 return Err(ConfigError::invalid(
                     format!("callers[{i}].name"),
                     "duplicate caller name",
+                ));
+            }
+            if c.tunnels.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("callers[{i}].tunnels"),
+                    "must list the tunnel ids this caller may reach (patterns allowed; [\"*\"] for all)",
+                ));
+            }
+            for (j, p) in c.tunnels.iter().enumerate() {
+                let ok = !p.is_empty()
+                    && p.len() <= 128
+                    && p.bytes().all(|b| {
+                        b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'*')
+                    });
+                if !ok {
+                    return Err(ConfigError::invalid(
+                        format!("callers[{i}].tunnels[{j}]"),
+                        "must be a tunnel id or a pattern of [A-Za-z0-9._-] and `*`",
+                    ));
+                }
+            }
+            if c.max_concurrent_calls == 0 {
+                return Err(ConfigError::invalid(
+                    format!("callers[{i}].max_concurrent_calls"),
+                    "must be at least 1",
                 ));
             }
         }
@@ -346,6 +505,13 @@ mod tests {
             [[callers]]
             name = "ci"
             key = "k"
+            tunnels = ["*"]
+            [tls]
+            insecure = true
+            [registry_tls]
+            insecure = true
+            [forward_tls]
+            insecure = true
             "#,
             Path::new("d.toml"),
         )
@@ -365,13 +531,14 @@ mod tests {
         let cfg = Config {
             max_call_timeout: Duration::from_secs(1),
             ..Config::default()
-        };
+        }
+        .insecure();
         assert!(cfg
             .validate()
             .unwrap_err()
             .to_string()
             .contains("max_call_timeout"));
-        let cfg = Config::default();
+        let cfg = Config::default().insecure();
         assert!(cfg.validate().unwrap_err().to_string().contains("callers"));
     }
 
@@ -382,6 +549,14 @@ mod tests {
             [[callers]]
             name = "ci"
             key = "k"
+            tunnels = ["acme-*", "demo"]
+            max_concurrent_calls = 8
+            [tls]
+            insecure = true
+            [registry_tls]
+            insecure = true
+            [forward_tls]
+            insecure = true
             [routing]
             policy = "sticky"
             retry_idempotent = true
@@ -424,5 +599,108 @@ mod tests {
             err.to_string().contains("random") || err.to_string().contains("policy"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn every_hop_needs_tls_or_an_explicit_insecure() {
+        let base = || {
+            let mut c = Config::default().insecure();
+            c.callers = vec![CallerConfig::allow_all("ci", Secret::new("k"))];
+            c
+        };
+        base().validate().unwrap();
+        let mut c = base();
+        c.registry_tls = ListenerTls::default();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`registry_tls`") && err.contains("insecure = true"),
+            "{err}"
+        );
+        let mut c = base();
+        c.registry_tls = ListenerTls {
+            cert: Some("s.pem".into()),
+            key: Some("s.key".into()),
+            ..Default::default()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("`registry_tls.client_ca`"), "{err}");
+        let mut c = base();
+        c.forward_tls = DialerTls {
+            ca: Some("ca.pem".into()),
+            ..Default::default()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("`forward_tls.cert`"), "{err}");
+        let mut c = base();
+        c.tls = ListenerTls {
+            cert: Some("s.pem".into()),
+            key: Some("s.key".into()),
+            ..Default::default()
+        };
+        c.validate().unwrap();
+        c.tls.insecure = true;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("`tls.insecure`"), "{err}");
+    }
+
+    #[test]
+    fn callers_name_their_tunnels_explicitly() {
+        let err = relay_common::config::parse::<Config>(
+            "[[callers]]\nname = \"a\"\nkey = \"k\"\n",
+            Path::new("d.toml"),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("tunnels"), "{err}");
+        let mut c = Config::default().insecure();
+        c.callers = vec![CallerConfig {
+            tunnels: vec![],
+            ..CallerConfig::allow_all("a", Secret::new("k"))
+        }];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("`callers[0].tunnels`"), "{err}");
+        c.callers[0].tunnels = vec!["acme/x".into()];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("`callers[0].tunnels[0]`"), "{err}");
+    }
+
+    #[test]
+    fn tunnel_patterns_match_as_documented() {
+        let cases = [
+            ("*", "anything", true),
+            ("demo", "demo", true),
+            ("demo", "demo-2", false),
+            ("acme-*", "acme-scm", true),
+            ("acme-*", "acme-", true),
+            ("acme-*", "acm", false),
+            ("acme-*", "xacme-scm", false),
+            ("*-scm", "acme-scm", true),
+            ("*-scm", "acme-scm2", false),
+            ("a*b*c", "aXbYc", true),
+            ("a*b*c", "abc", true),
+            ("a*b*c", "acb", false),
+            ("a*a", "a", false),
+        ];
+        for (pattern, id, want) in cases {
+            assert_eq!(pattern_matches(pattern, id), want, "{pattern} vs {id}");
+        }
+    }
+
+    #[test]
+    fn example_configs_are_valid() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        for (file, tls) in [
+            ("local/dispatcher.toml", false),
+            ("tls/dispatcher.toml", true),
+        ] {
+            let c: Config = relay_common::config::load(Some(&root.join(file)))
+                .unwrap_or_else(|e| panic!("{file}: {e}"));
+            c.validate().unwrap_or_else(|e| panic!("{file}: {e}"));
+            let t = c.transport().unwrap();
+            assert_eq!(
+                (t.front.is_some(), t.registry.is_some(), t.forward.is_some()),
+                (tls, tls, tls),
+                "{file}"
+            );
+        }
     }
 }

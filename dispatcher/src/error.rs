@@ -16,12 +16,24 @@ pub enum RunError {
     Metrics(#[from] prometheus::Error),
     #[error("registry listener failed: {0}")]
     Registry(#[source] tonic::transport::Error),
+    #[error("[{section}]: {source}")]
+    Tls {
+        section: &'static str,
+        #[source]
+        source: relay_common::tls::TlsError,
+    },
 }
 
 /// The error codes a caller can see, each with its HTTP status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorCode {
     Unauthorized,
+    /// The caller key may not reach this tunnel id.
+    Forbidden,
+    /// The caller has `max_concurrent_calls` calls in flight.
+    TooManyCalls,
+    /// The request body is over `max_request_body_bytes`.
+    BodyTooLarge,
     NotFound,
     BadRequest,
     HeadersTooLarge,
@@ -41,6 +53,9 @@ impl ErrorCode {
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::Forbidden => "forbidden",
+            ErrorCode::TooManyCalls => "too_many_calls",
+            ErrorCode::BodyTooLarge => "body_too_large",
             ErrorCode::NotFound => "not_found",
             ErrorCode::BadRequest => "bad_request",
             ErrorCode::HeadersTooLarge => "headers_too_large",
@@ -59,6 +74,9 @@ impl ErrorCode {
     pub fn status(self) -> StatusCode {
         match self {
             ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorCode::Forbidden => StatusCode::FORBIDDEN,
+            ErrorCode::TooManyCalls => StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::NotFound => StatusCode::NOT_FOUND,
             ErrorCode::BadRequest => StatusCode::BAD_REQUEST,
             ErrorCode::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -172,7 +190,7 @@ impl Failure {
                     HeaderValue::from_static("Bearer"),
                 );
             }
-            ErrorCode::TunnelUnavailable | ErrorCode::NoCapacity => {
+            ErrorCode::TunnelUnavailable | ErrorCode::NoCapacity | ErrorCode::TooManyCalls => {
                 h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             _ => {}

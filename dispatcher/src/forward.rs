@@ -27,6 +27,7 @@ use crate::error::{ErrorCode, Failure};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::routing::{Pick, Target};
+use relay_common::tls::TlsClient;
 use relay_proto::forward_client::ForwardClient;
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
@@ -40,9 +41,6 @@ use tokio::time::Instant;
 use tonic::codec::Streaming;
 use tonic::transport::{Channel, Endpoint};
 use tracing::{debug, info};
-
-/// Largest response frame accepted from a tunnel server (a body chunk plus slack).
-const MAX_RESPONSE_FRAME: usize = 4 * 1024 * 1024;
 
 /// Whether a failed attempt may be tried again elsewhere.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,27 +60,56 @@ pub fn idempotent(method: &str) -> bool {
     matches!(method, "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE")
 }
 
-/// One lazily connected channel per tunnel server `forward_url`.
+/// One lazily connected channel per tunnel server `forward_url`, over TLS (`https://`
+/// URLs, with the `[forward_tls]` client config) or plain h2c (`http://`, only with
+/// `[forward_tls] insecure = true`).
 #[derive(Clone, Default)]
 pub struct Channels {
     inner: Arc<Mutex<HashMap<String, Channel>>>,
+    tls: Option<TlsClient>,
 }
 
 impl Channels {
-    pub fn get(&self, forward_url: &str) -> Result<Channel, tonic::transport::Error> {
+    /// `tls`: the client config for tunnel servers; `None` dials plain h2c.
+    pub fn new(tls: Option<TlsClient>) -> Self {
+        Channels {
+            inner: Arc::default(),
+            tls,
+        }
+    }
+
+    pub fn get(&self, forward_url: &str) -> Result<Channel, String> {
+        let https = forward_url.starts_with("https://");
+        match (&self.tls, https) {
+            (Some(_), false) => {
+                return Err(format!(
+                    "forward_url {forward_url} is plain text but this dispatcher dials tunnel servers over TLS ([forward_tls])"
+                ))
+            }
+            (None, true) => {
+                return Err(format!(
+                    "forward_url {forward_url} is https:// but [forward_tls] says insecure = true"
+                ))
+            }
+            _ => {}
+        }
         let mut map = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(ch) = map.get(forward_url) {
             return Ok(ch.clone());
         }
-        let channel = Endpoint::from_shared(forward_url.to_string())?
+        let endpoint = Endpoint::from_shared(forward_url.to_string())
+            .map_err(|e| e.to_string())?
             .connect_timeout(Duration::from_secs(5))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(20))
             .keep_alive_timeout(Duration::from_secs(10))
             // Per-call receive window: bounds what one call buffers while the caller reads slowly.
             .initial_stream_window_size(1024 * 1024)
-            .initial_connection_window_size(8 * 1024 * 1024)
-            .connect_lazy();
+            .initial_connection_window_size(8 * 1024 * 1024);
+        let channel = match &self.tls {
+            Some(tls) => endpoint.connect_with_connector_lazy(tls.tonic_connector()),
+            None => endpoint.connect_lazy(),
+        };
         map.insert(forward_url.to_string(), channel.clone());
         Ok(channel)
     }
@@ -122,6 +149,8 @@ pub struct Forwarder {
     pub policy: RoutingPolicy,
     pub retry_idempotent: bool,
     pub max_attempts: usize,
+    /// Largest gRPC message sent to or accepted from a tunnel server.
+    pub max_frame_bytes: usize,
 }
 
 /// A failed call and the server that gave the last answer, if any was tried.
@@ -217,7 +246,9 @@ impl Forwarder {
                 end_of_stream: plan.end_of_stream,
             }),
         }));
-        let mut client = ForwardClient::new(channel).max_decoding_message_size(MAX_RESPONSE_FRAME);
+        let mut client = ForwardClient::new(channel)
+            .max_decoding_message_size(self.max_frame_bytes)
+            .max_encoding_message_size(self.max_frame_bytes);
         let response = match client.call(body.attempt(attempt, head)).await {
             Ok(r) => r,
             Err(status) => {

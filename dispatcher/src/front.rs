@@ -14,25 +14,37 @@ use crate::headers::{self, TIMEOUT_HEADER};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::report::valid_tunnel_id;
+use bytes::Bytes;
+use futures::StreamExt;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
+use relay_common::tls::{self, MaybeTls, TlsServer};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::Connected;
 use tracing::{debug, info, warn, Instrument};
+
+/// One configured caller and its concurrency slots.
+struct Caller {
+    config: CallerConfig,
+    slots: Arc<Semaphore>,
+}
 
 /// The request-handling half of the front, shared by all connections.
 pub struct Front {
-    callers: Vec<CallerConfig>,
+    callers: Vec<Caller>,
+    max_request_body_bytes: Option<u64>,
     call_timeout: Duration,
     max_call_timeout: Duration,
     max_header_bytes: usize,
@@ -48,6 +60,8 @@ struct Accepted<'a> {
     tunnel_id: String,
     path_and_query: String,
     timeout: Duration,
+    /// The caller's concurrency slot for this call (moved into the call's guard).
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 impl Front {
@@ -58,7 +72,15 @@ impl Front {
         metrics: Metrics,
     ) -> Self {
         Front {
-            callers: config.callers.clone(),
+            callers: config
+                .callers
+                .iter()
+                .map(|c| Caller {
+                    config: c.clone(),
+                    slots: Arc::new(Semaphore::new(c.max_concurrent_calls)),
+                })
+                .collect(),
+            max_request_body_bytes: config.max_request_body_bytes,
             call_timeout: config.call_timeout,
             max_call_timeout: config.max_call_timeout,
             max_header_bytes: config.max_header_bytes,
@@ -71,7 +93,7 @@ impl Front {
 
     /// The caller's name if the request carries a known key. Every key is compared, in
     /// constant time, so timing tells nothing about which one nearly matched.
-    fn authenticate(&self, headers: &HeaderMap) -> Option<&str> {
+    fn authenticate(&self, headers: &HeaderMap) -> Option<&Caller> {
         let mut values = headers.get_all(http::header::AUTHORIZATION).iter();
         let value = values.next()?;
         if values.next().is_some() {
@@ -86,8 +108,8 @@ impl Front {
         let key = rest.trim_ascii();
         let mut found = None;
         for caller in &self.callers {
-            if caller.key.matches(key) && found.is_none() {
-                found = Some(caller.name.as_str());
+            if caller.config.key.matches(key) && found.is_none() {
+                found = Some(caller);
             }
         }
         found
@@ -133,6 +155,24 @@ impl Front {
             );
             return Err((f, None));
         };
+        if !caller.config.may_reach(&tunnel_id) {
+            let f = Failure::new(
+                ErrorCode::Forbidden,
+                "this caller key may not reach this tunnel id",
+            );
+            info!(caller = %caller.config.name, %tunnel_id, "call forbidden: tunnel id not in the caller's tunnels");
+            return Err((f, Some(tunnel_id)));
+        }
+        if let Some(max) = self.max_request_body_bytes {
+            let declared = parts
+                .headers
+                .get(http::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok());
+            if declared.is_some_and(|n| n > max) {
+                return Err((body_too_large(max), Some(tunnel_id)));
+            }
+        }
         let timeout = match parts.headers.get(TIMEOUT_HEADER) {
             None => self.call_timeout,
             Some(v) => match v
@@ -155,12 +195,33 @@ impl Front {
             Some(q) => format!("{path}?{q}"),
             None => path.to_string(),
         };
+        // Last, so a refused request never holds a slot.
+        let Ok(permit) = caller.slots.clone().try_acquire_owned() else {
+            let f = Failure::new(
+                ErrorCode::TooManyCalls,
+                format!(
+                    "this caller has {} calls in flight, its max_concurrent_calls",
+                    caller.config.max_concurrent_calls
+                ),
+            );
+            info!(caller = %caller.config.name, %tunnel_id, "call refused: caller at max_concurrent_calls");
+            return Err((f, Some(tunnel_id)));
+        };
         Ok(Accepted {
-            caller,
+            caller: &caller.config.name,
             tunnel_id,
             path_and_query,
             timeout,
+            permit: Some(permit),
         })
+    }
+
+    /// Reading the caller's body failed: over `max_request_body_bytes`, or broken.
+    fn body_failure(&self, why: String) -> Failure {
+        match self.max_request_body_bytes {
+            Some(max) if why.contains(LIMIT_ERROR) => body_too_large(max),
+            _ => Failure::new(ErrorCode::BadRequest, why),
+        }
     }
 
     fn fail(
@@ -177,15 +238,18 @@ impl Front {
     pub async fn handle(&self, req: Request<Incoming>) -> Response<RelayBody> {
         let start = Instant::now();
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
-        let guard = CallGuard::new(self.metrics.clone());
+        let mut guard = CallGuard::new(self.metrics.clone());
         let (parts, body) = req.into_parts();
-        let accepted = match self.accept(&parts) {
+        let mut accepted = match self.accept(&parts) {
             Ok(a) => a,
             Err((failure, tunnel_id)) => {
                 debug!(call_id, code = failure.code.as_str(), path = %parts.uri.path(), "call rejected");
                 return self.fail(guard, &failure, tunnel_id.as_deref());
             }
         };
+        if let Some(permit) = accepted.permit.take() {
+            guard.hold(permit);
+        }
         let span = tracing::info_span!("call", call_id, tunnel_id = %accepted.tunnel_id, caller = %accepted.caller);
         self.relay(call_id, start, guard, parts, body, accepted)
             .instrument(span)
@@ -215,7 +279,12 @@ impl Front {
         }
         let end_of_stream = body.is_end_stream();
         let caller_body: Option<CallerBody> =
-            (!end_of_stream).then(|| body.map_err(Into::into).boxed_unsync());
+            (!end_of_stream).then(|| match self.max_request_body_bytes {
+                Some(max) => Limited::new(body, usize::try_from(max).unwrap_or(usize::MAX))
+                    .map_err(Into::into)
+                    .boxed_unsync(),
+                None => body.map_err(Into::into).boxed_unsync(),
+            });
         let request_body = RequestBody::new(caller_body, call_id);
         let plan = CallPlan {
             call_id,
@@ -233,9 +302,9 @@ impl Front {
                     format!("no response head within {} ms", accepted.timeout.as_millis()),
                 ), None)))
             }
-            why = request_body.failed() => Err((Failure::new(ErrorCode::BadRequest, why), None)),
+            why = request_body.failed() => Err((self.body_failure(why), None)),
         };
-        let answer = match forwarded {
+        let mut answer = match forwarded {
             Ok(a) => a,
             Err((f, server)) => {
                 info!(code = f.code.as_str(), message = %f.message, server_id = ?server, "call failed");
@@ -265,7 +334,8 @@ impl Front {
         debug!(server_id = %answer.server_id, status = status.as_u16(), "response head");
         let body = if answer.head.end_of_stream {
             guard.finish(OUTCOME_OK);
-            RelayBody::empty()
+            // A small body may travel inside the head.
+            RelayBody::from(Bytes::from(std::mem::take(&mut answer.head.body)))
         } else {
             RelayBody::stream(answer.stream, request_body, guard, call_id)
         };
@@ -276,10 +346,23 @@ impl Front {
     }
 }
 
+/// What `http_body_util::Limited` says when a body passes its limit.
+const LIMIT_ERROR: &str = "length limit exceeded";
+
+fn body_too_large(max: u64) -> Failure {
+    Failure::new(
+        ErrorCode::BodyTooLarge,
+        format!("request body over {max} bytes (max_request_body_bytes)"),
+    )
+}
+
 /// Serves the front on `listener` until `stop` is cancelled, then lets calls in flight finish
 /// for up to `grace` and cuts the rest.
+/// With `tls`, every connection is TLS (handshakes run concurrently, so a slow client
+/// cannot stall the accept loop); without, plain HTTP/1.1 and h2c.
 pub async fn serve(
     listener: TcpListener,
+    tls: Option<TlsServer>,
     front: Arc<Front>,
     stop: CancellationToken,
     grace: Duration,
@@ -297,6 +380,8 @@ pub async fn serve(
         .max_header_list_size(u32::try_from(front.max_header_bytes).unwrap_or(u32::MAX));
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();
+    // Accept errors are logged and backed off inside `incoming`.
+    let mut incoming = Box::pin(tls::incoming(listener, tls, stop.child_token()));
     loop {
         tokio::select! {
             // Stop first so a flood of connections cannot delay shutdown; then reap finished
@@ -304,17 +389,16 @@ pub async fn serve(
             biased;
             _ = stop.cancelled() => break,
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        // Out of file descriptors and the like: back off instead of spinning.
+            accepted = incoming.next() => {
+                let stream: MaybeTls = match accepted {
+                    Some(Ok(s)) => s,
+                    Some(Err(e)) => {
                         warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
+                    None => break,
                 };
-                let _ = stream.set_nodelay(true);
+                let peer = stream.connect_info().remote_addr;
                 let front = front.clone();
                 let svc = hyper::service::service_fn(move |req| {
                     let front = front.clone();
@@ -323,13 +407,13 @@ pub async fn serve(
                 let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc).into_owned());
                 conns.spawn(async move {
                     if let Err(e) = conn.await {
-                        debug!(%peer, error = %e, "caller connection ended with an error");
+                        debug!(?peer, error = %e, "caller connection ended with an error");
                     }
                 });
             }
         }
     }
-    drop(listener);
+    drop(incoming);
     info!(
         connections = conns.len(),
         calls_in_flight = front.metrics.calls_in_flight.get(),

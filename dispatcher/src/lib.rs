@@ -36,6 +36,7 @@ use forward::{Channels, Forwarder};
 use registry::Registry;
 use relay_common::admin::{self, Admin};
 use relay_common::config::ConfigError;
+use relay_common::tls::{self, TlsClient, TlsServer};
 use shared::{SharedHealth, SharedStore};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,9 +69,54 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     config.validate()?;
+    let transport = config.transport()?;
+    let tls_err = |section| move |source| RunError::Tls { section, source };
+    let front_tls = transport
+        .front
+        .map(|s| TlsServer::new("tls", s, tls::ALPN_HTTP))
+        .transpose()
+        .map_err(tls_err("tls"))?;
+    let registry_tls = transport
+        .registry
+        .map(|s| TlsServer::new("registry_tls", s, tls::ALPN_H2))
+        .transpose()
+        .map_err(tls_err("registry_tls"))?;
+    let forward_tls = transport
+        .forward
+        .map(|c| TlsClient::new("forward_tls", c, tls::ALPN_H2))
+        .transpose()
+        .map_err(tls_err("forward_tls"))?;
+    for (hop, plain) in [
+        ("HTTP front ([tls])", front_tls.is_none()),
+        ("registry listener ([registry_tls])", registry_tls.is_none()),
+        (
+            "forward calls to tunnel servers ([forward_tls])",
+            forward_tls.is_none(),
+        ),
+    ] {
+        if plain {
+            warn!(hop, "insecure = true: this hop is plain text, without TLS");
+        }
+    }
+    let mut reloadable: Vec<Arc<dyn tls::Reload>> = Vec::new();
+    reloadable.extend(
+        front_tls
+            .clone()
+            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
+    );
+    reloadable.extend(
+        registry_tls
+            .clone()
+            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
+    );
+    reloadable.extend(
+        forward_tls
+            .clone()
+            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
+    );
     let prometheus = prometheus::Registry::new();
     let metrics = metrics::Metrics::register(&prometheus)?;
-    let channels = Channels::default();
+    let channels = Channels::new(forward_tls);
 
     let addrs = (
         listeners.http.local_addr().ok(),
@@ -94,6 +140,12 @@ pub async fn run(
 
     // Shared registry (Redis): a background task; routing never waits on it.
     let background_stop = CancellationToken::new();
+    // Certificates: reloaded on SIGHUP or when their files change.
+    tokio::spawn(tls::watch(
+        reloadable,
+        config.reload_interval,
+        background_stop.clone(),
+    ));
     let health = match (&config.registry.url, shared) {
         (Some(url), true) => {
             let client = redis::Client::open(url.expose()).map_err(|e| {
@@ -168,15 +220,20 @@ pub async fn run(
         stop: registry_stop.clone(),
     };
     let mut registry_task = {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listeners.registry);
         let stop = registry_stop.clone();
+        let incoming = tls::incoming(listeners.registry, registry_tls, stop.clone());
+        let max_frame = config.max_frame_bytes;
         let up = registry_up.clone();
         tokio::spawn(async move {
             up.store(true, Ordering::SeqCst);
             let result = tonic::transport::Server::builder()
                 .http2_keepalive_interval(Some(Duration::from_secs(20)))
                 .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-                .add_service(relay_proto::registry_server::RegistryServer::new(report))
+                .add_service(
+                    relay_proto::registry_server::RegistryServer::new(report)
+                        .max_decoding_message_size(max_frame)
+                        .max_encoding_message_size(max_frame),
+                )
                 .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
                 .await;
             up.store(false, Ordering::SeqCst);
@@ -238,12 +295,14 @@ pub async fn run(
             policy: config.routing.policy,
             retry_idempotent: config.routing.retry_idempotent,
             max_attempts: config.routing.max_attempts as usize,
+            max_frame_bytes: config.max_frame_bytes,
         },
         metrics,
     ));
     let front_stop = CancellationToken::new();
     let front_task = tokio::spawn(front::serve(
         listeners.http,
+        front_tls,
         front,
         front_stop.clone(),
         config.shutdown_grace,

@@ -24,7 +24,7 @@ struct Args {
     /// Admin address (overrides `admin_listen`).
     #[arg(long, env = "RELAY_ADMIN_LISTEN")]
     admin_listen: Option<SocketAddr>,
-    /// Adds a caller named "default" with this key.
+    /// Adds a caller named "default" with this key; it may reach every tunnel id.
     #[arg(long, env = "RELAY_CALLER_KEY", hide_env_values = true)]
     caller_key: Option<String>,
 }
@@ -41,10 +41,10 @@ fn config(args: Args) -> anyhow::Result<Config> {
         config.admin_listen = a;
     }
     if let Some(key) = args.caller_key {
-        config.callers.push(CallerConfig {
-            name: "default".into(),
-            key: relay_common::Secret::new(key),
-        });
+        config.callers.push(CallerConfig::allow_all(
+            "default",
+            relay_common::Secret::new(key),
+        ));
     }
     config.validate()?;
     Ok(config)

@@ -64,17 +64,17 @@ async fn start_dispatcher_with(tweak: impl FnOnce(&mut Config)) -> Dispatcher {
     let config = Config {
         call_timeout: Duration::from_secs(5),
         shutdown_grace: Duration::from_secs(2),
-        callers: vec![CallerConfig {
-            name: "ci".into(),
-            key: relay_common::Secret::new(KEY),
-        }],
+        callers: vec![CallerConfig::allow_all(
+            "ci",
+            relay_common::Secret::new(KEY),
+        )],
         // The fake servers announce once and never send load reports.
         registry: relay_dispatcher::RegistryConfig {
             lease: Duration::from_secs(600),
             refresh_interval: Duration::from_secs(1),
             ..Default::default()
         },
-        ..Config::default()
+        ..Config::default().insecure()
     };
     let mut config = config;
     tweak(&mut config);
@@ -306,6 +306,7 @@ impl FakeState {
                 status: 200,
                 headers,
                 end_of_stream,
+                ..Default::default()
             }))
         };
         match behaviour.as_str() {

@@ -397,7 +397,8 @@ impl TunnelServerProc {
         let cfg = format!(
             "server_id = {id:?}\nzone = {:?}\nagent_listen = \"{agent}\"\nforward_listen = \"{forward}\"\n\
              admin_listen = \"{admin}\"\ndispatchers = [{}]\ndispatcher_key = {:?}\ntoken_store = {:?}\n\
-             heartbeat = \"{}\"\nshutdown_grace = \"{}\"\nreport_interval = \"{}\"\n",
+             heartbeat = \"{}\"\nshutdown_grace = \"{}\"\nreport_interval = \"{}\"\n\n\
+             [agent_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n[dispatcher_tls]\ninsecure = true\n",
             opts.zone,
             dispatchers.join(", "),
             opts.dispatcher_key,
@@ -468,7 +469,8 @@ impl DispatcherProc {
             let cfg_path = dir.join("dispatcher.toml");
             let cfg = format!(
                 "listen = \"{http}\"\nregistry_listen = \"{registry}\"\nadmin_listen = \"{admin}\"\n\
-                 call_timeout = \"{}\"\n\n[[callers]]\nname = \"test\"\nkey = {:?}\n\n[registry]\nserver_key = {:?}\n",
+                 call_timeout = \"{}\"\n\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n\n\
+                 [tls]\ninsecure = true\n[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n",
                 humantime(opts.call_timeout),
                 opts.caller_key,
                 opts.server_key,
@@ -523,7 +525,7 @@ impl AgentProc {
             let tunnels: Vec<String> = opts.tunnels.iter().map(|t| format!("{t:?}")).collect();
             let cfg = format!(
                 "tunnels = [{}]\ntoken = {:?}\nupstream = {:?}\nadmin_listen = \"{admin}\"\n\
-                 backoff_initial = \"100ms\"\nbackoff_max = \"2s\"\n\n\
+                 backoff_initial = \"100ms\"\nbackoff_max = \"2s\"\n\n[tls]\ninsecure = true\n\n\
                  [[allow]]\nname = \"test-all\"\nmethods = [\"*\"]\npath = \"/**\"\n\n{}\n",
                 tunnels.join(", "),
                 opts.token,

@@ -29,6 +29,8 @@ use tokio_util::sync::CancellationToken;
 pub const TOKEN: &str = "dev-token";
 pub const TUNNEL_ID: &str = "demo";
 pub const CALLER_KEY: &str = "dev-caller-key";
+/// `max_concurrent_calls` of the harness's caller: above any burst a test sends.
+pub const HARNESS_CALLER_MAX_CALLS: usize = 100_000;
 /// Shared secret tunnel servers present to the dispatcher's registry.
 pub const SERVER_KEY: &str = "dev-server-key";
 
@@ -246,15 +248,24 @@ impl StackBuilder {
         let registry = dl.registry.local_addr()?;
         let dispatcher_admin = dl.admin.local_addr()?;
         let mut dcfg = self.dispatcher;
+        // Hops the test left unset run plain text (`insecure = true`); a test that sets a
+        // TLS section gets TLS there and `https://` URLs.
+        plain_unless_set(&mut dcfg.tls);
+        plain_unless_set(&mut dcfg.registry_tls);
+        dial_plain_unless_set(&mut dcfg.forward_tls);
+        let registry_scheme = scheme(dcfg.registry_tls.insecure);
         let server_key = dcfg
             .registry
             .server_key
             .get_or_insert_with(|| Secret::new(SERVER_KEY))
             .clone();
-        dcfg.callers = vec![relay_dispatcher::config::CallerConfig {
-            name: "dev".into(),
-            key: Secret::new(CALLER_KEY),
-        }];
+        if dcfg.callers.is_empty() {
+            // Load tests send bursts of thousands of calls from this one caller.
+            dcfg.callers = vec![relay_dispatcher::config::CallerConfig {
+                max_concurrent_calls: HARNESS_CALLER_MAX_CALLS,
+                ..relay_dispatcher::config::CallerConfig::allow_all("dev", Secret::new(CALLER_KEY))
+            }];
+        }
         let s = stop.clone();
         let dispatcher = async move {
             if let Err(e) = relay_dispatcher::run(dcfg, dl, s.cancelled_owned()).await {
@@ -272,10 +283,15 @@ impl StackBuilder {
             tokens.add(&token, &id);
         }
         let mut slots = Vec::new();
+        let mut tunnel_cfg = self.tunnel;
+        plain_unless_set(&mut tunnel_cfg.agent_tls);
+        plain_unless_set(&mut tunnel_cfg.forward_tls);
+        dial_plain_unless_set(&mut tunnel_cfg.dispatcher_tls);
+        let agent_scheme = scheme(tunnel_cfg.agent_tls.insecure);
 
         let mut servers = Vec::new();
         for i in 0..self.servers + self.standby {
-            let mut cfg = self.tunnel.clone();
+            let mut cfg = tunnel_cfg.clone();
             cfg.server_id = format!("ts-{}", i + 1);
             cfg.zone = self
                 .zones
@@ -283,7 +299,7 @@ impl StackBuilder {
                 .cloned()
                 .unwrap_or_else(|| format!("zone-{}", i + 1));
             cfg.dispatchers = if self.routed.is_none_or(|n| i < n) {
-                vec![format!("http://{registry}")]
+                vec![format!("{registry_scheme}://{registry}")]
             } else {
                 vec![]
             };
@@ -340,7 +356,7 @@ impl StackBuilder {
             None => servers
                 .iter()
                 .flatten()
-                .map(|s| format!("http://{}", s.agent_addr))
+                .map(|s| format!("{agent_scheme}://{}", s.agent_addr))
                 .collect(),
         };
         let mut agent_admin = None;
@@ -358,6 +374,12 @@ impl StackBuilder {
                     path: "/**".into(),
                     ..Default::default()
                 }],
+                // Plain when the servers are; a TLS stack sets `[tls]` in its agent tweak.
+                tls: if agent_scheme == "http" {
+                    relay_common::tls::DialerTls::insecure()
+                } else {
+                    relay_common::tls::DialerTls::default()
+                },
                 ..relay_agent::Config::default()
             };
             if let Some(f) = self.agent_cfg {
@@ -399,6 +421,28 @@ impl StackBuilder {
             registries: Vec::new(),
             last_addrs: Default::default(),
         })
+    }
+}
+
+fn scheme(insecure: bool) -> &'static str {
+    if insecure {
+        "http"
+    } else {
+        "https"
+    }
+}
+
+/// A listener section the test did not set becomes `insecure = true`.
+fn plain_unless_set(t: &mut relay_common::tls::ListenerTls) {
+    if *t == relay_common::tls::ListenerTls::default() {
+        *t = relay_common::tls::ListenerTls::insecure();
+    }
+}
+
+/// A dialer section the test did not set becomes `insecure = true`.
+fn dial_plain_unless_set(t: &mut relay_common::tls::DialerTls) {
+    if *t == relay_common::tls::DialerTls::default() {
+        *t = relay_common::tls::DialerTls::insecure();
     }
 }
 

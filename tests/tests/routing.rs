@@ -563,10 +563,10 @@ async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest 
         l.admin.local_addr().unwrap(),
     );
     let cfg = relay_dispatcher::Config {
-        callers: vec![relay_dispatcher::CallerConfig {
-            name: "dev".into(),
-            key: Secret::new(CALLER_KEY),
-        }],
+        callers: vec![relay_dispatcher::CallerConfig::allow_all(
+            "dev",
+            Secret::new(CALLER_KEY),
+        )],
         call_timeout: Duration::from_secs(10),
         registry: relay_dispatcher::RegistryConfig {
             backend: RegistryBackend::Redis,
@@ -577,7 +577,7 @@ async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest 
             server_key: Some(Secret::new("fleet-key")),
             ..Default::default()
         },
-        ..Default::default()
+        ..relay_dispatcher::Config::default().insecure()
     };
     let stop = CancellationToken::new();
     let s = stop.clone();
@@ -600,7 +600,7 @@ async fn start_server(id: &str, dispatcher: SocketAddr) -> TunnelServerHandle {
         server_id: id.to_string(),
         dispatchers: vec![format!("http://{dispatcher}")],
         dispatcher_key: Some(Secret::new("fleet-key")),
-        ..relay_tunnel_server::Config::default()
+        ..relay_tunnel_server::Config::default().insecure()
     };
     let l = relay_tunnel_server::Listeners {
         agent: any().await,
@@ -647,7 +647,7 @@ impl Fleet {
                 path: "/**".into(),
                 ..Default::default()
             }],
-            ..relay_agent::Config::default()
+            ..relay_agent::Config::default().insecure()
         };
         let agent_stop = CancellationToken::new();
         let admin = any().await;

@@ -2,6 +2,7 @@
 //! validated with errors that name the key.
 
 use relay_common::config::ConfigError;
+use relay_common::tls::{ClientCerts, ClientTls, DialerTls, ListenerTls, ServerTls};
 use relay_common::Secret;
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -50,6 +51,32 @@ pub struct Config {
     /// On shutdown, how long calls in flight may take to finish.
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// Largest gRPC message accepted or sent on the agent and forward listeners (and the
+    /// report stream). A bigger frame ends that stream with RESOURCE_EXHAUSTED; other
+    /// streams keep serving. Must hold a 64 KiB body chunk plus its head.
+    pub max_frame_bytes: usize,
+    /// `[agent_tls]`: TLS of the agent listener (`cert`, `key`; `client_ca` with
+    /// `client_cert_optional` to accept agent certificates too), or `insecure = true`.
+    pub agent_tls: ListenerTls,
+    /// `[forward_tls]`: TLS of the forward listener; mutual TLS (`client_ca` required: only
+    /// dispatchers with a certificate from it may call), or `insecure = true`.
+    pub forward_tls: ListenerTls,
+    /// `[dispatcher_tls]`: how the report streams dial `dispatchers` (`https://` URLs with
+    /// `ca`, `cert`, `key`: the dispatcher's registry uses mutual TLS), or `insecure = true`
+    /// for `http://` URLs. Not needed when `dispatchers` is empty.
+    pub dispatcher_tls: DialerTls,
+    /// How often certificate and token store files are checked for changes (SIGHUP
+    /// reloads at once).
+    #[serde(with = "humantime_serde")]
+    pub reload_interval: Duration,
+}
+
+/// The transport of each hop, checked: `None` is plain text (`insecure = true`).
+#[derive(Clone, Debug)]
+pub struct Transport {
+    pub agent: Option<ServerTls>,
+    pub forward: Option<ServerTls>,
+    pub dispatchers: Option<ClientTls>,
 }
 
 impl Default for Config {
@@ -71,12 +98,81 @@ impl Default for Config {
             max_streams_per_token: 1024,
             report_interval: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(30),
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            agent_tls: ListenerTls::default(),
+            forward_tls: ListenerTls::default(),
+            dispatcher_tls: DialerTls::default(),
+            reload_interval: Duration::from_secs(5),
         }
     }
 }
 
+/// Default of `max_frame_bytes`: a 64 KiB chunk plus generous headroom for heads.
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
+
 impl Config {
+    /// Plain text on every hop (`insecure = true` on each TLS section): tests and the
+    /// local example.
+    pub fn insecure(mut self) -> Self {
+        self.agent_tls = ListenerTls::insecure();
+        self.forward_tls = ListenerTls::insecure();
+        self.dispatcher_tls = DialerTls::insecure();
+        self
+    }
+
+    /// Checks the TLS sections and the URL schemes they govern.
+    pub fn transport(&self) -> Result<Transport, ConfigError> {
+        let agent = self.agent_tls.resolve("agent_tls", ClientCerts::Optional)?;
+        let forward = self
+            .forward_tls
+            .resolve("forward_tls", ClientCerts::Required)?;
+        let dispatchers = if self.dispatchers.is_empty() {
+            None
+        } else {
+            for (i, d) in self.dispatchers.iter().enumerate() {
+                self.dispatcher_tls
+                    .check_url("dispatcher_tls", &format!("dispatchers[{i}]"), d)?;
+            }
+            self.dispatcher_tls
+                .resolve("dispatcher_tls", ClientCerts::Required)?
+        };
+        if let Some(u) = &self.forward_url {
+            let https = u.starts_with("https://");
+            if https != forward.is_some() {
+                return Err(ConfigError::invalid(
+                    "forward_url",
+                    if https {
+                        "is https:// but [forward_tls] says insecure = true"
+                    } else {
+                        "is plain http:// but the forward listener serves TLS ([forward_tls]); use https://"
+                    },
+                ));
+            }
+        }
+        Ok(Transport {
+            agent,
+            forward,
+            dispatchers,
+        })
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.transport()?;
+        if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
+            return Err(ConfigError::invalid(
+                "max_frame_bytes",
+                format!(
+                    "must be at least {} (two body chunks)",
+                    2 * relay_proto::MAX_CHUNK
+                ),
+            ));
+        }
+        if self.reload_interval < Duration::from_millis(10) {
+            return Err(ConfigError::invalid(
+                "reload_interval",
+                "must be at least 10ms",
+            ));
+        }
         if self.heartbeat < Duration::from_millis(10) {
             return Err(ConfigError::invalid("heartbeat", "must be at least 10ms"));
         }
@@ -124,5 +220,73 @@ impl Config {
         } else {
             self.server_id.clone()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn example_configs_are_valid() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        for (file, tls) in [
+            ("local/tunnel-server-1.toml", false),
+            ("local/tunnel-server-2.toml", false),
+            ("tls/tunnel-server-1.toml", true),
+            ("tls/tunnel-server-2.toml", true),
+        ] {
+            let c: Config = relay_common::config::load(Some(&root.join(file)))
+                .unwrap_or_else(|e| panic!("{file}: {e}"));
+            c.validate().unwrap_or_else(|e| panic!("{file}: {e}"));
+            let t = c.transport().unwrap();
+            assert_eq!(
+                (
+                    t.agent.is_some(),
+                    t.forward.is_some(),
+                    t.dispatchers.is_some()
+                ),
+                (tls, tls, tls),
+                "{file}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_hop_needs_tls_or_an_explicit_insecure() {
+        let err = Config::default().validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`agent_tls`") && err.contains("insecure = true"),
+            "{err}"
+        );
+        let mut c = Config::default().insecure();
+        c.validate().unwrap();
+        c.forward_tls = ListenerTls {
+            cert: Some("s.pem".into()),
+            key: Some("s.key".into()),
+            ..Default::default()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("`forward_tls.client_ca`"), "{err}");
+        c.forward_tls.client_ca = Some("ca.pem".into());
+        c.forward_url = Some("http://ts-1:8451".into());
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("`forward_url`"), "{err}");
+        c.forward_url = None;
+        c.dispatchers = vec!["https://d:8460".into()];
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`dispatchers[0]`") && err.contains("insecure"),
+            "{err}"
+        );
+        c.dispatcher_tls = DialerTls {
+            ca: Some("ca.pem".into()),
+            ..Default::default()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("`dispatcher_tls.cert`"), "{err}");
+        c.dispatchers = vec![];
+        c.validate().unwrap();
     }
 }

@@ -339,6 +339,26 @@ impl Hub {
         self.changed.notify_waiters();
     }
 
+    /// Closes every stream whose token no longer opens its tunnel id (`still_valid` says
+    /// false), ending it with UNAUTHENTICATED "token revoked". A call on such a stream
+    /// ends as stream lost. Returns how many streams were closed.
+    pub fn revoke(&self, still_valid: impl Fn(&[u8; 32], &str) -> bool) -> usize {
+        let mut doomed = Vec::new();
+        for t in self.tunnels.iter() {
+            let s = lock(&t.slots);
+            doomed.extend(
+                s.all
+                    .iter()
+                    .filter(|h| !still_valid(&h.token_hash, &h.tunnel_id))
+                    .cloned(),
+            );
+        }
+        for h in &doomed {
+            h.revoke();
+        }
+        doomed.len()
+    }
+
     /// Closes every stream (the last step of shutdown).
     pub fn close_all(&self) {
         for t in self.tunnels.iter() {

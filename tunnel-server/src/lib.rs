@@ -16,11 +16,12 @@ pub mod stream;
 pub mod tokens;
 
 pub use config::Config;
-pub use tokens::TokenStore;
+pub use tokens::{SharedTokens, TokenStore};
 
 use hub::{Hub, Limits};
 use metrics::ServerMetrics;
 use relay_common::config::ConfigError;
+use relay_common::tls::{self, TlsClient, TlsError, TlsServer};
 use relay_proto::{forward_server::ForwardServer, tunnel_server::TunnelServer, ServerIntro};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -29,13 +30,13 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-/// Largest frame accepted from a peer: a 64 KiB chunk plus headroom for headers.
-pub const MAX_FRAME_BYTES: usize = 1024 * 1024;
+/// Default largest frame accepted from a peer (`max_frame_bytes`): a 64 KiB chunk plus
+/// headroom for headers.
+pub const MAX_FRAME_BYTES: usize = config::DEFAULT_MAX_FRAME_BYTES;
 
 pub struct Listeners {
     pub agent: TcpListener,
@@ -51,6 +52,12 @@ pub enum RunError {
     Io(#[from] std::io::Error),
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("[{section}]: {source}")]
+    Tls {
+        section: &'static str,
+        #[source]
+        source: TlsError,
+    },
 }
 
 /// A running tunnel server. Dropping it does not stop it; call `shutdown` (graceful) or
@@ -95,6 +102,36 @@ pub async fn start(
     listeners: Listeners,
 ) -> Result<TunnelServerHandle, RunError> {
     config.validate()?;
+    let transport = config.transport()?;
+    let tls_err = |section| move |source| RunError::Tls { section, source };
+    let agent_tls = transport
+        .agent
+        .map(|s| TlsServer::new("agent_tls", s, tls::ALPN_H2))
+        .transpose()
+        .map_err(tls_err("agent_tls"))?;
+    let forward_tls = transport
+        .forward
+        .map(|s| TlsServer::new("forward_tls", s, tls::ALPN_H2))
+        .transpose()
+        .map_err(tls_err("forward_tls"))?;
+    let forward_is_tls = forward_tls.is_some();
+    let dispatcher_tls = transport
+        .dispatchers
+        .map(|c| TlsClient::new("dispatcher_tls", c, tls::ALPN_H2))
+        .transpose()
+        .map_err(tls_err("dispatcher_tls"))?;
+    for (hop, plain) in [
+        ("agent listener ([agent_tls])", agent_tls.is_none()),
+        ("forward listener ([forward_tls])", forward_tls.is_none()),
+        (
+            "report streams to dispatchers ([dispatcher_tls])",
+            dispatcher_tls.is_none() && !config.dispatchers.is_empty(),
+        ),
+    ] {
+        if plain {
+            warn!(hop, "insecure = true: this hop is plain text, without TLS");
+        }
+    }
     let agent_addr = listeners.agent.local_addr()?;
     let forward_addr = listeners.forward.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
@@ -113,9 +150,48 @@ pub async fn start(
     let stop_reports = CancellationToken::new();
     let mut tasks = Vec::new();
 
+    let tokens = SharedTokens::new(tokens);
+    let mut reloadable: Vec<Arc<dyn tls::Reload>> = Vec::new();
+    reloadable.extend(
+        agent_tls
+            .clone()
+            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
+    );
+    reloadable.extend(
+        forward_tls
+            .clone()
+            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
+    );
+    reloadable.extend(
+        dispatcher_tls
+            .clone()
+            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
+    );
+    if let Some(path) = &config.token_store {
+        let (revoke_hub, store) = (hub.clone(), tokens.clone());
+        reloadable.push(Arc::new(tokens::TokenReloader {
+            path: path.clone(),
+            tokens: tokens.clone(),
+            on_change: Box::new(move || {
+                let closed = revoke_hub.revoke(|hash, id| store.contains(hash, id));
+                if closed > 0 {
+                    warn!(
+                        streams = closed,
+                        "token store reloaded: closed the streams of removed tokens"
+                    );
+                }
+            }),
+        }));
+    }
+    tasks.push(tokio::spawn(tls::watch(
+        reloadable,
+        config.reload_interval,
+        stop_serving.clone(),
+    )));
+
     let tunnel = stream::TunnelService {
         hub: hub.clone(),
-        tokens: Arc::new(tokens),
+        tokens: tokens.clone(),
         server_id: server_id.clone(),
         zone: config.zone.clone(),
         heartbeat: config.heartbeat,
@@ -123,13 +199,16 @@ pub async fn start(
         tracker: tracker.clone(),
     };
     let tunnel = TunnelServer::new(tunnel)
-        .max_decoding_message_size(MAX_FRAME_BYTES)
-        .max_encoding_message_size(MAX_FRAME_BYTES);
+        .max_decoding_message_size(config.max_frame_bytes)
+        .max_encoding_message_size(config.max_frame_bytes);
     let stop = stop_serving.clone();
     tasks.push(tokio::spawn(async move {
         let r = grpc_server()
             .add_service(tunnel)
-            .serve_with_incoming_shutdown(incoming(listeners.agent), stop.cancelled_owned())
+            .serve_with_incoming_shutdown(
+                tls::incoming(listeners.agent, agent_tls, stop.clone()),
+                stop.cancelled_owned(),
+            )
             .await;
         if let Err(e) = r {
             warn!(error = %e, "agent listener stopped");
@@ -148,13 +227,16 @@ pub async fn start(
         tracker: tracker.clone(),
     };
     let forward = ForwardServer::new(forward)
-        .max_decoding_message_size(MAX_FRAME_BYTES)
-        .max_encoding_message_size(MAX_FRAME_BYTES);
+        .max_decoding_message_size(config.max_frame_bytes)
+        .max_encoding_message_size(config.max_frame_bytes);
     let stop = stop_serving.clone();
     tasks.push(tokio::spawn(async move {
         let r = grpc_server()
             .add_service(forward)
-            .serve_with_incoming_shutdown(incoming(listeners.forward), stop.cancelled_owned())
+            .serve_with_incoming_shutdown(
+                tls::incoming(listeners.forward, forward_tls.clone(), stop.clone()),
+                stop.cancelled_owned(),
+            )
             .await;
         if let Err(e) = r {
             warn!(error = %e, "forward listener stopped");
@@ -190,10 +272,10 @@ pub async fn start(
         }
     }));
 
-    let forward_url = config
-        .forward_url
-        .clone()
-        .unwrap_or_else(|| format!("http://{forward_addr}"));
+    let forward_url = config.forward_url.clone().unwrap_or_else(|| {
+        let scheme = if forward_is_tls { "https" } else { "http" };
+        format!("{scheme}://{forward_addr}")
+    });
     let intro = ServerIntro {
         server_id: server_id.clone(),
         zone: config.zone.clone(),
@@ -207,6 +289,7 @@ pub async fn start(
             intro: intro.clone(),
             interval: config.report_interval,
             key: config.dispatcher_key.clone(),
+            tls: dispatcher_tls.clone(),
             stop: stop_reports.clone(),
         };
         tasks.push(tokio::spawn(reporter.run()));
@@ -224,20 +307,6 @@ pub async fn start(
         stop_serving,
         tasks,
         tracker,
-    })
-}
-
-/// Accepted connections with Nagle off: `Server::tcp_nodelay` only applies to sockets
-/// tonic binds itself, and a relayed call is many small frames.
-fn incoming(
-    listener: TcpListener,
-) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
-    use futures::StreamExt;
-    TcpListenerStream::new(listener).map(|conn| {
-        if let Ok(c) = &conn {
-            let _ = c.set_nodelay(true);
-        }
-        conn
     })
 }
 

@@ -30,6 +30,8 @@ pub struct Reporter {
     pub interval: Duration,
     /// Shared secret the dispatcher expects from tunnel servers, if any.
     pub key: Option<Secret>,
+    /// TLS for `https://` dispatcher URLs (`[dispatcher_tls]`); `None` dials plain h2c.
+    pub tls: Option<relay_common::tls::TlsClient>,
     pub stop: CancellationToken,
 }
 
@@ -62,7 +64,11 @@ impl Reporter {
             .map_err(|e| e.to_string())?
             .connect_timeout(Duration::from_secs(3))
             .tcp_nodelay(true);
-        let channel = endpoint.connect().await.map_err(|e| e.to_string())?;
+        let channel = match &self.tls {
+            Some(tls) => endpoint.connect_with_connector(tls.tonic_connector()).await,
+            None => endpoint.connect().await,
+        }
+        .map_err(|e| format!("{e}: {}", source_chain(&e)))?;
         let mut client = RegistryClient::new(channel);
         let (tx, rx) = mpsc::channel(64);
         let _ = tx
@@ -147,4 +153,15 @@ impl Reporter {
             .await
             .map_err(|_| "report stream closed".to_string())
     }
+}
+
+/// The causes under a transport error (a TLS refusal hides two levels down).
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut out = Vec::new();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        out.push(c.to_string());
+        cur = c.source();
+    }
+    out.join(": ")
 }

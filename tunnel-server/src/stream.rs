@@ -38,6 +38,11 @@ pub type OutFrame = Result<ServerFrame, Status>;
 pub struct StreamHandle {
     pub id: u64,
     pub tunnel_id: Arc<str>,
+    /// SHA-256 of the token that opened the stream: a reloaded token store that no longer
+    /// holds it closes the stream (see [`Hub::revoke`]).
+    pub token_hash: [u8; 32],
+    /// Status the RPC ends with once `close` fires (set by [`StreamHandle::revoke`]).
+    end_status: Arc<Mutex<Option<Status>>>,
     out: mpsc::Sender<OutFrame>,
     /// The call on this stream, if any.
     call: Mutex<Option<CallSlot>>,
@@ -69,6 +74,17 @@ impl StreamHandle {
     pub fn close(&self) {
         self.retiring.store(true, Ordering::SeqCst);
         self.close.cancel();
+    }
+
+    /// Ends the stream because its token was removed from the store: the agent sees
+    /// UNAUTHENTICATED "token revoked".
+    pub fn revoke(&self) {
+        *lock(&self.end_status) = Some(Status::unauthenticated("token revoked"));
+        self.close();
+    }
+
+    fn revoked(&self) -> bool {
+        lock(&self.end_status).is_some()
     }
 
     /// Queues a frame if there is room; control frames only.
@@ -111,7 +127,7 @@ impl StreamHandle {
 /// What the Connect handler needs.
 pub struct TunnelService {
     pub hub: Arc<Hub>,
-    pub tokens: Arc<crate::tokens::TokenStore>,
+    pub tokens: crate::tokens::SharedTokens,
     pub server_id: String,
     pub zone: String,
     pub heartbeat: Duration,
@@ -136,16 +152,18 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
-        let Some(tunnel_id) = token.and_then(|t| self.tokens.lookup(t)) else {
+        let Some((token_hash, tunnel_id)) = token.and_then(|t| self.tokens.lookup(t)) else {
             metrics.opens.with_label_values(&["unauthenticated"]).inc();
             warn!(peer = ?request.remote_addr(), "agent stream refused: missing or unknown token");
             return Err(Status::unauthenticated("missing or unknown tunnel token"));
         };
-        let tunnel_id: Arc<str> = Arc::from(tunnel_id);
+        let tunnel_id: Arc<str> = Arc::from(tunnel_id.as_str());
         let (out, out_rx) = mpsc::channel(OUT_BUFFER);
         let handle = Arc::new(StreamHandle {
             id: self.hub.next_stream_id(),
             tunnel_id: tunnel_id.clone(),
+            token_hash,
+            end_status: Arc::default(),
             out,
             call: Mutex::new(None),
             retiring: AtomicBool::new(false),
@@ -187,7 +205,14 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             misses: self.heartbeat_misses,
         };
         self.tracker.spawn(reader.run(request.into_inner()));
-        let stream = ReceiverStream::new(out_rx).take_until(handle.close.clone().cancelled_owned());
+        // After a close, the RPC ends with the status a revocation left, if any.
+        let end_status = handle.end_status.clone();
+        let stream = ReceiverStream::new(out_rx)
+            .take_until(handle.close.clone().cancelled_owned())
+            .chain(
+                futures::stream::once(async move { lock(&end_status).clone() })
+                    .filter_map(|s| std::future::ready(s.map(Err))),
+            );
         Ok(Response::new(Box::pin(stream)))
     }
 }
@@ -234,6 +259,13 @@ impl Reader {
                         }
                     }
                     Ok(None) => break End::AgentClosed,
+                    // A frame over max_frame_bytes: tell the agent why its stream ends.
+                    Err(status) if status.code() == tonic::Code::OutOfRange => {
+                        break End::Protocol(Status::resource_exhausted(format!(
+                            "agent frame over max_frame_bytes: {}",
+                            status.message()
+                        )));
+                    }
                     Err(status) => {
                         debug!(stream_id = self.handle.id, %status, "agent stream error");
                         break End::AgentClosed;
@@ -249,6 +281,7 @@ impl Reader {
         };
         let reason = match &end {
             End::AgentClosed => "agent_closed",
+            End::Closed if self.handle.revoked() => "revoked",
             End::Closed => "retired",
             End::Heartbeat => "heartbeat",
             End::Protocol(_) => "protocol_error",
@@ -270,6 +303,9 @@ impl Reader {
         if let Some(slot) = slot {
             let msg = match &end {
                 End::Heartbeat => "the agent stream carrying the call stopped answering heartbeats",
+                End::Closed if self.handle.revoked() => {
+                    "the agent stream carrying the call was closed: its token was revoked"
+                }
                 _ => "the agent stream carrying the call ended before the call did",
             };
             self.finish(
@@ -343,6 +379,11 @@ impl Reader {
                     slot.head_seen = true;
                     Ok(())
                 })?;
+                if head.body.len() > relay_proto::MAX_CHUNK || (!end && !head.body.is_empty()) {
+                    return Err(Status::invalid_argument(
+                        "a response head carries a body only when it ends the response, and at most 64 KiB",
+                    ));
+                }
                 let frame = ForwardResponse::of(forward_response::Kind::Head(head));
                 if end {
                     self.end_call(frame, "ok").await;

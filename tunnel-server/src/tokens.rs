@@ -3,11 +3,17 @@
 //! Only hashes are stored; the secret is hashed on arrival and never kept, logged, or put
 //! in a label. The hash comparison runs in constant time over every entry, so timing
 //! tells nothing about which entries are near a presented token.
+//!
+//! [`SharedTokens`] is the live store the `Tunnel.Connect` handler reads; [`TokenReloader`]
+//! swaps it when the file changes or on SIGHUP (driven by `relay_common::tls::watch`) and
+//! then calls back so streams of removed tokens can be closed. A file that fails to load
+//! on reload leaves the previous store in place.
 
 use relay_common::config::ConfigError;
 use relay_common::secret::{ct_eq, sha256_hex};
 use serde::Deserialize;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -75,15 +81,27 @@ impl TokenStore {
 
     /// The tunnel id of a presented token, if any.
     pub fn lookup(&self, token: &str) -> Option<&str> {
+        self.lookup_entry(token).map(|(_, id)| id)
+    }
+
+    /// The stored hash and tunnel id of a presented token, if any.
+    pub fn lookup_entry(&self, token: &str) -> Option<([u8; 32], &str)> {
         let mut presented = [0u8; 32];
         hex::decode_to_slice(sha256_hex(token.as_bytes()), &mut presented).ok()?;
         let mut found = None;
         for (hash, id) in &self.entries {
             if ct_eq(hash, &presented) && found.is_none() {
-                found = Some(id.as_str());
+                found = Some((*hash, id.as_str()));
             }
         }
         found
+    }
+
+    /// Whether the store still maps this token hash to this tunnel id.
+    pub fn contains(&self, hash: &[u8; 32], tunnel_id: &str) -> bool {
+        self.entries
+            .iter()
+            .any(|(h, id)| ct_eq(h, hash) && id == tunnel_id)
     }
 
     pub fn len(&self) -> usize {
@@ -92,6 +110,73 @@ impl TokenStore {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+}
+
+/// The live token store, shared by every `Tunnel.Connect` and swapped on reload.
+#[derive(Clone, Default)]
+pub struct SharedTokens {
+    inner: Arc<RwLock<TokenStore>>,
+}
+
+impl SharedTokens {
+    pub fn new(store: TokenStore) -> Self {
+        SharedTokens {
+            inner: Arc::new(RwLock::new(store)),
+        }
+    }
+
+    /// The stored hash and tunnel id of a presented token, if any.
+    pub fn lookup(&self, token: &str) -> Option<([u8; 32], String)> {
+        let store = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        store
+            .lookup_entry(token)
+            .map(|(hash, id)| (hash, id.to_string()))
+    }
+
+    /// Whether the token hash still opens this tunnel id.
+    pub fn contains(&self, hash: &[u8; 32], tunnel_id: &str) -> bool {
+        let store = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        store.contains(hash, tunnel_id)
+    }
+
+    /// Replaces the store (new streams see it at once).
+    pub fn replace(&self, store: TokenStore) {
+        *self.inner.write().unwrap_or_else(|e| e.into_inner()) = store;
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Reloads a [`SharedTokens`] from its file, then runs `on_change` (which closes the
+/// streams of removed tokens). Driven by `relay_common::tls::watch`.
+pub struct TokenReloader {
+    pub path: PathBuf,
+    pub tokens: SharedTokens,
+    pub on_change: Box<dyn Fn() + Send + Sync>,
+}
+
+impl relay_common::tls::Reload for TokenReloader {
+    fn reload(&self) -> Result<(), relay_common::tls::TlsError> {
+        let store = TokenStore::load(&self.path)
+            .map_err(|e| relay_common::tls::TlsError::Other(e.to_string()))?;
+        self.tokens.replace(store);
+        (self.on_change)();
+        Ok(())
+    }
+
+    fn files(&self) -> Vec<PathBuf> {
+        vec![self.path.clone()]
+    }
+
+    fn name(&self) -> &str {
+        "token_store"
     }
 }
 

@@ -23,7 +23,8 @@ async fn server(cfg: Config) -> TunnelServerHandle {
         dispatchers: vec![],
         server_id: "ts-1".into(),
         ..cfg
-    };
+    }
+    .insecure();
     start(cfg, TokenStore::single("good-token", "acme"), listeners)
         .await
         .unwrap()
@@ -96,6 +97,7 @@ impl FakeStream {
             status: 200,
             headers: vec![],
             end_of_stream: false,
+            ..Default::default()
         }))
         .await;
         self.send(agent_frame::Kind::ResponseBody(BodyChunk {
@@ -208,6 +210,7 @@ async fn a_call_waits_for_a_stream_then_gives_no_capacity_at_its_deadline() {
         status: 204,
         headers: vec![],
         end_of_stream: true,
+        ..Default::default()
     }))
     .await;
     assert_eq!(collect(first).await.unwrap().0, 204);

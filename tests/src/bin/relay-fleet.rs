@@ -7,7 +7,8 @@
 //! `relay-fleet run --scenario NAME|FILE` runs a simulated-fleet load test and reports
 //! (terminal table, `--json`, `--html`); `relay-fleet bench` compares direct and relayed
 //! calls; `relay-fleet scenarios` lists the built-ins; `relay-fleet tokens` prints the
-//! token store entries an external deployment needs for the simulated agents.
+//! token store entries an external deployment needs for the simulated agents;
+//! `relay-fleet certs --out DIR` writes a throwaway TLS set for `examples/tls/`.
 
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
@@ -102,6 +103,21 @@ enum Command {
     },
     /// List the built-in scenarios.
     Scenarios,
+    /// Write a throwaway TLS set (CA, server and client certificates and keys, PEM) for
+    /// examples/tls: ca.pem, dispatcher.{pem,key}, dispatcher-client.{pem,key},
+    /// tunnel-server.{pem,key}, tunnel-server-client.{pem,key}. For trying TLS out only.
+    Certs {
+        /// Directory to write into (created if missing; existing files are replaced).
+        #[arg(long, default_value = "examples/tls/certs")]
+        out: std::path::PathBuf,
+        /// Names the server certificates are valid for (DNS names or IP addresses).
+        #[arg(
+            long = "name",
+            value_delimiter = ',',
+            default_value = "localhost,127.0.0.1"
+        )]
+        names: Vec<String>,
+    },
     /// Print token store entries (tunnel-server `token_store` TOML) for N simulated
     /// agents, for external mode.
     Tokens {
@@ -163,6 +179,17 @@ async fn main() -> std::process::ExitCode {
                 }
             }
             Ok(())
+        }
+        Command::Certs { out, names } => {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            relay_tests::certs::generate(&out, &names).map(|set| {
+                println!(
+                    "wrote a throwaway TLS set for {} into {} (CA: {})",
+                    names.join(", "),
+                    set.dir.display(),
+                    set.ca.display()
+                );
+            })
         }
         Command::Tokens { agents } => {
             println!("# token store entries for relay-fleet's simulated agents (tunnel server token_store)");

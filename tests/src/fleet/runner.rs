@@ -417,7 +417,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                     token: relay_common::Secret::new(&token),
                     upstream: upstream.url(),
                     coverage: s.agents.coverage.clone(),
-                    ..relay_agent::Config::default()
+                    ..relay_agent::Config::default().insecure()
                 };
                 cfg.upstream_check.interval = Duration::from_secs(30);
                 let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

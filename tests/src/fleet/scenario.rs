@@ -412,7 +412,7 @@ impl Scenario {
             tunnels: vec!["http://127.0.0.1:1".into()],
             upstream: "http://127.0.0.1:1".into(),
             coverage: ag.coverage.clone(),
-            ..relay_agent::Config::default()
+            ..relay_agent::Config::default().insecure()
         };
         probe
             .validate()

@@ -1,0 +1,260 @@
+//! Callers and limits, end to end through the dispatcher front: unknown keys get 401, a key
+//! reaching a tunnel id outside its `tunnels` gets 403 `forbidden`, a caller over its
+//! `max_concurrent_calls` gets 429 `too_many_calls`; each limit (header size, body size,
+//! caller concurrency, deadline, per-tunnel-id queue, streams per tunnel id) returns its
+//! error while the relay keeps serving other calls.
+
+use bytes::Bytes;
+use http::Method;
+use relay_agent::coverage::plan::CoverageConfig;
+use relay_common::Secret;
+use relay_dispatcher::CallerConfig;
+use relay_tests::client::Caller;
+use relay_tests::stack::{Stack, CALLER_KEY};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::Instant;
+
+fn fixed(streams: u32) -> CoverageConfig {
+    CoverageConfig {
+        enabled: false,
+        fixed_streams: streams,
+        ..CoverageConfig::default()
+    }
+}
+
+fn callers() -> Vec<CallerConfig> {
+    vec![
+        CallerConfig::allow_all("dev", Secret::new(CALLER_KEY)),
+        CallerConfig {
+            tunnels: vec!["acme-*".into(), "other".into()],
+            ..CallerConfig::allow_all("acme-ci", Secret::new("acme-key"))
+        },
+        CallerConfig {
+            max_concurrent_calls: 1,
+            ..CallerConfig::allow_all("one-at-a-time", Secret::new("single-key"))
+        },
+    ]
+}
+
+async fn ok(stack: &Stack) {
+    let a = stack.caller().get("/relay/demo/hello").await.unwrap();
+    assert_eq!(a.status, 200, "the relay keeps serving: {}", a.text());
+}
+
+#[tokio::test]
+async fn unknown_keys_get_401_and_keys_outside_their_tunnels_get_403() {
+    let stack = Stack::builder()
+        .servers(1)
+        .dispatcher_config(|c| c.callers = callers())
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+
+    let unknown = Caller::new(stack.http, Some("no-such-key"))
+        .get("/relay/demo/hello")
+        .await
+        .unwrap();
+    assert_eq!(unknown.status, 401);
+    assert_eq!(unknown.json()["error"], "unauthorized");
+    assert!(unknown.headers.contains_key("www-authenticate"));
+
+    let acme = Caller::new(stack.http, Some("acme-key"));
+    let forbidden = acme.get("/relay/demo/hello").await.unwrap();
+    assert_eq!(forbidden.status, 403, "{}", forbidden.text());
+    assert_eq!(forbidden.json()["error"], "forbidden");
+    assert_eq!(forbidden.json()["tunnel_id"], "demo");
+    assert!(!forbidden.text().contains("acme-key"));
+    // Allowed by pattern: it passes the check and gets the routing answer.
+    let allowed = acme.get("/relay/acme-scm/hello").await.unwrap();
+    assert_eq!(allowed.status, 503, "{}", allowed.text());
+    assert_eq!(allowed.json()["error"], "tunnel_unavailable");
+    ok(&stack).await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_caller_over_its_concurrent_calls_gets_429_while_others_are_served() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed(4))
+        .dispatcher_config(|c| c.callers = callers())
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    let single = Caller::new(stack.http, Some("single-key"));
+    let slow = {
+        let single = single.clone();
+        tokio::spawn(async move { single.get("/relay/demo/slow/1500").await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let refused = loop {
+        let a = single.get("/relay/demo/hello").await.unwrap();
+        if a.status == 429 {
+            break a;
+        }
+        assert!(Instant::now() < deadline, "never refused: {}", a.text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(refused.json()["error"], "too_many_calls");
+    assert_eq!(refused.headers["retry-after"], "1");
+    ok(&stack).await;
+    assert_eq!(slow.await.unwrap().unwrap().status, 200);
+    // The slot is free again once the call ended.
+    assert_eq!(single.get("/relay/demo/hello").await.unwrap().status, 200);
+    stack.shutdown().await;
+}
+
+/// Sends a chunked POST of `n` bytes over raw HTTP/1.1; returns the status.
+async fn chunked_post(stack: &Stack, n: usize) -> u16 {
+    let mut s = tokio::net::TcpStream::connect(stack.http).await.unwrap();
+    let head = format!(
+        "POST /relay/demo/echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CALLER_KEY}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let chunk = vec![b'a'; 1000];
+    let mut sent = 0;
+    while sent < n {
+        let part = &chunk[..(n - sent).min(chunk.len())];
+        let frame = [format!("{:x}\r\n", part.len()).as_bytes(), part, b"\r\n"].concat();
+        if s.write_all(&frame).await.is_err() {
+            break;
+        }
+        sent += part.len();
+    }
+    let _ = s.write_all(b"0\r\n\r\n").await;
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf)).await;
+    let text = String::from_utf8_lossy(&buf);
+    text.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn each_dispatcher_limit_returns_its_error_and_the_relay_keeps_serving() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed(2))
+        // Response heads come 100 ms late, so a streamed body passes its limit first.
+        .upstream_latency(Duration::from_millis(100))
+        .dispatcher_config(|c| {
+            c.max_header_bytes = 8 * 1024;
+            c.max_request_body_bytes = Some(4096);
+            c.call_timeout = Duration::from_millis(300);
+            c.max_call_timeout = Duration::from_millis(300);
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    let caller = stack.caller();
+
+    // Header size: 431.
+    let mut req = caller.request(Method::GET, "/relay/demo/hello", Bytes::new());
+    req.headers_mut()
+        .insert("x-big", "v".repeat(10 * 1024).parse().unwrap());
+    let a = caller.call(req).await.unwrap();
+    assert_eq!(a.status, 431, "{}", a.text());
+    ok(&stack).await;
+
+    // Body size, declared: 413 before anything is forwarded.
+    let served = stack.upstream.served();
+    let a = caller
+        .call(caller.request(Method::POST, "/relay/demo/echo", vec![b'x'; 5000]))
+        .await
+        .unwrap();
+    assert_eq!(a.status, 413, "{}", a.text());
+    assert_eq!(a.json()["error"], "body_too_large");
+    assert_eq!(
+        stack.upstream.served(),
+        served,
+        "nothing reached the upstream"
+    );
+    // Body size, streamed (chunked): 413 too.
+    assert_eq!(chunked_post(&stack, 20_000).await, 413);
+    // Under the limit: relayed.
+    let a = caller
+        .call(caller.request(Method::POST, "/relay/demo/echo", vec![b'x'; 4000]))
+        .await
+        .unwrap();
+    assert_eq!(a.status, 200);
+    assert_eq!(a.body.len(), 4000);
+    assert_eq!(chunked_post(&stack, 3000).await, 200);
+
+    // Deadline: a caller asking for more than max_call_timeout is clamped to it.
+    let mut req = caller.request(Method::GET, "/relay/demo/slow/3000", Bytes::new());
+    req.headers_mut()
+        .insert("x-relay-timeout-ms", "60000".parse().unwrap());
+    let started = Instant::now();
+    let a = caller.call(req).await.unwrap();
+    assert_eq!(a.status, 504, "{}", a.text());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "clamped to 300 ms"
+    );
+    ok(&stack).await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn queue_and_stream_limits_of_a_tunnel_id_return_their_errors_and_serve_on() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed(4))
+        .tunnel_config(|c| {
+            c.max_streams_per_token = 2;
+            c.max_queue_per_tunnel = 1;
+            c.queue_timeout = Duration::from_millis(300);
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    // Streams per tunnel id: the agent asks for 4, the server holds 2.
+    let hub = stack.servers[0].as_ref().unwrap().hub().clone();
+    let streams = || hub.load().iter().map(|t| t.idle + t.busy).sum::<u32>();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(streams(), 2, "max_streams_per_token holds");
+
+    // Queue: two slow calls take both streams, one waits in the queue, the next is
+    // refused at once with 503 no_capacity.
+    let caller = stack.caller();
+    let mut slow = Vec::new();
+    for _ in 0..3 {
+        let c = caller.clone();
+        slow.push(tokio::spawn(
+            async move { c.get("/relay/demo/slow/1000").await },
+        ));
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let refused = loop {
+        let a = caller.get("/relay/demo/hello").await.unwrap();
+        if a.status == 503 {
+            break a;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never refused: {} {}",
+            a.status,
+            a.text()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(refused.json()["error"], "no_capacity");
+    assert!(refused.headers.contains_key("retry-after"));
+    let mut statuses: Vec<u16> = Vec::new();
+    for t in slow {
+        statuses.push(t.await.unwrap().unwrap().status.as_u16());
+    }
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        2,
+        "the calls holding streams finish: {statuses:?}"
+    );
+    ok(&stack).await;
+    stack.shutdown().await;
+}

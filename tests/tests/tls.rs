@@ -1,0 +1,312 @@
+//! TLS on every hop, end to end: the whole stack with HTTPS at the dispatcher front,
+//! mutual TLS between the dispatcher and the tunnel servers both ways, and agents dialing
+//! the tunnel servers over TLS; refusals (wrong CA, expired certificate, plain text where
+//! TLS is required, a tunnel server without a client certificate); certificates reloaded
+//! while streams stay up.
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::TokioIo;
+use relay_common::devcerts::{write, DevCa};
+use relay_common::tls::{ClientTls, TlsClient, ALPN_HTTP};
+use relay_tests::certs::{generate, CertSet};
+use relay_tests::client::Caller;
+use relay_tests::stack::{Stack, CALLER_KEY, TUNNEL_ID};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::time::Instant;
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "relay-tls-e2e-{tag}-{}-{}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn certs(tag: &str) -> CertSet {
+    generate(&temp_dir(tag), &["localhost", "127.0.0.1"]).unwrap()
+}
+
+/// A stack with TLS on every hop, from `set`.
+async fn tls_stack(set: &CertSet) -> Stack {
+    let (d_front, d_reg, d_fwd) = (
+        set.dispatcher_front(),
+        set.dispatcher_registry(),
+        set.dispatcher_forward(),
+    );
+    let (t_agent, t_fwd, t_disp) = (
+        set.tunnel_agent(),
+        set.tunnel_forward(),
+        set.tunnel_dispatcher(),
+    );
+    let agent_tls = set.agent();
+    Stack::builder()
+        .servers(2)
+        .dispatcher_config(move |c| {
+            c.tls = d_front;
+            c.registry_tls = d_reg;
+            c.forward_tls = d_fwd;
+            c.reload_interval = Duration::from_millis(50);
+        })
+        .tunnel_config(move |c| {
+            c.agent_tls = t_agent;
+            c.forward_tls = t_fwd;
+            c.dispatcher_tls = t_disp;
+            c.reload_interval = Duration::from_millis(50);
+        })
+        .agent_config(move |c| c.tls = agent_tls)
+        .start()
+        .await
+        .unwrap()
+}
+
+fn client(ca: &std::path::Path) -> TlsClient {
+    TlsClient::new(
+        "test",
+        ClientTls {
+            ca: Some(ca.to_path_buf()),
+            ..Default::default()
+        },
+        ALPN_HTTP,
+    )
+    .unwrap()
+}
+
+/// One HTTPS/1.1 GET on a fresh connection.
+async fn https_get(
+    tls: &TlsClient,
+    addr: SocketAddr,
+    path: &str,
+) -> anyhow::Result<(StatusCode, Bytes)> {
+    let mut conn = HttpsConn::open(tls, addr).await?;
+    conn.get(path).await
+}
+
+/// An HTTP/1.1 keep-alive connection over TLS.
+struct HttpsConn {
+    send: hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+}
+
+impl HttpsConn {
+    async fn open(tls: &TlsClient, addr: SocketAddr) -> anyhow::Result<Self> {
+        let stream = tls.connect("localhost", &addr.to_string()).await?;
+        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(conn);
+        Ok(HttpsConn { send })
+    }
+
+    async fn get(&mut self, path: &str) -> anyhow::Result<(StatusCode, Bytes)> {
+        self.send.ready().await?;
+        let req = Request::get(path)
+            .header("host", "localhost")
+            .header("authorization", format!("Bearer {CALLER_KEY}"))
+            .body(Empty::new())?;
+        let resp = self.send.send_request(req).await?;
+        let status = resp.status();
+        let body = resp.into_body().collect().await?.to_bytes();
+        Ok((status, body))
+    }
+}
+
+/// Polls until a relayed call over HTTPS answers 200.
+async fn wait_routable(tls: &TlsClient, addr: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let last = https_get(tls, addr, &format!("/relay/{TUNNEL_ID}/hello")).await;
+        if matches!(&last, Ok((s, _)) if *s == StatusCode::OK) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not routable over TLS in time: last answer {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_call_round_trips_with_tls_on_every_hop() {
+    let set = certs("all");
+    let stack = tls_stack(&set).await;
+    let backend = client(&set.ca);
+    wait_routable(&backend, stack.http).await;
+    let (status, body) = https_get(&backend, stack.http, &format!("/relay/{TUNNEL_ID}/hello"))
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert!(!body.is_empty());
+    // The agent holds streams on both servers, over TLS.
+    let (code, check) = stack.systemcheck().await.unwrap();
+    assert_eq!(code, 200, "{check}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn refusals_wrong_ca_expired_certificate_plain_text_and_missing_client_certificate() {
+    let set = certs("refuse");
+    let stack = tls_stack(&set).await;
+    let backend = client(&set.ca);
+    wait_routable(&backend, stack.http).await;
+
+    // A backend that trusts another CA refuses the dispatcher's certificate.
+    let other = DevCa::new("someone else").unwrap();
+    let other_ca = write(&set.dir, "other-ca.pem", &other.cert_pem).unwrap();
+    let err = https_get(&client(&other_ca), stack.http, "/relay/demo/hello")
+        .await
+        .unwrap_err();
+    assert!(
+        format!("{err:#}").to_lowercase().contains("certificate"),
+        "{err:#}"
+    );
+
+    // Plain HTTP to the TLS front gets no HTTP answer.
+    let plain = Caller::new(stack.http, Some(CALLER_KEY))
+        .get("/relay/demo/hello")
+        .await;
+    assert!(
+        plain.is_err(),
+        "plain HTTP to a TLS front answered: {plain:?}"
+    );
+
+    // Plain h2c to a tunnel server's TLS agent listener: the RPC never happens.
+    let agent_addr = stack.servers[0].as_ref().unwrap().agent_addr;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{agent_addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await;
+    if let Ok(ch) = ch {
+        let (_tx, rx) = tokio::sync::mpsc::channel::<relay_proto::AgentFrame>(1);
+        let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        req.metadata_mut()
+            .insert("authorization", "Bearer dev-token".parse().unwrap());
+        let r = relay_proto::tunnel_client::TunnelClient::new(ch)
+            .connect(req)
+            .await;
+        assert!(r.is_err(), "plain h2c reached a TLS agent listener");
+    }
+
+    // A tunnel server's forward listener requires a client certificate: a dialer trusting
+    // the CA but presenting none is refused (TLS 1.3 reports it on the first read).
+    let forward_addr = stack.servers[0].as_ref().unwrap().forward_addr;
+    let anonymous = TlsClient::new(
+        "anon",
+        ClientTls {
+            ca: Some(set.ca.clone()),
+            ..Default::default()
+        },
+        relay_common::tls::ALPN_H2,
+    )
+    .unwrap();
+    let ch = tonic::transport::Endpoint::from_shared(format!("https://{forward_addr}"))
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .connect_with_connector(anonymous.tonic_connector())
+        .await;
+    if let Ok(ch) = ch {
+        let (_tx, rx) = tokio::sync::mpsc::channel::<relay_proto::ForwardRequest>(1);
+        let r = relay_proto::forward_client::ForwardClient::new(ch)
+            .call(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await;
+        assert!(
+            r.is_err(),
+            "a dispatcher without a client certificate was served"
+        );
+    }
+
+    // The relay still serves the legitimate backend.
+    let (status, _) = https_get(&backend, stack.http, "/relay/demo/hello")
+        .await
+        .unwrap();
+    assert_eq!(status, StatusCode::OK);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_expired_server_certificate_is_refused() {
+    let set = certs("expired");
+    let ca_key = DevCa::new("expired-test ca").unwrap();
+    let ca_path = write(&set.dir, "expired-ca.pem", &ca_key.cert_pem).unwrap();
+    let leaf = ca_key.expired_server(&["localhost", "127.0.0.1"]).unwrap();
+    let cert = write(&set.dir, "expired.pem", &leaf.cert_pem).unwrap();
+    let key = write(&set.dir, "expired.key", &leaf.key_pem).unwrap();
+    // A dispatcher front serving an expired certificate: backends refuse it.
+    let front = relay_common::tls::ListenerTls::tls(relay_common::tls::ServerTls {
+        cert,
+        key,
+        client_ca: None,
+        client_cert_optional: false,
+    });
+    let stack = Stack::builder()
+        .servers(1)
+        .without_agent()
+        .dispatcher_config(move |c| c.tls = front)
+        .start()
+        .await
+        .unwrap();
+    let err = https_get(&client(&ca_path), stack.http, "/relay/demo/hello")
+        .await
+        .unwrap_err();
+    assert!(
+        format!("{err:#}").to_lowercase().contains("expired"),
+        "{err:#}"
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_rotated_certificate_is_used_for_new_connections_while_streams_stay_up() {
+    let set = certs("rotate");
+    let stack = tls_stack(&set).await;
+    let backend = client(&set.ca);
+    wait_routable(&backend, stack.http).await;
+    let mut kept = HttpsConn::open(&backend, stack.http).await.unwrap();
+    assert_eq!(
+        kept.get("/relay/demo/hello").await.unwrap().0,
+        StatusCode::OK
+    );
+
+    // Replace the dispatcher's server certificate with one from a new CA.
+    let ca2 = DevCa::new("relay rotated ca").unwrap();
+    let ca2_path = write(&set.dir, "ca2.pem", &ca2.cert_pem).unwrap();
+    let leaf = ca2.server(&["localhost", "127.0.0.1"]).unwrap();
+    std::fs::write(&set.dispatcher.1, &leaf.key_pem).unwrap();
+    std::fs::write(&set.dispatcher.0, &leaf.cert_pem).unwrap();
+    let rotated = client(&ca2_path);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while https_get(&rotated, stack.http, "/relay/demo/hello")
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the new certificate was not picked up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // New connections trusting only the old CA are refused now...
+    assert!(https_get(&backend, stack.http, "/relay/demo/hello")
+        .await
+        .is_err());
+    // ...while the connection established before keeps serving, and so do the agent's
+    // tunnel streams and the report streams (the registry listener shares the rotated
+    // certificate: its established streams keep their session).
+    assert_eq!(
+        kept.get("/relay/demo/hello").await.unwrap().0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        https_get(&rotated, stack.http, "/relay/demo/hello")
+            .await
+            .unwrap()
+            .0,
+        StatusCode::OK
+    );
+    stack.shutdown().await;
+}
