@@ -80,7 +80,7 @@ pub enum StreamEvent {
     CallEnded,
     /// The server's latest count of this tunnel id's queued calls.
     Pressure(u32),
-    /// The server sent Drain; this stream sent (or will send) GoingAway.
+    /// The server sent Drain: its streams are recycled as the plan decides.
     Drained,
     /// A landed stream ended. Last event of a stream.
     Closed(CloseReason),
@@ -328,8 +328,8 @@ impl CoverageActor {
             }
             StreamEvent::Drained => {
                 if let Some(e) = self.streams.get_mut(&id) {
-                    // The stream sends GoingAway itself; it no longer counts as capacity.
-                    e.retiring = true;
+                    // The stream keeps serving; the plan recycles it once another server
+                    // is covered (make before break).
                     let server = self.servers.entry(e.server_id.clone()).or_default();
                     if !server.draining {
                         info!(server_id = %e.server_id, "tunnel server is draining");

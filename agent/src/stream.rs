@@ -433,9 +433,6 @@ impl Session {
             return Err(CloseReason::Lost);
         }
         self.idle_again();
-        if self.draining {
-            self.going_away().await?;
-        }
         Ok(())
     }
 
@@ -562,9 +559,6 @@ impl Session {
                     ))
                     .await?;
                     self.idle_again();
-                    if self.draining {
-                        self.going_away().await?;
-                    }
                 }
             }
             In::Ping(ping) => {
@@ -572,12 +566,11 @@ impl Session {
                     .await?
             }
             In::Drain(_) => {
+                // The sizing actor decides when this stream goes (make before break:
+                // once another server is covered); until then it keeps serving.
                 if !self.draining {
                     self.draining = true;
                     self.emit(id, StreamEvent::Drained);
-                    if self.call_fut.is_none() {
-                        self.going_away().await?;
-                    }
                 }
             }
             In::Pressure(p) => self.emit(id, StreamEvent::Pressure(p.queued)),

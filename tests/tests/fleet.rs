@@ -150,7 +150,6 @@ async fn rolling_drain_loses_nothing_and_fails_rarely() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails today: calls get tunnel_unavailable while a server drains"]
 async fn rolling_drain_fails_no_call() {
     let r = run_short(builtin("rolling-drain").scaled(0.4, 0.5)).await;
     assert_eq!(r.calls_failed_total, 0, "{:?}", r.calls_failed);

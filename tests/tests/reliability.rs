@@ -319,20 +319,6 @@ async fn dispatcher_base(admin: SocketAddr) -> f64 {
     dispatcher_calls(admin).await.unwrap().0
 }
 
-/// Streams of the demo tunnel id on an in-process server.
-fn streams_on(stack: &Stack, i: usize) -> f64 {
-    stack.servers[i]
-        .as_ref()
-        .map(|s| {
-            value(
-                &s.registry,
-                "relay_tunnel_streams",
-                &[("tunnel_id", TUNNEL_ID)],
-            )
-        })
-        .unwrap_or(0.0)
-}
-
 async fn dispatcher_servers(admin: SocketAddr) -> f64 {
     match scrape(admin).await {
         Ok(t) => metric(&t, "relay_dispatcher_tunnel_servers", &[]),
@@ -740,12 +726,12 @@ async fn rolling_restart_of_every_tunnel_server_under_steady_load_fails_no_call(
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let mut back = Vec::new();
     for i in 0..3 {
-        // As an operator would: wait until the fleet is whole (every server reporting,
-        // the agent's streams on more than the one about to go), take the server out of
-        // the load balancer, SIGTERM it, wait for it to exit, start the new version.
+        // As an operator would: wait until the fleet is whole (every server reporting),
+        // take the server out of the load balancer, SIGTERM it, wait for it to exit, start
+        // the new version. The server may hold every one of the agent's streams: the agent
+        // opens replacements elsewhere before it lets the draining ones go.
         let t = time_until(READY, || async {
             dispatcher_servers(stack.dispatcher_admin).await == 3.0
-                && (0..3).any(|j| j != i && streams_on(&stack, j) > 0.0)
         })
         .await;
         back.push(t);

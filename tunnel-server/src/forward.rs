@@ -123,11 +123,6 @@ impl Call {
                         AcquireError::NoCapacity(why) => {
                             (ForwardErrorKind::NoCapacity, "no_capacity", why.to_string())
                         }
-                        AcquireError::Draining => (
-                            ForwardErrorKind::Draining,
-                            "draining",
-                            "tunnel server is draining".to_string(),
-                        ),
                         AcquireError::Cancelled => {
                             hub.metrics.call("cancelled");
                             return;

@@ -113,7 +113,6 @@ pub enum AcquireError {
     UnknownTunnel,
     /// No stream freed before the deadline, or the queue was full.
     NoCapacity(&'static str),
-    Draining,
     /// The caller went away while waiting.
     Cancelled,
 }
@@ -232,9 +231,9 @@ impl Hub {
         deadline: Instant,
         cancelled: impl Future<Output = ()>,
     ) -> Result<Arc<StreamHandle>, AcquireError> {
-        if self.is_draining() {
-            return Err(AcquireError::Draining);
-        }
+        // A draining server keeps serving calls on the streams it still holds: agents
+        // move their streams away as soon as they are covered elsewhere (make before
+        // break), and the dispatcher sends calls here only when no other server can.
         let Some(tunnel) = self.tunnels.get(tunnel_id).map(|t| t.clone()) else {
             return Err(AcquireError::UnknownTunnel);
         };
@@ -325,7 +324,8 @@ impl Hub {
         was_idle
     }
 
-    /// Starts draining: no new streams or calls; every stream is told to go away.
+    /// Starts draining: no new streams; every stream is told to go away. Calls still run
+    /// on the streams the server holds until their agents have moved them.
     pub fn drain(&self, grace_ms: u32) {
         self.draining.store(true, Ordering::SeqCst);
         for t in self.tunnels.iter() {
@@ -367,6 +367,11 @@ impl Hub {
                 h.close();
             }
         }
+    }
+
+    /// True when no agent stream is left (the end of a drain).
+    pub fn is_empty(&self) -> bool {
+        self.tunnels.is_empty()
     }
 
     /// Tunnel ids holding at least one stream here.

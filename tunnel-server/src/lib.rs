@@ -332,8 +332,12 @@ impl TunnelServerHandle {
         info!(server_id = %self.server_id, "draining");
         self.hub
             .drain(self.grace.as_millis().min(u32::MAX as u128) as u32);
+        // Wait until the agents have moved every stream away (they do once covered
+        // elsewhere; busy streams leave after their call) and nothing runs, or the grace.
         let deadline = Instant::now() + self.grace;
-        while self.hub.metrics.in_flight.get() > 0 && Instant::now() < deadline {
+        while (!self.hub.is_empty() || self.hub.metrics.in_flight.get() > 0)
+            && Instant::now() < deadline
+        {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         self.stop_reports.cancel();

@@ -193,7 +193,10 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             }
             Err(AddError::Draining) => {
                 metrics.opens.with_label_values(&["draining"]).inc();
-                return Err(Status::unavailable("tunnel server is draining"));
+                // Placement news for the agent (open elsewhere), not a failure to back off from.
+                return Err(Status::resource_exhausted(
+                    "tunnel server is draining: open the stream on another server",
+                ));
             }
         }
         metrics.opens.with_label_values(&["accepted"]).inc();

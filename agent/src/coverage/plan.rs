@@ -796,12 +796,35 @@ impl Planner {
     }
 
     /// Coverage off: hold `fixed_streams` in total, wherever they land.
+    /// Streams on draining servers do not count: their idle ones are recycled and
+    /// replaced in the same tick, busy ones once their call ends.
     fn plan_fixed(&mut self, snap: &Snapshot) -> Plan {
         let live: u32 = snap
             .servers
             .iter()
+            .filter(|s| !s.draining)
             .map(|s| s.streams.iter().filter(|st| !st.retiring).count() as u32)
             .sum();
+        let mut close = Vec::new();
+        let mut actions = Vec::new();
+        for s in snap.servers.iter().filter(|s| s.draining) {
+            let idle: Vec<StreamId> = s
+                .streams
+                .iter()
+                .filter(|st| !st.busy && !st.retiring)
+                .map(|st| st.id)
+                .collect();
+            if idle.is_empty() {
+                continue;
+            }
+            actions.push(Action {
+                server_id: s.server_id.clone(),
+                kind: ActionKind::Recycle,
+                count: count(idle.len()),
+                reason: format!("draining: closing {} idle streams (fixed pool)", idle.len()),
+            });
+            close.extend(idle);
+        }
         let have = live + snap.opening;
         let open = self
             .cfg
@@ -816,7 +839,9 @@ impl Planner {
                 let in_flight = s.streams.iter().filter(|st| st.busy).count() as u32;
                 let busy = in_flight + s.queued;
                 let budget = busy + self.cfg.reserve;
-                let state = if streams >= budget {
+                let state = if s.draining {
+                    State::Evacuated
+                } else if streams >= budget {
                     State::Covered
                 } else {
                     State::Filling
@@ -834,8 +859,8 @@ impl Planner {
             .collect();
         Plan {
             open,
-            close: Vec::new(),
-            actions: Vec::new(),
+            close,
+            actions,
             states,
         }
     }
