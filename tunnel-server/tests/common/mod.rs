@@ -23,6 +23,10 @@ pub async fn server(cfg: Config, tokens: TokenStore) -> TunnelServerHandle {
     let cfg = Config {
         dispatchers: vec![],
         server_id: "ts-1".into(),
+        // Scripted agents never move their streams away on Drain: keep the drain short.
+        shutdown_grace: cfg
+            .shutdown_grace
+            .min(std::time::Duration::from_millis(300)),
         ..cfg
     }
     .insecure();
