@@ -266,8 +266,7 @@ impl Default for Config {
 /// Smallest `max_header_bytes` accepted: hyper's HTTP/1 read buffer cannot be smaller.
 pub const MIN_HEADER_BYTES: usize = 8 * 1024;
 
-/// Default of `max_frame_bytes`: a 64 KiB body chunk plus generous room for heads.
-pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
+pub use relay_proto::DEFAULT_MAX_FRAME_BYTES;
 
 impl Config {
     /// Plain text on every hop (`insecure = true` on each TLS section): tests and the

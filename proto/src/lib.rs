@@ -14,6 +14,10 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// several frames under gRPC/HTTP2 flow control.
 pub const MAX_CHUNK: usize = 64 * 1024;
 
+/// Default largest gRPC message any hop accepts (`max_frame_bytes`): a body chunk plus
+/// generous room for heads.
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
+
 pub mod v1 {
     #![allow(missing_docs)]
     tonic::include_proto!("relay.v1");

@@ -11,3 +11,20 @@ pub mod metrics;
 pub mod procs;
 pub mod stack;
 pub mod upstream;
+
+/// Polls `check` every 20 ms until it holds; panics naming `what` if it does not within
+/// `within`. Tests wait for conditions this way, never for a fixed sleep.
+pub async fn eventually<F, Fut>(what: &str, within: std::time::Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not true within {within:?}: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

@@ -7,6 +7,7 @@ use http::Method;
 use http_body_util::BodyExt;
 use relay_agent::coverage::plan::CoverageConfig;
 use relay_tests::client::Caller;
+use relay_tests::eventually;
 use relay_tests::stack::{Stack, TUNNEL_ID};
 use relay_tests::upstream::pattern_byte;
 use std::time::Duration;
@@ -19,21 +20,6 @@ fn fixed_pool(n: u32) -> CoverageConfig {
         enabled: false,
         fixed_streams: n,
         ..CoverageConfig::default()
-    }
-}
-
-async fn eventually<F, Fut>(what: &str, within: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    while !check().await {
-        assert!(
-            Instant::now() < deadline,
-            "not true within {within:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -9,6 +9,7 @@ use relay_agent::coverage::plan::CoverageConfig;
 use relay_common::Secret;
 use relay_dispatcher::{RegistryBackend, RoutingPolicy};
 use relay_tests::client::Caller;
+use relay_tests::eventually;
 use relay_tests::lb::Policy;
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use relay_tests::upstream::{Upstream, UpstreamHandle};
@@ -25,21 +26,6 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 const READY: Duration = Duration::from_secs(20);
-
-async fn eventually<F, Fut>(what: &str, within: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    while !check().await {
-        assert!(
-            Instant::now() < deadline,
-            "not true within {within:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 async fn admin_json(addr: SocketAddr, path: &str) -> (u16, serde_json::Value) {
     match Caller::new(addr, None).get(path).await {

@@ -107,8 +107,7 @@ impl Default for Config {
     }
 }
 
-/// Default of `max_frame_bytes`: a 64 KiB chunk plus generous headroom for heads.
-pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
+pub use relay_proto::DEFAULT_MAX_FRAME_BYTES;
 
 impl Config {
     /// Plain text on every hop (`insecure = true` on each TLS section): tests and the
