@@ -5,7 +5,9 @@
 
 use crate::coverage::plan::{ActionKind, State};
 use crate::filter::Reason;
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 /// How a call ended, as counted in `relay_agent_calls_total{outcome}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,6 +85,10 @@ pub struct AgentMetrics {
     pub coverage_state: IntGaugeVec,
     /// `grpc_tunnel_coverage_actions_total{action}`.
     pub coverage_actions: IntCounterVec,
+    /// `relay_agent_calls_received_total`: every RequestHead that started a call. Each
+    /// ends with exactly one `relay_agent_calls_total{outcome}`, so once quiet the two
+    /// agree (the per-hop accounting check).
+    pub calls_received: IntCounter,
     /// `relay_agent_calls_total{outcome}`.
     pub calls: IntCounterVec,
     /// `relay_agent_call_duration_seconds`.
@@ -123,6 +129,10 @@ impl AgentMetrics {
             ),
             &["outcome"],
         )?;
+        let calls_received = IntCounter::new(
+            "relay_agent_calls_received_total",
+            "Calls handed to the agent by tunnel servers; each ends with one relay_agent_calls_total outcome",
+        )?;
         let call_duration = Histogram::with_opts(
             HistogramOpts::new(
                 "relay_agent_call_duration_seconds",
@@ -149,6 +159,7 @@ impl AgentMetrics {
         registry.register(Box::new(server_streams.clone()))?;
         registry.register(Box::new(coverage_state.clone()))?;
         registry.register(Box::new(coverage_actions.clone()))?;
+        registry.register(Box::new(calls_received.clone()))?;
         registry.register(Box::new(calls.clone()))?;
         registry.register(Box::new(call_duration.clone()))?;
         registry.register(Box::new(stream_opens.clone()))?;
@@ -170,6 +181,7 @@ impl AgentMetrics {
             server_streams,
             coverage_state,
             coverage_actions,
+            calls_received,
             calls,
             call_duration,
             stream_opens,

@@ -495,6 +495,7 @@ impl Session {
                     let (tx, rx) = mpsc::channel(BODY_CHUNKS);
                     (Some(tx), Some(rx))
                 };
+                self.ctx.metrics.calls_received.inc();
                 self.call = Some(ActiveCall {
                     id: head.call_id,
                     body: body_tx,

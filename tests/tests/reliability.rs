@@ -12,7 +12,7 @@
 //!   is in flight once quiet;
 //! - each tunnel server (every incarnation whose counters survive):
 //!   `relay_tunnel_calls_received_total == sum(relay_tunnel_calls_total)`, nothing in flight;
-//! - agent: no stream is busy once quiet (every call it started ended).
+//! - agent: calls received = outcomes, and no stream is busy once quiet.
 //!
 //! The process-level faults run the real binaries as children (`relay_tests::procs`); the
 //! rest use the in-process stack. The soak runs the whole fleet as children so each
@@ -283,8 +283,18 @@ fn server_ledger(name: &str, reg: &prometheus::Registry) -> Result<(), String> {
     server_ledger_text(name, &relay_common::admin::render_metrics(reg))
 }
 
-fn agent_busy_text(text: &str) -> f64 {
-    metric(text, "grpc_tunnel_server_streams", &[("state", "busy")])
+/// The agent's ledger: every call it received ended with one outcome, and no stream is
+/// still busy.
+fn agent_ledger_text(name: &str, text: &str) -> Result<(), String> {
+    let received = metric(text, "relay_agent_calls_received_total", &[]);
+    let outcomes = metric(text, "relay_agent_calls_total", &[]);
+    let busy = metric(text, "grpc_tunnel_server_streams", &[("state", "busy")]);
+    if received != outcomes || busy != 0.0 {
+        return Err(format!(
+            "{name}: received {received} outcomes {outcomes}, {busy} streams still busy"
+        ));
+    }
+    Ok(())
 }
 
 /// The accounting check on the in-process stack: `sent` calls since the dispatcher had
@@ -302,14 +312,10 @@ async fn stack_accounted(stack: &Stack, sent: u64, base: f64) -> Result<(), Stri
     }
     for i in 0..stack.agent_count() {
         if let Some(a) = stack.agent(i) {
-            let busy = value(
-                a.registry(),
-                "grpc_tunnel_server_streams",
-                &[("state", "busy")],
-            );
-            if busy != 0.0 {
-                return Err(format!("agent {i}: {busy} streams still busy"));
-            }
+            agent_ledger_text(
+                &format!("agent {i}"),
+                &relay_common::admin::render_metrics(a.registry()),
+            )?;
         }
     }
     Ok(())
@@ -499,11 +505,7 @@ impl Fleet {
             let t = scrape(s.admin_addr).await.map_err(|e| e.to_string())?;
             server_ledger_text(&s.server_id, &t)?;
         }
-        let busy = agent_busy_text(&self.agent_metrics().await);
-        if busy != 0.0 {
-            return Err(format!("agent: {busy} streams still busy"));
-        }
-        Ok(())
+        agent_ledger_text("agent", &self.agent_metrics().await)
     }
 }
 
