@@ -6,13 +6,24 @@
 //! A caller that goes away (the dispatcher drops the RPC) becomes a `Cancel` to the agent;
 //! the stream stays busy until the agent's terminal frame, so a stream is never reused
 //! while the previous call still runs on it.
+//!
+//! The queue handshake (`CallHead.queue_handshake`): a call that has to queue answers
+//! `Queued` at once. When a stream frees, the call reserves it, answers `StreamReserved`
+//! and waits for the dispatcher's `Proceed` before the agent sees anything. So if this
+//! server dies while calls wait in its queue, the dispatcher knows those calls never
+//! reached an agent and retries them on another server, instead of answering 502 for a
+//! call that might have run. The cost is one dispatcher round trip, and only for calls
+//! that queued anyway; a call that finds an idle stream goes straight to the agent.
+//! Body chunks the dispatcher sent before it saw `Queued` are read and kept (at most
+//! `RESERVED_BODY_LIMIT` bytes) while waiting for `Proceed`, then follow the head.
 
 use crate::hub::{AcquireError, Hub};
 use crate::stream::CallSlot;
 use relay_proto::{
-    forward_request, server_frame, BodyChunk, Cancel, ForwardErrorKind, ForwardRequest,
-    ForwardResponse, RequestHead, ServerFrame,
+    forward_request, forward_response, server_frame, BodyChunk, Cancel, ForwardErrorKind,
+    ForwardRequest, ForwardResponse, Queued, RequestHead, ServerFrame, StreamReserved,
 };
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -24,6 +35,15 @@ use tracing::debug;
 /// How long a cancelled call may take to be acknowledged by the agent before its stream
 /// is given up on.
 const CANCEL_ACK: Duration = Duration::from_secs(10);
+
+/// How long a reserved stream waits for the dispatcher's `Proceed` (or less: the call's
+/// deadline) before it goes back to the pool.
+const PROCEED_WAIT: Duration = Duration::from_secs(5);
+
+/// Request body bytes kept while a reserved stream waits for `Proceed`. A dispatcher that
+/// speaks the handshake stops sending body once it sees `Queued`, so only what was in
+/// flight arrives here; more is a protocol error.
+const RESERVED_BODY_LIMIT: usize = 4 * 1024 * 1024;
 
 pub struct ForwardService {
     pub hub: Arc<Hub>,
@@ -72,6 +92,7 @@ impl relay_proto::forward_server::Forward for ForwardService {
         let call = Call {
             hub: self.hub.clone(),
             tunnel_id: head.tunnel_id,
+            handshake: head.queue_handshake,
             request,
             queue_timeout: self.queue_timeout,
             to_caller: tx,
@@ -84,6 +105,8 @@ impl relay_proto::forward_server::Forward for ForwardService {
 struct Call {
     hub: Arc<Hub>,
     tunnel_id: String,
+    /// The dispatcher speaks the queue handshake.
+    handshake: bool,
     request: RequestHead,
     queue_timeout: Duration,
     to_caller: mpsc::Sender<Result<ForwardResponse, Status>>,
@@ -102,13 +125,27 @@ impl Call {
                 (deadline / 10).clamp(Duration::from_millis(5), Duration::from_millis(250));
             wait = wait.min(deadline.saturating_sub(margin));
         }
+        // Whether the call joined the queue; until the dispatcher's Proceed it must not
+        // reach an agent (the queue handshake).
+        let queued = AtomicBool::new(false);
+        let mut proceeded = !self.handshake;
+        let mut early_body = Vec::new();
         let (stream, call_id, mut done) = loop {
             let gone = self.to_caller.clone();
+            let on_queue = || {
+                if !proceeded {
+                    queued.store(true, Ordering::Relaxed);
+                    // The channel is empty before the call's first answer: this fits.
+                    let queued = ForwardResponse::of(forward_response::Kind::Queued(Queued {}));
+                    let _ = self.to_caller.try_send(Ok(queued));
+                }
+            };
             let stream = match hub
                 .acquire(
                     &self.tunnel_id,
                     now + wait,
                     async move { gone.closed().await },
+                    on_queue,
                 )
                 .await
             {
@@ -136,6 +173,22 @@ impl Call {
                     return;
                 }
             };
+            if !proceeded && queued.load(Ordering::Relaxed) {
+                match self.await_proceed(&mut inbound, &mut early_body).await {
+                    Ok(()) => proceeded = true,
+                    Err((outcome, error)) => {
+                        hub.release(stream);
+                        hub.metrics.call(outcome);
+                        if let Some((kind, msg)) = error {
+                            let _ = self
+                                .to_caller
+                                .send(Ok(ForwardResponse::error(kind, msg)))
+                                .await;
+                        }
+                        return;
+                    }
+                }
+            }
             let call_id = hub.next_call_id();
             let (done_tx, done) = oneshot::channel();
             hub.metrics.in_flight.inc();
@@ -168,6 +221,13 @@ impl Call {
         let _ = stream
             .send(ServerFrame::of(server_frame::Kind::RequestHead(head)))
             .await;
+        for mut chunk in early_body {
+            body_open = !chunk.end;
+            chunk.call_id = call_id;
+            let _ = stream
+                .send(ServerFrame::of(server_frame::Kind::RequestBody(chunk)))
+                .await;
+        }
         loop {
             tokio::select! {
                 // Order: the call's end first, then the caller leaving, then more body.
@@ -204,6 +264,63 @@ impl Call {
         // Cancelled: the stream stays busy until the agent acknowledges.
         if tokio::time::timeout(CANCEL_ACK, done).await.is_err() {
             stream.close();
+        }
+    }
+
+    /// The queued call holds a reserved stream: answer `StreamReserved` and wait for the
+    /// dispatcher's `Proceed`, keeping the body chunks that arrive first in `early_body`.
+    /// On failure: the call's outcome label and the error to answer, if any (none when the
+    /// dispatcher is gone). No agent has seen the call either way.
+    async fn await_proceed(
+        &self,
+        inbound: &mut Streaming<ForwardRequest>,
+        early_body: &mut Vec<BodyChunk>,
+    ) -> Result<(), (&'static str, Option<(ForwardErrorKind, String)>)> {
+        let reserved = ForwardResponse::of(forward_response::Kind::Reserved(StreamReserved {}));
+        if self.to_caller.send(Ok(reserved)).await.is_err() {
+            return Err(("cancelled", None));
+        }
+        let mut wait = PROCEED_WAIT;
+        if self.request.deadline_ms > 0 {
+            wait = wait.min(Duration::from_millis(self.request.deadline_ms as u64));
+        }
+        let until = Instant::now() + wait;
+        let bad = |msg: &str| {
+            Err((
+                "bad_request",
+                Some((ForwardErrorKind::BadRequest, msg.to_string())),
+            ))
+        };
+        let mut kept = 0usize;
+        loop {
+            let msg = tokio::select! {
+                biased;
+                _ = self.to_caller.closed() => return Err(("cancelled", None)),
+                _ = tokio::time::sleep_until(until) => {
+                    return bad("the dispatcher did not answer StreamReserved with Proceed in time");
+                }
+                msg = inbound.message() => msg,
+            };
+            match msg {
+                Ok(Some(ForwardRequest {
+                    kind: Some(forward_request::Kind::Proceed(_)),
+                })) => return Ok(()),
+                Ok(Some(ForwardRequest {
+                    kind: Some(forward_request::Kind::Body(chunk)),
+                })) => {
+                    let open = early_body.last().is_none_or(|c: &BodyChunk| !c.end);
+                    if self.request.end_of_stream || !open {
+                        return bad("a body chunk after the end of the request body");
+                    }
+                    kept += chunk.data.len();
+                    if chunk.data.len() > relay_proto::MAX_CHUNK || kept > RESERVED_BODY_LIMIT {
+                        return bad("too much request body before Proceed");
+                    }
+                    early_body.push(chunk);
+                }
+                Ok(Some(_)) => return bad("expected Proceed or a body chunk"),
+                Ok(None) | Err(_) => return Err(("cancelled", None)),
+            }
         }
     }
 }

@@ -8,7 +8,7 @@ use tonic::{Code, Streaming};
 
 mod common;
 
-use common::{call, channel, open, outcome, Outcome};
+use common::{call, call_with, channel, open, outcome, Outcome};
 
 async fn server(cfg: Config) -> TunnelServerHandle {
     common::server(cfg, TokenStore::single("good-token", "acme")).await
@@ -91,6 +91,142 @@ async fn a_call_waits_for_a_stream_then_gives_no_capacity_at_its_deadline() {
     let err = collect(fourth).await.unwrap_err();
     assert_eq!(err, ForwardErrorKind::NoCapacity as i32);
     drop(third);
+}
+
+/// The next message of a handshake call's response stream.
+async fn next_kind(resp: &mut Streaming<ForwardResponse>) -> forward_response::Kind {
+    tokio::time::timeout(Duration::from_secs(10), resp.message())
+        .await
+        .expect("an answer within 10 s")
+        .expect("the call stays up")
+        .and_then(|m| m.kind)
+        .expect("a frame")
+}
+
+fn body(data: &[u8], end: bool) -> ForwardRequest {
+    ForwardRequest::of(forward_request::Kind::Body(BodyChunk {
+        call_id: 0,
+        data: data.to_vec(),
+        end,
+    }))
+}
+
+#[tokio::test]
+async fn a_queued_call_reaches_the_agent_only_after_proceed() {
+    let s = server(Config::default()).await;
+    let agent = channel(s.agent_addr).await;
+    let disp = channel(s.forward_addr).await;
+    let mut a = open(&agent, "good-token").await.unwrap();
+    // An idle stream: the call goes straight to the agent, no queue notice.
+    let (_t1, mut first) = call_with(&disp, "acme", 5000, true, true).await;
+    let Some(server_frame::Kind::RequestHead(h1)) = a.next().await.ok().flatten() else {
+        panic!("the first call reaches the agent at once")
+    };
+    // The only stream is busy: the second call queues and says so.
+    let (t2, mut second) = call_with(&disp, "acme", 5000, true, false).await;
+    assert!(matches!(
+        next_kind(&mut second).await,
+        forward_response::Kind::Queued(_)
+    ));
+    // A body chunk already in flight when the dispatcher heard Queued.
+    t2.send(body(b"early ", false)).await.unwrap();
+    a.send(agent_frame::Kind::ResponseHead(ResponseHead {
+        call_id: h1.call_id,
+        status: 204,
+        end_of_stream: true,
+        ..Default::default()
+    }))
+    .await;
+    assert!(matches!(
+        next_kind(&mut first).await,
+        forward_response::Kind::Head(h) if h.status == 204
+    ));
+    // The stream is reserved for the second call, which still has not reached the agent.
+    assert!(matches!(
+        next_kind(&mut second).await,
+        forward_response::Kind::Reserved(_)
+    ));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), a.next())
+            .await
+            .is_err(),
+        "the agent must see nothing before Proceed"
+    );
+    t2.send(ForwardRequest::of(forward_request::Kind::Proceed(
+        Proceed {},
+    )))
+    .await
+    .unwrap();
+    t2.send(body(b"late", true)).await.unwrap();
+    let Some(server_frame::Kind::RequestHead(h2)) = a.next().await.ok().flatten() else {
+        panic!("the head follows Proceed")
+    };
+    let mut got = Vec::new();
+    loop {
+        let Some(server_frame::Kind::RequestBody(chunk)) = a.next().await.ok().flatten() else {
+            panic!("body chunks follow the head")
+        };
+        assert_eq!(chunk.call_id, h2.call_id);
+        got.extend_from_slice(&chunk.data);
+        if chunk.end {
+            break;
+        }
+    }
+    assert_eq!(
+        got,
+        b"early late".to_vec(),
+        "the body arrives whole and in order"
+    );
+    a.send(agent_frame::Kind::ResponseHead(ResponseHead {
+        call_id: h2.call_id,
+        status: 200,
+        body: b"done".to_vec(),
+        end_of_stream: true,
+        ..Default::default()
+    }))
+    .await;
+    assert_eq!(collect(second).await.unwrap(), (200, b"done".to_vec()));
+}
+
+#[tokio::test]
+async fn a_dispatcher_leaving_before_proceed_gives_the_stream_back_unused() {
+    let s = server(Config::default()).await;
+    let agent = channel(s.agent_addr).await;
+    let disp = channel(s.forward_addr).await;
+    let mut a = open(&agent, "good-token").await.unwrap();
+    let (_t1, first) = call_with(&disp, "acme", 5000, true, true).await;
+    let Some(server_frame::Kind::RequestHead(h1)) = a.next().await.ok().flatten() else {
+        panic!()
+    };
+    let (t2, mut second) = call_with(&disp, "acme", 5000, true, true).await;
+    assert!(matches!(
+        next_kind(&mut second).await,
+        forward_response::Kind::Queued(_)
+    ));
+    a.send(agent_frame::Kind::ResponseHead(ResponseHead {
+        call_id: h1.call_id,
+        status: 204,
+        end_of_stream: true,
+        ..Default::default()
+    }))
+    .await;
+    assert_eq!(collect(first).await.unwrap().0, 204);
+    assert!(matches!(
+        next_kind(&mut second).await,
+        forward_response::Kind::Reserved(_)
+    ));
+    // The dispatcher goes away (its server died, or it retried elsewhere).
+    drop((t2, second));
+    // The stream serves the next call; the abandoned one never reached the agent.
+    let (_t3, third) = call_with(&disp, "acme", 5000, true, true).await;
+    a.serve_one(b"third").await;
+    assert_eq!(collect(third).await.unwrap(), (200, b"third".to_vec()));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), a.next())
+            .await
+            .is_err(),
+        "no other call reached the agent"
+    );
 }
 
 #[tokio::test]

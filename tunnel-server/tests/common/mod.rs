@@ -117,11 +117,23 @@ impl FakeStream {
     }
 }
 
-/// A scripted dispatcher call to `tunnel_id`.
+/// A scripted dispatcher call to `tunnel_id`, without the queue handshake.
 pub async fn call(
     ch: &Channel,
     tunnel_id: &str,
     deadline_ms: u32,
+) -> (mpsc::Sender<ForwardRequest>, Streaming<ForwardResponse>) {
+    call_with(ch, tunnel_id, deadline_ms, false, true).await
+}
+
+/// A scripted dispatcher call: `handshake` asks for the queue handshake; `end_of_stream`
+/// false means body chunks follow the head (sent through the returned sender).
+pub async fn call_with(
+    ch: &Channel,
+    tunnel_id: &str,
+    deadline_ms: u32,
+    handshake: bool,
+    end_of_stream: bool,
 ) -> (mpsc::Sender<ForwardRequest>, Streaming<ForwardResponse>) {
     let (tx, rx) = mpsc::channel(16);
     let head = CallHead {
@@ -132,8 +144,9 @@ pub async fn call(
             path_and_query: "/x".into(),
             headers: vec![],
             deadline_ms,
-            end_of_stream: true,
+            end_of_stream,
         }),
+        queue_handshake: handshake,
     };
     tx.send(ForwardRequest::of(forward_request::Kind::Head(head)))
         .await
@@ -181,6 +194,9 @@ pub async fn outcome(mut resp: Streaming<ForwardResponse>) -> Outcome {
                     }
                 }
                 Some(forward_response::Kind::Error(e)) => return Outcome::Error(e.kind),
+                Some(forward_response::Kind::Queued(_) | forward_response::Kind::Reserved(_)) => {
+                    return Outcome::Broken("a queue notice the call did not ask for".into())
+                }
                 None => return Outcome::Broken("empty frame".into()),
             },
             Ok(None) => return Outcome::Broken("ended without a terminal frame".into()),
