@@ -13,6 +13,9 @@
 //! - NO_CAPACITY (never reached an agent either): fed back to the router as saturation, and
 //!   under the `available` policy retried on the next server if that one reported idle
 //!   streams; under `sticky` it goes back to the caller (the seed behaviour);
+//! - the server queued the call (`Queued`) and died before it reserved a stream and we sent
+//!   `Proceed` (the queue handshake, see `CallHead.queue_handshake`): no agent saw it, so it
+//!   is retried on the next server like any call that never reached an agent;
 //! - the call may have started (the stream or the server died before the response head):
 //!   retried only for idempotent methods (GET, HEAD, OPTIONS, PUT, DELETE) when
 //!   `[routing] retry_idempotent = true`; otherwise the caller gets a 502 `stream_lost`
@@ -245,10 +248,13 @@ impl Forwarder {
                     .max(1),
                 end_of_stream: plan.end_of_stream,
             }),
+            queue_handshake: true,
         }));
         let mut client = ForwardClient::new(channel)
             .max_decoding_message_size(self.max_frame_bytes)
             .max_encoding_message_size(self.max_frame_bytes);
+        // However the attempt ends, its request stream may end with the body.
+        let _settle = Settle(body, attempt);
         let response = match client.call(body.attempt(attempt, head)).await {
             Ok(r) => r,
             Err(status) => {
@@ -266,54 +272,98 @@ impl Forwarder {
             }
         };
         let mut stream = response.into_inner();
-        match stream.message().await {
-            Ok(Some(ForwardResponse {
-                kind: Some(RespKind::Head(head)),
-            })) => Ok(Answer {
-                head,
-                stream,
-                server_id: route.server_id.clone(),
-            }),
-            Ok(Some(ForwardResponse {
-                kind: Some(RespKind::Error(e)),
-            })) => {
-                let (failure, _) = Failure::from_forward_error(&e);
-                let retry = match ForwardErrorKind::try_from(e.kind) {
-                    Ok(ForwardErrorKind::UnknownTunnel | ForwardErrorKind::Draining) => Retry::Safe,
-                    Ok(ForwardErrorKind::NoCapacity) => Retry::NoCapacity,
-                    Ok(ForwardErrorKind::StreamLost) => Retry::MaybeStarted,
-                    _ => Retry::Never,
-                };
-                Err((failure, retry))
+        // The queue handshake: between the server's `Queued` and our `Proceed` no agent
+        // can have seen the call, so losing the server then is safe to retry.
+        let mut waiting = false;
+        let mut proceeded = false;
+        let lost = |waiting: bool, what: String| {
+            if waiting {
+                (
+                    Failure::new(
+                        ErrorCode::TunnelServerUnreachable,
+                        format!(
+                            "tunnel server {} {what} while the call waited in its queue",
+                            route.server_id
+                        ),
+                    ),
+                    Retry::Safe,
+                )
+            } else {
+                (
+                    Failure::new(
+                        ErrorCode::StreamLost,
+                        format!(
+                            "tunnel server {} {what} before the response head; the call may have reached the agent, so it was not retried",
+                            route.server_id
+                        ),
+                    ),
+                    Retry::MaybeStarted,
+                )
             }
-            Ok(Some(_)) => Err((
-                Failure::new(
-                    ErrorCode::StreamLost,
-                    "tunnel server sent a body before the response head",
-                ),
-                Retry::Never,
-            )),
-            Ok(None) => Err((
-                Failure::new(
-                    ErrorCode::StreamLost,
-                    format!(
-                        "tunnel server {} ended the call without a response; it may have reached the agent",
-                        route.server_id
-                    ),
-                ),
-                Retry::MaybeStarted,
-            )),
-            Err(status) => Err((
-                Failure::new(
-                    ErrorCode::StreamLost,
-                    format!(
-                        "tunnel server {} went away before the response head ({}); the call may have reached the agent, so it was not retried",
-                        route.server_id,
-                        status.message()
-                    ),
-                ),
-                Retry::MaybeStarted,
-            )),
+        };
+        loop {
+            let kind = match stream.message().await {
+                Ok(Some(ForwardResponse { kind: Some(kind) })) => kind,
+                Ok(Some(ForwardResponse { kind: None })) => {
+                    return Err((
+                        Failure::new(ErrorCode::StreamLost, "tunnel server sent an empty frame"),
+                        if waiting { Retry::Safe } else { Retry::Never },
+                    ))
+                }
+                Ok(None) => return Err(lost(waiting, "ended the call".into())),
+                Err(status) => {
+                    return Err(lost(waiting, format!("went away ({})", status.message())))
+                }
+            };
+            match kind {
+                RespKind::Head(head) => {
+                    return Ok(Answer {
+                        head,
+                        stream,
+                        server_id: route.server_id.clone(),
+                    })
+                }
+                RespKind::Error(e) => {
+                    let (failure, _) = Failure::from_forward_error(&e);
+                    let retry = match ForwardErrorKind::try_from(e.kind) {
+                        Ok(ForwardErrorKind::UnknownTunnel | ForwardErrorKind::Draining) => {
+                            Retry::Safe
+                        }
+                        Ok(ForwardErrorKind::NoCapacity) => Retry::NoCapacity,
+                        Ok(ForwardErrorKind::StreamLost) => Retry::MaybeStarted,
+                        _ => Retry::Never,
+                    };
+                    return Err((failure, retry));
+                }
+                RespKind::Queued(_) if !waiting && !proceeded => {
+                    self.metrics.queued.inc();
+                    body.hold(attempt);
+                    waiting = true;
+                }
+                RespKind::Reserved(_) if waiting => {
+                    body.proceed(attempt);
+                    waiting = false;
+                    proceeded = true;
+                }
+                RespKind::Body(_) | RespKind::Queued(_) | RespKind::Reserved(_) => {
+                    return Err((
+                        Failure::new(
+                            ErrorCode::StreamLost,
+                            "tunnel server broke the forward protocol before the response head",
+                        ),
+                        if waiting { Retry::Safe } else { Retry::Never },
+                    ))
+                }
+            }
         }
+    }
+}
+
+/// Settles an attempt's request stream when the attempt ends, however it ends.
+struct Settle<'a>(&'a RequestBody, u32);
+
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        self.0.settle(self.1);
     }
 }

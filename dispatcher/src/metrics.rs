@@ -19,6 +19,8 @@ pub struct Metrics {
     pub routing_decisions: IntCounterVec,
     /// Calls retried on another tunnel server before reaching any agent.
     pub retries: IntCounter,
+    /// Forward attempts a tunnel server put in its queue (the queue handshake's `Queued`).
+    pub queued: IntCounter,
     /// Tunnel servers with an open report stream.
     pub tunnel_servers: IntGauge,
     /// Tunnel ids held by at least one tunnel server.
@@ -74,6 +76,10 @@ impl Metrics {
         let retries = IntCounter::new(
             "relay_dispatcher_retries_total",
             "Calls retried on another tunnel server before any agent took them",
+        )?;
+        let queued = IntCounter::new(
+            "relay_dispatcher_queued_total",
+            "Forward attempts a tunnel server queued because no stream of the tunnel id was idle",
         )?;
         let tunnel_servers = IntGauge::new(
             "relay_dispatcher_tunnel_servers",
@@ -146,6 +152,7 @@ impl Metrics {
         registry.register(Box::new(call_duration.clone()))?;
         registry.register(Box::new(routing_decisions.clone()))?;
         registry.register(Box::new(retries.clone()))?;
+        registry.register(Box::new(queued.clone()))?;
         registry.register(Box::new(tunnel_servers.clone()))?;
         registry.register(Box::new(tunnels.clone()))?;
         registry.register(Box::new(calls_in_flight.clone()))?;
@@ -154,6 +161,7 @@ impl Metrics {
             call_duration,
             routing_decisions,
             retries,
+            queued,
             tunnel_servers,
             tunnels,
             calls_in_flight,

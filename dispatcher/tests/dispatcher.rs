@@ -369,6 +369,36 @@ impl FakeState {
                 tx.closed().await;
                 self.cancelled.fetch_add(1, Ordering::SeqCst);
             }
+            "queued_then_lost" => {
+                // The call waits in the queue, then the server dies.
+                send(ForwardResponse::of(RespKind::Queued(
+                    relay_proto::Queued {},
+                )))
+                .await;
+                let _ = tx.send(Err(Status::unavailable("server went away"))).await;
+            }
+            "reserved_then_lost" => {
+                // A stream is reserved; the server dies after the dispatcher's Proceed.
+                send(ForwardResponse::of(RespKind::Queued(
+                    relay_proto::Queued {},
+                )))
+                .await;
+                send(ForwardResponse::of(RespKind::Reserved(
+                    relay_proto::StreamReserved {},
+                )))
+                .await;
+                loop {
+                    match inbound.message().await {
+                        Ok(Some(ForwardRequest {
+                            kind: Some(ReqKind::Proceed(_)),
+                        })) => break,
+                        Ok(Some(_)) => continue,
+                        _ => return,
+                    }
+                }
+                self.seen.lock().unwrap()[index].ended = true;
+                let _ = tx.send(Err(Status::unavailable("server went away"))).await;
+            }
             "head_then_error" => {
                 send(response_head(vec![], false)).await;
                 send(body_frame(vec![1; 1000], false)).await;
@@ -1244,6 +1274,45 @@ async fn a_call_lost_before_its_head_is_retried_only_when_idempotent_and_enabled
             assert_eq!(good.seen().len(), 1);
         } else {
             assert_eq!(get.status, StatusCode::BAD_GATEWAY);
+            assert_eq!(good.seen().len(), 0);
+        }
+        d.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn a_call_lost_while_queued_is_retried_and_one_lost_after_proceed_is_not() {
+    for (behaviour, retried) in [("queued_then_lost", true), ("reserved_then_lost", false)] {
+        let d = start_dispatcher().await;
+        let lossy = start_fake(Some(behaviour)).await;
+        let good = start_fake(None).await;
+        let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
+        let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
+        assert_eq!(home_of(&d, "demo").await, "ts-lossy");
+        let post = d
+            .send(
+                d.request(Method::POST, "/relay/demo/x", Some(KEY))
+                    .body(
+                        Full::new(Bytes::from_static(b"payload"))
+                            .map_err(|n| match n {})
+                            .boxed(),
+                    )
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(lossy.seen().len(), 1, "{behaviour}");
+        assert_eq!(d.metric("relay_dispatcher_queued_total").await, 1.0);
+        if retried {
+            // Queued, never reserved: no agent can have seen it, even a POST is retried.
+            assert_eq!(post.status, StatusCode::OK, "{behaviour}");
+            assert_eq!(post.body.unwrap(), Bytes::from_static(b"payload"));
+            assert_eq!(good.seen().len(), 1);
+            assert_eq!(d.metric("relay_dispatcher_retries_total").await, 1.0);
+        } else {
+            // Proceed was sent: the call may have reached the agent.
+            assert!(lossy.seen()[0].ended, "the fake saw Proceed");
+            assert_eq!(post.status, StatusCode::BAD_GATEWAY, "{behaviour}");
+            assert_eq!(post.json()["error"], "stream_lost");
             assert_eq!(good.seen().len(), 0);
         }
         d.shutdown().await;
