@@ -441,6 +441,8 @@ pub struct DispatcherOpts {
     pub caller_key: String,
     pub server_key: String,
     pub call_timeout: Duration,
+    /// Extra TOML appended to the generated config (e.g. a `[routing]` table).
+    pub extra: String,
 }
 
 impl Default for DispatcherOpts {
@@ -449,6 +451,7 @@ impl Default for DispatcherOpts {
             caller_key: crate::stack::CALLER_KEY.into(),
             server_key: crate::stack::SERVER_KEY.into(),
             call_timeout: Duration::from_secs(10),
+            extra: String::new(),
         }
     }
 }
@@ -470,10 +473,11 @@ impl DispatcherProc {
             let cfg = format!(
                 "listen = \"{http}\"\nregistry_listen = \"{registry}\"\nadmin_listen = \"{admin}\"\n\
                  call_timeout = \"{}\"\n\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n\n\
-                 [tls]\ninsecure = true\n[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n",
+                 [tls]\ninsecure = true\n[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n\n{}\n",
                 humantime(opts.call_timeout),
                 opts.caller_key,
                 opts.server_key,
+                opts.extra,
             );
             std::fs::write(&cfg_path, cfg)?;
             let mut proc = Proc::spawn(

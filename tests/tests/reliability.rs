@@ -584,6 +584,155 @@ async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_once() {
+    // Sticky routing sends every call to the home server; its streams are all busy with
+    // slow calls, so the rest wait in its queue when the process is SIGKILLed.
+    let dir = ScratchDir::new("queued-kill").unwrap();
+    let upstream = Upstream::builder().spawn().await.unwrap();
+    let dispatcher = DispatcherProc::start(
+        dir.path(),
+        DispatcherOpts {
+            call_timeout: Duration::from_secs(30),
+            extra: "[routing]\npolicy = \"sticky\"\n".into(),
+            ..DispatcherOpts::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut servers = Vec::new();
+    for i in 1..=2 {
+        let o = TunnelServerOpts {
+            server_id: format!("ts-{i}"),
+            dispatchers: vec![dispatcher.registry_url()],
+            ..TunnelServerOpts::default()
+        };
+        servers.push(Some(TunnelServerProc::start(dir.path(), o).await.unwrap()));
+    }
+    let agent = AgentProc::start(
+        dir.path(),
+        AgentOpts {
+            tunnels: servers.iter().flatten().map(|s| s.agent_url()).collect(),
+            token: TOKEN.into(),
+            upstream: upstream.url(),
+            extra: "[coverage]\nenabled = false\nfixed_streams = 8\n".into(),
+        },
+    )
+    .await
+    .unwrap();
+    let streams_of = |i: usize| {
+        let admin = servers[i].as_ref().map(|s| s.admin_addr);
+        async move {
+            let t = scrape(admin?).await.ok()?;
+            Some((
+                metric(&t, "relay_tunnel_streams", &[("tunnel_id", TUNNEL_ID)]),
+                metric(&t, "relay_tunnel_calls_queued", &[("tunnel_id", TUNNEL_ID)]),
+            ))
+        }
+    };
+    let ready = time_until(READY, || async {
+        let (a, b) = (streams_of(0).await, streams_of(1).await);
+        a.is_some_and(|a| a.0 > 0.0)
+            && b.is_some_and(|b| b.0 > 0.0)
+            && dispatcher_servers(dispatcher.admin).await == 2.0
+            && matches!(
+                Caller::new(dispatcher.http, Some(CALLER_KEY)).get(&format!("/relay/{TUNNEL_ID}/hello")).await,
+                Ok(a) if a.status == 200
+            )
+    })
+    .await;
+    assert!(ready.is_some(), "both servers hold streams and calls flow");
+    let routes = Caller::new(dispatcher.admin, None)
+        .get("/debug/routes")
+        .await
+        .unwrap()
+        .json();
+    let home = routes["tunnels"]
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["tunnel_id"] == TUNNEL_ID))
+        .and_then(|t| t["home"].as_str())
+        .expect("a home server")
+        .to_string();
+    let victim = if home == "ts-1" { 0 } else { 1 };
+    let home_streams = streams_of(victim).await.unwrap().0 as u64;
+    let other_streams = streams_of(1 - victim).await.unwrap().0 as u64;
+    // As many calls wait as the other server can take at once.
+    let queued = other_streams.min(home_streams);
+    let calls = home_streams + queued;
+    let reached_before = upstream.served() + upstream.cancelled();
+    let tally = Arc::new(Tally::default());
+    let mut tasks = Vec::new();
+    for _ in 0..calls {
+        let (c, tally) = (
+            Caller::new(dispatcher.http, Some(CALLER_KEY)),
+            tally.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            one_call(
+                &c,
+                &format!("/relay/{TUNNEL_ID}/slow/2000"),
+                20_000,
+                None,
+                &tally,
+            )
+            .await
+        }));
+    }
+    let waiting = time_until(READY, || async {
+        streams_of(victim)
+            .await
+            .is_some_and(|(_, q)| q >= queued as f64)
+    })
+    .await;
+    assert!(waiting.is_some(), "{queued} calls wait in {home}'s queue");
+    let mut proc = servers[victim].take().unwrap().proc;
+    proc.kill();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let retries = metric(
+        &scrape(dispatcher.admin).await.unwrap(),
+        "relay_dispatcher_retries_total",
+        &[],
+    );
+    eprintln!(
+        "SIGKILL {home} with {home_streams} calls in progress and {queued} queued: {}; retries {retries}",
+        tally.summary()
+    );
+    assert_eq!(
+        tally.answered.load(Ordering::SeqCst),
+        calls,
+        "every call answered"
+    );
+    for (k, n) in tally.failures() {
+        assert!(
+            k.starts_with("502 stream_lost"),
+            "only calls in progress on the killed server may fail, not {k} x{n}: {}",
+            tally.summary()
+        );
+    }
+    assert!(
+        tally.failed() <= home_streams,
+        "more failures than calls in progress: {}",
+        tally.summary()
+    );
+    assert!(
+        tally.ok.load(Ordering::SeqCst) >= queued,
+        "every queued call succeeded on the other server: {}",
+        tally.summary()
+    );
+    assert!(retries >= queued as f64, "queued calls were retried");
+    // Run once: no call reached the upstream twice.
+    let quiet = time_until(QUIET, || async { upstream.in_flight() == 0 }).await;
+    assert!(quiet.is_some(), "the upstream goes quiet");
+    assert_eq!(
+        upstream.served() + upstream.cancelled() - reached_before,
+        calls,
+        "each call reached the upstream exactly once"
+    );
+    drop(agent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dead() {
     // Heartbeat 1 s: the agent drops a stream after 3 s without a frame.
     let fleet = Fleet::start(2, Duration::from_secs(1), Duration::ZERO).await;
