@@ -6,6 +6,8 @@
 # Direct-to-nginx figures are measured in the same run as the baseline.
 #
 # Usage: bench/relay-bench.sh            (from the repository root; builds release binaries)
+#        BIN_DIR=/path bench/relay-bench.sh   (benchmarks the binaries in /path instead, e.g.
+#                                              another version's, without building)
 # Needs: nginx, wrk (Debian packages nginx-light, wrk); installs them when missing.
 # Uses the fixed loopback ports of examples/local (8080, 8441-8452, 8460, 9080, 9090, 9441-9442, 8000).
 set -euo pipefail
@@ -17,7 +19,10 @@ need() { command -v "$1" >/dev/null 2>&1; }
 if ! need nginx || ! need wrk; then
   apt-get update -qq && apt-get install -y -qq nginx-light wrk >/dev/null
 fi
-cargo build --release --bins -q
+if [ -z "${BIN_DIR:-}" ]; then
+  cargo build --release --bins -q
+fi
+BIN=${BIN_DIR:-target/release}
 
 work=$(mktemp -d)
 pids=()
@@ -48,10 +53,10 @@ http {
 NGX
 nginx -c "$work/nginx.conf"
 
-target/release/relay-dispatcher --config examples/local/dispatcher.toml >"$work/dispatcher.log" 2>&1 & DISP=$!; pids+=($DISP)
-target/release/relay-tunnel-server --config examples/local/tunnel-server-1.toml >"$work/ts1.log" 2>&1 & TS1=$!; pids+=($TS1)
-target/release/relay-tunnel-server --config examples/local/tunnel-server-2.toml >"$work/ts2.log" 2>&1 & TS2=$!; pids+=($TS2)
-target/release/relay-agent --config examples/local/agent.toml >"$work/agent.log" 2>&1 & AGENT=$!; pids+=($AGENT)
+$BIN/relay-dispatcher --config examples/local/dispatcher.toml >"$work/dispatcher.log" 2>&1 & DISP=$!; pids+=($DISP)
+$BIN/relay-tunnel-server --config examples/local/tunnel-server-1.toml >"$work/ts1.log" 2>&1 & TS1=$!; pids+=($TS1)
+$BIN/relay-tunnel-server --config examples/local/tunnel-server-2.toml >"$work/ts2.log" 2>&1 & TS2=$!; pids+=($TS2)
+$BIN/relay-agent --config examples/local/agent.toml >"$work/agent.log" 2>&1 & AGENT=$!; pids+=($AGENT)
 
 URL=http://127.0.0.1:8080/relay/demo/
 AUTH='Authorization: Bearer dev-caller-key'
@@ -74,15 +79,31 @@ run_wrk() { # url conns -> "rps p50 p99 requests"
     END {print rps, p50, p99, n}' "$work/wrk.out"
 }
 
-printf '%-8s %-6s %12s %10s %10s %14s\n' target conns calls/s p50 p99 "cpu/call(us)"
+# Calls the tunnel servers queued so far (waited for a stream): all queue-wait samples less
+# those in the first bucket (immediate hand-overs record 0).
+queued_calls() {
+  for port in 9441 9442; do curl -s "http://127.0.0.1:$port/metrics"; done | awk '
+    /^relay_tunnel_queue_wait_seconds_count/ {n += $2}
+    /^relay_tunnel_queue_wait_seconds_bucket\{le="0.0001"\}/ {z += $2}
+    END {print n - z}'
+}
+
+# Calls that took the queue handshake (the dispatcher heard `Queued`).
+handshakes() {
+  curl -s http://127.0.0.1:9080/metrics | awk '/^relay_dispatcher_queued_total/ {n += $2} END {print n + 0}'
+}
+
+printf '%-8s %-6s %12s %10s %10s %14s %8s %10s\n' target conns calls/s p50 p99 "cpu/call(us)" queued handshakes
 for c in $CONNS; do
   read -r rps p50 p99 n < <(run_wrk http://127.0.0.1:8000/ "$c")
-  printf '%-8s %-6s %12s %10s %10s %14s\n' direct "$c" "$rps" "$p50" "$p99" "-"
+  printf '%-8s %-6s %12s %10s %10s %14s %8s %10s\n' direct "$c" "$rps" "$p50" "$p99" "-" "-" "-"
   before=$(( $(ticks $DISP) + $(ticks $TS1) + $(ticks $TS2) + $(ticks $AGENT) ))
+  q0=$(queued_calls); h0=$(handshakes)
   read -r rps p50 p99 n < <(run_wrk "$URL" "$c")
   after=$(( $(ticks $DISP) + $(ticks $TS1) + $(ticks $TS2) + $(ticks $AGENT) ))
+  q1=$(queued_calls); h1=$(handshakes)
   cpu_us=$(awk -v t=$((after - before)) -v hz="$hz" -v n="$n" 'BEGIN {printf "%.1f", t / hz * 1e6 / n}')
-  printf '%-8s %-6s %12s %10s %10s %14s\n' relayed "$c" "$rps" "$p50" "$p99" "$cpu_us"
+  printf '%-8s %-6s %12s %10s %10s %14s %8s %10s\n' relayed "$c" "$rps" "$p50" "$p99" "$cpu_us" $((q1 - q0)) $((h1 - h0))
 done
 echo
 echo "peak RSS after load (KiB): dispatcher $(hwm $DISP)  tunnel-server-1 $(hwm $TS1)  tunnel-server-2 $(hwm $TS2)  agent $(hwm $AGENT)"

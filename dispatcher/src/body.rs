@@ -4,12 +4,7 @@
 //!   `MAX_CHUNK` bytes, pulled by the Forward.Call request stream only as fast as gRPC/HTTP2
 //!   flow control lets it send (back-pressure). It hands the body to one forward attempt at
 //!   a time and keeps the frames sent so far (up to one chunk) so that a retry on another
-//!   tunnel server can replay them; beyond that the call is no longer retryable. It also
-//!   carries the dispatcher's half of the queue handshake (see `relay_proto` `CallHead`):
-//!   once the tunnel server says `Queued` the attempt's stream holds the body back
-//!   ([`RequestBody::hold`]) until the server reserves a stream and the dispatcher answers
-//!   `Proceed` ([`RequestBody::proceed`]); and the stream stays open after the body's end
-//!   until the attempt is settled, so that a `Proceed` can still be sent.
+//!   tunnel server can replay them; beyond that the call is no longer retryable.
 //! - [`RelayBody`] is the caller's response body: either a small fixed body (error JSON) or
 //!   the tunnel server's `BodyChunk` frames, polled one by one as the caller reads. Any
 //!   failure after the head is a body error, so hyper aborts the response (HTTP/1: the
@@ -25,7 +20,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
-use relay_proto::{BodyChunk, ForwardRequest, ForwardResponse, Proceed, MAX_CHUNK};
+use relay_proto::{BodyChunk, ForwardRequest, ForwardResponse, MAX_CHUNK};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{ready, Context, Poll, Waker};
@@ -78,14 +73,6 @@ struct Shared {
     replayable: bool,
     /// The attempt allowed to pull; streams of older attempts end.
     owner: u32,
-    /// The owner's queue handshake: body held back while its call waits in a queue.
-    held: bool,
-    /// A `Proceed` to send ahead of anything else.
-    proceed: bool,
-    /// The owner's call no longer needs the handshake: its stream may end with the body.
-    settled: bool,
-    /// The owner's stream task, to wake when the handshake moves on.
-    stream_waker: Option<Waker>,
     /// Set when reading the caller's body failed; the call must be aborted.
     failed: Option<String>,
     /// Who to wake when `failed` is set (the call driver or the response body).
@@ -111,10 +98,6 @@ impl RequestBody {
             replay_bytes: 0,
             replayable: true,
             owner: 0,
-            held: false,
-            proceed: false,
-            settled: false,
-            stream_waker: None,
             failed: None,
             watcher: None,
         };
@@ -131,57 +114,12 @@ impl RequestBody {
     /// The request stream of forward attempt `attempt`: `head`, then the body frames.
     /// Hands the body over from any earlier attempt.
     pub fn attempt(&self, attempt: u32, head: ForwardRequest) -> AttemptStream {
-        let mut s = self.lock();
-        s.owner = attempt;
-        s.held = false;
-        s.proceed = false;
-        s.settled = false;
-        // The previous attempt's stream ends when it next runs.
-        if let Some(w) = s.stream_waker.take() {
-            w.wake();
-        }
-        drop(s);
+        self.lock().owner = attempt;
         AttemptStream {
             body: self.clone(),
             attempt,
             head: Some(head),
             replay_pos: 0,
-        }
-    }
-
-    /// The tunnel server queued attempt `attempt`: send no more body until [`proceed`].
-    ///
-    /// [`proceed`]: RequestBody::proceed
-    pub fn hold(&self, attempt: u32) {
-        let mut s = self.lock();
-        if s.owner == attempt && !s.settled {
-            s.held = true;
-        }
-    }
-
-    /// The tunnel server reserved a stream for attempt `attempt`: send `Proceed`, then the
-    /// rest of the body. From here on the call may reach the agent.
-    pub fn proceed(&self, attempt: u32) {
-        let mut s = self.lock();
-        if s.owner == attempt {
-            s.held = false;
-            s.proceed = true;
-            s.settled = true;
-            if let Some(w) = s.stream_waker.take() {
-                w.wake();
-            }
-        }
-    }
-
-    /// Attempt `attempt` has its answer (or failed): its stream ends after the body.
-    pub fn settle(&self, attempt: u32) {
-        let mut s = self.lock();
-        if s.owner == attempt {
-            s.held = false;
-            s.settled = true;
-            if let Some(w) = s.stream_waker.take() {
-                w.wake();
-            }
         }
     }
 
@@ -229,14 +167,6 @@ impl futures::Stream for AttemptStream {
         if s.owner != this.attempt {
             return Poll::Ready(None);
         }
-        if s.proceed {
-            s.proceed = false;
-            return Poll::Ready(Some(ForwardRequest::of(ReqKind::Proceed(Proceed {}))));
-        }
-        if s.held {
-            park(&mut s.stream_waker, cx);
-            return Poll::Pending;
-        }
         if let Some(frame) = s.replay.get(this.replay_pos) {
             this.replay_pos += 1;
             return Poll::Ready(Some(frame.clone()));
@@ -246,19 +176,9 @@ impl futures::Stream for AttemptStream {
             return Poll::Pending;
         }
         let Some(source) = s.source.as_mut() else {
-            if s.settled {
-                return Poll::Ready(None);
-            }
-            // The body is all sent, but a `Proceed` may still be due.
-            park(&mut s.stream_waker, cx);
-            return Poll::Pending;
+            return Poll::Ready(None);
         };
-        let polled = source.poll_chunk(cx);
-        if polled.is_pending() {
-            // Also wake for a `Proceed` while the caller's body is slow.
-            park(&mut s.stream_waker, cx);
-        }
-        match ready!(polled) {
+        match ready!(source.poll_chunk(cx)) {
             Ok((data, end)) => {
                 if end {
                     s.source = None;
@@ -290,14 +210,6 @@ impl futures::Stream for AttemptStream {
                 Poll::Pending
             }
         }
-    }
-}
-
-/// Keeps `cx`'s waker in `slot` (unless an equivalent one is there).
-fn park(slot: &mut Option<Waker>, cx: &Context<'_>) {
-    match slot {
-        Some(w) if w.will_wake(cx.waker()) => {}
-        _ => *slot = Some(cx.waker().clone()),
     }
 }
 
@@ -533,9 +445,7 @@ mod tests {
             Some(caller_body(vec![Ok(big), Ok(Bytes::from_static(b"xy"))])),
             1,
         );
-        let stream = body.attempt(0, head());
-        body.settle(0);
-        let frames: Vec<_> = stream.collect().await;
+        let frames: Vec<_> = body.attempt(0, head()).collect().await;
         assert_eq!(
             chunks(frames),
             [
@@ -562,57 +472,9 @@ mod tests {
         assert!(first.next().await.is_some());
         assert!(first.next().await.is_some(), "first chunk");
         assert!(body.replayable());
-        let second = body.attempt(1, head());
-        body.settle(1);
-        let second: Vec<_> = second.collect().await;
+        let second: Vec<_> = body.attempt(1, head()).collect().await;
         assert_eq!(chunks(second), [(2, false), (2, false), (0, true)]);
         assert!(first.next().await.is_none(), "a superseded attempt ends");
-    }
-
-    fn kind(frame: Option<ForwardRequest>) -> Option<ReqKind> {
-        frame.and_then(|f| f.kind)
-    }
-
-    #[tokio::test]
-    async fn a_held_body_waits_for_proceed_which_goes_first() {
-        let body = RequestBody::new(Some(caller_body(vec![Ok(Bytes::from_static(b"ab"))])), 1);
-        let mut s = body.attempt(0, head());
-        assert!(matches!(kind(s.next().await), Some(ReqKind::Head(_))));
-        body.hold(0);
-        assert!(s.next().now_or_never().is_none(), "held: no body");
-        body.proceed(0);
-        assert!(matches!(kind(s.next().await), Some(ReqKind::Proceed(_))));
-        assert!(matches!(kind(s.next().await), Some(ReqKind::Body(c)) if c.data == b"ab"));
-        assert!(matches!(kind(s.next().await), Some(ReqKind::Body(c)) if c.end));
-        assert!(
-            s.next().await.is_none(),
-            "proceeded: the stream ends with the body"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_bodiless_stream_stays_open_until_settled_or_proceeded() {
-        let body = RequestBody::new(None, 1);
-        let mut s = body.attempt(0, head());
-        assert!(s.next().await.is_some());
-        assert!(
-            s.next().now_or_never().is_none(),
-            "open while a Proceed may be due"
-        );
-        // The task waiting on the stream is woken by the handshake.
-        let waiter = tokio::spawn(async move { (kind(s.next().await), s) });
-        tokio::task::yield_now().await;
-        body.hold(0);
-        body.proceed(0);
-        let (frame, mut s) = waiter.await.unwrap();
-        assert!(matches!(frame, Some(ReqKind::Proceed(_))));
-        assert!(s.next().await.is_none());
-
-        let mut s = body.attempt(1, head());
-        assert!(s.next().await.is_some());
-        assert!(s.next().now_or_never().is_none());
-        body.settle(1);
-        assert!(s.next().await.is_none(), "settled: nothing more to send");
     }
 
     #[tokio::test]

@@ -14,8 +14,11 @@
 //!   under the `available` policy retried on the next server if that one reported idle
 //!   streams; under `sticky` it goes back to the caller (the seed behaviour);
 //! - the server queued the call (`Queued`) and died before it reserved a stream and we sent
-//!   `Proceed` (the queue handshake, see `CallHead.queue_handshake`): no agent saw it, so it
-//!   is retried on the next server like any call that never reached an agent;
+//!   `Forward.Proceed` (the queue handshake, see `CallHead.queue_handshake`): no agent saw
+//!   it, so it is retried on the next server like any call that never reached an agent.
+//!   The go-ahead is a unary RPC rather than a frame on the call's request stream, so that
+//!   the request stream still ends with the body (a bodiless call half-closes with its
+//!   head, as without the handshake) and only calls that queued pay for it;
 //! - the call may have started (the stream or the server died before the response head):
 //!   retried only for idempotent methods (GET, HEAD, OPTIONS, PUT, DELETE) when
 //!   `[routing] retry_idempotent = true`; otherwise the caller gets a 502 `stream_lost`
@@ -35,7 +38,8 @@ use relay_proto::forward_client::ForwardClient;
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
 use relay_proto::{
-    CallHead, ForwardErrorKind, ForwardRequest, ForwardResponse, Header, RequestHead, ResponseHead,
+    CallHead, ForwardErrorKind, ForwardRequest, ForwardResponse, Header, ProceedRequest,
+    RequestHead, ResponseHead,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -250,11 +254,9 @@ impl Forwarder {
             }),
             queue_handshake: true,
         }));
-        let mut client = ForwardClient::new(channel)
+        let mut client = ForwardClient::new(channel.clone())
             .max_decoding_message_size(self.max_frame_bytes)
             .max_encoding_message_size(self.max_frame_bytes);
-        // However the attempt ends, its request stream may end with the body.
-        let _settle = Settle(body, attempt);
         let response = match client.call(body.attempt(attempt, head)).await {
             Ok(r) => r,
             Err(status) => {
@@ -337,13 +339,19 @@ impl Forwarder {
                 }
                 RespKind::Queued(_) if !waiting && !proceeded => {
                     self.metrics.queued.inc();
-                    body.hold(attempt);
                     waiting = true;
                 }
-                RespKind::Reserved(_) if waiting => {
-                    body.proceed(attempt);
+                RespKind::Reserved(r) if waiting => {
+                    // From here on the call may reach the agent, whatever the RPC's fate.
                     waiting = false;
                     proceeded = true;
+                    let go = ProceedRequest {
+                        reservation: r.reservation,
+                    };
+                    if let Err(status) = ForwardClient::new(channel.clone()).proceed(go).await {
+                        // The call's own stream tells how it ended.
+                        debug!(call_id = plan.call_id, server_id = %route.server_id, %status, "proceed failed");
+                    }
                 }
                 RespKind::Body(_) | RespKind::Queued(_) | RespKind::Reserved(_) => {
                     return Err((
@@ -356,14 +364,5 @@ impl Forwarder {
                 }
             }
         }
-    }
-}
-
-/// Settles an attempt's request stream when the attempt ends, however it ends.
-struct Settle<'a>(&'a RequestBody, u32);
-
-impl Drop for Settle<'_> {
-    fn drop(&mut self) {
-        self.0.settle(self.1);
     }
 }

@@ -241,6 +241,8 @@ struct FakeState {
     force: Option<String>,
     seen: Arc<Mutex<Vec<Seen>>>,
     cancelled: Arc<AtomicUsize>,
+    /// Fired by `Forward.Proceed`.
+    proceeded: Arc<tokio::sync::Notify>,
 }
 
 struct FakeForward(FakeState);
@@ -384,18 +386,10 @@ impl FakeState {
                 )))
                 .await;
                 send(ForwardResponse::of(RespKind::Reserved(
-                    relay_proto::StreamReserved {},
+                    relay_proto::StreamReserved { reservation: 42 },
                 )))
                 .await;
-                loop {
-                    match inbound.message().await {
-                        Ok(Some(ForwardRequest {
-                            kind: Some(ReqKind::Proceed(_)),
-                        })) => break,
-                        Ok(Some(_)) => continue,
-                        _ => return,
-                    }
-                }
+                self.proceeded.notified().await;
                 self.seen.lock().unwrap()[index].ended = true;
                 let _ = tx.send(Err(Status::unavailable("server went away"))).await;
             }
@@ -469,6 +463,17 @@ impl FakeState {
 #[tonic::async_trait]
 impl Forward for FakeForward {
     type CallStream = ReceiverStream<Result<ForwardResponse, Status>>;
+
+    async fn proceed(
+        &self,
+        request: tonic::Request<relay_proto::ProceedRequest>,
+    ) -> Result<tonic::Response<relay_proto::ProceedReply>, Status> {
+        if request.into_inner().reservation != 42 {
+            return Err(Status::not_found("no such reservation"));
+        }
+        self.0.proceeded.notify_one();
+        Ok(tonic::Response::new(relay_proto::ProceedReply {}))
+    }
 
     async fn call(
         &self,
@@ -1310,7 +1315,10 @@ async fn a_call_lost_while_queued_is_retried_and_one_lost_after_proceed_is_not()
             assert_eq!(d.metric("relay_dispatcher_retries_total").await, 1.0);
         } else {
             // Proceed was sent: the call may have reached the agent.
-            assert!(lossy.seen()[0].ended, "the fake saw Proceed");
+            assert!(
+                lossy.seen()[0].ended,
+                "the fake got Proceed for its reservation"
+            );
             assert_eq!(post.status, StatusCode::BAD_GATEWAY, "{behaviour}");
             assert_eq!(post.json()["error"], "stream_lost");
             assert_eq!(good.seen().len(), 0);

@@ -677,10 +677,18 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
             .await
         }));
     }
+    // They wait in the home server's queue, and the dispatcher heard so (`Queued`, sent
+    // once a call waited `queue_handshake_after`).
     let waiting = time_until(READY, || async {
-        streams_of(victim)
-            .await
-            .is_some_and(|(_, q)| q >= queued as f64)
+        let heard = metric(
+            &scrape(dispatcher.admin).await.unwrap_or_default(),
+            "relay_dispatcher_queued_total",
+            &[],
+        );
+        heard >= queued as f64
+            && streams_of(victim)
+                .await
+                .is_some_and(|(_, q)| q >= queued as f64)
     })
     .await;
     assert!(waiting.is_some(), "{queued} calls wait in {home}'s queue");

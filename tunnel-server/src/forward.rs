@@ -7,23 +7,32 @@
 //! the stream stays busy until the agent's terminal frame, so a stream is never reused
 //! while the previous call still runs on it.
 //!
-//! The queue handshake (`CallHead.queue_handshake`): a call that has to queue answers
-//! `Queued` at once. When a stream frees, the call reserves it, answers `StreamReserved`
-//! and waits for the dispatcher's `Proceed` before the agent sees anything. So if this
-//! server dies while calls wait in its queue, the dispatcher knows those calls never
-//! reached an agent and retries them on another server, instead of answering 502 for a
-//! call that might have run. The cost is one dispatcher round trip, and only for calls
-//! that queued anyway; a call that finds an idle stream goes straight to the agent.
-//! Body chunks the dispatcher sent before it saw `Queued` are read and kept (at most
-//! `RESERVED_BODY_LIMIT` bytes) while waiting for `Proceed`, then follow the head.
+//! The queue handshake (`CallHead.queue_handshake`): a call that has waited in the queue
+//! for `queue_handshake_after` answers `Queued`. When a stream frees, the call reserves
+//! it, answers `StreamReserved` and waits for the dispatcher's `Proceed` before the agent
+//! sees anything. So if this server dies while calls wait in its queue, the dispatcher
+//! knows those calls never reached an agent and retries them on another server, instead
+//! of answering 502 for a call that might have run. The go-ahead is its own unary RPC,
+//! `Forward.Proceed(reservation)`, not a frame on the call's request stream: that stream
+//! keeps ending with the body (a bodiless call half-closes with its head), so calls that
+//! never queue pay nothing. The cost is two messages, one small RPC and a dispatcher round
+//! trip during which the reserved stream idles. Paying it for every
+//! queued call cost ~20% of throughput in `bench/relay-bench.sh` at 64 connections, where
+//! half the calls wait a moment for a stream that frees within a millisecond; with the
+//! wait threshold only calls that really pile up (the ones a crash would otherwise cost)
+//! pay it, and a call that waits less goes straight to the agent like one that found an
+//! idle stream. Request body frames stay in the call's stream (h2 flow control bounds
+//! them) until the head has gone to the agent.
 
 use crate::hub::{AcquireError, Hub};
 use crate::stream::CallSlot;
+use dashmap::DashMap;
 use relay_proto::{
     forward_request, forward_response, server_frame, BodyChunk, Cancel, ForwardErrorKind,
-    ForwardRequest, ForwardResponse, Queued, RequestHead, ServerFrame, StreamReserved,
+    ForwardRequest, ForwardResponse, ProceedReply, ProceedRequest, Queued, RequestHead,
+    ServerFrame, StreamReserved,
 };
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -40,11 +49,6 @@ const CANCEL_ACK: Duration = Duration::from_secs(10);
 /// deadline) before it goes back to the pool.
 const PROCEED_WAIT: Duration = Duration::from_secs(5);
 
-/// Request body bytes kept while a reserved stream waits for `Proceed`. A dispatcher that
-/// speaks the handshake stops sending body once it sees `Queued`, so only what was in
-/// flight arrives here; more is a protocol error.
-const RESERVED_BODY_LIMIT: usize = 4 * 1024 * 1024;
-
 pub struct ForwardService {
     pub hub: Arc<Hub>,
     /// `relay_tunnel_calls_received_total`: every `Forward.Call` that reached this handler.
@@ -52,12 +56,77 @@ pub struct ForwardService {
     /// the two agree (the per-hop accounting check).
     pub received: prometheus::IntCounter,
     pub queue_timeout: Duration,
+    /// `queue_handshake_after`: how long a call waits before it asks for the handshake.
+    pub handshake_after: Duration,
+    /// Reserved streams waiting for their `Forward.Proceed`, by reservation.
+    pub reservations: Reservations,
     pub tracker: tokio_util::task::TaskTracker,
+}
+
+/// Calls holding a reserved stream, waiting for the dispatcher's go-ahead.
+#[derive(Clone)]
+pub struct Reservations {
+    waiting: Arc<DashMap<u64, oneshot::Sender<()>>>,
+    next: Arc<AtomicU64>,
+}
+
+impl Default for Reservations {
+    /// Numbers start at a random point, so a reservation of an earlier process of this
+    /// server (before a restart on the same address) does not name a new one.
+    fn default() -> Self {
+        Reservations {
+            waiting: Arc::default(),
+            next: Arc::new(AtomicU64::new(rand::random::<u64>() >> 1)),
+        }
+    }
+}
+
+impl Reservations {
+    /// A new reservation, the receiver its `Proceed` fires, and the guard that removes it.
+    fn open(&self) -> (u64, oneshot::Receiver<()>, Reservation) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiting.insert(id, tx);
+        let guard = Reservation {
+            id,
+            waiting: self.waiting.clone(),
+        };
+        (id, rx, guard)
+    }
+}
+
+/// Removes its reservation when the wait ends, however it ends.
+struct Reservation {
+    id: u64,
+    waiting: Arc<DashMap<u64, oneshot::Sender<()>>>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.waiting.remove(&self.id);
+    }
 }
 
 #[tonic::async_trait]
 impl relay_proto::forward_server::Forward for ForwardService {
     type CallStream = ReceiverStream<Result<ForwardResponse, Status>>;
+
+    async fn proceed(
+        &self,
+        request: Request<ProceedRequest>,
+    ) -> Result<Response<ProceedReply>, Status> {
+        let id = request.into_inner().reservation;
+        let sent = match self.reservations.waiting.remove(&id) {
+            Some((_, go)) => go.send(()).is_ok(),
+            None => false,
+        };
+        if !sent {
+            return Err(Status::not_found(format!(
+                "no stream is reserved as {id} (the call ended or was never queued here)"
+            )));
+        }
+        Ok(Response::new(ProceedReply {}))
+    }
 
     async fn call(
         &self,
@@ -95,6 +164,8 @@ impl relay_proto::forward_server::Forward for ForwardService {
             handshake: head.queue_handshake,
             request,
             queue_timeout: self.queue_timeout,
+            handshake_after: self.handshake_after,
+            reservations: self.reservations.clone(),
             to_caller: tx,
         };
         self.tracker.spawn(call.run(inbound));
@@ -109,6 +180,8 @@ struct Call {
     handshake: bool,
     request: RequestHead,
     queue_timeout: Duration,
+    handshake_after: Duration,
+    reservations: Reservations,
     to_caller: mpsc::Sender<Result<ForwardResponse, Status>>,
 }
 
@@ -125,30 +198,34 @@ impl Call {
                 (deadline / 10).clamp(Duration::from_millis(5), Duration::from_millis(250));
             wait = wait.min(deadline.saturating_sub(margin));
         }
-        // Whether the call joined the queue; until the dispatcher's Proceed it must not
-        // reach an agent (the queue handshake).
-        let queued = AtomicBool::new(false);
+        // Whether the dispatcher heard `Queued`: until its Proceed the call must not reach
+        // an agent (the queue handshake).
+        let mut queued = false;
         let mut proceeded = !self.handshake;
-        let mut early_body = Vec::new();
         let (stream, call_id, mut done) = loop {
             let gone = self.to_caller.clone();
-            let on_queue = || {
-                if !proceeded {
-                    queued.store(true, Ordering::Relaxed);
-                    // The channel is empty before the call's first answer: this fits.
-                    let queued = ForwardResponse::of(forward_response::Kind::Queued(Queued {}));
-                    let _ = self.to_caller.try_send(Ok(queued));
+            let acquire = hub.acquire(
+                &self.tunnel_id,
+                now + wait,
+                async move { gone.closed().await },
+            );
+            tokio::pin!(acquire);
+            // Fires only while `acquire` waits in the queue (it returns at once otherwise).
+            let notice = tokio::time::sleep(self.handshake_after);
+            tokio::pin!(notice);
+            let acquired = loop {
+                tokio::select! {
+                    biased;
+                    r = &mut acquire => break r,
+                    _ = &mut notice, if !proceeded && !queued => {
+                        queued = true;
+                        // Nothing was answered yet: the channel has room.
+                        let notice = ForwardResponse::of(forward_response::Kind::Queued(Queued {}));
+                        let _ = self.to_caller.try_send(Ok(notice));
+                    }
                 }
             };
-            let stream = match hub
-                .acquire(
-                    &self.tunnel_id,
-                    now + wait,
-                    async move { gone.closed().await },
-                    on_queue,
-                )
-                .await
-            {
+            let stream = match acquired {
                 Ok(s) => s,
                 Err(e) => {
                     let (kind, outcome, msg) = match e {
@@ -173,8 +250,8 @@ impl Call {
                     return;
                 }
             };
-            if !proceeded && queued.load(Ordering::Relaxed) {
-                match self.await_proceed(&mut inbound, &mut early_body).await {
+            if !proceeded && queued {
+                match self.await_proceed().await {
                     Ok(()) => proceeded = true,
                     Err((outcome, error)) => {
                         hub.release(stream);
@@ -221,13 +298,6 @@ impl Call {
         let _ = stream
             .send(ServerFrame::of(server_frame::Kind::RequestHead(head)))
             .await;
-        for mut chunk in early_body {
-            body_open = !chunk.end;
-            chunk.call_id = call_id;
-            let _ = stream
-                .send(ServerFrame::of(server_frame::Kind::RequestBody(chunk)))
-                .await;
-        }
         loop {
             tokio::select! {
                 // Order: the call's end first, then the caller leaving, then more body.
@@ -268,15 +338,16 @@ impl Call {
     }
 
     /// The queued call holds a reserved stream: answer `StreamReserved` and wait for the
-    /// dispatcher's `Proceed`, keeping the body chunks that arrive first in `early_body`.
-    /// On failure: the call's outcome label and the error to answer, if any (none when the
-    /// dispatcher is gone). No agent has seen the call either way.
+    /// dispatcher's `Forward.Proceed`. On failure: the call's outcome label and the error to
+    /// answer, if any (none when the dispatcher is gone). No agent has seen the call either
+    /// way.
     async fn await_proceed(
         &self,
-        inbound: &mut Streaming<ForwardRequest>,
-        early_body: &mut Vec<BodyChunk>,
     ) -> Result<(), (&'static str, Option<(ForwardErrorKind, String)>)> {
-        let reserved = ForwardResponse::of(forward_response::Kind::Reserved(StreamReserved {}));
+        let (reservation, go, _guard) = self.reservations.open();
+        let reserved = ForwardResponse::of(forward_response::Kind::Reserved(StreamReserved {
+            reservation,
+        }));
         if self.to_caller.send(Ok(reserved)).await.is_err() {
             return Err(("cancelled", None));
         }
@@ -284,43 +355,20 @@ impl Call {
         if self.request.deadline_ms > 0 {
             wait = wait.min(Duration::from_millis(self.request.deadline_ms as u64));
         }
-        let until = Instant::now() + wait;
-        let bad = |msg: &str| {
-            Err((
+        tokio::select! {
+            biased;
+            _ = self.to_caller.closed() => Err(("cancelled", None)),
+            r = go => match r {
+                Ok(()) => Ok(()),
+                Err(_) => Err(("cancelled", None)),
+            },
+            _ = tokio::time::sleep(wait) => Err((
                 "bad_request",
-                Some((ForwardErrorKind::BadRequest, msg.to_string())),
-            ))
-        };
-        let mut kept = 0usize;
-        loop {
-            let msg = tokio::select! {
-                biased;
-                _ = self.to_caller.closed() => return Err(("cancelled", None)),
-                _ = tokio::time::sleep_until(until) => {
-                    return bad("the dispatcher did not answer StreamReserved with Proceed in time");
-                }
-                msg = inbound.message() => msg,
-            };
-            match msg {
-                Ok(Some(ForwardRequest {
-                    kind: Some(forward_request::Kind::Proceed(_)),
-                })) => return Ok(()),
-                Ok(Some(ForwardRequest {
-                    kind: Some(forward_request::Kind::Body(chunk)),
-                })) => {
-                    let open = early_body.last().is_none_or(|c: &BodyChunk| !c.end);
-                    if self.request.end_of_stream || !open {
-                        return bad("a body chunk after the end of the request body");
-                    }
-                    kept += chunk.data.len();
-                    if chunk.data.len() > relay_proto::MAX_CHUNK || kept > RESERVED_BODY_LIMIT {
-                        return bad("too much request body before Proceed");
-                    }
-                    early_body.push(chunk);
-                }
-                Ok(Some(_)) => return bad("expected Proceed or a body chunk"),
-                Ok(None) | Err(_) => return Err(("cancelled", None)),
-            }
+                Some((
+                    ForwardErrorKind::BadRequest,
+                    "the dispatcher did not answer StreamReserved with Proceed in time".into(),
+                )),
+            )),
         }
     }
 }

@@ -224,14 +224,12 @@ impl Hub {
     }
 
     /// Takes the newest idle stream of the tunnel id, or waits in its queue until one frees,
-    /// `deadline` passes, or `cancelled` resolves. `queued` runs once if the call joins the
-    /// queue, before it waits.
+    /// `deadline` passes, or `cancelled` resolves.
     pub async fn acquire(
         &self,
         tunnel_id: &str,
         deadline: Instant,
         cancelled: impl Future<Output = ()>,
-        queued: impl FnOnce(),
     ) -> Result<Arc<StreamHandle>, AcquireError> {
         // A draining server keeps serving calls on the streams it still holds: agents
         // move their streams away as soon as they are covered elsewhere (make before
@@ -261,7 +259,6 @@ impl Hub {
             s.waiters.push_back(tx);
             rx
         };
-        queued();
         let outcome = tokio::select! {
             r = &mut rx => match r {
                 Ok(h) => Ok(h),

@@ -224,6 +224,8 @@ pub async fn start(
         hub: hub.clone(),
         received,
         queue_timeout: config.queue_timeout,
+        handshake_after: config.queue_handshake_after,
+        reservations: Default::default(),
         tracker: tracker.clone(),
     };
     let forward = ForwardServer::new(forward)

@@ -142,21 +142,29 @@ async fn a_queued_call_reaches_the_agent_only_after_proceed() {
         forward_response::Kind::Head(h) if h.status == 204
     ));
     // The stream is reserved for the second call, which still has not reached the agent.
-    assert!(matches!(
-        next_kind(&mut second).await,
-        forward_response::Kind::Reserved(_)
-    ));
+    let forward_response::Kind::Reserved(r) = next_kind(&mut second).await else {
+        panic!("a reservation")
+    };
     assert!(
         tokio::time::timeout(Duration::from_millis(200), a.next())
             .await
             .is_err(),
         "the agent must see nothing before Proceed"
     );
-    t2.send(ForwardRequest::of(forward_request::Kind::Proceed(
-        Proceed {},
-    )))
-    .await
-    .unwrap();
+    let mut client = forward_client::ForwardClient::new(disp.clone());
+    let wrong = client
+        .proceed(ProceedRequest {
+            reservation: r.reservation.wrapping_add(1),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(wrong.code(), Code::NotFound, "an unknown reservation");
+    client
+        .proceed(ProceedRequest {
+            reservation: r.reservation,
+        })
+        .await
+        .unwrap();
     t2.send(body(b"late", true)).await.unwrap();
     let Some(server_frame::Kind::RequestHead(h2)) = a.next().await.ok().flatten() else {
         panic!("the head follows Proceed")
@@ -186,6 +194,34 @@ async fn a_queued_call_reaches_the_agent_only_after_proceed() {
     }))
     .await;
     assert_eq!(collect(second).await.unwrap(), (200, b"done".to_vec()));
+}
+
+#[tokio::test]
+async fn a_short_wait_in_the_queue_skips_the_handshake() {
+    let s = server(Config {
+        queue_handshake_after: Duration::from_secs(30),
+        ..Config::default()
+    })
+    .await;
+    let agent = channel(s.agent_addr).await;
+    let disp = channel(s.forward_addr).await;
+    let mut a = open(&agent, "good-token").await.unwrap();
+    let (_t1, first) = call_with(&disp, "acme", 5000, true, true).await;
+    let Some(server_frame::Kind::RequestHead(h1)) = a.next().await.ok().flatten() else {
+        panic!()
+    };
+    let (_t2, second) = call_with(&disp, "acme", 5000, true, true).await;
+    a.send(agent_frame::Kind::ResponseHead(ResponseHead {
+        call_id: h1.call_id,
+        status: 204,
+        end_of_stream: true,
+        ..Default::default()
+    }))
+    .await;
+    assert_eq!(collect(first).await.unwrap().0, 204);
+    // Freed well before the threshold: straight to the agent, no Queued, no Proceed.
+    a.serve_one(b"second").await;
+    assert_eq!(collect(second).await.unwrap(), (200, b"second".to_vec()));
 }
 
 #[tokio::test]
