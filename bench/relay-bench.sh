@@ -8,6 +8,9 @@
 # Usage: bench/relay-bench.sh            (from the repository root; builds release binaries)
 #        BIN_DIR=/path bench/relay-bench.sh   (benchmarks the binaries in /path instead, e.g.
 #                                              another version's, without building)
+#        POLICY=sticky bench/relay-bench.sh    (the dispatcher's [routing] policy; default
+#                                              the config's, `available`)
+#        DURATION=5s CONNS=64 bench/relay-bench.sh
 # Needs: nginx, wrk (Debian packages nginx-light, wrk); installs them when missing.
 # Uses the fixed loopback ports of examples/local (8080, 8441-8452, 8460, 9080, 9090, 9441-9442, 8000).
 set -euo pipefail
@@ -53,7 +56,12 @@ http {
 NGX
 nginx -c "$work/nginx.conf"
 
-$BIN/relay-dispatcher --config examples/local/dispatcher.toml >"$work/dispatcher.log" 2>&1 & DISP=$!; pids+=($DISP)
+DISPATCHER_CONFIG=examples/local/dispatcher.toml
+if [ -n "${POLICY:-}" ]; then
+  DISPATCHER_CONFIG=$work/dispatcher.toml
+  { cat examples/local/dispatcher.toml; printf '\n[routing]\npolicy = "%s"\n' "$POLICY"; } > "$DISPATCHER_CONFIG"
+fi
+$BIN/relay-dispatcher --config "$DISPATCHER_CONFIG" >"$work/dispatcher.log" 2>&1 & DISP=$!; pids+=($DISP)
 $BIN/relay-tunnel-server --config examples/local/tunnel-server-1.toml >"$work/ts1.log" 2>&1 & TS1=$!; pids+=($TS1)
 $BIN/relay-tunnel-server --config examples/local/tunnel-server-2.toml >"$work/ts2.log" 2>&1 & TS2=$!; pids+=($TS2)
 $BIN/relay-agent --config examples/local/agent.toml >"$work/agent.log" 2>&1 & AGENT=$!; pids+=($AGENT)
