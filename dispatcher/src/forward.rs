@@ -62,6 +62,17 @@ pub enum Retry {
     Never,
 }
 
+/// Where one forward attempt stands in the queue handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// The server may hand the call to an agent without telling us first.
+    Sent,
+    /// The server said `Queued` and we have not sent `Proceed`: no agent has the call.
+    Queued,
+    /// We sent `Proceed`: the call may have reached the agent.
+    Proceeded,
+}
+
 /// Methods that may be retried after they may have reached an agent, when configured.
 pub fn idempotent(method: &str) -> bool {
     matches!(method, "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE")
@@ -276,10 +287,9 @@ impl Forwarder {
         let mut stream = response.into_inner();
         // The queue handshake: between the server's `Queued` and our `Proceed` no agent
         // can have seen the call, so losing the server then is safe to retry.
-        let mut waiting = false;
-        let mut proceeded = false;
-        let lost = |waiting: bool, what: String| {
-            if waiting {
+        let mut stage = Stage::Sent;
+        let lost = |queued: bool, what: String| {
+            if queued {
                 (
                     Failure::new(
                         ErrorCode::TunnelServerUnreachable,
@@ -309,12 +319,19 @@ impl Forwarder {
                 Ok(Some(ForwardResponse { kind: None })) => {
                     return Err((
                         Failure::new(ErrorCode::StreamLost, "tunnel server sent an empty frame"),
-                        if waiting { Retry::Safe } else { Retry::Never },
+                        if stage == Stage::Queued {
+                            Retry::Safe
+                        } else {
+                            Retry::Never
+                        },
                     ))
                 }
-                Ok(None) => return Err(lost(waiting, "ended the call".into())),
+                Ok(None) => return Err(lost(stage == Stage::Queued, "ended the call".into())),
                 Err(status) => {
-                    return Err(lost(waiting, format!("went away ({})", status.message())))
+                    return Err(lost(
+                        stage == Stage::Queued,
+                        format!("went away ({})", status.message()),
+                    ))
                 }
             };
             match kind {
@@ -337,14 +354,13 @@ impl Forwarder {
                     };
                     return Err((failure, retry));
                 }
-                RespKind::Queued(_) if !waiting && !proceeded => {
+                RespKind::Queued(_) if stage == Stage::Sent => {
                     self.metrics.queued.inc();
-                    waiting = true;
+                    stage = Stage::Queued;
                 }
-                RespKind::Reserved(r) if waiting => {
+                RespKind::Reserved(r) if stage == Stage::Queued => {
                     // From here on the call may reach the agent, whatever the RPC's fate.
-                    waiting = false;
-                    proceeded = true;
+                    stage = Stage::Proceeded;
                     let go = ProceedRequest {
                         reservation: r.reservation,
                     };
@@ -359,7 +375,11 @@ impl Forwarder {
                             ErrorCode::StreamLost,
                             "tunnel server broke the forward protocol before the response head",
                         ),
-                        if waiting { Retry::Safe } else { Retry::Never },
+                        if stage == Stage::Queued {
+                            Retry::Safe
+                        } else {
+                            Retry::Never
+                        },
                     ))
                 }
             }

@@ -155,6 +155,20 @@ impl Dispatcher {
         .await
     }
 
+    /// A POST of `body` with the caller key.
+    async fn post(&self, path: &str, body: &'static [u8]) -> Answer {
+        self.send(
+            self.request(Method::POST, path, Some(KEY))
+                .body(
+                    Full::new(Bytes::from_static(body))
+                        .map_err(|n| match n {})
+                        .boxed(),
+                )
+                .unwrap(),
+        )
+        .await
+    }
+
     async fn admin_get(&self, path: &str) -> String {
         let uri = format!("http://{}{}", self.admin, path);
         let resp = self.client.get(uri.parse().unwrap()).await.unwrap();
@@ -948,15 +962,7 @@ async fn retries_on_another_server_when_the_newest_is_unreachable() {
     // Announced last, so tried first.
     let _dead = announce(&d, "ts-dead", &dead_url, "demo").await;
 
-    let req = d
-        .request(Method::POST, "/relay/demo/x", Some(KEY))
-        .body(
-            Full::new(Bytes::from_static(b"payload"))
-                .map_err(|n| match n {})
-                .boxed(),
-        )
-        .unwrap();
-    let answer = d.send(req).await;
+    let answer = d.post("/relay/demo/x", b"payload").await;
     assert_eq!(answer.status, StatusCode::OK);
     assert_eq!(
         answer.body.unwrap(),
@@ -1257,17 +1263,7 @@ async fn a_call_lost_before_its_head_is_retried_only_when_idempotent_and_enabled
         let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
         let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
         let get = d.get("/relay/demo/x", "").await;
-        let post = d
-            .send(
-                d.request(Method::POST, "/relay/demo/x", Some(KEY))
-                    .body(
-                        Full::new(Bytes::from_static(b"p"))
-                            .map_err(|n| match n {})
-                            .boxed(),
-                    )
-                    .unwrap(),
-            )
-            .await;
+        let post = d.post("/relay/demo/x", b"p").await;
         assert_eq!(
             post.status,
             StatusCode::BAD_GATEWAY,
@@ -1294,17 +1290,7 @@ async fn a_call_lost_while_queued_is_retried_and_one_lost_after_proceed_is_not()
         let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
         let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
         assert_eq!(home_of(&d, "demo").await, "ts-lossy");
-        let post = d
-            .send(
-                d.request(Method::POST, "/relay/demo/x", Some(KEY))
-                    .body(
-                        Full::new(Bytes::from_static(b"payload"))
-                            .map_err(|n| match n {})
-                            .boxed(),
-                    )
-                    .unwrap(),
-            )
-            .await;
+        let post = d.post("/relay/demo/x", b"payload").await;
         assert_eq!(lossy.seen().len(), 1, "{behaviour}");
         assert_eq!(d.metric("relay_dispatcher_queued_total").await, 1.0);
         if retried {

@@ -17,7 +17,7 @@
 //! keeps ending with the body (a bodiless call half-closes with its head), so calls that
 //! never queue pay nothing. The cost is two messages, one small RPC and a dispatcher round
 //! trip during which the reserved stream idles. Paying it for every
-//! queued call cost ~20% of throughput in `bench/relay-bench.sh` at 64 connections, where
+//! queued call cost ~13% of throughput in `bench/relay-bench.sh` at 64 connections, where
 //! half the calls wait a moment for a stream that frees within a millisecond; with the
 //! wait threshold only calls that really pile up (the ones a crash would otherwise cost)
 //! pay it, and a call that waits less goes straight to the agent like one that found an
@@ -59,15 +59,15 @@ pub struct ForwardService {
     /// `queue_handshake_after`: how long a call waits before it asks for the handshake.
     pub handshake_after: Duration,
     /// Reserved streams waiting for their `Forward.Proceed`, by reservation.
-    pub reservations: Reservations,
+    pub reservations: Arc<Reservations>,
     pub tracker: tokio_util::task::TaskTracker,
 }
 
-/// Calls holding a reserved stream, waiting for the dispatcher's go-ahead.
-#[derive(Clone)]
+/// Calls holding a reserved stream, waiting for the dispatcher's go-ahead; shared by the
+/// `Proceed` handler and every call as `Arc<Reservations>`.
 pub struct Reservations {
-    waiting: Arc<DashMap<u64, oneshot::Sender<()>>>,
-    next: Arc<AtomicU64>,
+    waiting: DashMap<u64, oneshot::Sender<()>>,
+    next: AtomicU64,
 }
 
 impl Default for Reservations {
@@ -75,35 +75,28 @@ impl Default for Reservations {
     /// server (before a restart on the same address) does not name a new one.
     fn default() -> Self {
         Reservations {
-            waiting: Arc::default(),
-            next: Arc::new(AtomicU64::new(rand::random::<u64>() >> 1)),
+            waiting: DashMap::new(),
+            next: AtomicU64::new(rand::random::<u64>() >> 1),
         }
     }
 }
 
 impl Reservations {
     /// A new reservation, the receiver its `Proceed` fires, and the guard that removes it.
-    fn open(&self) -> (u64, oneshot::Receiver<()>, Reservation) {
+    fn open(self: &Arc<Self>) -> (u64, oneshot::Receiver<()>, Reservation) {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.waiting.insert(id, tx);
-        let guard = Reservation {
-            id,
-            waiting: self.waiting.clone(),
-        };
-        (id, rx, guard)
+        (id, rx, Reservation(id, self.clone()))
     }
 }
 
 /// Removes its reservation when the wait ends, however it ends.
-struct Reservation {
-    id: u64,
-    waiting: Arc<DashMap<u64, oneshot::Sender<()>>>,
-}
+struct Reservation(u64, Arc<Reservations>);
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.waiting.remove(&self.id);
+        self.1.waiting.remove(&self.0);
     }
 }
 
@@ -173,6 +166,17 @@ impl relay_proto::forward_server::Forward for ForwardService {
     }
 }
 
+/// Where a call stands in the queue handshake.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Handshake {
+    /// The dispatcher asked for it; nothing said yet.
+    Possible,
+    /// The dispatcher heard `Queued`: the call must not reach an agent before `Proceed`.
+    Queued,
+    /// Not asked for, or `Proceed` came: the call goes to the agent when it has a stream.
+    Clear,
+}
+
 struct Call {
     hub: Arc<Hub>,
     tunnel_id: String,
@@ -181,7 +185,7 @@ struct Call {
     request: RequestHead,
     queue_timeout: Duration,
     handshake_after: Duration,
-    reservations: Reservations,
+    reservations: Arc<Reservations>,
     to_caller: mpsc::Sender<Result<ForwardResponse, Status>>,
 }
 
@@ -198,10 +202,11 @@ impl Call {
                 (deadline / 10).clamp(Duration::from_millis(5), Duration::from_millis(250));
             wait = wait.min(deadline.saturating_sub(margin));
         }
-        // Whether the dispatcher heard `Queued`: until its Proceed the call must not reach
-        // an agent (the queue handshake).
-        let mut queued = false;
-        let mut proceeded = !self.handshake;
+        let mut handshake = if self.handshake {
+            Handshake::Possible
+        } else {
+            Handshake::Clear
+        };
         let (stream, call_id, mut done) = loop {
             let gone = self.to_caller.clone();
             let acquire = hub.acquire(
@@ -217,8 +222,8 @@ impl Call {
                 tokio::select! {
                     biased;
                     r = &mut acquire => break r,
-                    _ = &mut notice, if !proceeded && !queued => {
-                        queued = true;
+                    _ = &mut notice, if handshake == Handshake::Possible => {
+                        handshake = Handshake::Queued;
                         // Nothing was answered yet: the channel has room.
                         let notice = ForwardResponse::of(forward_response::Kind::Queued(Queued {}));
                         let _ = self.to_caller.try_send(Ok(notice));
@@ -250,9 +255,11 @@ impl Call {
                     return;
                 }
             };
-            if !proceeded && queued {
-                match self.await_proceed().await {
-                    Ok(()) => proceeded = true,
+            if handshake == Handshake::Queued {
+                let call_deadline = (self.request.deadline_ms > 0)
+                    .then(|| now + Duration::from_millis(self.request.deadline_ms as u64));
+                match self.await_proceed(call_deadline).await {
+                    Ok(()) => handshake = Handshake::Clear,
                     Err((outcome, error)) => {
                         hub.release(stream);
                         hub.metrics.call(outcome);
@@ -338,11 +345,12 @@ impl Call {
     }
 
     /// The queued call holds a reserved stream: answer `StreamReserved` and wait for the
-    /// dispatcher's `Forward.Proceed`. On failure: the call's outcome label and the error to
-    /// answer, if any (none when the dispatcher is gone). No agent has seen the call either
-    /// way.
+    /// dispatcher's `Forward.Proceed`, at most `PROCEED_WAIT` and not past the call's
+    /// deadline. On failure: the call's outcome label and the error to answer, if any (none
+    /// when the dispatcher is gone). No agent has seen the call either way.
     async fn await_proceed(
         &self,
+        call_deadline: Option<Instant>,
     ) -> Result<(), (&'static str, Option<(ForwardErrorKind, String)>)> {
         let (reservation, go, _guard) = self.reservations.open();
         let reserved = ForwardResponse::of(forward_response::Kind::Reserved(StreamReserved {
@@ -351,9 +359,9 @@ impl Call {
         if self.to_caller.send(Ok(reserved)).await.is_err() {
             return Err(("cancelled", None));
         }
-        let mut wait = PROCEED_WAIT;
-        if self.request.deadline_ms > 0 {
-            wait = wait.min(Duration::from_millis(self.request.deadline_ms as u64));
+        let mut until = Instant::now() + PROCEED_WAIT;
+        if let Some(d) = call_deadline {
+            until = until.min(d);
         }
         tokio::select! {
             biased;
@@ -362,7 +370,7 @@ impl Call {
                 Ok(()) => Ok(()),
                 Err(_) => Err(("cancelled", None)),
             },
-            _ = tokio::time::sleep(wait) => Err((
+            _ = tokio::time::sleep_until(until) => Err((
                 "bad_request",
                 Some((
                     ForwardErrorKind::BadRequest,

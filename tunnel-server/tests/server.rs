@@ -71,14 +71,7 @@ async fn a_call_waits_for_a_stream_then_gives_no_capacity_at_its_deadline() {
     };
     // The only stream is busy: this one queues and runs when the first ends.
     let (_t2, second) = call(&disp, "acme", 5000).await;
-    a.send(agent_frame::Kind::ResponseHead(ResponseHead {
-        call_id: h1.call_id,
-        status: 204,
-        headers: vec![],
-        end_of_stream: true,
-        ..Default::default()
-    }))
-    .await;
+    a.answer(h1.call_id, 204).await;
     assert_eq!(collect(first).await.unwrap().0, 204);
     a.serve_one(b"second").await;
     assert_eq!(collect(second).await.unwrap().1, b"second".to_vec());
@@ -130,13 +123,7 @@ async fn a_queued_call_reaches_the_agent_only_after_proceed() {
     ));
     // A body chunk already in flight when the dispatcher heard Queued.
     t2.send(body(b"early ", false)).await.unwrap();
-    a.send(agent_frame::Kind::ResponseHead(ResponseHead {
-        call_id: h1.call_id,
-        status: 204,
-        end_of_stream: true,
-        ..Default::default()
-    }))
-    .await;
+    a.answer(h1.call_id, 204).await;
     assert!(matches!(
         next_kind(&mut first).await,
         forward_response::Kind::Head(h) if h.status == 204
@@ -211,13 +198,7 @@ async fn a_short_wait_in_the_queue_skips_the_handshake() {
         panic!()
     };
     let (_t2, second) = call_with(&disp, "acme", 5000, true, true).await;
-    a.send(agent_frame::Kind::ResponseHead(ResponseHead {
-        call_id: h1.call_id,
-        status: 204,
-        end_of_stream: true,
-        ..Default::default()
-    }))
-    .await;
+    a.answer(h1.call_id, 204).await;
     assert_eq!(collect(first).await.unwrap().0, 204);
     // Freed well before the threshold: straight to the agent, no Queued, no Proceed.
     a.serve_one(b"second").await;
@@ -226,7 +207,12 @@ async fn a_short_wait_in_the_queue_skips_the_handshake() {
 
 #[tokio::test]
 async fn a_dispatcher_leaving_before_proceed_gives_the_stream_back_unused() {
-    let s = server(Config::default()).await;
+    // "0s": every queued call takes the handshake.
+    let s = server(Config {
+        queue_handshake_after: Duration::ZERO,
+        ..Config::default()
+    })
+    .await;
     let agent = channel(s.agent_addr).await;
     let disp = channel(s.forward_addr).await;
     let mut a = open(&agent, "good-token").await.unwrap();
@@ -239,13 +225,7 @@ async fn a_dispatcher_leaving_before_proceed_gives_the_stream_back_unused() {
         next_kind(&mut second).await,
         forward_response::Kind::Queued(_)
     ));
-    a.send(agent_frame::Kind::ResponseHead(ResponseHead {
-        call_id: h1.call_id,
-        status: 204,
-        end_of_stream: true,
-        ..Default::default()
-    }))
-    .await;
+    a.answer(h1.call_id, 204).await;
     assert_eq!(collect(first).await.unwrap().0, 204);
     assert!(matches!(
         next_kind(&mut second).await,

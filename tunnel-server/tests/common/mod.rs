@@ -95,6 +95,17 @@ impl FakeStream {
         self.tx.send(AgentFrame::of(kind)).await.is_ok()
     }
 
+    /// Ends call `call_id` with a bodiless `status` answer.
+    pub async fn answer(&self, call_id: u64, status: u32) -> bool {
+        self.send(agent_frame::Kind::ResponseHead(ResponseHead {
+            call_id,
+            status,
+            end_of_stream: true,
+            ..Default::default()
+        }))
+        .await
+    }
+
     /// Serves the next call with 200 and `body`.
     pub async fn serve_one(&mut self, body: &[u8]) -> RequestHead {
         let Ok(Some(server_frame::Kind::RequestHead(head))) = self.next().await else {
