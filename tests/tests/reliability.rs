@@ -677,8 +677,7 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
             .await
         }));
     }
-    // They wait in the home server's queue, and the dispatcher heard so (`Queued`, sent
-    // once a call waited `queue_handshake_after`).
+    // They wait in the home server's queue, and the dispatcher heard so (`Queued`).
     let waiting = time_until(READY, || async {
         let heard = metric(
             &scrape(dispatcher.admin).await.unwrap_or_default(),

@@ -42,10 +42,11 @@ pub struct Config {
     pub queue_timeout: Duration,
     /// Calls that may wait per tunnel id; more get "no capacity" at once.
     pub max_queue_per_tunnel: usize,
-    /// A call of a dispatcher that asks for the queue handshake and has waited this long
-    /// in the queue is told `Queued`, and reaches the agent only after the dispatcher's
-    /// `Proceed`: if this server dies meanwhile, the dispatcher retries it elsewhere.
-    /// Shorter waits skip the handshake (and its round trip).
+    /// A call of a dispatcher that asks for the queue handshake and has waited longer than
+    /// this in the queue (0: any call that queues) is told `Queued`, and reaches the agent
+    /// only after the dispatcher's `Proceed`: if this server dies meanwhile, the dispatcher
+    /// retries it elsewhere. Shorter waits skip the handshake (and its round trip) and are
+    /// lost on a crash like calls in progress.
     #[serde(with = "humantime_serde")]
     pub queue_handshake_after: Duration,
     /// Streams one tunnel id may hold on this server; more are refused with
@@ -101,7 +102,7 @@ impl Default for Config {
             heartbeat_misses: 3,
             queue_timeout: Duration::from_secs(5),
             max_queue_per_tunnel: 1024,
-            queue_handshake_after: Duration::from_millis(5),
+            queue_handshake_after: Duration::ZERO,
             max_streams_per_token: 1024,
             report_interval: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(30),

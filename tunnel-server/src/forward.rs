@@ -7,22 +7,22 @@
 //! the stream stays busy until the agent's terminal frame, so a stream is never reused
 //! while the previous call still runs on it.
 //!
-//! The queue handshake (`CallHead.queue_handshake`): a call that has waited in the queue
-//! for `queue_handshake_after` answers `Queued`. When a stream frees, the call reserves
+//! The queue handshake (`CallHead.queue_handshake`): a call that has to wait in the queue
+//! (for longer than `queue_handshake_after`, 0 by default) answers `Queued`. When a stream frees, the call reserves
 //! it, answers `StreamReserved` and waits for the dispatcher's `Proceed` before the agent
 //! sees anything. So if this server dies while calls wait in its queue, the dispatcher
 //! knows those calls never reached an agent and retries them on another server, instead
 //! of answering 502 for a call that might have run. The go-ahead is its own unary RPC,
 //! `Forward.Proceed(reservation)`, not a frame on the call's request stream: that stream
 //! keeps ending with the body (a bodiless call half-closes with its head), so calls that
-//! never queue pay nothing. The cost is two messages, one small RPC and a dispatcher round
-//! trip during which the reserved stream idles. Paying it for every
-//! queued call cost ~13% of throughput in `bench/relay-bench.sh` at 64 connections, where
-//! half the calls wait a moment for a stream that frees within a millisecond; with the
-//! wait threshold only calls that really pile up (the ones a crash would otherwise cost)
-//! pay it, and a call that waits less goes straight to the agent like one that found an
-//! idle stream. Request body frames stay in the call's stream (h2 flow control bounds
-//! them) until the head has gone to the agent.
+//! never queue pay nothing. The cost for a queued call is two messages, one small RPC and a
+//! dispatcher round trip during which the reserved stream idles: ~4% of throughput in
+//! `bench/relay-bench.sh` at 64 connections, where a third of the calls wait a moment for
+//! a stream. (A first version sent the go-ahead on the request stream, which then had to
+//! stay open after every call's body: ~13%.) `queue_handshake_after` lets an operator
+//! exempt short waits from it, leaving calls queued for less than that as unprotected on
+//! a crash as calls in progress. Request body frames stay in the call's stream (h2 flow
+//! control bounds them) until the head has gone to the agent.
 
 use crate::hub::{AcquireError, Hub};
 use crate::stream::CallSlot;
