@@ -8,6 +8,7 @@ pub use crate::filter::AllowRule;
 use crate::filter::{Policy, SizeLimits};
 use http::Uri;
 use relay_common::config::ConfigError;
+use relay_common::h2::{H2Limits, H2Settings};
 use relay_common::tls::{ClientCerts, DialerTls};
 use relay_common::Secret;
 use serde::Deserialize;
@@ -32,6 +33,11 @@ pub struct Config {
     /// Bound on opening one tunnel stream, from dialing to the server's hello.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
+    /// Stream opens in progress at once (dial to hello); more wait their turn, so a growth
+    /// step of hundreds of streams reaches the tunnel servers (or a load balancer) in
+    /// waves rather than as one burst of half-open streams. `connect_timeout` counts from
+    /// an open's turn.
+    pub max_opening: usize,
     /// First delay after a failed stream open (connect error or refused token).
     #[serde(with = "humantime_serde")]
     pub backoff_initial: Duration,
@@ -61,6 +67,9 @@ pub struct Config {
     /// How often the `[tls]` files are checked for changes (SIGHUP reloads at once).
     #[serde(with = "humantime_serde")]
     pub reload_interval: Duration,
+    /// `[tunnel_h2]`: HTTP/2 limits of the connections to the tunnel servers (see
+    /// `relay_common::h2`; defaults `H2Limits::TUNNEL`).
+    pub tunnel_h2: H2Settings,
 }
 
 /// `[upstream_check]`.
@@ -121,6 +130,7 @@ impl Default for Config {
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
             upstream_check: UpstreamCheckConfig::default(),
             connect_timeout: Duration::from_secs(5),
+            max_opening: 64,
             backoff_initial: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
             call_timeout: Duration::from_secs(300),
@@ -131,11 +141,17 @@ impl Default for Config {
             coverage: CoverageConfig::default(),
             tls: DialerTls::default(),
             reload_interval: Duration::from_secs(5),
+            tunnel_h2: H2Settings::default(),
         }
     }
 }
 
 impl Config {
+    /// The tunnel connections' HTTP/2 limits (validated by `validate`).
+    pub fn tunnel_h2(&self) -> Result<H2Limits, ConfigError> {
+        self.tunnel_h2.resolve(H2Limits::TUNNEL, "tunnel_h2")
+    }
+
     /// Plain `http://` tunnels (`[tls] insecure = true`): tests and the local example.
     pub fn insecure(mut self) -> Self {
         self.tls = DialerTls::insecure();
@@ -185,6 +201,10 @@ impl Config {
         nonzero(self.upstream_check.interval, "upstream_check.interval")?;
         nonzero(self.upstream_check.timeout, "upstream_check.timeout")?;
         nonzero(self.connect_timeout, "connect_timeout")?;
+        if self.max_opening == 0 {
+            return Err(ConfigError::invalid("max_opening", "must be at least 1"));
+        }
+        self.tunnel_h2()?;
         nonzero(self.backoff_initial, "backoff_initial")?;
         nonzero(self.call_timeout, "call_timeout")?;
         if self.backoff_max < self.backoff_initial {

@@ -120,6 +120,7 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         &config.tunnels,
         &config.token,
         config.connect_timeout,
+        config.tunnel_h2()?,
         tls.clone(),
     )?;
     let policy = config.policy()?;
@@ -142,6 +143,7 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         calls: Arc::new(calls),
         metrics: metrics.clone(),
         connect_timeout: config.connect_timeout,
+        opens: Arc::new(tokio::sync::Semaphore::new(config.max_opening)),
     };
     let planner = coverage::plan::Planner::new(config.coverage.clone());
     let (actor, coverage_rx) = CoverageActor::new(

@@ -78,6 +78,7 @@ impl Dialer {
         endpoints: &[String],
         token: &Secret,
         connect_timeout: Duration,
+        h2: relay_common::h2::H2Limits,
         tls: Option<relay_common::tls::TlsClient>,
     ) -> Result<Self, ConfigError> {
         if endpoints.is_empty() {
@@ -91,16 +92,14 @@ impl Dialer {
             .map(|url| {
                 Endpoint::from_shared(url.clone())
                     .map(|e| {
-                        e.connect_timeout(connect_timeout)
-                            .tcp_nodelay(true)
-                            .http2_keep_alive_interval(Duration::from_secs(20))
-                            .keep_alive_timeout(Duration::from_secs(10))
-                            .keep_alive_while_idle(true)
-                            // Bounded receive windows (uploads from the server): enough
-                            // for throughput, small enough that buffered request bodies
-                            // stay bounded across many streams.
-                            .initial_stream_window_size(256 * 1024)
-                            .initial_connection_window_size(8 * 1024 * 1024)
+                        // Bounded receive windows (uploads from the server): enough for
+                        // throughput, small enough that buffered request bodies stay
+                        // bounded across many streams.
+                        h2.tonic_endpoint(
+                            e.connect_timeout(connect_timeout)
+                                .tcp_nodelay(true)
+                                .keep_alive_while_idle(true),
+                        )
                     })
                     .map_err(|e| ConfigError::invalid("tunnels", format!("{url:?}: {e}")))
             })
@@ -172,6 +171,8 @@ pub struct StreamContext {
     pub metrics: AgentMetrics,
     /// Bound on dial + hello.
     pub connect_timeout: Duration,
+    /// Turns to open a stream (`max_opening`): an open holds one from dial to hello.
+    pub opens: Arc<tokio::sync::Semaphore>,
 }
 
 /// The real `Connector`: each open is a stream task running `run_stream`.
@@ -192,8 +193,11 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         // A retire signal during the open is not acted on until the hello: the server may
         // already count this stream as idle and hand it a call, so it retires with the
         // GoingAway handshake like any other (bounded by connect_timeout).
+        // Wait for a turn (`max_opening`), so a big growth step goes out in waves.
+        let turn = ctx.opens.clone().acquire_owned().await;
         let (endpoint, channel, channel_id) = ctx.dialer.pick();
         let opened = tokio::time::timeout(ctx.connect_timeout, open(&ctx, endpoint, channel)).await;
+        drop(turn);
         let (out, inbound, hello) = match opened {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => return open_failed(&ctx, &link, e),

@@ -287,11 +287,21 @@ struct Streamed {
     request: RequestBody,
     guard: CallGuard,
     call_id: u64,
+    /// The body's last chunk was seen; what is left is the RPC's end (its trailers).
+    ended: bool,
     done: bool,
+}
+
+/// A body that came whole inside the response head; the RPC's end still has to be read.
+struct Small {
+    data: Option<Bytes>,
+    len: u64,
+    stream: Option<Streaming<ForwardResponse>>,
 }
 
 enum Inner {
     Full(Option<Bytes>),
+    Small(Box<Small>),
     Stream(Box<Streamed>),
 }
 
@@ -321,10 +331,47 @@ impl RelayBody {
             request,
             guard,
             call_id,
+            ended: false,
             done: false,
         })))
     }
+
+    /// A whole body that came inside the response head, with the RPC it came on: the
+    /// caller gets the bytes at once, and the body ends once the RPC has ended too.
+    pub fn small(data: Bytes, stream: Streaming<ForwardResponse>) -> Self {
+        let len = data.len() as u64;
+        RelayBody(Inner::Small(Box::new(Small {
+            data: (!data.is_empty()).then_some(data),
+            len,
+            stream: Some(stream),
+        })))
+    }
 }
+
+/// Reads a `Forward.Call` response to its end (the trailers), discarding what is left.
+///
+/// Every RPC of this hop must end this way, never by dropping it early: a dropped RPC is a
+/// RST_STREAM(CANCEL), and the server's frames already on the wire (its trailers at least)
+/// then arrive on a stream h2 may have forgotten, which h2 answers with resets of its own
+/// and counts towards its connection-killing guard (see `relay_common::h2`). Only a call
+/// whose caller went away is cancelled.
+pub fn poll_rpc_end(stream: &mut Streaming<ForwardResponse>, cx: &mut Context<'_>) -> Poll<()> {
+    loop {
+        match ready!(stream.poll_next_unpin(cx)) {
+            Some(Ok(_)) => {}
+            Some(Err(_)) | None => return Poll::Ready(()),
+        }
+    }
+}
+
+/// [`poll_rpc_end`] as a future, bounded: a server that never ends the RPC is cut.
+pub async fn finish_rpc(stream: &mut Streaming<ForwardResponse>) {
+    let end = std::future::poll_fn(|cx| poll_rpc_end(stream, cx));
+    let _ = tokio::time::timeout(RPC_END_WAIT, end).await;
+}
+
+/// How long a finished call waits for its RPC's end before cancelling it.
+pub const RPC_END_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Streamed {
     fn abort(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
@@ -345,9 +392,24 @@ impl Body for RelayBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let st = match &mut self.get_mut().0 {
             Inner::Full(b) => return Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Inner::Small(small) => {
+                if let Some(data) = small.data.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                if let Some(stream) = small.stream.as_mut() {
+                    ready!(poll_rpc_end(stream, cx));
+                    small.stream = None;
+                }
+                return Poll::Ready(None);
+            }
             Inner::Stream(st) => st,
         };
         if st.done {
+            return Poll::Ready(None);
+        }
+        if st.ended {
+            ready!(poll_rpc_end(&mut st.stream, cx));
+            st.done = true;
             return Poll::Ready(None);
         }
         if let Poll::Ready(why) = st.request.poll_failed(cx) {
@@ -369,13 +431,15 @@ impl Body for RelayBody {
             match kind {
                 RespKind::Body(chunk) => {
                     if chunk.end {
-                        st.done = true;
+                        st.ended = true;
                         st.guard.finish(OUTCOME_OK);
                     }
                     if !chunk.data.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from(chunk.data)))));
                     }
                     if chunk.end {
+                        ready!(poll_rpc_end(&mut st.stream, cx));
+                        st.done = true;
                         return Poll::Ready(None);
                     }
                 }
@@ -397,6 +461,7 @@ impl Body for RelayBody {
     fn is_end_stream(&self) -> bool {
         match &self.0 {
             Inner::Full(b) => b.is_none(),
+            Inner::Small(small) => small.data.is_none() && small.stream.is_none(),
             Inner::Stream(st) => st.done,
         }
     }
@@ -405,6 +470,7 @@ impl Body for RelayBody {
         match &self.0 {
             Inner::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             Inner::Full(None) => SizeHint::with_exact(0),
+            Inner::Small(small) => SizeHint::with_exact(small.len),
             Inner::Stream(_) => SizeHint::default(),
         }
     }

@@ -5,6 +5,7 @@
 //! (loading goes through `relay_common::config`).
 
 use relay_common::config::ConfigError;
+use relay_common::h2::{H2Limits, H2Settings};
 use relay_common::tls::{ClientCerts, ClientTls, DialerTls, ListenerTls, ServerTls};
 use relay_common::Secret;
 use serde::Deserialize;
@@ -58,6 +59,15 @@ pub struct Config {
     pub routing: RoutingConfig,
     /// Where the routing table lives and who may feed it.
     pub registry: RegistryConfig,
+    /// `[front_h2]`: HTTP/2 limits of callers' connections to the front (see
+    /// `relay_common::h2`; defaults `H2Limits::FRONT`).
+    pub front_h2: H2Settings,
+    /// `[forward_h2]`: HTTP/2 limits of the connections to tunnel servers (`Forward.Call`;
+    /// defaults `H2Limits::FORWARD`).
+    pub forward_h2: H2Settings,
+    /// `[registry_h2]`: HTTP/2 limits of the registry listener (defaults
+    /// `H2Limits::REGISTRY`).
+    pub registry_h2: H2Settings,
 }
 
 /// How a server is chosen for a call.
@@ -259,6 +269,9 @@ impl Default for Config {
             callers: Vec::new(),
             routing: RoutingConfig::default(),
             registry: RegistryConfig::default(),
+            front_h2: H2Settings::default(),
+            forward_h2: H2Settings::default(),
+            registry_h2: H2Settings::default(),
         }
     }
 }
@@ -292,7 +305,25 @@ impl Config {
     }
 
     /// Checks the settings once at start; the error names the offending key.
+    /// The front's HTTP/2 limits (validated by [`Config::validate`]).
+    pub fn front_h2(&self) -> Result<H2Limits, ConfigError> {
+        self.front_h2.resolve(H2Limits::FRONT, "front_h2")
+    }
+
+    /// The HTTP/2 limits of connections to tunnel servers.
+    pub fn forward_h2(&self) -> Result<H2Limits, ConfigError> {
+        self.forward_h2.resolve(H2Limits::FORWARD, "forward_h2")
+    }
+
+    /// The registry listener's HTTP/2 limits.
+    pub fn registry_h2(&self) -> Result<H2Limits, ConfigError> {
+        self.registry_h2.resolve(H2Limits::REGISTRY, "registry_h2")
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.front_h2()?;
+        self.forward_h2()?;
+        self.registry_h2()?;
         if self.call_timeout.is_zero() {
             return Err(ConfigError::invalid(
                 "call_timeout",

@@ -33,6 +33,7 @@ use crate::error::{ErrorCode, Failure};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::routing::{Pick, Target};
+use relay_common::h2::H2Limits;
 use relay_common::tls::TlsClient;
 use relay_proto::forward_client::ForwardClient;
 use relay_proto::forward_request::Kind as ReqKind;
@@ -81,18 +82,27 @@ pub fn idempotent(method: &str) -> bool {
 /// One lazily connected channel per tunnel server `forward_url`, over TLS (`https://`
 /// URLs, with the `[forward_tls]` client config) or plain h2c (`http://`, only with
 /// `[forward_tls] insecure = true`).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Channels {
     inner: Arc<Mutex<HashMap<String, Channel>>>,
     tls: Option<TlsClient>,
+    h2: H2Limits,
+}
+
+impl Default for Channels {
+    fn default() -> Self {
+        Channels::new(None, H2Limits::FORWARD)
+    }
 }
 
 impl Channels {
-    /// `tls`: the client config for tunnel servers; `None` dials plain h2c.
-    pub fn new(tls: Option<TlsClient>) -> Self {
+    /// `tls`: the client config for tunnel servers; `None` dials plain h2c. `h2`: the
+    /// connections' HTTP/2 limits (`[forward_h2]`).
+    pub fn new(tls: Option<TlsClient>, h2: H2Limits) -> Self {
         Channels {
             inner: Arc::default(),
             tls,
+            h2,
         }
     }
 
@@ -115,15 +125,13 @@ impl Channels {
         if let Some(ch) = map.get(forward_url) {
             return Ok(ch.clone());
         }
-        let endpoint = Endpoint::from_shared(forward_url.to_string())
-            .map_err(|e| e.to_string())?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(20))
-            .keep_alive_timeout(Duration::from_secs(10))
-            // Per-call receive window: bounds what one call buffers while the caller reads slowly.
-            .initial_stream_window_size(1024 * 1024)
-            .initial_connection_window_size(8 * 1024 * 1024);
+        // The stream window bounds what one call buffers while its caller reads slowly.
+        let endpoint = self.h2.tonic_endpoint(
+            Endpoint::from_shared(forward_url.to_string())
+                .map_err(|e| e.to_string())?
+                .connect_timeout(Duration::from_secs(5))
+                .tcp_nodelay(true),
+        );
         let channel = match &self.tls {
             Some(tls) => endpoint.connect_with_connector_lazy(tls.tonic_connector()),
             None => endpoint.connect_lazy(),
@@ -352,6 +360,9 @@ impl Forwarder {
                         Ok(ForwardErrorKind::StreamLost) => Retry::MaybeStarted,
                         _ => Retry::Never,
                     };
+                    // The server ends the RPC right after its error: read that end rather
+                    // than resetting a stream the server is still closing.
+                    crate::body::finish_rpc(&mut stream).await;
                     return Err((failure, retry));
                 }
                 RespKind::Queued(_) if stage == Stage::Sent => {

@@ -22,6 +22,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
+use relay_common::h2::H2Limits;
 use relay_common::tls::{self, MaybeTls, TlsServer};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -335,7 +336,10 @@ impl Front {
         let body = if answer.head.end_of_stream {
             guard.finish(OUTCOME_OK);
             // A small body may travel inside the head.
-            RelayBody::from(Bytes::from(std::mem::take(&mut answer.head.body)))
+            RelayBody::small(
+                Bytes::from(std::mem::take(&mut answer.head.body)),
+                answer.stream,
+            )
         } else {
             RelayBody::stream(answer.stream, request_body, guard, call_id)
         };
@@ -363,6 +367,7 @@ fn body_too_large(max: u64) -> Failure {
 pub async fn serve(
     listener: TcpListener,
     tls: Option<TlsServer>,
+    h2: H2Limits,
     front: Arc<Front>,
     stop: CancellationToken,
     grace: Duration,
@@ -373,11 +378,15 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(30))
         .max_buf_size(front.max_header_bytes.max(MIN_HEADER_BYTES));
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .keep_alive_interval(Some(Duration::from_secs(20)))
-        .max_header_list_size(u32::try_from(front.max_header_bytes).unwrap_or(u32::MAX));
+    let mut http2 = builder.http2();
+    http2.timer(TokioTimer::new());
+    h2.hyper_server(&mut http2);
+    // The head bound is `max_header_bytes`, checked per request with a clear 431.
+    http2.max_header_list_size(
+        u32::try_from(front.max_header_bytes)
+            .unwrap_or(u32::MAX)
+            .max(h2.max_header_list_bytes),
+    );
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();
     // Accept errors are logged and backed off inside `incoming`.

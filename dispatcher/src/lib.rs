@@ -116,7 +116,7 @@ pub async fn run(
     );
     let prometheus = prometheus::Registry::new();
     let metrics = metrics::Metrics::register(&prometheus)?;
-    let channels = Channels::new(forward_tls);
+    let channels = Channels::new(forward_tls, config.forward_h2()?);
 
     let addrs = (
         listeners.http.local_addr().ok(),
@@ -224,11 +224,11 @@ pub async fn run(
         let incoming = tls::incoming(listeners.registry, registry_tls, stop.clone());
         let max_frame = config.max_frame_bytes;
         let up = registry_up.clone();
+        let h2 = config.registry_h2()?;
         tokio::spawn(async move {
             up.store(true, Ordering::SeqCst);
-            let result = tonic::transport::Server::builder()
-                .http2_keepalive_interval(Some(Duration::from_secs(20)))
-                .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+            let result = h2
+                .tonic_server(tonic::transport::Server::builder())
                 .add_service(
                     relay_proto::registry_server::RegistryServer::new(report)
                         .max_decoding_message_size(max_frame)
@@ -303,6 +303,7 @@ pub async fn run(
     let front_task = tokio::spawn(front::serve(
         listeners.http,
         front_tls,
+        config.front_h2()?,
         front,
         front_stop.clone(),
         config.shutdown_grace,

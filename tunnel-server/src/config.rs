@@ -2,6 +2,7 @@
 //! validated with errors that name the key.
 
 use relay_common::config::ConfigError;
+use relay_common::h2::{H2Limits, H2Settings};
 use relay_common::tls::{ClientCerts, ClientTls, DialerTls, ListenerTls, ServerTls};
 use relay_common::Secret;
 use serde::Deserialize;
@@ -72,6 +73,14 @@ pub struct Config {
     /// `ca`, `cert`, `key`: the dispatcher's registry uses mutual TLS), or `insecure = true`
     /// for `http://` URLs. Not needed when `dispatchers` is empty.
     pub dispatcher_tls: DialerTls,
+    /// `[agent_h2]`: HTTP/2 limits of the agent listener (see `relay_common::h2`; defaults
+    /// `H2Limits::TUNNEL`).
+    pub agent_h2: H2Settings,
+    /// `[forward_h2]`: HTTP/2 limits of the forward listener (defaults `H2Limits::FORWARD`).
+    pub forward_h2: H2Settings,
+    /// `[dispatcher_h2]`: HTTP/2 limits of the report streams to dispatchers (defaults
+    /// `H2Limits::REGISTRY`).
+    pub dispatcher_h2: H2Settings,
     /// How often certificate and token store files are checked for changes (SIGHUP
     /// reloads at once).
     #[serde(with = "humantime_serde")]
@@ -110,6 +119,9 @@ impl Default for Config {
             agent_tls: ListenerTls::default(),
             forward_tls: ListenerTls::default(),
             dispatcher_tls: DialerTls::default(),
+            agent_h2: H2Settings::default(),
+            forward_h2: H2Settings::default(),
+            dispatcher_h2: H2Settings::default(),
             reload_interval: Duration::from_secs(5),
         }
     }
@@ -163,8 +175,27 @@ impl Config {
         })
     }
 
+    /// The agent listener's HTTP/2 limits (validated by [`Config::validate`]).
+    pub fn agent_h2(&self) -> Result<H2Limits, ConfigError> {
+        self.agent_h2.resolve(H2Limits::TUNNEL, "agent_h2")
+    }
+
+    /// The forward listener's HTTP/2 limits.
+    pub fn forward_h2(&self) -> Result<H2Limits, ConfigError> {
+        self.forward_h2.resolve(H2Limits::FORWARD, "forward_h2")
+    }
+
+    /// The report streams' HTTP/2 limits.
+    pub fn dispatcher_h2(&self) -> Result<H2Limits, ConfigError> {
+        self.dispatcher_h2
+            .resolve(H2Limits::REGISTRY, "dispatcher_h2")
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.transport()?;
+        self.agent_h2()?;
+        self.forward_h2()?;
+        self.dispatcher_h2()?;
         if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
             return Err(ConfigError::invalid(
                 "max_frame_bytes",

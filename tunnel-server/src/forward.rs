@@ -38,6 +38,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
@@ -102,7 +103,7 @@ impl Drop for Reservation {
 
 #[tonic::async_trait]
 impl relay_proto::forward_server::Forward for ForwardService {
-    type CallStream = ReceiverStream<Result<ForwardResponse, Status>>;
+    type CallStream = CallResponse;
 
     async fn proceed(
         &self,
@@ -151,6 +152,7 @@ impl relay_proto::forward_server::Forward for ForwardService {
             return Err(Status::invalid_argument("call head without a request head"));
         };
         let (tx, rx) = mpsc::channel(16);
+        let gone = CancellationToken::new();
         let call = Call {
             hub: self.hub.clone(),
             tunnel_id: head.tunnel_id,
@@ -160,9 +162,34 @@ impl relay_proto::forward_server::Forward for ForwardService {
             handshake_after: self.handshake_after,
             reservations: self.reservations.clone(),
             to_caller: tx,
+            gone: gone.clone(),
         };
         self.tracker.spawn(call.run(inbound));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(CallResponse {
+            frames: ReceiverStream::new(rx),
+            _gone: gone.drop_guard(),
+        }))
+    }
+}
+
+/// The response stream of one `Forward.Call`. tonic drops it when the RPC is over: after
+/// the last frame and the trailers, or when the dispatcher reset the call. Dropping it
+/// fires the call's `gone` token, which is how the call task hears that its caller left
+/// without holding a sender of its own: the last sender is the one the stream's reader
+/// uses, so the RPC ends (trailers) the moment the reader drops it after the last frame.
+pub struct CallResponse {
+    frames: ReceiverStream<Result<ForwardResponse, Status>>,
+    _gone: DropGuard,
+}
+
+impl futures::Stream for CallResponse {
+    type Item = Result<ForwardResponse, Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.frames).poll_next(cx)
     }
 }
 
@@ -186,7 +213,11 @@ struct Call {
     queue_timeout: Duration,
     handshake_after: Duration,
     reservations: Arc<Reservations>,
+    /// Towards the dispatcher until the call is on a stream; then the stream's reader
+    /// holds the only sender.
     to_caller: mpsc::Sender<Result<ForwardResponse, Status>>,
+    /// Fires when the dispatcher is gone (or the RPC is over).
+    gone: CancellationToken,
 }
 
 impl Call {
@@ -208,11 +239,10 @@ impl Call {
             Handshake::Clear
         };
         let (stream, call_id, mut done) = loop {
-            let gone = self.to_caller.clone();
             let acquire = hub.acquire(
                 &self.tunnel_id,
                 now + wait,
-                async move { gone.closed().await },
+                self.gone.clone().cancelled_owned(),
             );
             tokio::pin!(acquire);
             // Fires only while `acquire` waits in the queue (it returns at once otherwise).
@@ -293,14 +323,22 @@ impl Call {
                 }
             }
         };
-        let mut head = self.request;
+        let Call {
+            request: mut head,
+            to_caller,
+            gone,
+            tunnel_id,
+            ..
+        } = self;
+        // From here the slot's sender is the only one (see `CallResponse`).
+        drop(to_caller);
         head.call_id = call_id;
         if head.deadline_ms > 0 {
             let left = Duration::from_millis(head.deadline_ms as u64).saturating_sub(now.elapsed());
             head.deadline_ms = left.as_millis().max(1) as u32;
         }
         let mut body_open = !head.end_of_stream;
-        debug!(tunnel_id = %self.tunnel_id, call_id, stream_id = stream.id, "call on stream");
+        debug!(%tunnel_id, call_id, stream_id = stream.id, "call on stream");
         // If the stream died, its reader reports STREAM_LOST through the slot.
         let _ = stream
             .send(ServerFrame::of(server_frame::Kind::RequestHead(head)))
@@ -310,7 +348,7 @@ impl Call {
                 // Order: the call's end first, then the caller leaving, then more body.
                 biased;
                 _ = &mut done => return,
-                _ = self.to_caller.closed() => {
+                _ = gone.cancelled() => {
                     stream.try_send(ServerFrame::of(server_frame::Kind::Cancel(Cancel { call_id })));
                     break;
                 }
@@ -365,7 +403,7 @@ impl Call {
         }
         tokio::select! {
             biased;
-            _ = self.to_caller.closed() => Err(("cancelled", None)),
+            _ = self.gone.cancelled() => Err(("cancelled", None)),
             r = go => match r {
                 Ok(()) => Ok(()),
                 Err(_) => Err(("cancelled", None)),

@@ -21,6 +21,7 @@ pub use tokens::{SharedTokens, TokenStore};
 use hub::{Hub, Limits};
 use metrics::ServerMetrics;
 use relay_common::config::ConfigError;
+use relay_common::h2::H2Limits;
 use relay_common::tls::{self, TlsClient, TlsError, TlsServer};
 use relay_proto::{forward_server::ForwardServer, tunnel_server::TunnelServer, ServerIntro};
 use std::future::Future;
@@ -102,6 +103,11 @@ pub async fn start(
     listeners: Listeners,
 ) -> Result<TunnelServerHandle, RunError> {
     config.validate()?;
+    let (agent_h2, forward_h2, dispatcher_h2) = (
+        config.agent_h2()?,
+        config.forward_h2()?,
+        config.dispatcher_h2()?,
+    );
     let transport = config.transport()?;
     let tls_err = |section| move |source| RunError::Tls { section, source };
     let agent_tls = transport
@@ -203,7 +209,7 @@ pub async fn start(
         .max_encoding_message_size(config.max_frame_bytes);
     let stop = stop_serving.clone();
     tasks.push(tokio::spawn(async move {
-        let r = grpc_server()
+        let r = grpc_server(agent_h2)
             .add_service(tunnel)
             .serve_with_incoming_shutdown(
                 tls::incoming(listeners.agent, agent_tls, stop.clone()),
@@ -233,7 +239,7 @@ pub async fn start(
         .max_encoding_message_size(config.max_frame_bytes);
     let stop = stop_serving.clone();
     tasks.push(tokio::spawn(async move {
-        let r = grpc_server()
+        let r = grpc_server(forward_h2)
             .add_service(forward)
             .serve_with_incoming_shutdown(
                 tls::incoming(listeners.forward, forward_tls.clone(), stop.clone()),
@@ -292,6 +298,7 @@ pub async fn start(
             interval: config.report_interval,
             key: config.dispatcher_key.clone(),
             tls: dispatcher_tls.clone(),
+            h2: dispatcher_h2,
             stop: stop_reports.clone(),
         };
         tasks.push(tokio::spawn(reporter.run()));
@@ -312,15 +319,11 @@ pub async fn start(
     })
 }
 
-fn grpc_server() -> tonic::transport::Server {
-    tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .http2_keepalive_interval(Some(Duration::from_secs(20)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-        // An agent multiplexes up to `max_streams` tunnel streams on one connection.
-        .max_concurrent_streams(Some(8192))
-        .initial_stream_window_size(Some(256 * 1024))
-        .initial_connection_window_size(Some(8 * 1024 * 1024))
+/// A gRPC server with the listener's HTTP/2 limits (an agent multiplexes up to its
+/// `max_streams` tunnel streams on one connection, a load balancer those of many agents;
+/// a dispatcher all its calls to this server).
+fn grpc_server(h2: H2Limits) -> tonic::transport::Server {
+    h2.tonic_server(tonic::transport::Server::builder().tcp_nodelay(true))
 }
 
 impl TunnelServerHandle {

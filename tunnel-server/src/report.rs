@@ -32,6 +32,8 @@ pub struct Reporter {
     pub key: Option<Secret>,
     /// TLS for `https://` dispatcher URLs (`[dispatcher_tls]`); `None` dials plain h2c.
     pub tls: Option<relay_common::tls::TlsClient>,
+    /// HTTP/2 limits of the report connection (`[dispatcher_h2]`).
+    pub h2: relay_common::h2::H2Limits,
     pub stop: CancellationToken,
 }
 
@@ -60,10 +62,12 @@ impl Reporter {
 
     /// One report stream; returns Ok on stop, Err when the stream broke.
     async fn session(&self) -> Result<(), String> {
-        let endpoint = tonic::transport::Endpoint::from_shared(self.dispatcher.clone())
-            .map_err(|e| e.to_string())?
-            .connect_timeout(Duration::from_secs(3))
-            .tcp_nodelay(true);
+        let endpoint = self.h2.tonic_endpoint(
+            tonic::transport::Endpoint::from_shared(self.dispatcher.clone())
+                .map_err(|e| e.to_string())?
+                .connect_timeout(Duration::from_secs(3))
+                .tcp_nodelay(true),
+        );
         let channel = match &self.tls {
             Some(tls) => endpoint.connect_with_connector(tls.tonic_connector()).await,
             None => endpoint.connect().await,
