@@ -10,7 +10,7 @@
 //!
 //! This module must not decide what a test asserts.
 
-use crate::procs::{free_addr, Proc, ScratchDir};
+use crate::procs::{free_addr, Proc, ScratchDir, Spawn};
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -119,11 +119,21 @@ pub struct Haproxy {
     dir: ScratchDir,
     proc: Option<Proc>,
     starts: u32,
+    how: Spawn,
 }
 
 impl Haproxy {
     /// Starts haproxy on a fresh loopback port in front of `backends`.
     pub async fn start(backends: Vec<Backend>) -> anyhow::Result<Haproxy> {
+        let how = Spawn {
+            env: Vec::new(),
+            own_process_group: false,
+        };
+        Self::start_with(backends, &how).await
+    }
+
+    /// [`Haproxy::start`], spawned as `how` says (e.g. in its own process group).
+    pub async fn start_with(backends: Vec<Backend>, how: &Spawn) -> anyhow::Result<Haproxy> {
         let mut h = Haproxy {
             addr: free_addr()?,
             stats: free_addr()?,
@@ -131,6 +141,7 @@ impl Haproxy {
             dir: ScratchDir::new("haproxy")?,
             proc: None,
             starts: 0,
+            how: how.clone(),
         };
         h.launch().await?;
         Ok(h)
@@ -159,11 +170,11 @@ impl Haproxy {
             String::from_utf8_lossy(&check.stdout),
             String::from_utf8_lossy(&check.stderr)
         );
-        let proc = Proc::spawn(
+        let proc = Proc::spawn_with(
             "haproxy",
             &bin,
             &["-db".into(), "-f".into(), cfg.display().to_string()],
-            &[],
+            &self.how,
             self.dir.path().join(format!("haproxy-{}.log", self.starts)),
         )?;
         self.proc = Some(proc);
@@ -223,6 +234,16 @@ impl Haproxy {
             .await?;
         anyhow::ensure!(out.trim().is_empty(), "enable server {name}: {out}");
         Ok(())
+    }
+
+    /// Its process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().map(Proc::pid)
+    }
+
+    /// Where the running instance logs (each start writes a new file).
+    pub fn log_path(&self) -> Option<PathBuf> {
+        self.proc.as_ref().map(|p| p.log_path().to_path_buf())
     }
 
     /// HAProxy's log so far.

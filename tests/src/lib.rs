@@ -9,6 +9,7 @@ pub mod haproxy;
 pub mod lb;
 pub mod metrics;
 pub mod procs;
+pub mod soak;
 pub mod stack;
 pub mod upstream;
 

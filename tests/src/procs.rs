@@ -21,8 +21,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// Path of a workspace binary built next to the running test executable.
+/// Path of a workspace binary built next to the running test executable, or in
+/// `$RELAY_BIN_DIR` when that is set (to run the process tests against another build, e.g.
+/// an earlier version's release binaries).
 pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("RELAY_BIN_DIR") {
+        let path = PathBuf::from(dir).join(name);
+        anyhow::ensure!(
+            path.is_file(),
+            "{} not found (RELAY_BIN_DIR)",
+            path.display()
+        );
+        return Ok(path);
+    }
     let exe = std::env::current_exe().context("current_exe")?;
     // target/<profile>/deps/<test>-<hash> -> target/<profile>/<name>
     let dir = exe
@@ -101,6 +112,33 @@ impl Proc {
         envs: &[(&str, &str)],
         log: PathBuf,
     ) -> anyhow::Result<Proc> {
+        Self::spawn_cmd(name, program, args, envs, false, log)
+    }
+
+    /// [`Proc::spawn`] as `how` says (environment, process group).
+    pub fn spawn_with(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        how: &Spawn,
+        log: PathBuf,
+    ) -> anyhow::Result<Proc> {
+        let envs: Vec<(&str, &str)> = how
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        Self::spawn_cmd(name, program, args, &envs, how.own_process_group, log)
+    }
+
+    fn spawn_cmd(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        envs: &[(&str, &str)],
+        own_process_group: bool,
+        log: PathBuf,
+    ) -> anyhow::Result<Proc> {
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -114,6 +152,10 @@ impl Proc {
             .env_remove("RELAY_CONFIG");
         for (k, v) in envs {
             cmd.env(k, v);
+        }
+        if own_process_group {
+            use std::os::unix::process::CommandExt as _;
+            cmd.process_group(0);
         }
         let child = cmd
             .spawn()
@@ -180,6 +222,11 @@ impl Proc {
         rss_kib_of(&format!("/proc/{}/status", self.pid()))
     }
 
+    /// Where its stdout and stderr go (appended: a restart on the same name continues it).
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
     /// The log so far (stdout and stderr).
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
@@ -236,6 +283,27 @@ pub async fn wait_http(
             "GET http://{addr}{path} did not answer {status} within {within:?}: {last:?}"
         );
         tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// How the `*_with` starters spawn a child; the default is what the plain starters
+/// ([`DispatcherProc::start`] and friends) do.
+#[derive(Clone, Debug)]
+pub struct Spawn {
+    /// Environment variables set for the child (on top of this process's).
+    pub env: Vec<(String, String)>,
+    /// Start it in a process group of its own, so a terminal's Ctrl-C (SIGINT to the
+    /// foreground process group) reaches only the parent. Only for a parent that handles
+    /// SIGINT and then drops its children: otherwise a Ctrl-C leaves them running.
+    pub own_process_group: bool,
+}
+
+impl Default for Spawn {
+    fn default() -> Self {
+        Spawn {
+            env: vec![("RUST_LOG".into(), "info".into())],
+            own_process_group: false,
+        }
     }
 }
 
@@ -356,18 +424,28 @@ impl TunnelServerProc {
         opts: TunnelServerOpts,
         ports: Option<(SocketAddr, SocketAddr, SocketAddr)>,
     ) -> anyhow::Result<Self> {
+        Self::start_on_with(dir, opts, ports, &Spawn::default()).await
+    }
+
+    /// [`TunnelServerProc::start_on`], spawned as `how` says (e.g. another `RELAY_LOG`).
+    pub async fn start_on_with(
+        dir: &Path,
+        opts: TunnelServerOpts,
+        ports: Option<(SocketAddr, SocketAddr, SocketAddr)>,
+        how: &Spawn,
+    ) -> anyhow::Result<Self> {
         for _ in 0..PORT_ATTEMPTS {
             let (agent, forward, admin) = match ports {
                 Some(p) => p,
                 None => (free_addr()?, free_addr()?, free_addr()?),
             };
-            let mut s = Self::spawn(dir, opts.clone(), (agent, forward, admin))?;
+            let mut s = Self::spawn(dir, opts.clone(), (agent, forward, admin), how)?;
             if wait_up(&mut s.proc, admin, Duration::from_secs(20)).await? {
                 return Ok(s);
             }
             if ports.is_some() {
                 // Its old ports are taken (by a client socket, say): fresh ones.
-                return Box::pin(Self::start_on(dir, opts, None)).await;
+                return Box::pin(Self::start_on_with(dir, opts, None, how)).await;
             }
         }
         anyhow::bail!(
@@ -380,6 +458,7 @@ impl TunnelServerProc {
         dir: &Path,
         opts: TunnelServerOpts,
         (agent, forward, admin): (SocketAddr, SocketAddr, SocketAddr),
+        how: &Spawn,
     ) -> anyhow::Result<Self> {
         let id = &opts.server_id.clone();
         let tokens_path = dir.join(format!("{id}-tokens.toml"));
@@ -408,11 +487,11 @@ impl TunnelServerProc {
             humantime(opts.report_interval),
         );
         std::fs::write(&cfg_path, cfg)?;
-        let proc = Proc::spawn(
+        let proc = Proc::spawn_with(
             id,
             &binary("relay-tunnel-server")?,
             &["--config".into(), cfg_path.display().to_string()],
-            &[("RUST_LOG", "info")],
+            how,
             dir.join(format!("{id}.log")),
         )?;
         Ok(TunnelServerProc {
@@ -467,6 +546,11 @@ pub struct DispatcherProc {
 
 impl DispatcherProc {
     pub async fn start(dir: &Path, opts: DispatcherOpts) -> anyhow::Result<Self> {
+        Self::start_with(dir, opts, &Spawn::default()).await
+    }
+
+    /// [`DispatcherProc::start`], spawned as `how` says.
+    pub async fn start_with(dir: &Path, opts: DispatcherOpts, how: &Spawn) -> anyhow::Result<Self> {
         for _ in 0..PORT_ATTEMPTS {
             let (http, registry, admin) = (free_addr()?, free_addr()?, free_addr()?);
             let cfg_path = dir.join("dispatcher.toml");
@@ -480,11 +564,11 @@ impl DispatcherProc {
                 opts.extra,
             );
             std::fs::write(&cfg_path, cfg)?;
-            let mut proc = Proc::spawn(
+            let mut proc = Proc::spawn_with(
                 "dispatcher",
                 &binary("relay-dispatcher")?,
                 &["--config".into(), cfg_path.display().to_string()],
-                &[("RUST_LOG", "info")],
+                how,
                 dir.join("dispatcher.log"),
             )?;
             if wait_up(&mut proc, admin, Duration::from_secs(20)).await? {
@@ -523,6 +607,11 @@ pub struct AgentProc {
 
 impl AgentProc {
     pub async fn start(dir: &Path, opts: AgentOpts) -> anyhow::Result<Self> {
+        Self::start_with(dir, opts, &Spawn::default()).await
+    }
+
+    /// [`AgentProc::start`], spawned as `how` says.
+    pub async fn start_with(dir: &Path, opts: AgentOpts, how: &Spawn) -> anyhow::Result<Self> {
         for _ in 0..PORT_ATTEMPTS {
             let admin = free_addr()?;
             let cfg_path = dir.join("agent.toml");
@@ -537,11 +626,11 @@ impl AgentProc {
                 opts.extra,
             );
             std::fs::write(&cfg_path, cfg)?;
-            let mut proc = Proc::spawn(
+            let mut proc = Proc::spawn_with(
                 "agent",
                 &binary("relay-agent")?,
                 &["--config".into(), cfg_path.display().to_string()],
-                &[("RUST_LOG", "info")],
+                how,
                 dir.join("agent.log"),
             )?;
             if wait_up(&mut proc, admin, Duration::from_secs(20)).await? {

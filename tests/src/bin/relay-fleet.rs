@@ -9,6 +9,10 @@
 //! calls; `relay-fleet scenarios` lists the built-ins; `relay-fleet tokens` prints the
 //! token store entries an external deployment needs for the simulated agents;
 //! `relay-fleet certs --out DIR` writes a throwaway TLS set for `examples/tls/`.
+//!
+//! `relay-fleet soak` drives calls at volume through the real release binaries (or a
+//! running stack), optionally with faults, and reports every failure, memory and h2's
+//! `reached limit` log lines (`relay_tests::soak`).
 
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
@@ -124,6 +128,147 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         agents: usize,
     },
+    /// Volume test against the real binaries: calls at a fixed concurrency over keep-alive
+    /// connections, optional faults, every failure, VmRSS and `reached limit` log line
+    /// reported. Exit code 1 on any failed or lost call or `reached limit` line.
+    #[command(long_about = SOAK_ABOUT)]
+    Soak(Box<SoakArgs>),
+}
+
+const SOAK_ABOUT: &str = "\
+Volume test against the real release binaries (relay-dispatcher, relay-tunnel-server and
+relay-agent next to this executable: build them with `cargo build --release --bins`).
+
+Starts a dispatcher, --servers tunnel servers and an agent as child processes on loopback
+(optionally HAProxy between agent and servers) with an in-process simulated upstream, then
+runs --concurrency callers, each on its own HTTP/1.1 keep-alive connection, through the
+dispatcher's front until --calls calls were made or for --duration. Every answer's status
+and body are checked. Every call ends in one outcome: ok; failed by reason (`502
+stream_lost`, `transport closed`, `client_timeout`, `200 bad_body`, ...); or lost (not
+answered by the end).
+
+Prints a progress line every few seconds, and at the end: calls sent/answered/ok/failed/lost,
+calls/s, latency p50/p90/p99/p99.9/max, failures by reason and by the tunnel server the
+error names, the fault timeline, VmRSS of every process (start, mid, end, peak), and per
+process log the WARN/ERROR counts and h2's `reached limit` lines. Exit code 1 if any call
+failed or was lost, any `reached limit` line was logged, or a process exited unasked.
+
+Faults (--fault): rolling-restart (SIGTERM each server in turn, restart it on the same
+ports, wait until the fleet is whole; at --fault-at, then every --fault-every),
+kill-server (SIGKILL server --kill-server at --fault-at; --restart-after starts it again),
+burst (raise to --burst-concurrency callers of GET /slow/{--burst-slow} for --burst-for;
+meant with --haproxy).
+
+External mode (--dispatcher URL): calls a running stack (e.g. examples/local, whose
+upstream is `relay-fleet upstream`); no faults, no process figures.
+
+Ctrl-C stops starting calls, waits for the calls in flight, reports, and kills every
+process it started.
+
+Examples:
+  relay-fleet soak --calls 20000 --concurrency 32
+  relay-fleet soak --duration 30m --upstream-latency 50ms --json soak.json
+  relay-fleet soak --calls 5000 --concurrency 50 --upstream-latency 50ms \\
+      --fault rolling-restart --fault-every 5s
+  relay-fleet soak --calls 200000 --fault kill-server --fault-at 10s --restart-after 5s
+  relay-fleet soak --calls 50000 --haproxy --weights 90,10 --fault burst --upstream-latency 20ms
+  relay-fleet soak --dispatcher http://127.0.0.1:8080 --caller-key dev-caller-key \\
+      --tunnel-id demo --duration 10m";
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum SoakFault {
+    RollingRestart,
+    KillServer,
+    Burst,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum SoakMethod {
+    Get,
+    Post,
+}
+
+#[derive(clap::Args, Debug)]
+struct SoakArgs {
+    /// Calls to make [default: 1000000, or unbounded with --duration].
+    #[arg(long)]
+    calls: Option<u64>,
+    /// Run this long (e.g. 30m) instead of (or, with --calls, at most) a number of calls.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duration: Option<Duration>,
+    /// Concurrent callers, each with its own keep-alive connection.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// get: GET /bytes/{16..143} (body checked byte by byte); post: POST /echo/soak with
+    /// a per-call marker echoed back.
+    #[arg(long, value_enum, default_value = "get")]
+    method: SoakMethod,
+    /// Tunnel servers to start.
+    #[arg(long, default_value_t = 2)]
+    servers: usize,
+    /// The simulated upstream's delay before every answer, e.g. 50ms.
+    #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
+    upstream_latency: Duration,
+    /// Put a real HAProxy between the agent and the tunnel servers.
+    #[arg(long)]
+    haproxy: bool,
+    /// HAProxy weight per tunnel server, e.g. 90,10 [default: equal].
+    #[arg(long, value_delimiter = ',', requires = "haproxy")]
+    weights: Option<Vec<u32>>,
+    /// Fault to inject while the load runs.
+    #[arg(long, value_enum)]
+    fault: Option<SoakFault>,
+    /// When the fault first happens, after the load starts.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    fault_at: Duration,
+    /// Repeat the fault (rolling-restart, burst) with this period; once without it.
+    #[arg(long, value_parser = humantime::parse_duration, requires = "fault")]
+    fault_every: Option<Duration>,
+    /// kill-server: which tunnel server (1-based).
+    #[arg(long, default_value_t = 1)]
+    kill_server: usize,
+    /// kill-server: start it again (same ports) this long after the kill.
+    #[arg(long, value_parser = humantime::parse_duration, requires = "fault")]
+    restart_after: Option<Duration>,
+    /// burst: callers during the burst (the extra ones call GET /slow/{--burst-slow}).
+    #[arg(long, default_value_t = 300)]
+    burst_concurrency: usize,
+    /// burst: how long it lasts.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    burst_for: Duration,
+    /// burst: the extra callers' upstream delay (on top of --upstream-latency).
+    #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
+    burst_slow: Duration,
+    /// The client's deadline for one whole call; past it the call fails as client_timeout.
+    #[arg(long, default_value = "35s", value_parser = humantime::parse_duration)]
+    client_timeout: Duration,
+    /// The dispatcher's call_timeout (embedded).
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    call_timeout: Duration,
+    /// The children's RELAY_LOG filter (h2's `reached limit` warnings need WARN for h2).
+    #[arg(long, default_value = "info")]
+    child_log: String,
+    /// External mode: a running dispatcher's front, e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    dispatcher: Option<String>,
+    /// External mode: the caller key.
+    #[arg(long, default_value = "dev-caller-key", requires = "dispatcher")]
+    caller_key: String,
+    /// External mode: the tunnel id to call.
+    #[arg(long, default_value = "demo", requires = "dispatcher")]
+    tunnel_id: String,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    /// Progress line period.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    progress_every: Duration,
+    /// No progress line or event lines on stderr.
+    #[arg(long)]
+    quiet: bool,
+    /// VmRSS sampling period.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    rss_every: Duration,
 }
 
 #[tokio::main]
@@ -191,6 +336,7 @@ async fn main() -> std::process::ExitCode {
                 );
             })
         }
+        Command::Soak(a) => soak(*a).await,
         Command::Tokens { agents } => {
             println!("# token store entries for relay-fleet's simulated agents (tunnel server token_store)");
             for i in 0..agents {
@@ -406,5 +552,97 @@ async fn bench(
     if let Some(path) = json {
         std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)?;
     }
+    Ok(())
+}
+
+async fn soak(a: SoakArgs) -> anyhow::Result<()> {
+    use relay_tests::soak::{self, CallMethod, Embedded, External, Fault, FaultTiming, Mode};
+    let mode = match &a.dispatcher {
+        Some(url) => {
+            anyhow::ensure!(
+                !a.haproxy,
+                "--haproxy starts a stack: not with --dispatcher"
+            );
+            Mode::External(External {
+                dispatcher: url.clone(),
+                caller_key: a.caller_key.clone(),
+                tunnel_id: a.tunnel_id.clone(),
+            })
+        }
+        None => Mode::Embedded(Embedded {
+            servers: a.servers,
+            upstream_latency: a.upstream_latency,
+            haproxy_weights: a
+                .haproxy
+                .then(|| a.weights.clone().unwrap_or_else(|| vec![1; a.servers])),
+            call_timeout: a.call_timeout,
+            child_log: a.child_log.clone(),
+        }),
+    };
+    let fault = match a.fault {
+        None => Fault::None,
+        Some(SoakFault::RollingRestart) => Fault::RollingRestart,
+        Some(SoakFault::KillServer) => {
+            anyhow::ensure!(
+                a.fault_every.is_none(),
+                "kill-server happens once: drop --fault-every"
+            );
+            Fault::KillServer {
+                server: a.kill_server,
+                restart_after: a.restart_after,
+            }
+        }
+        Some(SoakFault::Burst) => Fault::Burst {
+            concurrency: a.burst_concurrency,
+            length: a.burst_for,
+            slow: a.burst_slow,
+        },
+    };
+    let config = soak::SoakConfig {
+        mode,
+        concurrency: a.concurrency,
+        calls: match (a.calls, a.duration) {
+            (None, None) => Some(1_000_000),
+            (calls, _) => calls,
+        },
+        duration: a.duration,
+        method: match a.method {
+            SoakMethod::Get => CallMethod::Get,
+            SoakMethod::Post => CallMethod::Post,
+        },
+        client_timeout: a.client_timeout,
+        grace: Duration::from_secs(5),
+        fault,
+        timing: FaultTiming {
+            at: a.fault_at,
+            every: a.fault_every,
+        },
+        progress_every: (!a.quiet).then_some(a.progress_every),
+        rss_every: a.rss_every,
+    };
+    // SIGINT, SIGTERM or SIGHUP (terminal closed): stop, report, kill the children (they
+    // run in process groups of their own and would outlive an unhandled signal).
+    let stop = tokio_util::sync::CancellationToken::new();
+    let on_signal = stop.clone();
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = relay_common::shutdown::signal() => {}
+            _ = hangup.recv() => {}
+        }
+        on_signal.cancel();
+    });
+    let report = soak::run(&config, stop).await?;
+    print!("{}", report.summary());
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        println!("json report: {}", path.display());
+    }
+    anyhow::ensure!(
+        report.passed(),
+        "soak failed: {}",
+        report.findings().join(", ")
+    );
     Ok(())
 }
