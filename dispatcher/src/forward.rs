@@ -280,10 +280,12 @@ impl Forwarder {
             Ok(r) => r,
             Err(status) => {
                 // Failing before any response header means the server never handed the call
-                // to an agent: connection refused/reset, or the server rejected the RPC.
+                // to an agent: connection refused/reset, the server rejected the RPC, or the
+                // connection died before the request went out (hyper cancels the requests
+                // still waiting for it: CANCELLED).
                 let retry = if matches!(
                     status.code(),
-                    tonic::Code::Unavailable | tonic::Code::Unknown
+                    tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
                 ) {
                     Retry::Safe
                 } else {
