@@ -632,6 +632,23 @@ mod tests {
             ),
             (
                 Config {
+                    max_opening: 0,
+                    ..valid()
+                },
+                "`max_opening`",
+            ),
+            (
+                Config {
+                    tunnel_h2: H2Settings {
+                        stream_window_bytes: Some(1),
+                        ..Default::default()
+                    },
+                    ..valid()
+                },
+                "`tunnel_h2.stream_window_bytes`",
+            ),
+            (
+                Config {
                     upstream_check: UpstreamCheckConfig {
                         path: "health".into(),
                         ..Default::default()
