@@ -19,10 +19,11 @@
 //!   hundreds of streams through a load balancer can reach that when opens time out.
 //!
 //! So the internal hops remember many resets for long (late frames of a cancelled call are
-//! ignored, never answered), and their lifetime counter of error resets is off: the peers
-//! there are the relay's own processes, authenticated by mutual TLS or a shared key, and a
-//! connection between them that dies costs every call on it. The front keeps h2's guards,
-//! since it faces callers. This module must not open connections itself.
+//! ignored, never answered), and their lifetime counter of error resets is off between
+//! dispatchers and tunnel servers: the peers there are the relay's own processes,
+//! authenticated by mutual TLS or a shared key, and a connection between them that dies
+//! costs every call on it. The agent listener keeps both guards, set far above what agents
+//! cause; the front keeps h2's own, since it faces callers. This module must not open connections itself.
 
 use crate::config::ConfigError;
 use serde::Deserialize;
@@ -107,7 +108,11 @@ impl H2Limits {
 
     /// Agent -> tunnel server (`Tunnel.Connect`, long-lived streams; through a load
     /// balancer many agents may share one connection). Growth steps open hundreds of
-    /// streams at once, retirement closes them: the reset guards must allow for both.
+    /// streams at once (at most `max_opening` per agent at a time), retirement closes
+    /// them: the reset guards must allow for both. The agent listener may face the open
+    /// network (a token is checked per stream, after the connection is up), so both of
+    /// its reset guards stay on, far above what agents cause: a stream dies rarely, and
+    /// only then can a late frame meet a forgotten stream.
     pub const TUNNEL: H2Limits = H2Limits {
         max_concurrent_streams: 16_384,
         stream_window_bytes: 256 * 1024,
@@ -115,8 +120,8 @@ impl H2Limits {
         max_header_list_bytes: 16 * 1024,
         keepalive_interval: Duration::from_secs(20),
         keepalive_timeout: Duration::from_secs(10),
-        max_pending_accept_resets: 4096,
-        max_local_error_resets: None,
+        max_pending_accept_resets: 1024,
+        max_local_error_resets: Some(65_536),
         reset_stream_memory: 4096,
         reset_stream_duration: Duration::from_secs(30),
     };
