@@ -18,7 +18,9 @@ mod tests;
 use crate::error::OpenError;
 use crate::metrics::AgentMetrics;
 use futures::future::BoxFuture;
-use plan::{ActionKind, Plan, Planner, ServerView, Snapshot, StreamId, StreamView};
+use plan::{
+    ActionKind, Plan, Planner, ServerKey, ServerView, Snapshot, State, StreamId, StreamView,
+};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -33,6 +35,8 @@ use tracing::{debug, info, warn};
 #[derive(Clone, Debug, PartialEq)]
 pub struct Landing {
     pub server_id: String,
+    /// The server's life: random per process start.
+    pub instance_id: String,
     pub zone: String,
     /// The server's id for this stream.
     pub server_stream_id: u64,
@@ -82,6 +86,8 @@ pub enum StreamEvent {
     Pressure(u32),
     /// The server sent Drain: its streams are recycled as the plan decides.
     Drained,
+    /// The fleet as the servers know it (from any stream; the latest wins).
+    Fleet(Vec<relay_proto::FleetMember>),
     /// A landed stream ended. Last event of a stream.
     Closed(CloseReason),
     /// The open failed before any hello. Last event of a stream.
@@ -129,6 +135,7 @@ impl PlanStep for Planner {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ServerReport {
     pub server_id: String,
+    pub instance_id: String,
     pub zone: String,
     pub streams: u32,
     pub busy: u32,
@@ -175,7 +182,7 @@ impl ActorSettings {
 }
 
 struct Entry {
-    server_id: String,
+    server: ServerKey,
     zone: String,
     busy: bool,
     opened_at: Instant,
@@ -191,9 +198,15 @@ struct Opening {
 
 #[derive(Default)]
 struct ServerInfo {
+    /// The latest pressure hint and when it came: a hint not refreshed within
+    /// [`PRESSURE_TTL`] is forgotten (the server repeats a standing one every second).
     queued: u32,
+    queued_at: Option<Instant>,
     draining: bool,
 }
+
+/// How long a pressure hint counts without being refreshed.
+pub const PRESSURE_TTL: Duration = Duration::from_secs(3);
 
 /// The sizing actor. Build with `new`, drive with `run`.
 pub struct CoverageActor {
@@ -203,7 +216,9 @@ pub struct CoverageActor {
     settings: ActorSettings,
     streams: BTreeMap<StreamId, Entry>,
     opening: HashMap<StreamId, Opening>,
-    servers: HashMap<String, ServerInfo>,
+    servers: HashMap<ServerKey, ServerInfo>,
+    /// The fleet's members as the servers last told it.
+    fleet: Vec<relay_proto::FleetMember>,
     tasks: JoinSet<()>,
     task_ids: HashMap<tokio::task::Id, StreamId>,
     next_id: StreamId,
@@ -234,6 +249,7 @@ impl CoverageActor {
             streams: BTreeMap::new(),
             opening: HashMap::new(),
             servers: HashMap::new(),
+            fleet: Vec::new(),
             tasks: JoinSet::new(),
             task_ids: HashMap::new(),
             next_id: 1,
@@ -294,10 +310,11 @@ impl CoverageActor {
                     return;
                 };
                 self.backoff.reset();
-                debug!(stream = id, server_id = %l.server_id, zone = %l.zone, "tunnel stream landed");
-                self.servers.entry(l.server_id.clone()).or_default();
+                debug!(stream = id, server_id = %l.server_id, instance_id = %l.instance_id, zone = %l.zone, "tunnel stream landed");
+                let server = (l.server_id, l.instance_id);
+                self.servers.entry(server.clone()).or_default();
                 let mut entry = Entry {
-                    server_id: l.server_id,
+                    server,
                     zone: l.zone,
                     busy: false,
                     opened_at: now,
@@ -323,16 +340,24 @@ impl CoverageActor {
             }
             StreamEvent::Pressure(queued) => {
                 if let Some(e) = self.streams.get(&id) {
-                    self.servers.entry(e.server_id.clone()).or_default().queued = queued;
+                    let info = self.servers.entry(e.server.clone()).or_default();
+                    info.queued = queued;
+                    info.queued_at = Some(now);
+                }
+            }
+            StreamEvent::Fleet(members) => {
+                if members != self.fleet {
+                    debug!(members = members.len(), "fleet news");
+                    self.fleet = members;
                 }
             }
             StreamEvent::Drained => {
                 if let Some(e) = self.streams.get_mut(&id) {
                     // The stream keeps serving; the plan recycles it once another server
                     // is covered (make before break).
-                    let server = self.servers.entry(e.server_id.clone()).or_default();
+                    let server = self.servers.entry(e.server.clone()).or_default();
                     if !server.draining {
-                        info!(server_id = %e.server_id, "tunnel server is draining");
+                        info!(server_id = %e.server.0, instance_id = %e.server.1, "tunnel server is draining");
                     }
                     server.draining = true;
                 }
@@ -340,7 +365,7 @@ impl CoverageActor {
             StreamEvent::Closed(reason) => {
                 self.opening.remove(&id);
                 if let Some(e) = self.streams.get(&id) {
-                    debug!(stream = id, server_id = %e.server_id, %reason, "tunnel stream closed");
+                    debug!(stream = id, server_id = %e.server.0, %reason, "tunnel stream closed");
                     self.remove_stream(id);
                 }
                 self.replan_soon(now, ticker);
@@ -365,8 +390,8 @@ impl CoverageActor {
         let Some(e) = self.streams.remove(&id) else {
             return;
         };
-        if !self.streams.values().any(|o| o.server_id == e.server_id) {
-            self.servers.remove(&e.server_id);
+        if !self.streams.values().any(|o| o.server == e.server) {
+            self.servers.remove(&e.server);
         }
     }
 
@@ -383,15 +408,26 @@ impl CoverageActor {
     }
 
     fn snapshot(&self, now: Instant) -> Snapshot {
-        let mut servers: BTreeMap<&str, ServerView> = BTreeMap::new();
+        let listed = |k: &ServerKey| {
+            self.fleet
+                .iter()
+                .any(|m| m.server_id == k.0 && m.instance_id == k.1)
+        };
+        let mut servers: BTreeMap<&ServerKey, ServerView> = BTreeMap::new();
         for (id, e) in &self.streams {
-            let view = servers.entry(e.server_id.as_str()).or_insert_with(|| {
-                let info = self.servers.get(&e.server_id);
+            let view = servers.entry(&e.server).or_insert_with(|| {
+                let info = self.servers.get(&e.server);
+                let fresh = |i: &&ServerInfo| {
+                    i.queued_at
+                        .is_some_and(|at| now.saturating_duration_since(at) < PRESSURE_TTL)
+                };
                 ServerView {
-                    server_id: e.server_id.clone(),
+                    server_id: e.server.0.clone(),
+                    instance_id: e.server.1.clone(),
                     zone: e.zone.clone(),
+                    listed: listed(&e.server),
                     streams: Vec::new(),
-                    queued: info.map_or(0, |i| i.queued),
+                    queued: info.filter(fresh).map_or(0, |i| i.queued),
                     draining: info.is_some_and(|i| i.draining),
                 }
             });
@@ -403,9 +439,27 @@ impl CoverageActor {
                 retiring: e.retiring,
             });
         }
+        let mut servers: Vec<ServerView> = servers.into_values().collect();
+        // Members of the fleet that hold none of our streams: new or returning servers.
+        for m in &self.fleet {
+            let held = servers
+                .iter()
+                .any(|v| v.server_id == m.server_id && v.instance_id == m.instance_id);
+            if !held {
+                servers.push(ServerView {
+                    server_id: m.server_id.clone(),
+                    instance_id: m.instance_id.clone(),
+                    zone: m.zone.clone(),
+                    listed: true,
+                    streams: Vec::new(),
+                    queued: 0,
+                    draining: m.draining,
+                });
+            }
+        }
         Snapshot {
             now,
-            servers: servers.into_values().collect(),
+            servers,
             opening: self.opening.len() as u32,
         }
     }
@@ -469,17 +523,29 @@ impl CoverageActor {
     }
 
     fn publish(&mut self, snap: &Snapshot, plan: &Plan) {
-        let mut current = HashSet::new();
-        for s in &snap.servers {
+        // Metrics are per server id (what operators see); instances of one id add up and
+        // the state shown is that of the instance holding the most streams.
+        let mut per_id: BTreeMap<&str, (u32, u32, Option<State>, usize)> = BTreeMap::new();
+        for s in snap.servers.iter().filter(|s| !s.streams.is_empty()) {
             let busy = s.streams.iter().filter(|st| st.busy).count() as u32;
             let idle = s.streams.len() as u32 - busy;
             let state = plan
                 .states
                 .iter()
-                .find(|p| p.server_id == s.server_id)
+                .find(|p| p.server_id == s.server_id && p.instance_id == s.instance_id)
                 .map(|p| p.state);
-            self.metrics.set_server(&s.server_id, idle, busy, state);
-            current.insert(s.server_id.clone());
+            let e = per_id.entry(&s.server_id).or_insert((0, 0, None, 0));
+            e.0 += idle;
+            e.1 += busy;
+            if s.streams.len() >= e.3 {
+                e.2 = state;
+                e.3 = s.streams.len();
+            }
+        }
+        let mut current = HashSet::new();
+        for (id, (idle, busy, state, _)) in per_id {
+            self.metrics.set_server(id, idle, busy, state);
+            current.insert(id.to_string());
         }
         for gone in self.exported.difference(&current) {
             self.metrics.remove_server(gone);
@@ -491,6 +557,7 @@ impl CoverageActor {
                 .iter()
                 .map(|p| ServerReport {
                     server_id: p.server_id.clone(),
+                    instance_id: p.instance_id.clone(),
                     zone: p.zone.clone(),
                     streams: p.streams,
                     busy: p.busy,

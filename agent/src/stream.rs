@@ -163,6 +163,9 @@ impl Dialer {
     }
 }
 
+/// Request metadata listing the optional server frames this agent understands.
+pub const AGENT_FEATURES: &str = "relay-agent-features";
+
 /// Everything a stream task needs, shared by all of them.
 pub struct StreamContext {
     pub dialer: Dialer,
@@ -211,6 +214,7 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         ctx.metrics.stream_opened(OpenResult::Landed);
         let landing = Landing {
             server_id: hello.server_id,
+            instance_id: hello.instance_id,
             zone: hello.zone,
             server_stream_id: hello.stream_id,
             heartbeat: Duration::from_millis(u64::from(hello.heartbeat_ms)),
@@ -274,6 +278,11 @@ async fn open(
     request
         .metadata_mut()
         .insert("authorization", ctx.dialer.auth.clone());
+    // Fleet news: this agent understands `Fleet` frames.
+    request.metadata_mut().insert(
+        AGENT_FEATURES,
+        tonic::metadata::MetadataValue::from_static("fleet"),
+    );
     let response = TunnelClient::new(channel)
         .connect(request)
         .await
@@ -480,7 +489,10 @@ impl Session {
             self.dead.as_mut().reset(Instant::now() + s);
         }
         let Some(kind) = frame.kind else {
-            return Err(CloseReason::Malformed("frame without a kind".into()));
+            // A frame kind this agent does not know (a newer server): skip it. Frames that
+            // matter to a call are all known kinds, so nothing of a call is lost.
+            debug!("skipping a server frame of an unknown kind");
+            return Ok(());
         };
         match kind {
             In::Hello(_) => return Err(CloseReason::Malformed("second ServerHello".into())),
@@ -579,6 +591,7 @@ impl Session {
                 }
             }
             In::Pressure(p) => self.emit(id, StreamEvent::Pressure(p.queued)),
+            In::Fleet(fleet) => self.emit(id, StreamEvent::Fleet(fleet.members)),
         }
         Ok(())
     }

@@ -38,6 +38,16 @@ pub struct ServerInfo {
     pub zone: String,
     /// Where its `Forward` service listens (`http://host:port`).
     pub forward_url: String,
+    /// This life of the server id (random per process start); empty from servers that
+    /// do not send one.
+    #[serde(default)]
+    pub instance_id: String,
+}
+
+/// A live server id is claimed by another instance while its report stream is up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Conflict {
+    pub live_instance: String,
 }
 
 /// One tunnel id's figures in a server's last load report.
@@ -139,6 +149,8 @@ pub struct Registry {
     /// Wakes the shared store's writer when `dirty` gains an entry.
     pub dirty_notify: Notify,
     metrics: Metrics,
+    /// The fleet's members (local and shared entries), for `Registry.Watch`.
+    fleet: tokio::sync::watch::Sender<Vec<relay_proto::FleetMember>>,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -174,7 +186,13 @@ impl Registry {
             shared,
             dirty_notify: Notify::new(),
             metrics,
+            fleet: tokio::sync::watch::Sender::new(Vec::new()),
         }
+    }
+
+    /// Follows the fleet's members: every server with an entry, local or shared.
+    pub fn watch_fleet(&self) -> tokio::sync::watch::Receiver<Vec<relay_proto::FleetMember>> {
+        self.fleet.subscribe()
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut Table) -> R) -> R {
@@ -210,10 +228,22 @@ impl Registry {
         Some(r)
     }
 
-    /// A server opened a report stream. Replaces any earlier entry of the same server id.
-    pub fn join(&self, server: ServerInfo) -> SessionId {
+    /// A server opened a report stream. Replaces any earlier entry of the same server id,
+    /// except a local one of another instance whose report stream is still up: two live
+    /// servers claiming one id is a configuration error, refused rather than merged.
+    pub fn join(&self, server: ServerInfo) -> Result<SessionId, Conflict> {
         let now = Instant::now();
         let session = self.with(|t| {
+            if let Some(e) = t.entries.get(&server.server_id) {
+                let other = !e.info.instance_id.is_empty()
+                    && !server.instance_id.is_empty()
+                    && e.info.instance_id != server.instance_id;
+                if other && matches!(e.origin, Origin::Local(_)) {
+                    return Err(Conflict {
+                        live_instance: e.info.instance_id.clone(),
+                    });
+                }
+            }
             t.next_session += 1;
             let session = SessionId(t.next_session);
             let id = server.server_id.clone();
@@ -231,12 +261,12 @@ impl Registry {
             }
             t.entries.insert(id, entry);
             self.rebuild(t, now);
-            session
-        });
+            Ok(session)
+        })?;
         if self.shared {
             self.dirty_notify.notify_one();
         }
-        session
+        Ok(session)
     }
 
     /// The server now holds streams of `tunnel_id`. False if the session is no longer current.
@@ -458,6 +488,24 @@ impl Registry {
         }
         t.router.update(now, &views);
         self.export_gauges(t, &views);
+        let mut members: Vec<relay_proto::FleetMember> = t
+            .entries
+            .values()
+            .map(|e| relay_proto::FleetMember {
+                server_id: e.info.server_id.clone(),
+                instance_id: e.info.instance_id.clone(),
+                zone: e.info.zone.clone(),
+                draining: e.draining(),
+            })
+            .collect();
+        members.sort_by(|a, b| a.server_id.cmp(&b.server_id));
+        self.fleet.send_if_modified(|old| {
+            let changed = *old != members;
+            if changed {
+                *old = members;
+            }
+            changed
+        });
     }
 
     fn export_gauges(&self, t: &mut Table, views: &HashMap<String, Vec<ServerView>>) {
@@ -613,6 +661,14 @@ mod tests {
             server_id: id.into(),
             zone: "z".into(),
             forward_url: format!("http://{id}"),
+            instance_id: "i1".into(),
+        }
+    }
+
+    fn instance(id: &str, instance: &str) -> ServerInfo {
+        ServerInfo {
+            instance_id: instance.into(),
+            ..info(id)
         }
     }
 
@@ -649,8 +705,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn most_recently_announced_server_comes_first_under_sticky() {
         let r = registry(false);
-        let a = r.join(info("a"));
-        let b = r.join(info("b"));
+        let a = r.join(info("a")).unwrap();
+        let b = r.join(info("b")).unwrap();
         r.tunnel_up(b, "demo");
         tokio::time::advance(Duration::from_millis(5)).await;
         r.tunnel_up(a, "demo");
@@ -668,8 +724,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn draining_servers_come_last_and_downed_tunnels_are_dropped() {
         let r = registry(false);
-        let a = r.join(info("a"));
-        let b = r.join(info("b"));
+        let a = r.join(info("a")).unwrap();
+        let b = r.join(info("b")).unwrap();
         r.tunnel_up(b, "demo");
         tokio::time::advance(Duration::from_millis(5)).await;
         r.tunnel_up(a, "demo");
@@ -683,9 +739,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn leaving_removes_every_entry_and_a_stale_session_is_ignored() {
         let r = registry(false);
-        let old = r.join(info("a"));
+        let old = r.join(info("a")).unwrap();
         r.tunnel_up(old, "demo");
-        let new = r.join(info("a"));
+        let new = r.join(info("a")).unwrap();
         assert!(
             r.route("demo").is_none(),
             "the new session must resend its tunnels"
@@ -701,10 +757,45 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_second_live_instance_of_a_server_id_is_refused_and_a_restart_is_not() {
+        let r = registry(false);
+        let mut fleet = r.watch_fleet();
+        let first = r.join(instance("a", "one")).unwrap();
+        r.tunnel_up(first, "demo");
+        assert_eq!(
+            r.join(instance("a", "two")),
+            Err(Conflict {
+                live_instance: "one".into()
+            }),
+            "two live servers claiming one id are not merged"
+        );
+        assert_eq!(ids(&r, "demo"), ["a"], "the live instance keeps routing");
+        let members = fleet.borrow_and_update().clone();
+        assert_eq!(members.len(), 1);
+        assert_eq!(members[0].instance_id, "one");
+        // The same instance reconnecting replaces its own entry.
+        let again = r.join(instance("a", "one")).unwrap();
+        assert!(!r.tunnel_up(first, "demo"), "the old session is stale");
+        // Once it left, a new life of the id joins and the fleet shows it.
+        r.leave(again);
+        let restarted = r.join(instance("a", "two")).unwrap();
+        assert!(r.tunnel_up(restarted, "demo"));
+        assert!(fleet.has_changed().unwrap());
+        let members = fleet.borrow_and_update().clone();
+        assert_eq!(
+            members
+                .iter()
+                .map(|m| (m.server_id.as_str(), m.instance_id.as_str()))
+                .collect::<Vec<_>>(),
+            [("a", "two")]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_server_that_stops_reporting_expires_after_its_lease() {
         let r = registry(true);
-        let a = r.join(info("a"));
-        let b = r.join(info("b"));
+        let a = r.join(info("a")).unwrap();
+        let b = r.join(info("b")).unwrap();
         r.tunnel_up(a, "demo");
         r.tunnel_up(b, "demo");
         r.take_dirty();
@@ -744,7 +835,7 @@ mod tests {
         );
         assert_eq!(ids(&r, "other"), ["y"]);
         // y reconnects here: the local entry replaces the shared one and stays.
-        let y = r.join(info("y"));
+        let y = r.join(info("y")).unwrap();
         r.tunnel_up(y, "third");
         r.apply_shared(
             vec![rec("x", &["demo"]), rec("y", &["demo", "other"])],

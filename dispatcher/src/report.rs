@@ -14,6 +14,7 @@
 use crate::forward::Channels;
 use crate::metrics::Metrics;
 use crate::registry::{LoadFigures, Registry, ServerInfo, SessionId, TunnelFigures};
+use futures::StreamExt;
 use relay_common::Secret;
 use relay_proto::server_report::Kind;
 use relay_proto::{ReportAck, ServerReport};
@@ -21,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 /// How long a new report stream may take to send its `ServerIntro`.
 const INTRO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -172,6 +173,7 @@ impl ReportService {
             server_id: intro.server_id,
             zone: intro.zone,
             forward_url: intro.forward_url,
+            instance_id: intro.instance_id,
         })
     }
 
@@ -243,8 +245,30 @@ impl ReportService {
     }
 }
 
+type FleetStream =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<relay_proto::Fleet, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl relay_proto::registry_server::Registry for ReportService {
+    type WatchStream = FleetStream;
+
+    /// The fleet's members now, then on every change, until the dispatcher stops.
+    async fn watch(
+        &self,
+        request: Request<relay_proto::WatchRequest>,
+    ) -> Result<Response<FleetStream>, Status> {
+        let peer = request
+            .remote_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|| "unknown".into());
+        self.authenticate(&peer, request.metadata())?;
+        let stop = self.stop.clone();
+        let fleet = tokio_stream::wrappers::WatchStream::new(self.routes.watch_fleet())
+            .map(|members| Ok(relay_proto::Fleet { members }))
+            .take_until(stop.cancelled_owned());
+        Ok(Response::new(Box::pin(fleet)))
+    }
+
     async fn report(
         &self,
         request: Request<Streaming<ServerReport>>,
@@ -280,8 +304,22 @@ impl relay_proto::registry_server::Registry for ReportService {
                 "tunnel server {server_id:?} is not allowed to report here"
             )));
         }
-        info!(%peer, %server_id, zone = %info.zone, forward_url = %info.forward_url, "tunnel server joined");
-        let session = self.routes.join(info);
+        let instance_id = info.instance_id.clone();
+        let session = match self.routes.join(info.clone()) {
+            Ok(session) => session,
+            Err(conflict) => {
+                self.metrics
+                    .reports_refused
+                    .with_label_values(&["duplicate_server_id"])
+                    .inc();
+                error!(%peer, %server_id, %instance_id, live_instance = %conflict.live_instance, "report stream refused: another live tunnel server reports with this server id; give each server its own server_id");
+                return Err(Status::already_exists(format!(
+                    "server id {server_id:?} is live here as instance {}; give each tunnel server its own server_id",
+                    conflict.live_instance
+                )));
+            }
+        };
+        info!(%peer, %server_id, %instance_id, zone = %info.zone, forward_url = %info.forward_url, "tunnel server joined");
         let _guard = SessionGuard { svc: self, session };
         self.update_gauges();
         loop {

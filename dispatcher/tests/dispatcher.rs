@@ -573,6 +573,7 @@ fn intro(server_id: &str, forward_url: &str) -> ServerReport {
             zone: "zone-a".into(),
             forward_url: forward_url.into(),
             protocol_version: relay_proto::PROTOCOL_VERSION,
+            instance_id: "fake".into(),
         })),
     }
 }

@@ -18,7 +18,7 @@
 use crate::metrics::ServerMetrics;
 use crate::stream::StreamHandle;
 use dashmap::DashMap;
-use relay_proto::{server_frame, Drain, Pressure, ServerFrame, TunnelLoad};
+use relay_proto::{server_frame, Drain, Fleet, FleetMember, Pressure, ServerFrame, TunnelLoad};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,8 +26,16 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
+/// How often a standing pressure hint is sent again while calls wait.
+pub const PRESSURE_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
 pub struct Hub {
+    /// Random per process start: this life of the server id (`ServerHello.instance_id`).
+    pub instance_id: String,
     tunnels: DashMap<String, Arc<Tunnel>>,
+    /// The fleet as each dispatcher last told it (by dispatcher URL), and the union
+    /// passed on to agents.
+    fleet: Mutex<FleetViews>,
     /// Wakes the reporters when a tunnel id gets its first stream or loses its last.
     pub changed: Notify,
     draining: AtomicBool,
@@ -90,8 +98,9 @@ struct Slots {
     all: Vec<Arc<StreamHandle>>,
     /// Streams carrying a call.
     busy: usize,
-    /// Last queue length told to the agent as a pressure hint.
+    /// Last queue length told to the agent as a pressure hint, and when.
     pressure_sent: u32,
+    pressure_at: Option<Instant>,
 }
 
 impl Slots {
@@ -99,6 +108,12 @@ impl Slots {
         self.waiters.retain(|w| !w.is_closed());
         self.waiters.len() as u32
     }
+}
+
+#[derive(Default)]
+struct FleetViews {
+    by_dispatcher: std::collections::HashMap<String, Vec<FleetMember>>,
+    merged: Vec<FleetMember>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -120,7 +135,9 @@ pub enum AcquireError {
 impl Hub {
     pub fn new(limits: Limits, metrics: ServerMetrics) -> Self {
         Hub {
+            instance_id: format!("{:016x}", rand::random::<u64>()),
             tunnels: DashMap::new(),
+            fleet: Mutex::default(),
             changed: Notify::new(),
             draining: AtomicBool::new(false),
             next_stream_id: AtomicU64::new(1),
@@ -142,7 +159,8 @@ impl Hub {
         self.draining.load(Ordering::SeqCst)
     }
 
-    /// Registers a new stream and makes it the newest idle one.
+    /// Registers a new stream. It counts toward `max_streams_per_token` at once but takes
+    /// no call until the agent confirms it ([`Hub::confirm`]).
     pub fn add_stream(&self, tunnel_id: &str, handle: Arc<StreamHandle>) -> Result<(), AddError> {
         if self.is_draining() {
             return Err(AddError::Draining);
@@ -164,22 +182,34 @@ impl Hub {
                 return Err(AddError::Exhausted);
             }
             first = s.all.is_empty();
-            s.all.push(handle.clone());
+            s.all.push(handle);
             self.metrics
                 .streams
                 .with_label_values(&[tunnel_id])
                 .set(s.all.len() as i64);
-            // A waiting call takes the new stream at once.
-            if let Some(h) = hand_to_waiter(&mut s, handle) {
-                s.idle.push(h);
-            } else {
-                s.busy += 1;
-            }
         }
         if first {
             self.changed.notify_waiters();
         }
         Ok(())
+    }
+
+    /// The agent confirmed the stream (its first frame after the hello): it becomes the
+    /// newest idle one, or goes at once to the oldest waiting call. Until then no call is
+    /// handed to it, so a stream whose agent gave up waiting for the hello can lose no call.
+    pub fn confirm(&self, handle: Arc<StreamHandle>) {
+        let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
+            return;
+        };
+        let mut s = lock(&tunnel.slots);
+        if !handle.is_usable() || !s.all.iter().any(|h| h.id == handle.id) {
+            return;
+        }
+        if let Some(h) = hand_to_waiter(&mut s, handle) {
+            s.idle.push(h);
+        } else {
+            s.busy += 1;
+        }
     }
 
     /// Removes a stream that ended. `was_busy`: it carried a call when it ended.
@@ -359,6 +389,49 @@ impl Hub {
         doomed.len()
     }
 
+    /// A dispatcher's view of the fleet. When the union over dispatchers changed, every
+    /// agent stream that asked for fleet news gets it.
+    pub fn set_fleet(&self, dispatcher: &str, members: Vec<FleetMember>) {
+        let frame = {
+            let mut f = lock(&self.fleet);
+            f.by_dispatcher.insert(dispatcher.to_string(), members);
+            let mut merged: Vec<FleetMember> = Vec::new();
+            for m in f.by_dispatcher.values().flatten() {
+                match merged
+                    .iter_mut()
+                    .find(|o| o.server_id == m.server_id && o.instance_id == m.instance_id)
+                {
+                    Some(o) => o.draining |= m.draining,
+                    None => merged.push(m.clone()),
+                }
+            }
+            merged.sort_by(|a, b| {
+                (&a.server_id, &a.instance_id).cmp(&(&b.server_id, &b.instance_id))
+            });
+            if merged == f.merged {
+                return;
+            }
+            f.merged = merged.clone();
+            ServerFrame::of(server_frame::Kind::Fleet(Fleet { members: merged }))
+        };
+        for t in self.tunnels.iter() {
+            let s = lock(&t.slots);
+            for h in s.all.iter().filter(|h| h.wants_fleet) {
+                h.try_send(frame.clone());
+            }
+        }
+    }
+
+    /// The fleet frame for a new stream, if any dispatcher told one.
+    pub fn fleet_frame(&self) -> Option<ServerFrame> {
+        let f = lock(&self.fleet);
+        (!f.merged.is_empty()).then(|| {
+            ServerFrame::of(server_frame::Kind::Fleet(Fleet {
+                members: f.merged.clone(),
+            }))
+        })
+    }
+
     /// Closes every stream (the last step of shutdown).
     pub fn close_all(&self) {
         for t in self.tunnels.iter() {
@@ -367,6 +440,13 @@ impl Hub {
                 h.close();
             }
         }
+    }
+
+    /// Streams of the tunnel id that can take a call now (confirmed, idle, usable).
+    pub fn idle_streams(&self, tunnel_id: &str) -> usize {
+        self.tunnels.get(tunnel_id).map_or(0, |t| {
+            lock(&t.slots).idle.iter().filter(|h| h.is_usable()).count()
+        })
     }
 
     /// True when no agent stream is left (the end of a drain).
@@ -406,8 +486,11 @@ impl Hub {
             .collect()
     }
 
-    /// Tells each tunnel id's agent how many of its calls wait here, when that changed.
+    /// Tells each tunnel id's agent how many of its calls wait here, when that changed,
+    /// and again every [`PRESSURE_REFRESH`] while calls wait (the agent forgets a hint
+    /// that is not refreshed).
     pub fn send_pressure(&self) {
+        let now = Instant::now();
         for t in self.tunnels.iter() {
             let mut s = lock(&t.slots);
             let queued = s.queued();
@@ -415,7 +498,10 @@ impl Hub {
                 .queued
                 .with_label_values(&[&t.id])
                 .set(queued as i64);
-            if queued == s.pressure_sent {
+            let stale = queued > 0
+                && s.pressure_at
+                    .is_none_or(|at| now.saturating_duration_since(at) >= PRESSURE_REFRESH);
+            if queued == s.pressure_sent && !stale {
                 continue;
             }
             let frame = ServerFrame::of(server_frame::Kind::Pressure(Pressure { queued }));
@@ -423,6 +509,7 @@ impl Hub {
             if let Some(h) = s.all.iter().rev().find(|h| h.is_usable()) {
                 if h.try_send(frame) {
                     s.pressure_sent = queued;
+                    s.pressure_at = Some(now);
                 }
             }
         }

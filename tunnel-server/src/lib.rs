@@ -289,6 +289,7 @@ pub async fn start(
         zone: config.zone.clone(),
         forward_url,
         protocol_version: relay_proto::PROTOCOL_VERSION,
+        instance_id: hub.instance_id.clone(),
     };
     for d in &config.dispatchers {
         let reporter = report::Reporter {
@@ -303,7 +304,7 @@ pub async fn start(
         };
         tasks.push(tokio::spawn(reporter.run()));
     }
-    info!(%server_id, agent = %agent_addr, forward = %forward_addr, admin = %admin_addr, "tunnel server listening");
+    info!(%server_id, instance_id = %hub.instance_id, agent = %agent_addr, forward = %forward_addr, admin = %admin_addr, "tunnel server listening");
     Ok(TunnelServerHandle {
         server_id,
         agent_addr,

@@ -6,6 +6,14 @@
 //! Announcements are computed as the difference between what the hub holds and what this
 //! dispatcher was told, so they can neither be lost nor reordered.
 //!
+//! Beside the report stream runs `Registry.Watch`: the dispatcher's view of the fleet,
+//! kept in the hub and passed on to agents (see `Hub::set_fleet`). A dispatcher without
+//! it (UNIMPLEMENTED) is reported on without fleet news.
+//!
+//! A dispatcher that answers ALREADY_EXISTS holds another live instance of this server
+//! id: a configuration error (two servers with one `server_id`), logged as an error on
+//! every retry until one of them goes.
+//!
 //! With a `dispatcher_key` configured the stream carries `authorization: Bearer <key>`;
 //! a dispatcher that refuses it (UNAUTHENTICATED / PERMISSION_DENIED) is logged with its
 //! reason and retried with backoff like any other failure. The key is never logged.
@@ -13,7 +21,9 @@
 use crate::hub::Hub;
 use relay_common::Secret;
 use relay_proto::registry_client::RegistryClient;
-use relay_proto::{server_report, LoadReport, ServerIntro, ServerReport, TunnelDown, TunnelUp};
+use relay_proto::{
+    server_report, LoadReport, ServerIntro, ServerReport, TunnelDown, TunnelUp, WatchRequest,
+};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +31,7 @@ use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 pub struct Reporter {
     pub hub: Arc<Hub>,
@@ -44,6 +54,9 @@ impl Reporter {
         while !self.stop.is_cancelled() {
             match self.session().await {
                 Ok(()) => return,
+                Err(e) if e.contains("AlreadyExists") => {
+                    error!(dispatcher = %self.dispatcher, server_id = %self.intro.server_id, error = %e, "another live tunnel server reports with this server id: give each server its own server_id");
+                }
                 Err(e) => {
                     if !logged_down {
                         warn!(dispatcher = %self.dispatcher, error = %e, "dispatcher report stream down; retrying");
@@ -74,6 +87,13 @@ impl Reporter {
         }
         .map_err(|e| format!("{e}: {}", source_chain(&e)))?;
         let mut client = RegistryClient::new(channel);
+        let _watch = AbortOnDrop(tokio::spawn(watch(
+            client.clone(),
+            self.hub.clone(),
+            self.dispatcher.clone(),
+            self.intro.server_id.clone(),
+            self.key.clone(),
+        )));
         let (tx, rx) = mpsc::channel(64);
         let _ = tx
             .send(ServerReport::of(server_report::Kind::Intro(
@@ -156,6 +176,45 @@ impl Reporter {
         tx.send(ServerReport::of(server_report::Kind::Load(report)))
             .await
             .map_err(|_| "report stream closed".to_string())
+    }
+}
+
+/// Aborts the task when dropped (the watch lives as long as its report session).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Follows the dispatcher's fleet view into the hub until the stream ends.
+async fn watch(
+    mut client: RegistryClient<tonic::transport::Channel>,
+    hub: Arc<Hub>,
+    dispatcher: String,
+    server_id: String,
+    key: Option<Secret>,
+) {
+    let mut request = tonic::Request::new(WatchRequest { server_id });
+    if let Some(key) = &key {
+        if let Ok(value) = format!("Bearer {}", key.expose()).parse() {
+            request.metadata_mut().insert("authorization", value);
+        }
+    }
+    let mut stream = match client.watch(request).await {
+        Ok(r) => r.into_inner(),
+        Err(s) if s.code() == tonic::Code::Unimplemented => {
+            info!(%dispatcher, "dispatcher sends no fleet news; agents learn servers from placement only");
+            return;
+        }
+        Err(s) => {
+            warn!(%dispatcher, status = %s.message(), "fleet watch refused");
+            return;
+        }
+    };
+    while let Ok(Some(fleet)) = stream.message().await {
+        hub.set_fleet(&dispatcher, fleet.members);
     }
 }
 

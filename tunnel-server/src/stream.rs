@@ -52,7 +52,13 @@ pub struct StreamHandle {
     /// only while holding `call`.
     ended: AtomicBool,
     close: CancellationToken,
+    /// The agent asked for fleet news (`relay-agent-features: fleet`); older agents
+    /// would take an unknown frame for a broken stream.
+    pub wants_fleet: bool,
 }
+
+/// Request metadata in which an agent lists the optional server frames it understands.
+pub const AGENT_FEATURES: &str = "relay-agent-features";
 
 /// Where the agent's frames for the current call go.
 pub struct CallSlot {
@@ -158,6 +164,11 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             return Err(Status::unauthenticated("missing or unknown tunnel token"));
         };
         let tunnel_id: Arc<str> = Arc::from(tunnel_id.as_str());
+        let wants_fleet = request
+            .metadata()
+            .get(AGENT_FEATURES)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.split(',').any(|f| f.trim() == "fleet"));
         let (out, out_rx) = mpsc::channel(OUT_BUFFER);
         let handle = Arc::new(StreamHandle {
             id: self.hub.next_stream_id(),
@@ -169,6 +180,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             retiring: AtomicBool::new(false),
             ended: AtomicBool::new(false),
             close: CancellationToken::new(),
+            wants_fleet,
         });
         let hello = ServerHello {
             server_id: self.server_id.clone(),
@@ -177,11 +189,18 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             heartbeat_ms: self.heartbeat.as_millis().min(u32::MAX as u128) as u32,
             tunnel_id: tunnel_id.to_string(),
             protocol_version: relay_proto::PROTOCOL_VERSION,
+            instance_id: self.hub.instance_id.clone(),
         };
-        // The hello goes first; a call handed to the stream right after queues behind it.
+        // The hello goes first, then the fleet; the stream takes calls once the agent
+        // confirms it (see `Hub::confirm`).
         let _ = handle
             .out
             .try_send(Ok(ServerFrame::of(server_frame::Kind::Hello(hello))));
+        if wants_fleet {
+            if let Some(fleet) = self.hub.fleet_frame() {
+                let _ = handle.out.try_send(Ok(fleet));
+            }
+        }
         match self.hub.add_stream(&tunnel_id, handle.clone()) {
             Ok(()) => {}
             Err(AddError::Exhausted) => {
@@ -246,6 +265,7 @@ impl Reader {
         let mut timed: Option<(u64, Instant)> = None;
         self.send_ping(&mut seq, &mut timed);
         let silence = self.heartbeat * self.misses;
+        let mut confirmed = false;
         let end = loop {
             tokio::select! {
                 // Order: a close wins over more frames; frames win over the heartbeat.
@@ -256,6 +276,17 @@ impl Reader {
                         last_seen = Instant::now();
                         if let Some(agent_frame::Kind::Pong(pong)) = &frame.kind {
                             self.on_pong(pong.seq, &mut timed, last_seen);
+                        }
+                        // The agent's first frame (the pong to the first ping) confirms
+                        // it has the hello: only now may the stream take calls.
+                        if !confirmed {
+                            confirmed = true;
+                            if matches!(frame.kind, Some(agent_frame::Kind::GoingAway(_))) {
+                                // Retired before it took any call: nothing to wait for.
+                                self.handle.close();
+                            } else {
+                                self.hub.confirm(self.handle.clone());
+                            }
                         }
                         if let Err(status) = self.on_frame(frame).await {
                             break End::Protocol(status);

@@ -43,6 +43,7 @@ async fn a_call_goes_to_the_newest_idle_stream() {
     let disp = channel(s.forward_addr).await;
     let mut a = open(&agent, "good-token").await.unwrap();
     let mut b = open(&agent, "good-token").await.unwrap();
+    common::until_idle(&s, "acme", 2).await;
     assert_eq!(a.hello.tunnel_id, "acme");
     assert_eq!(b.hello.server_id, "ts-1");
     let (_tx, resp) = call(&disp, "acme", 5000).await;
@@ -243,6 +244,37 @@ async fn a_dispatcher_leaving_before_proceed_gives_the_stream_back_unused() {
             .is_err(),
         "no other call reached the agent"
     );
+}
+
+#[tokio::test]
+async fn a_stream_takes_no_call_before_the_agent_confirms_it() {
+    let s = server(Config::default()).await;
+    let agent = channel(s.agent_addr).await;
+    let disp = channel(s.forward_addr).await;
+    // The agent got the hello late and gave up on the stream: its first frame is GoingAway.
+    let mut late = common::open_unconfirmed(&agent, "good-token")
+        .await
+        .unwrap();
+    let (_tx, resp) = call(&disp, "acme", 300).await;
+    late.send(agent_frame::Kind::GoingAway(GoingAway {})).await;
+    assert_eq!(
+        late.next().await.unwrap(),
+        None,
+        "the stream closes without ever carrying the call"
+    );
+    let err = collect(resp).await.unwrap_err();
+    assert!(
+        err == ForwardErrorKind::NoCapacity as i32 || err == ForwardErrorKind::UnknownTunnel as i32,
+        "the call never reached an agent, so it is safe to retry: {err}"
+    );
+    // A stream the agent confirms takes calls.
+    let mut ok = common::open_unconfirmed(&agent, "good-token")
+        .await
+        .unwrap();
+    let (_tx, resp) = call(&disp, "acme", 5000).await;
+    common::confirm(&ok.tx).await;
+    ok.serve_one(b"confirmed").await;
+    assert_eq!(collect(resp).await.unwrap().1, b"confirmed".to_vec());
 }
 
 #[tokio::test]

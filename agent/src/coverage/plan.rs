@@ -149,11 +149,21 @@ pub struct StreamView {
     pub retiring: bool,
 }
 
-/// One tunnel server (by the `server_id` of its streams' ServerHello).
+/// One life of a tunnel server: its `server_id` and the `instance_id` of its
+/// ServerHello. Per-server memory (evacuation, short since) belongs to an instance, so a
+/// restarted server starts fresh.
+pub type ServerKey = (String, String);
+
+/// One tunnel server instance (by the `server_id` and `instance_id` of its streams'
+/// ServerHello), or a member of the fleet that holds none of the agent's streams.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ServerView {
     pub server_id: String,
+    pub instance_id: String,
     pub zone: String,
+    /// Listed in the fleet the servers passed on (`Fleet` frames). A listed server with no
+    /// stream is filled toward the reserve; an unlisted one with none is forgotten.
+    pub listed: bool,
     pub streams: Vec<StreamView>,
     /// Calls of this tunnel id queued on that server (the latest pressure hint).
     pub queued: u32,
@@ -243,6 +253,7 @@ pub struct Action {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ServerState {
     pub server_id: String,
+    pub instance_id: String,
     pub zone: String,
     pub state: State,
     /// Live (non-retiring) streams.
@@ -280,12 +291,14 @@ pub const ANY_SERVER: &str = "*";
 #[derive(Debug)]
 pub struct Planner {
     cfg: CoverageConfig,
-    memory: HashMap<String, ServerMemory>,
+    memory: HashMap<ServerKey, ServerMemory>,
     last_evacuation: Option<Instant>,
 }
 
 #[derive(Debug, Default, Clone)]
 struct ServerMemory {
+    /// Opens asked for while the (listed) server held none of the agent's streams.
+    probes: u32,
     /// Since when the server has been short with no calls in flight.
     short_idle_since: Option<Instant>,
     /// When it was evacuated (or seen draining).
@@ -306,6 +319,15 @@ struct Server<'a> {
 }
 
 impl Server<'_> {
+    fn key(&self) -> ServerKey {
+        key(self.view)
+    }
+
+    /// Listed in the fleet but holding none of the agent's streams.
+    fn absent(&self) -> bool {
+        self.live == 0
+    }
+
     fn busy(&self) -> u32 {
         self.in_flight.saturating_add(self.view.queued)
     }
@@ -323,8 +345,10 @@ impl Server<'_> {
         self.idle.saturating_sub(reserve)
     }
 
+    /// Short in a way that holds retirement: an absent server carries no call, and the
+    /// streams it takes come from opens, not from the others.
     fn is_short(&self) -> bool {
-        matches!(self.state, State::Growing | State::Filling | State::Overdue)
+        matches!(self.state, State::Growing | State::Filling | State::Overdue) && !self.absent()
     }
 
     /// Idle streams that may be closed, least recently used first.
@@ -361,9 +385,16 @@ impl Tick<'_> {
 /// Opens one rule asks for, before crediting and caps.
 struct OpenRequest {
     server_id: String,
+    /// Set for a listed server holding none of the agent's streams: the opens count
+    /// against its probe budget.
+    probe: Option<ServerKey>,
     kind: ActionKind,
     want: u32,
     why: String,
+}
+
+fn key(view: &ServerView) -> ServerKey {
+    (view.server_id.clone(), view.instance_id.clone())
 }
 
 fn count(n: usize) -> u32 {
@@ -401,6 +432,7 @@ impl Planner {
             .iter()
             .map(|s| ServerState {
                 server_id: s.view.server_id.clone(),
+                instance_id: s.view.instance_id.clone(),
                 zone: s.view.zone.clone(),
                 state: s.state,
                 streams: s.live,
@@ -418,13 +450,23 @@ impl Planner {
         let now = snap.now;
         let cfg = &self.cfg;
         let mut servers = Vec::with_capacity(snap.servers.len());
+        let recently = |mem: &ServerMemory| {
+            mem.evacuated_at
+                .is_some_and(|at| now.saturating_duration_since(at) < cfg.evacuated_for)
+        };
         for view in &snap.servers {
-            let mem = self.memory.entry(view.server_id.clone()).or_default();
+            let mem = self.memory.entry(key(view)).or_default();
             if view.draining {
                 mem.evacuated_at = Some(now);
             }
             let live = count(view.streams.iter().filter(|st| !st.retiring).count());
-            if live == 0 {
+            if live > 0 {
+                mem.probes = 0;
+            }
+            // A listed server with none of the agent's streams (new, or back as a new
+            // instance) is filled like any other, unless it is being avoided.
+            let absent_listed = live == 0 && view.listed && !view.draining && !recently(mem);
+            if live == 0 && !absent_listed {
                 mem.short_idle_since = None;
                 continue;
             }
@@ -445,8 +487,8 @@ impl Planner {
             mem.and_then(|m| m.evacuated_at)
                 .is_some_and(|at| now.saturating_duration_since(at) < cfg.evacuated_for)
         };
-        let home = |s: &Server| !recently_evacuated(self.memory.get(&s.view.server_id));
-        let homes = servers.iter().filter(|s| home(s)).count();
+        let home = |s: &Server| !recently_evacuated(self.memory.get(&s.key()));
+        let homes = servers.iter().filter(|s| home(s) && !s.absent()).count();
         let states: Vec<State> = servers
             .iter()
             .map(|s| {
@@ -463,7 +505,7 @@ impl Planner {
             })
             .collect();
         for (s, state) in servers.iter_mut().zip(states) {
-            let mem = self.memory.entry(s.view.server_id.clone()).or_default();
+            let mem = self.memory.entry(s.key()).or_default();
             s.state = state;
             if state != State::Filling {
                 mem.short_idle_since = None;
@@ -476,7 +518,7 @@ impl Planner {
         }
         // Forget servers that are gone, unless they are still to be avoided.
         self.memory.retain(|id, mem| {
-            snap.servers.iter().any(|v| &v.server_id == id) || recently_evacuated(Some(mem))
+            snap.servers.iter().any(|v| &key(v) == id) || recently_evacuated(Some(mem))
         });
         Tick {
             now,
@@ -496,7 +538,7 @@ impl Planner {
         }
         let since = |s: &Server| {
             self.memory
-                .get(&s.view.server_id)
+                .get(&s.key())
                 .and_then(|m| m.short_idle_since)
                 .unwrap_or(tick.now)
         };
@@ -511,7 +553,7 @@ impl Planner {
         let Some(covered) = tick
             .servers
             .iter()
-            .find(|s| s.state == State::Covered && s.view.server_id != target.view.server_id)
+            .find(|s| s.state == State::Covered && s.key() != target.key())
         else {
             return;
         };
@@ -531,10 +573,7 @@ impl Planner {
             count: count(idle.len()),
             reason,
         });
-        let mem = self
-            .memory
-            .entry(target.view.server_id.clone())
-            .or_default();
+        let mem = self.memory.entry(target.key()).or_default();
         mem.evacuated_at = Some(tick.now);
         mem.short_idle_since = None;
         self.last_evacuation = Some(tick.now);
@@ -543,25 +582,27 @@ impl Planner {
     /// Evacuated (or draining): close the idle streams that are there; busy ones go on a
     /// later tick, once idle.
     fn recycle(&self, tick: &Tick, plan: &mut Plan) {
-        // Make before break: a draining server keeps serving on the streams it holds
-        // until another server is covered, so a tunnel id never drops out between the
-        // drain and the replacements landing.
+        // Make before break: an evacuated or draining server keeps serving on the streams
+        // it holds until another server is covered, so a tunnel id never drops out between
+        // the evacuation and the replacements landing (an evacuated server that was the
+        // home of last resort keeps its streams while a first growth stream lands
+        // elsewhere).
         let covered_elsewhere = tick
             .servers
             .iter()
             .any(|o| o.state == State::Covered && !o.view.draining);
+        if !covered_elsewhere {
+            return;
+        }
         for s in tick.servers.iter().filter(|s| s.state == State::Evacuated) {
             let idle = s.idle_streams();
-            if idle.is_empty() || (s.view.draining && !covered_elsewhere) {
+            if idle.is_empty() {
                 continue;
             }
             let why = if s.view.draining {
                 "draining".to_string()
             } else {
-                let at = self
-                    .memory
-                    .get(&s.view.server_id)
-                    .and_then(|m| m.evacuated_at);
+                let at = self.memory.get(&s.key()).and_then(|m| m.evacuated_at);
                 let ago = at.map_or(0, |at| tick.now.saturating_duration_since(at).as_secs());
                 format!(
                     "evacuated {ago}s ago (avoided for {}s)",
@@ -611,7 +652,7 @@ impl Planner {
             let elsewhere: u32 = tick
                 .servers
                 .iter()
-                .filter(|t| t.view.server_id != s.view.server_id && t.state != State::Evacuated)
+                .filter(|t| t.key() != s.key() && t.state != State::Evacuated)
                 .map(|t| t.surplus(reserve))
                 .sum();
             let allowed = cfg
@@ -640,6 +681,7 @@ impl Planner {
             }
             requests.push(OpenRequest {
                 server_id: s.view.server_id.clone(),
+                probe: None,
                 kind: ActionKind::Grow,
                 want,
                 why,
@@ -648,23 +690,50 @@ impl Planner {
         requests
     }
 
-    /// Filling: open the shortfall toward the reserve.
-    fn fill(&self, tick: &Tick) -> Vec<OpenRequest> {
+    /// Filling: open the shortfall toward the reserve. A listed server that holds none
+    /// of the agent's streams gets at most `reserve` x servers opens in all (about what
+    /// uniform placement needs to land the reserve there); past that budget it is
+    /// avoided like an evacuated one, so a listed server the load balancer never reaches
+    /// costs a bounded number of opens per `evacuated_for`.
+    fn fill(&mut self, tick: &Tick) -> Vec<OpenRequest> {
         let reserve = self.cfg.reserve;
-        tick.servers
-            .iter()
-            .filter(|s| s.state == State::Filling)
-            .map(|s| OpenRequest {
+        let servers = count(tick.servers.len()).max(1);
+        let budget = reserve.saturating_mul(servers).saturating_mul(2);
+        let mut requests = Vec::new();
+        for s in tick.servers.iter().filter(|s| s.state == State::Filling) {
+            let shortfall = s.shortfall(reserve);
+            if !s.absent() {
+                requests.push(OpenRequest {
+                    server_id: s.view.server_id.clone(),
+                    probe: None,
+                    kind: ActionKind::Fill,
+                    want: shortfall,
+                    why: format!(
+                        "short {shortfall}: streams {} < reserve {reserve}, no calls",
+                        s.live
+                    ),
+                });
+                continue;
+            }
+            let mem = self.memory.entry(s.key()).or_default();
+            let left = budget.saturating_sub(mem.probes);
+            if left == 0 {
+                mem.evacuated_at = Some(tick.now);
+                mem.short_idle_since = None;
+                continue;
+            }
+            requests.push(OpenRequest {
                 server_id: s.view.server_id.clone(),
+                probe: Some(s.key()),
                 kind: ActionKind::Fill,
-                want: s.shortfall(reserve),
+                want: shortfall.min(left),
                 why: format!(
-                    "short {}: streams {} < reserve {reserve}, no calls",
-                    s.shortfall(reserve),
-                    s.live
+                    "listed in the fleet, holds none of our streams: toward reserve {reserve} (opens so far {}, budget {budget})",
+                    mem.probes
                 ),
-            })
-            .collect()
+            });
+        }
+        requests
     }
 
     /// No server to call home (none known, or only draining ones): open the reserve.
@@ -674,6 +743,7 @@ impl Planner {
         }
         Some(OpenRequest {
             server_id: ANY_SERVER.to_string(),
+            probe: None,
             kind: ActionKind::Fill,
             want: self.cfg.reserve,
             why: format!(
@@ -686,7 +756,7 @@ impl Planner {
 
     /// Sum the requests: credit the streams already opening, in request order, then cap
     /// live + opening + new at `max_streams`.
-    fn open(&self, tick: &Tick, requests: Vec<OpenRequest>, plan: &mut Plan) {
+    fn open(&mut self, tick: &Tick, requests: Vec<OpenRequest>, plan: &mut Plan) {
         let mut credit = tick.opening;
         let mut room = self
             .cfg
@@ -708,6 +778,10 @@ impl Planner {
                 reason.push_str(&format!(", capped by max_streams {}", self.cfg.max_streams));
             }
             reason.push_str(&format!("; opening {n}"));
+            if let Some(k) = &r.probe {
+                let mem = self.memory.entry(k.clone()).or_default();
+                mem.probes = mem.probes.saturating_add(n);
+            }
             plan.open += n;
             plan.actions.push(Action {
                 server_id: r.server_id,
@@ -834,6 +908,7 @@ impl Planner {
         let states = snap
             .servers
             .iter()
+            .filter(|s| !s.streams.is_empty())
             .map(|s| {
                 let streams = s.streams.iter().filter(|st| !st.retiring).count() as u32;
                 let in_flight = s.streams.iter().filter(|st| st.busy).count() as u32;
@@ -848,6 +923,7 @@ impl Planner {
                 };
                 ServerState {
                     server_id: s.server_id.clone(),
+                    instance_id: s.instance_id.clone(),
                     zone: s.zone.clone(),
                     state,
                     streams,

@@ -77,6 +77,7 @@ impl Connector for FakeNet {
             }
             link.emit(StreamEvent::Landed(Landing {
                 server_id: (net.place)(id),
+                instance_id: "1".into(),
                 zone: "z1".into(),
                 server_stream_id: id,
                 heartbeat: Duration::from_secs(10),

@@ -185,6 +185,7 @@ impl Tunnel for Svc {
             heartbeat_ms: self.heartbeat_ms,
             tunnel_id: "demo".into(),
             protocol_version: relay_proto::PROTOCOL_VERSION,
+            instance_id: "fake-1".into(),
         };
         tx.send(Ok(ServerFrame::of(In::Hello(hello))))
             .await

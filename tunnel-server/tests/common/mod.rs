@@ -65,6 +65,56 @@ pub async fn open(ch: &Channel, token: &str) -> Result<FakeStream, tonic::Status
     let Some(server_frame::Kind::Hello(hello)) = first.kind else {
         return Err(tonic::Status::unknown("first frame is not a hello"));
     };
+    // Confirm the stream as an agent does (its pong to the first ping): only then does
+    // the server hand it calls.
+    confirm(&tx).await;
+    Ok(FakeStream {
+        tx,
+        rx: stream,
+        hello,
+    })
+}
+
+/// Waits (bounded) until `n` streams of the tunnel id can take a call: a new stream is
+/// confirmed by its first frame, which the server reads on its own time.
+pub async fn until_idle(s: &TunnelServerHandle, tunnel_id: &str, n: usize) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while s.hub().idle_streams(tunnel_id) < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{n} idle streams of {tunnel_id} within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The agent's first frame, which makes a new stream take calls.
+pub async fn confirm(tx: &mpsc::Sender<AgentFrame>) {
+    let _ = tx
+        .send(AgentFrame::of(agent_frame::Kind::Pong(relay_proto::Pong {
+            seq: 0,
+        })))
+        .await;
+}
+
+/// Opens a stream and reads its hello without confirming it (an agent that gave up
+/// before the hello arrived).
+pub async fn open_unconfirmed(ch: &Channel, token: &str) -> Result<FakeStream, tonic::Status> {
+    let (tx, rx) = mpsc::channel(16);
+    let mut req = tonic::Request::new(ReceiverStream::new(rx));
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let mut stream = TunnelClient::new(ch.clone())
+        .connect(req)
+        .await?
+        .into_inner();
+    let first = stream
+        .message()
+        .await?
+        .ok_or_else(|| tonic::Status::unknown("no hello"))?;
+    let Some(server_frame::Kind::Hello(hello)) = first.kind else {
+        return Err(tonic::Status::unknown("first frame is not a hello"));
+    };
     Ok(FakeStream {
         tx,
         rx: stream,

@@ -303,7 +303,9 @@ impl Sim {
                 .filter(|s| !s.streams.is_empty())
                 .map(|s| ServerView {
                     server_id: s.id.clone(),
+                    instance_id: "1".into(),
                     zone: s.zone.clone(),
+                    listed: false,
                     streams: s
                         .streams
                         .iter()

@@ -57,7 +57,9 @@ impl Snap {
         }
         ServerView {
             server_id: id.to_string(),
+            instance_id: "1".to_string(),
             zone: "z".to_string(),
+            listed: false,
             streams,
             queued: 0,
             draining: false,
@@ -475,6 +477,7 @@ fn every_server_is_listed_with_its_figures() {
         plan.states[0],
         ServerState {
             server_id: "a".into(),
+            instance_id: "1".into(),
             zone: "z".into(),
             state: State::Growing,
             streams: 2,
