@@ -2,6 +2,16 @@
 //! and `GET /systemcheck` (per-server coverage plus upstream reachability, 200 when
 //! healthy, 503 when not), and the background upstream check that feeds it.
 //!
+//! The verdict (`ok`, with every failing rule in `problems`) is what a person pages on.
+//! Not ok when:
+//! - the agent holds no live tunnel stream (no call can reach it);
+//! - a server carrying calls has been short for longer than `coverage.grace` (its
+//!   callers queue while the agent cannot cover it);
+//! - the upstream check fails.
+//!
+//! `/readyz` answers whether a call could be served now: 503 with no live stream or an
+//! unreachable upstream; a short server still serves (its calls queue), so it stays 200.
+//!
 //! Answers come from `watch` snapshots (the coverage actor's last tick, the last upstream
 //! check); a request never triggers network work.
 
@@ -44,6 +54,10 @@ impl UpstreamHealth {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct SystemCheck {
     pub ok: bool,
+    /// Why `ok` is false, one line per failing rule; empty when ok.
+    pub problems: Vec<String>,
+    /// Whether a call could be served now (`/readyz`).
+    pub ready: bool,
     pub servers: Vec<ServerReport>,
     pub upstream: UpstreamHealth,
     pub streams_total: u32,
@@ -51,14 +65,35 @@ pub struct SystemCheck {
 }
 
 impl SystemCheck {
-    /// Healthy when the upstream answers and no server that carries calls is overdue.
+    /// The verdict over the coverage actor's last tick and the last upstream check (see
+    /// the module docs).
     pub fn build(view: &CoverageView, upstream: &UpstreamHealth) -> Self {
-        let overdue_with_calls = view
-            .servers
-            .iter()
-            .any(|s| s.busy > 0 && s.state == "overdue");
+        let mut problems = Vec::new();
+        if view.live == 0 {
+            problems.push(format!(
+                "no live tunnel stream ({} opening): no call can reach this agent",
+                view.opening
+            ));
+        }
+        for s in &view.servers {
+            if s.busy > 0 && s.short_for_s > view.grace_s {
+                problems.push(format!(
+                    "server {} carries {} calls and has been short for {}s (more than grace {}s): streams {} < budget {}",
+                    s.server_id, s.busy, s.short_for_s, view.grace_s, s.streams, s.budget
+                ));
+            }
+        }
+        if !upstream.reachable {
+            problems.push(format!(
+                "upstream {} unreachable: {}",
+                upstream.url,
+                upstream.error.as_deref().unwrap_or("no answer")
+            ));
+        }
         SystemCheck {
-            ok: upstream.reachable && !overdue_with_calls,
+            ok: problems.is_empty(),
+            problems,
+            ready: view.live > 0 && upstream.reachable,
             servers: view.servers.clone(),
             upstream: upstream.clone(),
             streams_total: view.streams_total,
@@ -78,7 +113,7 @@ pub fn admin(
     Admin::new(registry)
         .with_ready(move || {
             let c = ready_check();
-            (c.ok, serde_json::to_value(&c).unwrap_or_default())
+            (c.ready, serde_json::to_value(&c).unwrap_or_default())
         })
         .with_routes(move |path| match path {
             "/systemcheck" => {

@@ -258,6 +258,18 @@ impl Config {
                 "must not exceed coverage.max_streams",
             ));
         }
+        if c.enabled && c.reserve == 0 {
+            return Err(ConfigError::invalid(
+                "coverage.reserve",
+                "must be at least 1: with no idle stream held, every first call on a server waits for a stream to open",
+            ));
+        }
+        if c.enabled && c.idle_elsewhere_factor == 0 {
+            return Err(ConfigError::invalid(
+                "coverage.idle_elsewhere_factor",
+                "must be at least 1: 0 would pause growth whenever any other server holds an idle stream",
+            ));
+        }
         Ok(())
     }
 }
@@ -666,6 +678,26 @@ mod tests {
                     ..valid()
                 },
                 "`coverage.tick`",
+            ),
+            (
+                Config {
+                    coverage: CoverageConfig {
+                        reserve: 0,
+                        ..Default::default()
+                    },
+                    ..valid()
+                },
+                "`coverage.reserve`",
+            ),
+            (
+                Config {
+                    coverage: CoverageConfig {
+                        idle_elsewhere_factor: 0,
+                        ..Default::default()
+                    },
+                    ..valid()
+                },
+                "`coverage.idle_elsewhere_factor`",
             ),
         ];
         for (c, key) in cases {

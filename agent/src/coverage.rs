@@ -142,6 +142,8 @@ pub struct ServerReport {
     pub idle: u32,
     pub budget: u32,
     pub state: String,
+    /// Seconds the server has been short without a break (0 when covered).
+    pub short_for_s: u64,
 }
 
 /// What the actor publishes after every tick.
@@ -152,6 +154,10 @@ pub struct CoverageView {
     pub streams_total: u32,
     /// Streams being opened (no hello yet).
     pub opening: u32,
+    /// Live (non-retiring) streams across servers.
+    pub live: u32,
+    /// `coverage.grace`: how long a server carrying calls may stay short.
+    pub grace_s: u64,
 }
 
 /// The actor's own knobs (the rules are in the planner).
@@ -167,6 +173,8 @@ pub struct ActorSettings {
     pub max_streams: u32,
     /// How long shutdown waits for calls in flight before dropping the streams.
     pub drain_grace: Duration,
+    /// `coverage.grace`, for the /systemcheck verdict.
+    pub grace: Duration,
 }
 
 impl ActorSettings {
@@ -177,6 +185,7 @@ impl ActorSettings {
             backoff_max: c.backoff_max,
             max_streams: c.coverage.max_streams,
             drain_grace: Duration::from_secs(10),
+            grace: c.coverage.grace,
         }
     }
 }
@@ -564,10 +573,13 @@ impl CoverageActor {
                     idle: p.idle,
                     budget: p.budget,
                     state: p.state.as_str().to_string(),
+                    short_for_s: p.short_for.as_secs(),
                 })
                 .collect(),
             streams_total: self.streams.len() as u32,
             opening: self.opening.len() as u32,
+            live: self.streams.values().filter(|e| !e.retiring).count() as u32,
+            grace_s: self.settings.grace.as_secs(),
         };
         self.view.send_replace(view);
     }

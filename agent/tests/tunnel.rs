@@ -338,18 +338,91 @@ async fn systemcheck_is_503_while_the_upstream_is_down() {
     let (agent, admin) = start_agent(config(&tunnel.url, &format!("http://{addr}"), 1)).await;
     let _conn = tunnel.next_conn().await;
     let health = agent.upstream_health();
-    eventually("a failed upstream check", || {
+    eventually("a failed upstream check and a live stream", || {
         health.borrow().error.as_deref() != Some("not checked yet")
+            && agent.systemcheck().servers.len() == 1
     })
     .await;
     let (status, body) = http_get(admin, "/systemcheck").await;
     assert_eq!(status, 503, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["ok"], false);
+    assert_eq!(
+        v["problems"],
+        serde_json::json!([format!(
+            "upstream http://{addr}/ unreachable: {}",
+            v["upstream"]["error"].as_str().unwrap_or_default()
+        )]),
+        "{body}"
+    );
+    assert_eq!(http_get(admin, "/readyz").await.0, 503);
     assert_eq!(v["upstream"]["reachable"], false);
     assert!(v["upstream"]["error"]
         .as_str()
         .is_some_and(|e| !e.is_empty()));
+}
+
+#[tokio::test]
+async fn systemcheck_and_readyz_are_503_once_every_tunnel_server_is_gone() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = hyper_upstream().await;
+    let (agent, admin) = start_agent(config(&tunnel.url, &upstream, 2)).await;
+    let a = tunnel.next_conn().await;
+    let b = tunnel.next_conn().await;
+    eventually("systemcheck ok with both streams", || {
+        agent.systemcheck().ok
+    })
+    .await;
+    assert_eq!(http_get(admin, "/readyz").await.0, 200);
+    // Every tunnel server goes: the streams end and no new one is accepted.
+    tunnel.accept.store(false, Ordering::SeqCst);
+    drop((a, b));
+    eventually("no live stream", || agent.systemcheck().servers.is_empty()).await;
+    let (status, body) = http_get(admin, "/systemcheck").await;
+    assert_eq!(status, 503, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["ok"], false);
+    assert!(
+        v["problems"][0]
+            .as_str()
+            .is_some_and(|p| p.contains("no live tunnel stream")),
+        "{body}"
+    );
+    let (status, body) = http_get(admin, "/readyz").await;
+    assert_eq!(status, 503, "no call can be served: {body}");
+}
+
+#[tokio::test]
+async fn systemcheck_is_503_when_a_server_carrying_calls_stays_short_past_grace() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = hyper_upstream().await;
+    let mut cfg = config(&tunnel.url, &upstream, 1);
+    // One stream at most: with a call on it the server stays short of busy + reserve.
+    cfg.coverage = CoverageConfig {
+        max_streams: 1,
+        fixed_streams: 1,
+        grace: Duration::from_secs(1),
+        tick: Duration::from_millis(200),
+        ..CoverageConfig::default()
+    };
+    let (agent, admin) = start_agent(cfg).await;
+    let mut conn = tunnel.next_conn().await;
+    eventually("systemcheck ok at rest", || agent.systemcheck().ok).await;
+    // A call that does not end: /echo with a body that never finishes.
+    conn.send(In::RequestHead(head(1, "POST", "/echo", false)))
+        .await;
+    eventually("short past grace", || !agent.systemcheck().ok).await;
+    let (status, body) = http_get(admin, "/systemcheck").await;
+    assert_eq!(status, 503, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let problem = v["problems"][0].as_str().unwrap_or_default().to_string();
+    assert!(
+        problem.contains("server ts-1 carries 1 calls") && problem.contains("grace 1s"),
+        "{body}"
+    );
+    assert_eq!(v["servers"][0]["busy"], 1);
+    // The server still serves (its calls queue): ready.
+    assert_eq!(http_get(admin, "/readyz").await.0, 200);
 }
 
 #[tokio::test]

@@ -370,7 +370,11 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
                         .min_by(|a, b| {
                             a.queued
                                 .cmp(&b.queued)
-                                .then_with(|| (b.idle + b.busy).cmp(&(a.idle + a.busy)))
+                                .then_with(|| {
+                                    b.idle
+                                        .saturating_add(b.busy)
+                                        .cmp(&a.idle.saturating_add(a.busy))
+                                })
                                 .then_with(|| b.announced.cmp(&a.announced))
                                 .then_with(|| a.server_id.cmp(&b.server_id))
                         })

@@ -14,7 +14,9 @@ use std::time::Duration;
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// Stable identity of this server; agents group their streams by it and the
-    /// dispatcher routes by it. Defaults to `tunnel-<agent_listen port>`.
+    /// dispatcher routes by it. Defaults to `<host name>-<agent listen address>`, so two
+    /// replicas never share one (two live servers with one id are refused by the
+    /// dispatcher).
     pub server_id: String,
     /// Zone label sent to agents in ServerHello and to dispatchers.
     pub zone: String,
@@ -251,20 +253,55 @@ impl Config {
         Ok(())
     }
 
-    /// The server id, or the default derived from the agent listener's port.
+    /// The server id, or the default: the host name and the agent listener's address
+    /// (`ts-pod-7-8441` when listening on every address, `ts-pod-7-10.0.0.5-8441` on one),
+    /// unique across replicas on different hosts and on one host.
     pub fn effective_server_id(&self, agent_addr: SocketAddr) -> String {
-        if self.server_id.is_empty() {
-            format!("tunnel-{}", agent_addr.port())
+        if !self.server_id.is_empty() {
+            return self.server_id.clone();
+        }
+        let host = host_name();
+        if agent_addr.ip().is_unspecified() {
+            format!("{host}-{}", agent_addr.port())
         } else {
-            self.server_id.clone()
+            format!("{host}-{}-{}", agent_addr.ip(), agent_addr.port())
         }
     }
+}
+
+/// This machine's host name (the kernel's), or `tunnel` when it cannot be read.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "tunnel".to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn default_server_ids_of_replicas_on_one_port_differ() {
+        let c = Config::default();
+        let a = c.effective_server_id("127.0.0.1:8441".parse().unwrap());
+        let b = c.effective_server_id("127.0.0.2:8441".parse().unwrap());
+        assert_ne!(a, b, "two replicas on one port number must not share an id");
+        assert!(a.starts_with(&host_name()), "{a}");
+        let any = c.effective_server_id("0.0.0.0:8441".parse().unwrap());
+        assert_eq!(any, format!("{}-8441", host_name()));
+        let named = Config {
+            server_id: "ts-1".into(),
+            ..Config::default()
+        };
+        assert_eq!(
+            named.effective_server_id("0.0.0.0:1".parse().unwrap()),
+            "ts-1"
+        );
+    }
 
     #[test]
     fn example_configs_are_valid() {

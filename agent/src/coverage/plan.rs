@@ -263,6 +263,8 @@ pub struct ServerState {
     pub idle: u32,
     /// Streams the server should hold: busy + reserve.
     pub budget: u32,
+    /// How long the server has been short (growing, filling or overdue) without a break.
+    pub short_for: Duration,
 }
 
 /// What the tick should do. Opens are global: the load balancer decides where a new
@@ -297,6 +299,8 @@ pub struct Planner {
 
 #[derive(Debug, Default, Clone)]
 struct ServerMemory {
+    /// Since when the server has been short (any short state).
+    short_since: Option<Instant>,
     /// Opens asked for while the (listed) server held none of the agent's streams.
     probes: u32,
     /// Since when the server has been short with no calls in flight.
@@ -439,6 +443,11 @@ impl Planner {
                 busy: s.busy(),
                 idle: s.idle,
                 budget: s.budget(self.cfg.reserve),
+                short_for: self
+                    .memory
+                    .get(&s.key())
+                    .and_then(|m| m.short_since)
+                    .map_or(Duration::ZERO, |at| snap.now.saturating_duration_since(at)),
             })
             .collect();
         plan
@@ -507,6 +516,11 @@ impl Planner {
         for (s, state) in servers.iter_mut().zip(states) {
             let mem = self.memory.entry(s.key()).or_default();
             s.state = state;
+            if matches!(state, State::Growing | State::Filling) {
+                mem.short_since.get_or_insert(now);
+            } else {
+                mem.short_since = None;
+            }
             if state != State::Filling {
                 mem.short_idle_since = None;
                 continue;
@@ -718,8 +732,10 @@ impl Planner {
             let mem = self.memory.entry(s.key()).or_default();
             let left = budget.saturating_sub(mem.probes);
             if left == 0 {
+                // Avoided for `evacuated_for`, then tried afresh.
                 mem.evacuated_at = Some(tick.now);
                 mem.short_idle_since = None;
+                mem.probes = 0;
                 continue;
             }
             requests.push(OpenRequest {
@@ -912,8 +928,8 @@ impl Planner {
             .map(|s| {
                 let streams = s.streams.iter().filter(|st| !st.retiring).count() as u32;
                 let in_flight = s.streams.iter().filter(|st| st.busy).count() as u32;
-                let busy = in_flight + s.queued;
-                let budget = busy + self.cfg.reserve;
+                let busy = in_flight.saturating_add(s.queued);
+                let budget = busy.saturating_add(self.cfg.reserve);
                 let state = if s.draining {
                     State::Evacuated
                 } else if streams >= budget {
@@ -930,6 +946,7 @@ impl Planner {
                     busy,
                     idle: streams.saturating_sub(in_flight),
                     budget,
+                    short_for: Duration::ZERO,
                 }
             })
             .collect();

@@ -128,6 +128,7 @@ fn settings() -> ActorSettings {
         backoff_max: Duration::from_secs(4),
         max_streams: 2048,
         drain_grace: Duration::from_secs(10),
+        grace: Duration::from_secs(30),
     }
 }
 

@@ -394,6 +394,101 @@ fn an_evacuated_server_that_is_the_only_home_is_kept() {
 }
 
 #[test]
+fn the_home_of_last_resort_keeps_its_streams_until_another_server_is_covered() {
+    let mut s = Snap::new();
+    let a = s.server("a", 2, 0);
+    let b = s.server("b", 1, 0);
+    let mut p = Planner::new(cfg());
+    for t in 0..=30 {
+        p.plan(&s.snap(t, &[a.clone(), b.clone()]));
+    }
+    // a goes away; b (evacuated at t30) is the only home and fills up again.
+    let b = s.server("b", 3, 0);
+    let plan = p.plan(&s.snap(40, &[b.clone()]));
+    assert_eq!(state_of(&plan, "b"), State::Covered);
+    // One growth stream lands on a new server c: c is short, nothing is covered but b.
+    let c = s.server("c", 1, 0);
+    let plan = p.plan(&s.snap(41, &[b.clone(), c.clone()]));
+    assert_eq!(state_of(&plan, "b"), State::Evacuated);
+    assert!(
+        plan.close.is_empty(),
+        "b keeps its streams while c is short: {:?}",
+        plan.actions
+    );
+    // Once c is covered, b's idle streams are recycled.
+    let c = s.server("c", 2, 0);
+    let plan = p.plan(&s.snap(42, &[b, c]));
+    assert_eq!(state_of(&plan, "c"), State::Covered);
+    assert_eq!(plan.close.len(), 3);
+}
+
+/// A listed server (from the fleet news) with none of the agent's streams.
+fn listed(id: &str, instance: &str) -> ServerView {
+    ServerView {
+        server_id: id.into(),
+        instance_id: instance.into(),
+        zone: "z".into(),
+        listed: true,
+        streams: Vec::new(),
+        queued: 0,
+        draining: false,
+    }
+}
+
+#[test]
+fn a_server_back_as_a_new_instance_is_filled_at_once_though_its_old_life_was_evacuated() {
+    let mut s = Snap::new();
+    let a = s.server("a", 2, 0);
+    let b = s.server("b", 1, 0);
+    let mut p = Planner::new(cfg());
+    for t in 0..=30 {
+        p.plan(&s.snap(t, &[a.clone(), b.clone()]));
+    }
+    // b's first life was evacuated at t30; it comes back as instance 2.
+    let plan = p.plan(&s.snap(40, &[a.clone(), listed("b", "2")]));
+    assert_eq!(state_of(&plan, "b"), State::Filling);
+    assert_eq!(plan.open, 2, "toward the reserve: {:?}", plan.actions);
+    let fill = actions(&plan, ActionKind::Fill);
+    assert!(
+        fill[0].reason.contains("listed in the fleet"),
+        "{}",
+        fill[0].reason
+    );
+    // Its old life (instance 1) is still avoided.
+    let old = s.server("b", 2, 0);
+    let plan = p.plan(&s.snap(41, &[a.clone(), old]));
+    assert_eq!(
+        state_of(&plan, "b"),
+        State::Evacuated,
+        "instance 1 is still avoided"
+    );
+    // The new life takes what lands on it and is covered.
+    let mut b2 = s.server("b", 2, 0);
+    b2.instance_id = "2".into();
+    b2.listed = true;
+    let plan = p.plan(&s.snap(42, &[a, b2]));
+    assert_eq!(state_of(&plan, "b"), State::Covered);
+    assert!(plan.is_empty(), "{:?}", plan.actions);
+}
+
+#[test]
+fn a_listed_server_no_stream_reaches_costs_a_bounded_number_of_opens() {
+    let mut s = Snap::new();
+    let a = s.server("a", 2, 0);
+    let mut p = Planner::new(cfg());
+    let mut opened = 0;
+    for t in 0..100 {
+        let plan = p.plan(&s.snap(t, &[a.clone(), listed("far", "1")]));
+        opened += plan.open;
+        assert!(plan.close.is_empty(), "t{t}");
+    }
+    // Budget: reserve 2 x 2 servers x 2 = 8 opens, then avoided for evacuated_for.
+    assert_eq!(opened, 8);
+    let plan = p.plan(&s.snap(100 + 600, &[a, listed("far", "1")]));
+    assert_eq!(plan.open, 2, "tried again after evacuated_for");
+}
+
+#[test]
 fn while_a_server_is_short_nothing_is_retired() {
     let mut s = Snap::new();
     let a = s.server("a", 50, 0);
@@ -483,7 +578,8 @@ fn every_server_is_listed_with_its_figures() {
             streams: 2,
             busy: 6,
             idle: 0,
-            budget: 8
+            budget: 8,
+            short_for: Duration::ZERO,
         }
     );
     assert_eq!(
