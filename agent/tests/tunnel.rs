@@ -406,7 +406,7 @@ async fn systemcheck_is_503_when_a_server_carrying_calls_stays_short_past_grace(
         ..CoverageConfig::default()
     };
     let (agent, admin) = start_agent(cfg).await;
-    let mut conn = tunnel.next_conn().await;
+    let conn = tunnel.next_conn().await;
     eventually("systemcheck ok at rest", || agent.systemcheck().ok).await;
     // A call that does not end: /echo with a body that never finishes.
     conn.send(In::RequestHead(head(1, "POST", "/echo", false)))
