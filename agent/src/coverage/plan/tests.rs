@@ -404,7 +404,7 @@ fn the_home_of_last_resort_keeps_its_streams_until_another_server_is_covered() {
     }
     // a goes away; b (evacuated at t30) is the only home and fills up again.
     let b = s.server("b", 3, 0);
-    let plan = p.plan(&s.snap(40, &[b.clone()]));
+    let plan = p.plan(&s.snap(40, std::slice::from_ref(&b)));
     assert_eq!(state_of(&plan, "b"), State::Covered);
     // One growth stream lands on a new server c: c is short, nothing is covered but b.
     let c = s.server("c", 1, 0);
