@@ -228,6 +228,8 @@ pub struct CoverageActor {
     servers: HashMap<ServerKey, ServerInfo>,
     /// The fleet's members as the servers last told it.
     fleet: Vec<relay_proto::FleetMember>,
+    /// Per-token stream caps servers refused opens over (RESOURCE_EXHAUSTED), per instance.
+    caps: HashMap<ServerKey, u32>,
     tasks: JoinSet<()>,
     task_ids: HashMap<tokio::task::Id, StreamId>,
     next_id: StreamId,
@@ -259,6 +261,7 @@ impl CoverageActor {
             opening: HashMap::new(),
             servers: HashMap::new(),
             fleet: Vec::new(),
+            caps: HashMap::new(),
             tasks: JoinSet::new(),
             task_ids: HashMap::new(),
             next_id: 1,
@@ -384,8 +387,17 @@ impl CoverageActor {
                     return;
                 };
                 match &err {
-                    OpenError::Exhausted(_) => {
-                        debug!(stream = id, error = %err, "stream landed on a server at its cap; will open again")
+                    OpenError::Exhausted(_, refused) => {
+                        debug!(stream = id, error = %err, "stream landed on a server at its cap; will open again");
+                        // Learn the cap, so the plan stops asking that server for more.
+                        if let Some(r) = refused {
+                            if let Some(cap) = r.cap {
+                                let key = (r.server_id.clone(), r.instance_id.clone());
+                                if self.caps.insert(key, cap) != Some(cap) {
+                                    info!(server_id = %r.server_id, instance_id = %r.instance_id, cap, "tunnel server refuses streams over its per-token cap; growth there stops at it");
+                                }
+                            }
+                        }
                     }
                     OpenError::Unauthenticated(_) | OpenError::Other(_) => {
                         self.backoff.failed(now, op.started, &err)
@@ -435,6 +447,7 @@ impl CoverageActor {
                     instance_id: e.server.1.clone(),
                     zone: e.zone.clone(),
                     listed: listed(&e.server),
+                    cap: self.caps.get(&e.server).copied(),
                     streams: Vec::new(),
                     queued: info.filter(fresh).map_or(0, |i| i.queued),
                     draining: info.is_some_and(|i| i.draining),
@@ -460,6 +473,10 @@ impl CoverageActor {
                     instance_id: m.instance_id.clone(),
                     zone: m.zone.clone(),
                     listed: true,
+                    cap: self
+                        .caps
+                        .get(&(m.server_id.clone(), m.instance_id.clone()))
+                        .copied(),
                     streams: Vec::new(),
                     queued: 0,
                     draining: m.draining,
@@ -476,6 +493,14 @@ impl CoverageActor {
     /// One sizing tick: snapshot, plan, apply. Never awaits.
     fn tick(&mut self) {
         let now = Instant::now();
+        // Caps of instances that hold none of our streams and left the fleet are history.
+        let (streams, fleet) = (&self.streams, &self.fleet);
+        self.caps.retain(|k, _| {
+            streams.values().any(|e| &e.server == k)
+                || fleet
+                    .iter()
+                    .any(|m| m.server_id == k.0 && m.instance_id == k.1)
+        });
         self.next_tick = now + self.settings.tick;
         let snap = self.snapshot(now);
         let plan = self.planner.plan(&snap);

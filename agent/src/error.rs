@@ -39,15 +39,25 @@ pub enum UpstreamError {
     BodyTooLarge(u64),
 }
 
+/// The server behind a RESOURCE_EXHAUSTED refusal (from the refusal's metadata).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    pub server_id: String,
+    pub instance_id: String,
+    /// Its per-token stream cap, when the cap is why.
+    pub cap: Option<u32>,
+}
+
 /// Why a tunnel stream could not be opened (no ServerHello).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OpenError {
     /// The server refused the token (`UNAUTHENTICATED`).
     #[error("token refused by the tunnel server: {0}")]
     Unauthenticated(String),
-    /// The server holds as many streams of this token as it will (`RESOURCE_EXHAUSTED`).
+    /// The server holds as many streams of this token as it will, or is draining
+    /// (`RESOURCE_EXHAUSTED`); which server, when it said so.
     #[error("tunnel server stream cap reached: {0}")]
-    Exhausted(String),
+    Exhausted(String, Option<Refused>),
     /// Anything else: connect failure, timeout, a first frame that is not a hello.
     #[error("{0}")]
     Other(String),

@@ -245,7 +245,7 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
 fn open_failed(ctx: &StreamContext, link: &StreamLink, e: OpenError) {
     let result = match e {
         OpenError::Unauthenticated(_) => OpenResult::Unauthenticated,
-        OpenError::Exhausted(_) => OpenResult::Exhausted,
+        OpenError::Exhausted(..) => OpenResult::Exhausted,
         OpenError::Other(_) => OpenResult::Error,
     };
     ctx.metrics.stream_opened(result);
@@ -256,7 +256,16 @@ fn open_failed(ctx: &StreamContext, link: &StreamLink, e: OpenError) {
 fn status_to_open_error(s: &tonic::Status) -> OpenError {
     match s.code() {
         tonic::Code::Unauthenticated => OpenError::Unauthenticated(s.message().to_string()),
-        tonic::Code::ResourceExhausted => OpenError::Exhausted(s.message().to_string()),
+        tonic::Code::ResourceExhausted => {
+            let md = s.metadata();
+            let text = |k: &str| md.get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
+            let refused = text("relay-server-id").map(|server_id| crate::error::Refused {
+                server_id,
+                instance_id: text("relay-instance-id").unwrap_or_default(),
+                cap: text("relay-max-streams").and_then(|c| c.parse().ok()),
+            });
+            OpenError::Exhausted(s.message().to_string(), refused)
+        }
         code => OpenError::Other(format!("{code:?}: {}", s.message())),
     }
 }

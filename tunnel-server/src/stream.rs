@@ -143,6 +143,29 @@ pub struct TunnelService {
 
 type ConnectStream = Pin<Box<dyn Stream<Item = OutFrame> + Send + 'static>>;
 
+/// Metadata on a RESOURCE_EXHAUSTED open refusal, so the agent learns which server
+/// refused (no hello names it) and, at the cap, how many streams it takes.
+pub const REFUSED_SERVER_ID: &str = "relay-server-id";
+pub const REFUSED_INSTANCE_ID: &str = "relay-instance-id";
+pub const REFUSED_CAP: &str = "relay-max-streams";
+
+impl TunnelService {
+    /// RESOURCE_EXHAUSTED naming this server, with its per-token cap when that is why.
+    fn refusal(&self, message: String, cap: Option<usize>) -> Status {
+        let mut md = tonic::metadata::MetadataMap::new();
+        if let Ok(v) = self.server_id.parse() {
+            md.insert(REFUSED_SERVER_ID, v);
+        }
+        if let Ok(v) = self.hub.instance_id.parse() {
+            md.insert(REFUSED_INSTANCE_ID, v);
+        }
+        if let Some(cap) = cap {
+            md.insert(REFUSED_CAP, cap.into());
+        }
+        Status::with_metadata(tonic::Code::ResourceExhausted, message, md)
+    }
+}
+
 #[tonic::async_trait]
 impl relay_proto::tunnel_server::Tunnel for TunnelService {
     type ConnectStream = ConnectStream;
@@ -205,16 +228,20 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             Ok(()) => {}
             Err(AddError::Exhausted) => {
                 metrics.opens.with_label_values(&["exhausted"]).inc();
-                return Err(Status::resource_exhausted(format!(
-                    "tunnel id {tunnel_id} holds the most streams this server allows ({})",
-                    self.hub.limits.max_streams_per_token
-                )));
+                let cap = self.hub.limits.max_streams_per_token;
+                return Err(self.refusal(
+                    format!(
+                        "tunnel id {tunnel_id} holds the most streams this server allows ({cap})"
+                    ),
+                    Some(cap),
+                ));
             }
             Err(AddError::Draining) => {
                 metrics.opens.with_label_values(&["draining"]).inc();
                 // Placement news for the agent (open elsewhere), not a failure to back off from.
-                return Err(Status::resource_exhausted(
-                    "tunnel server is draining: open the stream on another server",
+                return Err(self.refusal(
+                    "tunnel server is draining: open the stream on another server".into(),
+                    None,
                 ));
             }
         }

@@ -300,6 +300,12 @@ async fn streams_over_the_per_token_cap_are_refused_resource_exhausted() {
     let _b = open(&agent, "good-token").await.unwrap();
     let err = open(&agent, "good-token").await.err().unwrap();
     assert_eq!(err.code(), Code::ResourceExhausted);
+    // The refusal names the server and its cap, so the agent stops asking for more.
+    let md = err.metadata();
+    let text = |k: &str| md.get(k).and_then(|v| v.to_str().ok()).unwrap_or("");
+    assert_eq!(text("relay-server-id"), "ts-1");
+    assert_eq!(text("relay-instance-id"), s.hub().instance_id);
+    assert_eq!(text("relay-max-streams"), "2");
 }
 
 #[tokio::test]

@@ -164,6 +164,9 @@ pub struct ServerView {
     /// Listed in the fleet the servers passed on (`Fleet` frames). A listed server with no
     /// stream is filled toward the reserve; an unlisted one with none is forgotten.
     pub listed: bool,
+    /// The server's per-token stream cap, once it refused an open over it: its budget
+    /// never exceeds it, so the agent stops asking it for more.
+    pub cap: Option<u32>,
     pub streams: Vec<StreamView>,
     /// Calls of this tunnel id queued on that server (the latest pressure hint).
     pub queued: u32,
@@ -337,7 +340,8 @@ impl Server<'_> {
     }
 
     fn budget(&self, reserve: u32) -> u32 {
-        self.busy().saturating_add(reserve)
+        let budget = self.busy().saturating_add(reserve);
+        self.view.cap.map_or(budget, |cap| budget.min(cap))
     }
 
     fn shortfall(&self, reserve: u32) -> u32 {

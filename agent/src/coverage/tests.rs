@@ -254,7 +254,7 @@ async fn failed_opens_back_off_then_recover_after_a_landing() {
 #[tokio::test(start_paused = true)]
 async fn exhausted_servers_are_placement_news_not_a_backoff() {
     let net = FakeNet::new(|_| "s1".into());
-    net.fail_with(Some(OpenError::Exhausted("cap".into())));
+    net.fail_with(Some(OpenError::Exhausted("cap".into(), None)));
     let h = start(fixed(4), net);
     ticks(3).await;
     assert!(

@@ -306,6 +306,7 @@ impl Sim {
                     instance_id: "1".into(),
                     zone: s.zone.clone(),
                     listed: false,
+                    cap: None,
                     streams: s
                         .streams
                         .iter()

@@ -60,6 +60,7 @@ impl Snap {
             instance_id: "1".to_string(),
             zone: "z".to_string(),
             listed: false,
+            cap: None,
             streams,
             queued: 0,
             draining: false,
@@ -429,6 +430,7 @@ fn listed(id: &str, instance: &str) -> ServerView {
         instance_id: instance.into(),
         zone: "z".into(),
         listed: true,
+        cap: None,
         streams: Vec::new(),
         queued: 0,
         draining: false,
@@ -486,6 +488,25 @@ fn a_listed_server_no_stream_reaches_costs_a_bounded_number_of_opens() {
     assert_eq!(opened, 8);
     let plan = p.plan(&s.snap(100 + 600, &[a, listed("far", "1")]));
     assert_eq!(plan.open, 2, "tried again after evacuated_for");
+}
+
+#[test]
+fn a_server_at_its_refused_cap_is_not_asked_for_more() {
+    let mut s = Snap::new();
+    let mut a = s.server("a", 0, 4);
+    a.queued = 100;
+    let plan = Planner::new(cfg()).plan(&s.snap(0, &[a.clone()]));
+    assert_eq!(state_of(&plan, "a"), State::Growing);
+    assert!(
+        plan.open >= 100,
+        "without a known cap it grows: {}",
+        plan.open
+    );
+    // The server refused an open over its cap of 4: growing there is pointless.
+    a.cap = Some(4);
+    let plan = Planner::new(cfg()).plan(&s.snap(0, &[a]));
+    assert_eq!(state_of(&plan, "a"), State::Covered);
+    assert_eq!(plan.open, 0, "{:?}", plan.actions);
 }
 
 #[test]
