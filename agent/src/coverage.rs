@@ -37,6 +37,8 @@ pub struct Landing {
     pub server_id: String,
     /// The server's life: random per process start.
     pub instance_id: String,
+    /// Its direct agent-facing URL, empty when it offers none.
+    pub direct_url: String,
     pub zone: String,
     /// The server's id for this stream.
     pub server_stream_id: u64,
@@ -99,6 +101,8 @@ pub enum StreamEvent {
 #[derive(Debug)]
 pub struct StreamLink {
     pub id: StreamId,
+    /// Open straight to this URL (a server's direct URL) instead of the load balancer.
+    pub target: Option<String>,
     pub retire: oneshot::Receiver<()>,
     events: mpsc::UnboundedSender<(StreamId, StreamEvent)>,
 }
@@ -203,7 +207,13 @@ struct Entry {
 struct Opening {
     started: Instant,
     retire: Option<oneshot::Sender<()>>,
+    /// Opened straight to this server's direct URL.
+    direct: Option<ServerKey>,
 }
+
+/// How long a server's direct URL is not used after an open to it failed (the load
+/// balancer takes over meanwhile).
+pub const DIRECT_RETRY: Duration = Duration::from_secs(30);
 
 #[derive(Default)]
 struct ServerInfo {
@@ -212,6 +222,8 @@ struct ServerInfo {
     queued: u32,
     queued_at: Option<Instant>,
     draining: bool,
+    /// From the server's hello.
+    direct_url: String,
 }
 
 /// How long a pressure hint counts without being refreshed.
@@ -230,6 +242,8 @@ pub struct CoverageActor {
     fleet: Vec<relay_proto::FleetMember>,
     /// Per-token stream caps servers refused opens over (RESOURCE_EXHAUSTED), per instance.
     caps: HashMap<ServerKey, u32>,
+    /// When a direct open to the server last failed.
+    direct_failed: HashMap<ServerKey, Instant>,
     tasks: JoinSet<()>,
     task_ids: HashMap<tokio::task::Id, StreamId>,
     next_id: StreamId,
@@ -262,6 +276,7 @@ impl CoverageActor {
             servers: HashMap::new(),
             fleet: Vec::new(),
             caps: HashMap::new(),
+            direct_failed: HashMap::new(),
             tasks: JoinSet::new(),
             task_ids: HashMap::new(),
             next_id: 1,
@@ -324,7 +339,7 @@ impl CoverageActor {
                 self.backoff.reset();
                 debug!(stream = id, server_id = %l.server_id, instance_id = %l.instance_id, zone = %l.zone, "tunnel stream landed");
                 let server = (l.server_id, l.instance_id);
-                self.servers.entry(server.clone()).or_default();
+                self.servers.entry(server.clone()).or_default().direct_url = l.direct_url;
                 let mut entry = Entry {
                     server,
                     zone: l.zone,
@@ -386,6 +401,14 @@ impl CoverageActor {
                 let Some(op) = self.opening.remove(&id) else {
                     return;
                 };
+                if let (Some(key), false) = (&op.direct, matches!(err, OpenError::Exhausted(..))) {
+                    // The direct path failed: the load balancer takes over for a while;
+                    // not a reason to back off opens through it.
+                    if self.direct_failed.insert(key.clone(), now).is_none() {
+                        warn!(server_id = %key.0, error = %err, "direct open failed; growing through the load balancer for {}s", DIRECT_RETRY.as_secs());
+                    }
+                    return;
+                }
                 match &err {
                     OpenError::Exhausted(_, refused) => {
                         debug!(stream = id, error = %err, "stream landed on a server at its cap; will open again");
@@ -429,6 +452,24 @@ impl CoverageActor {
     }
 
     fn snapshot(&self, now: Instant) -> Snapshot {
+        let direct_opening = |k: &ServerKey| {
+            self.opening
+                .values()
+                .filter(|o| o.direct.as_ref() == Some(k))
+                .count() as u32
+        };
+        // A direct URL is offered unless an open to it failed within DIRECT_RETRY.
+        let direct = |k: &ServerKey, url: &str| {
+            let failed = self
+                .direct_failed
+                .get(k)
+                .is_some_and(|at| now.saturating_duration_since(*at) < DIRECT_RETRY);
+            if failed {
+                String::new()
+            } else {
+                url.to_string()
+            }
+        };
         let listed = |k: &ServerKey| {
             self.fleet
                 .iter()
@@ -448,6 +489,8 @@ impl CoverageActor {
                     zone: e.zone.clone(),
                     listed: listed(&e.server),
                     cap: self.caps.get(&e.server).copied(),
+                    direct_url: direct(&e.server, info.map_or("", |i| i.direct_url.as_str())),
+                    opening: direct_opening(&e.server),
                     streams: Vec::new(),
                     queued: info.filter(fresh).map_or(0, |i| i.queued),
                     draining: info.is_some_and(|i| i.draining),
@@ -468,15 +511,15 @@ impl CoverageActor {
                 .iter()
                 .any(|v| v.server_id == m.server_id && v.instance_id == m.instance_id);
             if !held {
+                let key = (m.server_id.clone(), m.instance_id.clone());
                 servers.push(ServerView {
                     server_id: m.server_id.clone(),
                     instance_id: m.instance_id.clone(),
                     zone: m.zone.clone(),
                     listed: true,
-                    cap: self
-                        .caps
-                        .get(&(m.server_id.clone(), m.instance_id.clone()))
-                        .copied(),
+                    cap: self.caps.get(&key).copied(),
+                    direct_url: direct(&key, &m.direct_url),
+                    opening: direct_opening(&key),
                     streams: Vec::new(),
                     queued: 0,
                     draining: m.draining,
@@ -486,7 +529,7 @@ impl CoverageActor {
         Snapshot {
             now,
             servers,
-            opening: self.opening.len() as u32,
+            opening: self.opening.values().filter(|o| o.direct.is_none()).count() as u32,
         }
     }
 
@@ -506,15 +549,25 @@ impl CoverageActor {
         let plan = self.planner.plan(&snap);
 
         let mut opens_held = false;
-        if plan.open > 0 && !self.shutting_down {
+        if plan.opens() > 0 && !self.shutting_down {
             let have = self.streams.values().filter(|e| !e.retiring).count() + self.opening.len();
-            let room = (self.settings.max_streams as usize).saturating_sub(have);
-            let n = (plan.open as usize).min(room);
-            if self.backoff.allows(now) {
+            let mut room = (self.settings.max_streams as usize).saturating_sub(have);
+            // Direct opens go to servers that said where they are; the backoff gate
+            // guards the load balancer path.
+            for d in &plan.direct {
+                let n = (d.count as usize).min(room);
+                room -= n;
+                let key = (d.server_id.clone(), d.instance_id.clone());
                 for _ in 0..n {
-                    self.spawn_open(now);
+                    self.spawn_open(now, Some((key.clone(), d.url.clone())));
                 }
-            } else {
+            }
+            let n = (plan.open as usize).min(room);
+            if n > 0 && self.backoff.allows(now) {
+                for _ in 0..n {
+                    self.spawn_open(now, None);
+                }
+            } else if n > 0 {
                 opens_held = true;
             }
         }
@@ -525,7 +578,8 @@ impl CoverageActor {
         }
         for a in &plan.actions {
             let opens = matches!(a.kind, ActionKind::Grow | ActionKind::Fill);
-            if opens && opens_held {
+            let direct = a.reason.contains(" direct to ");
+            if opens && opens_held && !direct {
                 // Not carried out this tick: the backoff step already logged why.
                 debug!(server_id = %a.server_id, action = a.kind.as_str(), count = a.count, "coverage action held back by the open backoff");
                 continue;
@@ -536,12 +590,18 @@ impl CoverageActor {
         self.publish(&snap, &plan);
     }
 
-    fn spawn_open(&mut self, now: Instant) {
+    /// Opens one stream: through the load balancer, or straight to a server's URL.
+    fn spawn_open(&mut self, now: Instant, direct: Option<(ServerKey, String)>) {
         let id = self.next_id;
         self.next_id += 1;
         let (retire_tx, retire_rx) = oneshot::channel();
+        let (direct, target) = match direct {
+            Some((key, url)) => (Some(key), Some(url)),
+            None => (None, None),
+        };
         let link = StreamLink {
             id,
+            target,
             retire: retire_rx,
             events: self.events_tx.clone(),
         };
@@ -550,6 +610,7 @@ impl CoverageActor {
             Opening {
                 started: now,
                 retire: Some(retire_tx),
+                direct,
             },
         );
         let handle = self.tasks.spawn(self.connector.open(link));

@@ -45,22 +45,26 @@ const BODY_CHUNKS: usize = 4;
 const RETIRE_LINGER: Duration = Duration::from_secs(10);
 
 /// The tunnel endpoints and credentials, with one cached `Channel` per endpoint: every
-/// stream to that endpoint multiplexes on its HTTP/2 connection.
+/// stream to that endpoint multiplexes on its HTTP/2 connection. Direct URLs that servers
+/// advertise (placement-aware growth) get channels of their own, dialed with the same
+/// TLS, token and limits.
 pub struct Dialer {
     endpoints: Vec<Endpoint>,
     auth: MetadataValue<Ascii>,
     /// TLS for `https://` endpoints (`[tls]`); `None` dials plain h2c.
     tls: Option<relay_common::tls::TlsClient>,
-    /// Per endpoint index: the cached channel and its generation (see [`Dialer::evict`]).
-    channels: Mutex<HashMap<usize, (u64, Channel)>>,
+    connect_timeout: Duration,
+    h2: relay_common::h2::H2Limits,
+    /// Per endpoint URI: the cached channel and its generation (see [`Dialer::evict`]).
+    channels: Mutex<HashMap<String, (u64, Channel)>>,
     next_generation: std::sync::atomic::AtomicU64,
 }
 
 /// Which cached connection a stream was opened on, so a stream that finds it dead can
 /// have it replaced.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChannelId {
-    endpoint: usize,
+    endpoint: String,
     generation: u64,
 }
 
@@ -90,17 +94,7 @@ impl Dialer {
         let endpoints = endpoints
             .iter()
             .map(|url| {
-                Endpoint::from_shared(url.clone())
-                    .map(|e| {
-                        // Bounded receive windows (uploads from the server): enough for
-                        // throughput, small enough that buffered request bodies stay
-                        // bounded across many streams.
-                        h2.tonic_endpoint(
-                            e.connect_timeout(connect_timeout)
-                                .tcp_nodelay(true)
-                                .keep_alive_while_idle(true),
-                        )
-                    })
+                endpoint(url, connect_timeout, h2)
                     .map_err(|e| ConfigError::invalid("tunnels", format!("{url:?}: {e}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -112,6 +106,8 @@ impl Dialer {
             endpoints,
             auth,
             tls,
+            connect_timeout,
+            h2,
             channels: Mutex::new(HashMap::new()),
             next_generation: std::sync::atomic::AtomicU64::new(1),
         })
@@ -124,10 +120,36 @@ impl Dialer {
         } else {
             rand::random::<usize>() % self.endpoints.len()
         };
-        let endpoint = &self.endpoints[i];
+        let endpoint = self.endpoints[i].clone();
+        self.channel(endpoint)
+    }
+
+    /// A channel straight to a server's advertised `direct_url`. Refused when its scheme
+    /// does not match how the agent dials its tunnels: with `[tls]` the token only ever
+    /// goes over TLS verified against the agent's trust.
+    fn pick_direct(&self, url: &str) -> Result<(String, Channel, ChannelId), OpenError> {
+        let https = url.starts_with("https://");
+        if https != self.tls.is_some() {
+            return Err(OpenError::Other(format!(
+                "direct url {url} is {} but the agent dials its tunnels {}",
+                if https { "https" } else { "plain http" },
+                if self.tls.is_some() {
+                    "with TLS"
+                } else {
+                    "without TLS"
+                },
+            )));
+        }
+        let e = endpoint(url, self.connect_timeout, self.h2)
+            .map_err(|e| OpenError::Other(format!("direct url {url}: {e}")))?;
+        Ok(self.channel(e))
+    }
+
+    fn channel(&self, endpoint: Endpoint) -> (String, Channel, ChannelId) {
+        let key = endpoint.uri().to_string();
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         let (generation, channel) = channels
-            .entry(i)
+            .entry(key.clone())
             .or_insert_with(|| {
                 let g = self
                     .next_generation
@@ -140,10 +162,10 @@ impl Dialer {
             })
             .clone();
         let id = ChannelId {
-            endpoint: i,
+            endpoint: key.clone(),
             generation,
         };
-        (endpoint.uri().to_string(), channel, id)
+        (key, channel, id)
     }
 
     /// Forgets the cached connection `id` (if it is still the cached one), so the next
@@ -161,6 +183,23 @@ impl Dialer {
             channels.remove(&id.endpoint);
         }
     }
+}
+
+/// An endpoint with the agent's dial settings. Bounded receive windows (uploads from the
+/// server): enough for throughput, small enough that buffered request bodies stay bounded
+/// across many streams.
+fn endpoint(
+    url: &str,
+    connect_timeout: Duration,
+    h2: relay_common::h2::H2Limits,
+) -> Result<Endpoint, tonic::transport::Error> {
+    Endpoint::from_shared(url.to_string()).map(|e| {
+        h2.tonic_endpoint(
+            e.connect_timeout(connect_timeout)
+                .tcp_nodelay(true)
+                .keep_alive_while_idle(true),
+        )
+    })
 }
 
 /// Request metadata listing the optional server frames this agent understands.
@@ -198,7 +237,17 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         // GoingAway handshake like any other (bounded by connect_timeout).
         // Wait for a turn (`max_opening`), so a big growth step goes out in waves.
         let turn = ctx.opens.clone().acquire_owned().await;
-        let (endpoint, channel, channel_id) = ctx.dialer.pick();
+        let picked = match &link.target {
+            Some(url) => ctx.dialer.pick_direct(url),
+            None => Ok(ctx.dialer.pick()),
+        };
+        let (endpoint, channel, channel_id) = match picked {
+            Ok(p) => p,
+            Err(e) => {
+                drop(turn);
+                return open_failed(&ctx, &link, e);
+            }
+        };
         let opened = tokio::time::timeout(ctx.connect_timeout, open(&ctx, endpoint, channel)).await;
         drop(turn);
         let (out, inbound, hello) = match opened {
@@ -215,6 +264,7 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         let landing = Landing {
             server_id: hello.server_id,
             instance_id: hello.instance_id,
+            direct_url: hello.direct_url,
             zone: hello.zone,
             server_stream_id: hello.stream_id,
             heartbeat: Duration::from_millis(u64::from(hello.heartbeat_ms)),

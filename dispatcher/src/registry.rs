@@ -42,6 +42,9 @@ pub struct ServerInfo {
     /// do not send one.
     #[serde(default)]
     pub instance_id: String,
+    /// Its direct agent-facing URL, empty when it offers none.
+    #[serde(default)]
+    pub direct_url: String,
 }
 
 /// A live server id is claimed by another instance while its report stream is up.
@@ -496,6 +499,7 @@ impl Registry {
                 instance_id: e.info.instance_id.clone(),
                 zone: e.info.zone.clone(),
                 draining: e.draining(),
+                direct_url: e.info.direct_url.clone(),
             })
             .collect();
         members.sort_by(|a, b| a.server_id.cmp(&b.server_id));
@@ -662,6 +666,7 @@ mod tests {
             zone: "z".into(),
             forward_url: format!("http://{id}"),
             instance_id: "i1".into(),
+            direct_url: String::new(),
         }
     }
 

@@ -169,11 +169,23 @@ impl ReportService {
                 ),
             ));
         }
+        let direct_ok = intro.direct_url.is_empty()
+            || (intro.direct_url.len() <= 2048
+                && intro.direct_url.parse::<http::Uri>().ok().is_some_and(|u| {
+                    matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some()
+                }));
+        if !direct_ok {
+            return Err(Self::refuse(
+                peer,
+                "ServerIntro.direct_url is not an http(s) URL with a host".into(),
+            ));
+        }
         Ok(ServerInfo {
             server_id: intro.server_id,
             zone: intro.zone,
             forward_url: intro.forward_url,
             instance_id: intro.instance_id,
+            direct_url: intro.direct_url,
         })
     }
 

@@ -574,6 +574,7 @@ fn intro(server_id: &str, forward_url: &str) -> ServerReport {
             forward_url: forward_url.into(),
             protocol_version: relay_proto::PROTOCOL_VERSION,
             instance_id: "fake".into(),
+            direct_url: String::new(),
         })),
     }
 }

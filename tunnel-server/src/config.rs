@@ -28,6 +28,11 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     /// URL dispatchers use to reach `forward_listen`; defaults to `http://<forward_listen>`.
     pub forward_url: Option<String>,
+    /// Agent-facing URL that reaches this server directly, bypassing the load balancer
+    /// (e.g. `https://ts-1.relay.example:8443`). Advertised in ServerHello and the fleet
+    /// news; agents with `coverage.direct_growth` open a short server's missing streams
+    /// straight to it. Off (none) by default.
+    pub direct_url: Option<String>,
     /// Registry endpoints of the dispatchers this server reports to.
     pub dispatchers: Vec<String>,
     /// Shared secret sent to dispatchers (`authorization: Bearer`) on the report stream;
@@ -106,6 +111,7 @@ impl Default for Config {
             forward_listen: ([127, 0, 0, 1], 8451).into(),
             admin_listen: ([127, 0, 0, 1], 9441).into(),
             forward_url: None,
+            direct_url: None,
             dispatchers: vec!["http://127.0.0.1:8460".into()],
             dispatcher_key: None,
             token_store: None,
@@ -157,6 +163,19 @@ impl Config {
             self.dispatcher_tls
                 .resolve("dispatcher_tls", ClientCerts::Required)?
         };
+        if let Some(u) = &self.direct_url {
+            let https = u.starts_with("https://");
+            if https != agent.is_some() {
+                return Err(ConfigError::invalid(
+                    "direct_url",
+                    if https {
+                        "is https:// but [agent_tls] says insecure = true"
+                    } else {
+                        "is plain http:// but the agent listener serves TLS ([agent_tls]); use https://"
+                    },
+                ));
+            }
+        }
         if let Some(u) = &self.forward_url {
             let https = u.starts_with("https://");
             if https != forward.is_some() {
@@ -247,6 +266,20 @@ impl Config {
                 return Err(ConfigError::invalid(
                     "forward_url",
                     "must be an http:// or https:// URL",
+                ));
+            }
+        }
+        if let Some(u) = &self.direct_url {
+            let ok = u
+                .parse::<tonic::codegen::http::Uri>()
+                .ok()
+                .is_some_and(|u| {
+                    matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some()
+                });
+            if !ok {
+                return Err(ConfigError::invalid(
+                    "direct_url",
+                    format!("`{u}` is not an http:// or https:// URL with a host"),
                 ));
             }
         }
@@ -349,6 +382,10 @@ mod tests {
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("`forward_url`"), "{err}");
         c.forward_url = None;
+        c.direct_url = Some("http://ts-1:8441".into());
+        let err = c.transport().unwrap_err().to_string();
+        assert!(err.contains("`direct_url`"), "{err}");
+        c.direct_url = None;
         c.dispatchers = vec!["https://d:8460".into()];
         let err = c.validate().unwrap_err().to_string();
         assert!(

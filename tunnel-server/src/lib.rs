@@ -200,6 +200,7 @@ pub async fn start(
         tokens: tokens.clone(),
         server_id: server_id.clone(),
         zone: config.zone.clone(),
+        direct_url: config.direct_url.clone().unwrap_or_default(),
         heartbeat: config.heartbeat,
         heartbeat_misses: config.heartbeat_misses,
         tracker: tracker.clone(),
@@ -290,6 +291,7 @@ pub async fn start(
         forward_url,
         protocol_version: relay_proto::PROTOCOL_VERSION,
         instance_id: hub.instance_id.clone(),
+        direct_url: config.direct_url.clone().unwrap_or_default(),
     };
     for d in &config.dispatchers {
         let reporter = report::Reporter {

@@ -136,6 +136,8 @@ pub struct TunnelService {
     pub tokens: crate::tokens::SharedTokens,
     pub server_id: String,
     pub zone: String,
+    /// `direct_url`, advertised in the hello (empty: none).
+    pub direct_url: String,
     pub heartbeat: Duration,
     pub heartbeat_misses: u32,
     pub tracker: tokio_util::task::TaskTracker,
@@ -213,6 +215,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             tunnel_id: tunnel_id.to_string(),
             protocol_version: relay_proto::PROTOCOL_VERSION,
             instance_id: self.hub.instance_id.clone(),
+            direct_url: self.direct_url.clone(),
         };
         // The hello goes first, then the fleet; the stream takes calls once the agent
         // confirms it (see `Hub::confirm`).

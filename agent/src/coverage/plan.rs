@@ -114,6 +114,10 @@ pub struct CoverageConfig {
     pub max_streams: u32,
     /// Cap on the agent's calls in flight (demand beyond it does not grow the pool).
     pub max_inflight: u32,
+    /// Placement-aware growth: open a short server's missing streams straight to the
+    /// direct URL it advertises (`direct_url` on the tunnel server) instead of through
+    /// the load balancer. Off by default.
+    pub direct_growth: bool,
 }
 
 impl Default for CoverageConfig {
@@ -132,6 +136,7 @@ impl Default for CoverageConfig {
             retire_unused: Duration::from_secs(600),
             max_streams: 2048,
             max_inflight: 2048,
+            direct_growth: false,
         }
     }
 }
@@ -167,6 +172,11 @@ pub struct ServerView {
     /// The server's per-token stream cap, once it refused an open over it: its budget
     /// never exceeds it, so the agent stops asking it for more.
     pub cap: Option<u32>,
+    /// Where streams can be opened straight to this server; empty when it offers none
+    /// (or a direct open to it failed recently).
+    pub direct_url: String,
+    /// Direct opens to this server in flight (no hello yet).
+    pub opening: u32,
     pub streams: Vec<StreamView>,
     /// Calls of this tunnel id queued on that server (the latest pressure hint).
     pub queued: u32,
@@ -179,7 +189,8 @@ pub struct ServerView {
 pub struct Snapshot {
     pub now: Instant,
     pub servers: Vec<ServerView>,
-    /// Streams being opened whose ServerHello has not arrived yet.
+    /// Streams being opened through the load balancer whose ServerHello has not arrived
+    /// yet (direct opens are counted per server).
     pub opening: u32,
 }
 
@@ -274,8 +285,10 @@ pub struct ServerState {
 /// stream lands.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Plan {
-    /// New streams to open.
+    /// New streams to open through the load balancer.
     pub open: u32,
+    /// New streams to open straight to servers' direct URLs.
+    pub direct: Vec<DirectOpen>,
     /// Idle streams to retire with the GoingAway handshake.
     pub close: Vec<StreamId>,
     pub actions: Vec<Action>,
@@ -285,8 +298,24 @@ pub struct Plan {
 impl Plan {
     /// Nothing to do: the fixpoint at rest.
     pub fn is_empty(&self) -> bool {
-        self.open == 0 && self.close.is_empty()
+        self.open == 0 && self.direct.is_empty() && self.close.is_empty()
     }
+
+    /// Streams to open, through the load balancer and direct.
+    pub fn opens(&self) -> u32 {
+        self.direct
+            .iter()
+            .fold(self.open, |n, d| n.saturating_add(d.count))
+    }
+}
+
+/// Opens straight to one server.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DirectOpen {
+    pub server_id: String,
+    pub instance_id: String,
+    pub url: String,
+    pub count: u32,
 }
 
 /// `Action::server_id` of an open that is for no particular server (the bootstrap).
@@ -396,6 +425,8 @@ struct OpenRequest {
     /// Set for a listed server holding none of the agent's streams: the opens count
     /// against its probe budget.
     probe: Option<ServerKey>,
+    /// Open straight to this server (its key, URL and direct opens in flight).
+    direct: Option<(ServerKey, String, u32)>,
     kind: ActionKind,
     want: u32,
     why: String,
@@ -420,6 +451,13 @@ impl Planner {
 
     pub fn config(&self) -> &CoverageConfig {
         &self.cfg
+    }
+
+    /// Where the server's missing streams go: straight to its direct URL when direct
+    /// growth is on and it offers one (with the direct opens already in flight).
+    fn direct_of(&self, s: &Server) -> Option<(ServerKey, String, u32)> {
+        (self.cfg.direct_growth && !s.view.direct_url.is_empty())
+            .then(|| (s.key(), s.view.direct_url.clone(), s.view.opening))
     }
 
     pub fn plan(&mut self, snap: &Snapshot) -> Plan {
@@ -673,10 +711,16 @@ impl Planner {
                 .filter(|t| t.key() != s.key() && t.state != State::Evacuated)
                 .map(|t| t.surplus(reserve))
                 .sum();
-            let allowed = cfg
-                .idle_elsewhere_factor
-                .saturating_mul(demand)
-                .saturating_sub(elsewhere);
+            let direct = self.direct_of(s);
+            // Direct opens land where they are needed: the 4x rule, which bounds what
+            // load-balanced opens park elsewhere, does not apply to them.
+            let allowed = if direct.is_some() {
+                u32::MAX
+            } else {
+                cfg.idle_elsewhere_factor
+                    .saturating_mul(demand)
+                    .saturating_sub(elsewhere)
+            };
             let want = step.min(allowed);
             if want == 0 {
                 continue;
@@ -700,6 +744,7 @@ impl Planner {
             requests.push(OpenRequest {
                 server_id: s.view.server_id.clone(),
                 probe: None,
+                direct,
                 kind: ActionKind::Grow,
                 want,
                 why,
@@ -720,10 +765,12 @@ impl Planner {
         let mut requests = Vec::new();
         for s in tick.servers.iter().filter(|s| s.state == State::Filling) {
             let shortfall = s.shortfall(reserve);
-            if !s.absent() {
+            let direct = self.direct_of(s);
+            if !s.absent() || direct.is_some() {
                 requests.push(OpenRequest {
                     server_id: s.view.server_id.clone(),
                     probe: None,
+                    direct,
                     kind: ActionKind::Fill,
                     want: shortfall,
                     why: format!(
@@ -745,6 +792,7 @@ impl Planner {
             requests.push(OpenRequest {
                 server_id: s.view.server_id.clone(),
                 probe: Some(s.key()),
+                direct: None,
                 kind: ActionKind::Fill,
                 want: shortfall.min(left),
                 why: format!(
@@ -764,6 +812,7 @@ impl Planner {
         Some(OpenRequest {
             server_id: ANY_SERVER.to_string(),
             probe: None,
+            direct: None,
             kind: ActionKind::Fill,
             want: self.cfg.reserve,
             why: format!(
@@ -778,13 +827,24 @@ impl Planner {
     /// live + opening + new at `max_streams`.
     fn open(&mut self, tick: &Tick, requests: Vec<OpenRequest>, plan: &mut Plan) {
         let mut credit = tick.opening;
-        let mut room = self
-            .cfg
-            .max_streams
-            .saturating_sub(tick.live().saturating_add(tick.opening));
+        let direct_opening: u32 = tick
+            .servers
+            .iter()
+            .fold(0, |n, s| n.saturating_add(s.view.opening));
+        let mut room = self.cfg.max_streams.saturating_sub(
+            tick.live()
+                .saturating_add(tick.opening)
+                .saturating_add(direct_opening),
+        );
         for r in requests {
-            let credited = credit.min(r.want);
-            credit -= credited;
+            let credited = match &r.direct {
+                Some((_, _, opening)) => (*opening).min(r.want),
+                None => {
+                    let c = credit.min(r.want);
+                    credit -= c;
+                    c
+                }
+            };
             let n = (r.want - credited).min(room);
             room -= n;
             if n == 0 {
@@ -797,12 +857,25 @@ impl Planner {
             if n < r.want - credited {
                 reason.push_str(&format!(", capped by max_streams {}", self.cfg.max_streams));
             }
-            reason.push_str(&format!("; opening {n}"));
             if let Some(k) = &r.probe {
                 let mem = self.memory.entry(k.clone()).or_default();
                 mem.probes = mem.probes.saturating_add(n);
             }
-            plan.open += n;
+            match r.direct {
+                Some(((server_id, instance_id), url, _)) => {
+                    reason.push_str(&format!("; opening {n} direct to {url}"));
+                    plan.direct.push(DirectOpen {
+                        server_id,
+                        instance_id,
+                        url,
+                        count: n,
+                    });
+                }
+                None => {
+                    reason.push_str(&format!("; opening {n}"));
+                    plan.open += n;
+                }
+            }
             plan.actions.push(Action {
                 server_id: r.server_id,
                 kind: r.kind,
@@ -956,6 +1029,7 @@ impl Planner {
             .collect();
         Plan {
             open,
+            direct: Vec::new(),
             close,
             actions,
             states,

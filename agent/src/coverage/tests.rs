@@ -78,6 +78,7 @@ impl Connector for FakeNet {
             link.emit(StreamEvent::Landed(Landing {
                 server_id: (net.place)(id),
                 instance_id: "1".into(),
+                direct_url: String::new(),
                 zone: "z1".into(),
                 server_stream_id: id,
                 heartbeat: Duration::from_secs(10),

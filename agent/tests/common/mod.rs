@@ -186,6 +186,7 @@ impl Tunnel for Svc {
             tunnel_id: "demo".into(),
             protocol_version: relay_proto::PROTOCOL_VERSION,
             instance_id: "fake-1".into(),
+            direct_url: String::new(),
         };
         tx.send(Ok(ServerFrame::of(In::Hello(hello))))
             .await

@@ -307,6 +307,8 @@ impl Sim {
                     zone: s.zone.clone(),
                     listed: false,
                     cap: None,
+                    direct_url: String::new(),
+                    opening: 0,
                     streams: s
                         .streams
                         .iter()

@@ -61,6 +61,8 @@ impl Snap {
             zone: "z".to_string(),
             listed: false,
             cap: None,
+            direct_url: String::new(),
+            opening: 0,
             streams,
             queued: 0,
             draining: false,
@@ -431,6 +433,8 @@ fn listed(id: &str, instance: &str) -> ServerView {
         zone: "z".into(),
         listed: true,
         cap: None,
+        direct_url: String::new(),
+        opening: 0,
         streams: Vec::new(),
         queued: 0,
         draining: false,
@@ -507,6 +511,64 @@ fn a_server_at_its_refused_cap_is_not_asked_for_more() {
     let plan = Planner::new(cfg()).plan(&s.snap(0, &[a]));
     assert_eq!(state_of(&plan, "a"), State::Covered);
     assert_eq!(plan.open, 0, "{:?}", plan.actions);
+}
+
+fn direct_cfg() -> CoverageConfig {
+    CoverageConfig {
+        direct_growth: true,
+        ..cfg()
+    }
+}
+
+#[test]
+fn direct_growth_opens_the_whole_shortfall_straight_to_the_short_server() {
+    let mut s = Snap::new();
+    let mut a = s.server("a", 0, 2);
+    a.queued = 8;
+    a.direct_url = "http://a:8441".into();
+    // Plenty idle elsewhere: through the load balancer the 4x rule pauses growth.
+    let b = s.server("b", 60, 0);
+    let mut p = Planner::new(direct_cfg());
+    let plan = p.plan(&s.snap(0, &[a.clone(), b.clone()]));
+    assert_eq!(plan.open, 0, "nothing through the load balancer");
+    assert_eq!(
+        plan.direct,
+        vec![DirectOpen {
+            server_id: "a".into(),
+            instance_id: "1".into(),
+            url: "http://a:8441".into(),
+            count: 10,
+        }],
+        "busy 10 + reserve 2 - 2 live, in one step: {:?}",
+        plan.actions
+    );
+    // Next tick, with those opens in flight, nothing is asked twice.
+    a.opening = 10;
+    let plan = p.plan(&s.snap(1, &[a.clone(), b.clone()]));
+    assert!(plan.direct.is_empty() && plan.open == 0, "{:?}", plan.actions);
+    // Without direct growth (or with no URL) the same snapshot is clipped by the 4x rule.
+    a.opening = 0;
+    let plan = Planner::new(cfg()).plan(&s.snap(0, &[a, b]));
+    assert!(plan.direct.is_empty());
+    assert_eq!(plan.open, 0, "paused by the 4x rule: {:?}", plan.actions);
+}
+
+#[test]
+fn a_listed_server_with_a_direct_url_gets_exactly_its_reserve() {
+    let mut s = Snap::new();
+    let a = s.server("a", 2, 0);
+    let mut far = listed("far", "1");
+    far.direct_url = "http://far:8441".into();
+    let mut p = Planner::new(direct_cfg());
+    let plan = p.plan(&s.snap(0, &[a.clone(), far.clone()]));
+    assert_eq!(plan.open, 0);
+    assert_eq!(plan.direct.len(), 1);
+    assert_eq!(plan.direct[0].count, 2);
+    // Its direct URL failed (the actor blanks it): the load balancer path with its budget.
+    far.direct_url.clear();
+    let plan = p.plan(&s.snap(1, &[a, far]));
+    assert!(plan.direct.is_empty());
+    assert_eq!(plan.open, 2);
 }
 
 #[test]
