@@ -90,6 +90,7 @@ pub struct StackBuilder {
     upstream_latency_fn: Option<Arc<dyn Fn() -> Duration + Send + Sync>>,
     lb_seed: u64,
     agent_addrs: Vec<SocketAddr>,
+    direct: bool,
 }
 
 impl Default for StackBuilder {
@@ -112,6 +113,7 @@ impl Default for StackBuilder {
             upstream_latency_fn: None,
             lb_seed: 7,
             agent_addrs: Vec::new(),
+            direct: false,
         }
     }
 }
@@ -218,6 +220,13 @@ impl StackBuilder {
         self
     }
 
+    /// Every tunnel server advertises its own agent listener as its `direct_url`
+    /// (placement-aware growth bypasses the load-balancer fixture).
+    pub fn direct_urls(mut self, on: bool) -> Self {
+        self.direct = on;
+        self
+    }
+
     /// Starts no agent (tests that script their own).
     pub fn without_agent(mut self) -> Self {
         self.agent = false;
@@ -317,6 +326,10 @@ impl StackBuilder {
                 forward: any().await?,
                 admin: any().await?,
             };
+            let mut cfg = cfg;
+            if self.direct {
+                cfg.direct_url = Some(format!("{agent_scheme}://{}", l.agent.local_addr()?));
+            }
             let handle = on_rt(
                 rts.as_ref().map(|r| &r.servers),
                 relay_tunnel_server::start(cfg.clone(), tokens.clone(), l),
@@ -420,6 +433,7 @@ impl StackBuilder {
             runtimes: rts,
             registries: Vec::new(),
             last_addrs: Default::default(),
+            direct: self.direct,
         })
     }
 }
@@ -466,6 +480,8 @@ pub struct Stack {
     registries: Vec<(usize, prometheus::Registry)>,
     /// Listener addresses of stopped servers, by slot, to restart them on the same ports.
     last_addrs: std::collections::HashMap<usize, (SocketAddr, SocketAddr, SocketAddr)>,
+    /// Servers advertise their agent listener as `direct_url`.
+    direct: bool,
 }
 
 struct AgentSlot {
@@ -655,7 +671,7 @@ impl Stack {
     /// server id, on its previous ports when they are free; the load-balancer fixture
     /// sends new streams there again. Errors if it is running.
     pub async fn start_server(&mut self, i: usize) -> anyhow::Result<()> {
-        let cfg = self
+        let mut cfg = self
             .slots
             .get(i)
             .cloned()
@@ -680,6 +696,10 @@ impl Stack {
             forward: bind(prev.map(|p| p.1)).await?,
             admin: bind(prev.map(|p| p.2)).await?,
         };
+        if self.direct {
+            let agent_scheme = scheme(cfg.agent_tls.insecure);
+            cfg.direct_url = Some(format!("{agent_scheme}://{}", l.agent.local_addr()?));
+        }
         let handle = on_rt(
             self.runtimes.as_ref().map(|r| &r.servers),
             relay_tunnel_server::start(cfg, self.tokens.clone(), l),

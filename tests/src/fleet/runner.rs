@@ -376,6 +376,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                 .zones(&zones)
                 .placement(policy(s, s.servers.placement))
                 .lb_seed(s.seed)
+                .direct_urls(s.servers.direct)
                 .coverage(cov)
                 .agents(s.agents.count)
                 .runtimes(rts.handles.clone())

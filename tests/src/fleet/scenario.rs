@@ -84,6 +84,9 @@ pub struct Servers {
     pub queue_timeout: Duration,
     /// Tunnel server `max_queue_per_tunnel`.
     pub max_queue: usize,
+    /// Each server advertises its agent listener as `direct_url`, so agents with
+    /// `[agents.coverage] direct_growth = true` open missing streams straight to it.
+    pub direct: bool,
 }
 
 /// Stream placement policy of the load-balancer fixture.
@@ -262,6 +265,7 @@ impl Default for Servers {
             unfillable: 1,
             queue_timeout: Duration::from_secs(5),
             max_queue: 1024,
+            direct: false,
         }
     }
 }

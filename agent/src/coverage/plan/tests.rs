@@ -545,7 +545,11 @@ fn direct_growth_opens_the_whole_shortfall_straight_to_the_short_server() {
     // Next tick, with those opens in flight, nothing is asked twice.
     a.opening = 10;
     let plan = p.plan(&s.snap(1, &[a.clone(), b.clone()]));
-    assert!(plan.direct.is_empty() && plan.open == 0, "{:?}", plan.actions);
+    assert!(
+        plan.direct.is_empty() && plan.open == 0,
+        "{:?}",
+        plan.actions
+    );
     // Without direct growth (or with no URL) the same snapshot is clipped by the 4x rule.
     a.opening = 0;
     let plan = Planner::new(cfg()).plan(&s.snap(0, &[a, b]));
