@@ -214,12 +214,17 @@ impl Proc {
         }
     }
 
-    /// Resident memory in KiB (`VmRSS` of `/proc/<pid>/status`), if it is running.
-    pub fn rss_kib(&self) -> Option<u64> {
-        if self.exited.is_some() {
-            return None;
-        }
+    /// Resident memory in KiB (`VmRSS` of `/proc/<pid>/status`); an error if the process
+    /// has exited or its status cannot be read.
+    pub fn rss_kib(&self) -> anyhow::Result<u64> {
+        anyhow::ensure!(
+            self.exited.is_none(),
+            "{} has exited ({:?}): no memory to read",
+            self.name,
+            self.exited
+        );
         rss_kib_of(&format!("/proc/{}/status", self.pid()))
+            .with_context(|| format!("memory of {}", self.name))
     }
 
     /// Where its stdout and stderr go (appended: a restart on the same name continues it).
@@ -251,16 +256,24 @@ impl Drop for Proc {
     }
 }
 
-/// `VmRSS` in KiB from a `/proc/.../status` file.
-pub fn rss_kib_of(status_path: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(status_path).ok()?;
-    text.lines()
+/// `VmRSS` in KiB from a `/proc/.../status` file; an error if the file cannot be read or
+/// holds no `VmRSS` line (a process that exited but is not reaped yet has none).
+pub fn rss_kib_of(status_path: &str) -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string(status_path)
+        .with_context(|| format!("cannot read {status_path}"))?;
+    let line = text
+        .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("{status_path} has no VmRSS line"))?;
+    line.trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .with_context(|| format!("{status_path}: VmRSS {line:?} is not a number of kB"))
 }
 
 /// This process's resident memory in KiB.
-pub fn self_rss_kib() -> Option<u64> {
+pub fn self_rss_kib() -> anyhow::Result<u64> {
     rss_kib_of("/proc/self/status")
 }
 
