@@ -358,11 +358,29 @@ pub async fn scrape(admin: SocketAddr) -> anyhow::Result<String> {
 }
 
 /// Sum of the samples of `name` (exact metric name, no suffix matching) whose labels
-/// include every `labels` pair, in Prometheus text.
+/// include every `labels` pair, in Prometheus text; 0 when there is none.
 pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples(text, name, labels).sum()
+}
+
+/// Like [`metric`], but an error when no sample matches: for checks where a series that
+/// disappeared must not read as 0.
+pub fn series(text: &str, name: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
+    let mut found = samples(text, name, labels).peekable();
+    if found.peek().is_none() {
+        return Err(format!("no series {name}{labels:?} in the metrics"));
+    }
+    Ok(found.sum())
+}
+
+fn samples<'a>(
+    text: &'a str,
+    name: &'a str,
+    labels: &'a [(&'a str, &'a str)],
+) -> impl Iterator<Item = f64> + 'a {
     text.lines()
         .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
+        .filter_map(move |l| {
             let (series, value) = l.rsplit_once(' ')?;
             let (n, rest) = match series.find('{') {
                 Some(i) => (&series[..i], &series[i..]),
@@ -376,7 +394,6 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
                 .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
             all.then(|| value.parse::<f64>().ok()).flatten()
         })
-        .sum()
 }
 
 /// Options of a tunnel server child.

@@ -22,9 +22,12 @@ use bytes::Bytes;
 use http::Method;
 use relay_tests::client::Caller;
 use relay_tests::lb::Policy;
+use relay_tests::ledger::{
+    agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops,
+};
 use relay_tests::metrics::value;
 use relay_tests::procs::{
-    metric, scrape, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
+    metric, scrape, series, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
     TunnelServerOpts, TunnelServerProc,
 };
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
@@ -258,43 +261,13 @@ where
 // Per-hop accounting
 
 /// Dispatcher calls handled so far (every outcome) and in flight, from its `/metrics`.
+/// A missing series is an error, never 0.
 async fn dispatcher_calls(admin: SocketAddr) -> Result<(f64, f64), String> {
     let text = scrape(admin).await.map_err(|e| e.to_string())?;
     Ok((
-        metric(&text, "relay_dispatcher_calls_total", &[]),
-        metric(&text, "relay_dispatcher_calls_in_flight", &[]),
+        series(&text, "relay_dispatcher_calls_total", &[])?,
+        series(&text, "relay_dispatcher_calls_in_flight", &[])?,
     ))
-}
-
-/// Calls in, outcomes out and in flight of one tunnel server, as Prometheus text.
-fn server_ledger_text(name: &str, text: &str) -> Result<(), String> {
-    let received = metric(text, "relay_tunnel_calls_received_total", &[]);
-    let outcomes = metric(text, "relay_tunnel_calls_total", &[]);
-    let in_flight = metric(text, "relay_tunnel_calls_in_flight", &[]);
-    if received != outcomes || in_flight != 0.0 {
-        return Err(format!(
-            "{name}: received {received} outcomes {outcomes} in flight {in_flight}"
-        ));
-    }
-    Ok(())
-}
-
-fn server_ledger(name: &str, reg: &prometheus::Registry) -> Result<(), String> {
-    server_ledger_text(name, &relay_common::admin::render_metrics(reg))
-}
-
-/// The agent's ledger: every call it received ended with one outcome, and no stream is
-/// still busy.
-fn agent_ledger_text(name: &str, text: &str) -> Result<(), String> {
-    let received = metric(text, "relay_agent_calls_received_total", &[]);
-    let outcomes = metric(text, "relay_agent_calls_total", &[]);
-    let busy = metric(text, "grpc_tunnel_server_streams", &[("state", "busy")]);
-    if received != outcomes || busy != 0.0 {
-        return Err(format!(
-            "{name}: received {received} outcomes {outcomes}, {busy} streams still busy"
-        ));
-    }
-    Ok(())
 }
 
 /// The accounting check on the in-process stack: `sent` calls since the dispatcher had
@@ -307,18 +280,31 @@ async fn stack_accounted(stack: &Stack, sent: u64, base: f64) -> Result<(), Stri
             calls - base
         ));
     }
+    let mut hops = Hops {
+        attempts: dispatcher_attempts(
+            &scrape(stack.dispatcher_admin)
+                .await
+                .map_err(|e| e.to_string())?,
+        )?,
+        ..Hops::default()
+    };
+    // Every incarnation's registry survives in the in-process stack.
     for (i, reg) in stack.server_registries() {
-        server_ledger(&format!("server slot {i}"), &reg)?;
+        let text = relay_common::admin::render_metrics(&reg);
+        let id = stack
+            .server_id(i)
+            .map_or(format!("slot {i}"), str::to_string);
+        server_ledger_text(&id, &text, true, &mut hops)?;
     }
-    for i in 0..stack.agent_count() {
-        if let Some(a) = stack.agent(i) {
-            agent_ledger_text(
-                &format!("agent {i}"),
-                &relay_common::admin::render_metrics(a.registry()),
-            )?;
-        }
+    for (i, reg, running) in stack.agent_registries() {
+        agent_ledger_text(
+            &format!("agent {i}"),
+            &relay_common::admin::render_metrics(&reg),
+            running,
+            &mut hops,
+        )?;
     }
-    Ok(())
+    hops_agree(&hops)
 }
 
 async fn dispatcher_base(admin: SocketAddr) -> f64 {
@@ -346,6 +332,8 @@ struct Fleet {
     agent: AgentProc,
     /// Calls the fleet's own readiness probes sent through the dispatcher.
     probes: AtomicU64,
+    /// Per server slot: restarted at least once (its earlier counters are gone).
+    restarted: Vec<bool>,
 }
 
 impl Fleet {
@@ -397,6 +385,7 @@ impl Fleet {
             ports,
             agent,
             probes: AtomicU64::new(0),
+            restarted: vec![false; n],
         };
         fleet.wait_covered(n).await;
         fleet
@@ -479,6 +468,7 @@ impl Fleet {
 
     async fn restart(&mut self, i: usize) {
         assert!(self.servers[i].is_none());
+        self.restarted[i] = true;
         let s =
             TunnelServerProc::start_on(self.dir.path(), self.opts[i].clone(), Some(self.ports[i]))
                 .await
@@ -501,11 +491,31 @@ impl Fleet {
                 calls - base
             ));
         }
-        for s in self.servers.iter().flatten() {
+        let mut hops = Hops {
+            attempts: dispatcher_attempts(
+                &scrape(self.dispatcher.admin)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            )?,
+            ..Hops::default()
+        };
+        // A killed or drained process's counters are gone: only a server that ran through
+        // the whole test is read whole.
+        for (i, s) in self.servers.iter().enumerate() {
+            let Some(s) = s else { continue };
             let t = scrape(s.admin_addr).await.map_err(|e| e.to_string())?;
-            server_ledger_text(&s.server_id, &t)?;
+            server_ledger_text(&s.server_id, &t, !self.restarted[i], &mut hops)?;
         }
-        agent_ledger_text("agent", &self.agent_metrics().await)
+        if self.servers.iter().any(Option::is_none) {
+            for (i, s) in self.servers.iter().enumerate() {
+                if s.is_none() {
+                    hops.server_received
+                        .insert(self.opts[i].server_id.clone(), (0.0, false));
+                }
+            }
+        }
+        agent_ledger_text("agent", &self.agent_metrics().await, true, &mut hops)?;
+        hops_agree(&hops)
     }
 }
 
