@@ -42,6 +42,12 @@ use tokio::time::Instant;
 
 const READY: Duration = Duration::from_secs(20);
 const QUIET: Duration = Duration::from_secs(20);
+/// The dispatcher's `[registry] lease` (its default, which the fleets run with).
+const LEASE: Duration = Duration::from_secs(3);
+/// The tunnel servers' heartbeat in the process fleets of the heartbeat tests.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+/// Margin on a detection bound: polling, scheduling on a loaded 2-core machine.
+const DETECT_SLACK: Duration = Duration::from_secs(2);
 
 // ---------------------------------------------------------------------------------------
 // Load and the client-side ledger
@@ -534,7 +540,7 @@ fn crash_answers(k: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
-    let mut fleet = Fleet::start(3, Duration::from_secs(1), Duration::ZERO).await;
+    let mut fleet = Fleet::start(3, HEARTBEAT, Duration::ZERO).await;
     let base = fleet.base().await;
     let load = start_load(fleet.front(), LoadSpec::new(8, "/slow/100", 5000));
     tokio::time::sleep(Duration::from_millis(1500)).await; // steady state before the fault
@@ -566,6 +572,20 @@ async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
     eprintln!(
         "kill {id} (agent streams before: {before:?}): agent dropped it after {agent_gone:?}, dispatcher after {dispatcher_gone:?}; {}",
         tally.summary()
+    );
+    // A killed process's connections close with it: both notice well within the bounds
+    // for a silent peer (3 heartbeats for the agent, the lease for the dispatcher).
+    let agent_gone = agent_gone.expect("the agent kept the killed server's streams");
+    assert!(
+        agent_gone <= 3 * HEARTBEAT + DETECT_SLACK,
+        "the agent dropped the killed server after {agent_gone:?}, bound is 3 heartbeats + \
+         {DETECT_SLACK:?}"
+    );
+    let dispatcher_gone = dispatcher_gone.expect("the dispatcher kept the killed server");
+    assert!(
+        dispatcher_gone <= LEASE + DETECT_SLACK,
+        "the dispatcher dropped the killed server after {dispatcher_gone:?}, bound is its \
+         lease ({LEASE:?}) + {DETECT_SLACK:?}"
     );
     assert!(
         ok_after.is_some(),
@@ -752,7 +772,7 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dead() {
     // Heartbeat 1 s: the agent drops a stream after 3 s without a frame.
-    let fleet = Fleet::start(2, Duration::from_secs(1), Duration::ZERO).await;
+    let fleet = Fleet::start(2, HEARTBEAT, Duration::ZERO).await;
     let base = fleet.base().await;
     let load = start_load(fleet.front(), LoadSpec::new(4, "/slow/50", 3000));
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -806,12 +826,15 @@ async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dea
     );
     let agent_detect = agent_detect.expect("the agent never dropped the frozen server's streams");
     assert!(
-        agent_detect <= Duration::from_millis(3000 + 2000),
-        "frozen server found after {agent_detect:?}, bound is 3 heartbeats + 2 s"
+        agent_detect <= 3 * HEARTBEAT + DETECT_SLACK,
+        "frozen server found after {agent_detect:?}, bound is 3 heartbeats + {DETECT_SLACK:?}"
     );
+    let dispatcher_detect =
+        dispatcher_detect.expect("the dispatcher kept routing to the frozen server");
     assert!(
-        dispatcher_detect.is_some(),
-        "the dispatcher kept routing to the frozen server"
+        dispatcher_detect <= LEASE + DETECT_SLACK,
+        "the dispatcher dropped the frozen server after {dispatcher_detect:?}, bound is its \
+         lease ({LEASE:?}) + {DETECT_SLACK:?}"
     );
     for (k, n) in tally.failures() {
         assert!(
