@@ -3,6 +3,7 @@
 //! load tester's own edges: bad scenario files are refused naming the key, an unreachable
 //! external target fails fast, and a stopped run still reports.
 
+use relay_tests::fleet::scenario::Distribution;
 use relay_tests::fleet::{run, Mode, Report, RunOptions, Scenario};
 use std::path::Path;
 use std::time::Duration;
@@ -80,6 +81,36 @@ async fn an_unreachable_external_target_fails_fast_with_a_clear_message() {
     .to_string();
     assert!(err.contains("cannot reach the dispatcher"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// Each call carries its deadline to the relay, which answers it by then even when the
+/// upstream takes longer: every call fails at its deadline with the relay's 504, and
+/// none is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_past_their_deadline_are_answered_by_the_relay_and_none_is_lost() {
+    let mut s = builtin("uniform").scaled(0.1, 0.1);
+    s.upstream.latency = Duration::from_secs(7);
+    s.upstream.distribution = Distribution::Fixed;
+    s.load.call_timeout = Duration::from_secs(1);
+    s.expect = Default::default();
+    let r = run(&s, RunOptions::default()).await.expect("scenario runs");
+    println!("{}", relay_tests::fleet::report::summary(&r));
+    assert_eq!(r.calls_lost, 0, "{:?}", r.calls_failed);
+    assert!(r.calls_sent > 0, "no call sent");
+    assert_eq!(r.calls_ok, 0, "{:?}", r.calls_failed);
+    assert_eq!(r.calls_failed_total, r.calls_sent, "{:?}", r.calls_failed);
+    assert!(
+        r.calls_failed
+            .keys()
+            .all(|k| k == "deadline_exceeded" || k == "upstream_timeout"),
+        "{:?}",
+        r.calls_failed
+    );
+    assert!(
+        r.latency_ms.max < 1000.0 + 5000.0,
+        "answered after {} ms",
+        r.latency_ms.max
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
