@@ -12,7 +12,10 @@
 //!   is in flight once quiet;
 //! - each tunnel server (every incarnation whose counters survive):
 //!   `relay_tunnel_calls_received_total == sum(relay_tunnel_calls_total)`, nothing in flight;
-//! - agent: calls received = outcomes, and no stream is busy once quiet.
+//! - agent: calls received = outcomes, and no stream is busy once quiet;
+//! - across hops (`relay_tests::ledger`): the dispatcher's forward attempts to a server
+//!   = calls that server received (where every incarnation's counters survive), and the
+//!   agent received what the servers passed on. A missing series fails, never reads 0.
 //!
 //! The process-level faults run the real binaries as children (`relay_tests::procs`); the
 //! rest use the in-process stack. The soak runs the whole fleet as children so each
