@@ -32,7 +32,14 @@ pub struct Backend {
 /// Where the haproxy binary is, or an error that says how to install it.
 pub fn binary() -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("HAPROXY") {
-        return Ok(PathBuf::from(p));
+        let p = PathBuf::from(p);
+        anyhow::ensure!(
+            p.is_file(),
+            "HAPROXY={} is not a file: point it at the haproxy binary, or unset it and \
+             install the Debian package (`apt-get install haproxy`; .ci/run does)",
+            p.display()
+        );
+        return Ok(p);
     }
     if let Some(path) = std::env::var_os("PATH") {
         for dir in std::env::split_paths(&path) {

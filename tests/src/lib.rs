@@ -7,6 +7,7 @@ pub mod client;
 pub mod fleet;
 pub mod haproxy;
 pub mod lb;
+pub mod ledger;
 pub mod metrics;
 pub mod procs;
 pub mod soak;

@@ -214,12 +214,17 @@ impl Proc {
         }
     }
 
-    /// Resident memory in KiB (`VmRSS` of `/proc/<pid>/status`), if it is running.
-    pub fn rss_kib(&self) -> Option<u64> {
-        if self.exited.is_some() {
-            return None;
-        }
+    /// Resident memory in KiB (`VmRSS` of `/proc/<pid>/status`); an error if the process
+    /// has exited or its status cannot be read.
+    pub fn rss_kib(&self) -> anyhow::Result<u64> {
+        anyhow::ensure!(
+            self.exited.is_none(),
+            "{} has exited ({:?}): no memory to read",
+            self.name,
+            self.exited
+        );
         rss_kib_of(&format!("/proc/{}/status", self.pid()))
+            .with_context(|| format!("memory of {}", self.name))
     }
 
     /// Where its stdout and stderr go (appended: a restart on the same name continues it).
@@ -251,16 +256,24 @@ impl Drop for Proc {
     }
 }
 
-/// `VmRSS` in KiB from a `/proc/.../status` file.
-pub fn rss_kib_of(status_path: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(status_path).ok()?;
-    text.lines()
+/// `VmRSS` in KiB from a `/proc/.../status` file; an error if the file cannot be read or
+/// holds no `VmRSS` line (a process that exited but is not reaped yet has none).
+pub fn rss_kib_of(status_path: &str) -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string(status_path)
+        .with_context(|| format!("cannot read {status_path}"))?;
+    let line = text
+        .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("{status_path} has no VmRSS line"))?;
+    line.trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .with_context(|| format!("{status_path}: VmRSS {line:?} is not a number of kB"))
 }
 
 /// This process's resident memory in KiB.
-pub fn self_rss_kib() -> Option<u64> {
+pub fn self_rss_kib() -> anyhow::Result<u64> {
     rss_kib_of("/proc/self/status")
 }
 
@@ -345,11 +358,29 @@ pub async fn scrape(admin: SocketAddr) -> anyhow::Result<String> {
 }
 
 /// Sum of the samples of `name` (exact metric name, no suffix matching) whose labels
-/// include every `labels` pair, in Prometheus text.
+/// include every `labels` pair, in Prometheus text; 0 when there is none.
 pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples(text, name, labels).sum()
+}
+
+/// Like [`metric`], but an error when no sample matches: for checks where a series that
+/// disappeared must not read as 0.
+pub fn series(text: &str, name: &str, labels: &[(&str, &str)]) -> Result<f64, String> {
+    let mut found = samples(text, name, labels).peekable();
+    if found.peek().is_none() {
+        return Err(format!("no series {name}{labels:?} in the metrics"));
+    }
+    Ok(found.sum())
+}
+
+fn samples<'a>(
+    text: &'a str,
+    name: &'a str,
+    labels: &'a [(&'a str, &'a str)],
+) -> impl Iterator<Item = f64> + 'a {
     text.lines()
         .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
+        .filter_map(move |l| {
             let (series, value) = l.rsplit_once(' ')?;
             let (n, rest) = match series.find('{') {
                 Some(i) => (&series[..i], &series[i..]),
@@ -363,7 +394,6 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
                 .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
             all.then(|| value.parse::<f64>().ok()).flatten()
         })
-        .sum()
 }
 
 /// Options of a tunnel server child.

@@ -549,16 +549,21 @@ impl Monitor {
     fn sample(&mut self) {
         let at = self.t0.elapsed().as_secs_f64();
         for w in &mut self.procs {
-            if let Some(kib) = w
+            // A read can fail for a process exiting between the table and the read; one
+            // that never yields a sample is a finding of the report (`memory_unread`).
+            match w
                 .info
                 .pid
-                .and_then(|pid| rss_kib_of(&format!("/proc/{pid}/status")))
+                .map(|pid| rss_kib_of(&format!("/proc/{pid}/status")))
             {
-                w.rss.observe(at, kib);
+                Some(Ok(kib)) => w.rss.observe(at, kib),
+                Some(Err(e)) => w.rss.unread(e.to_string()),
+                None => {}
             }
         }
-        if let Some(kib) = crate::procs::self_rss_kib() {
-            self.me.observe(at, kib);
+        match crate::procs::self_rss_kib() {
+            Ok(kib) => self.me.observe(at, kib),
+            Err(e) => self.me.unread(e.to_string()),
         }
     }
 

@@ -432,6 +432,7 @@ impl StackBuilder {
             tokens,
             runtimes: rts,
             registries: Vec::new(),
+            agent_registries: Vec::new(),
             last_addrs: Default::default(),
             direct: self.direct,
         })
@@ -478,6 +479,8 @@ pub struct Stack {
     runtimes: Option<Runtimes>,
     /// Registries of server incarnations that were stopped, by slot.
     registries: Vec<(usize, prometheus::Registry)>,
+    /// Registries of agent incarnations that were taken away, by agent.
+    agent_registries: Vec<(usize, prometheus::Registry)>,
     /// Listener addresses of stopped servers, by slot, to restart them on the same ports.
     last_addrs: std::collections::HashMap<usize, (SocketAddr, SocketAddr, SocketAddr)>,
     /// Servers advertise their agent listener as `direct_url`.
@@ -642,7 +645,28 @@ impl Stack {
     /// Takes agent `i`'s handle out (to stop it without holding the stack); start it
     /// again with [`Stack::respawn_agent`].
     pub fn take_agent(&mut self, i: usize) -> Option<relay_agent::AgentHandle> {
-        self.agents.get_mut(i).and_then(|a| a.handle.take())
+        let h = self.agents.get_mut(i).and_then(|a| a.handle.take());
+        if let Some(h) = &h {
+            self.agent_registries.push((i, h.registry().clone()));
+        }
+        h
+    }
+
+    /// Metric registries of every agent incarnation so far, by agent, each with whether
+    /// it is the running one: running ones and ones taken away (so totals survive
+    /// restarts).
+    pub fn agent_registries(&self) -> Vec<(usize, prometheus::Registry, bool)> {
+        let mut out: Vec<_> = self
+            .agent_registries
+            .iter()
+            .map(|(i, r)| (*i, r.clone(), false))
+            .collect();
+        for (i, a) in self.agents.iter().enumerate() {
+            if let Some(h) = &a.handle {
+                out.push((i, h.registry().clone(), true));
+            }
+        }
+        out
     }
 
     /// Starts agent `i` again with its config if it is not running.

@@ -218,30 +218,40 @@ async fn tricky_raw_requests_get_clear_answers() {
         (format!("GET /relay/demo/echo HTTP/1.1\r\nHost: x\r\n{auth}{auth}\r\n"), 401),
         (format!("GET /relay/demo/echo HTTP/1.1\r\nHost: x\r\n{auth}x-relay-timeout-ms: -5\r\n\r\n"), 400),
         (format!("GET /relay/nobody/echo HTTP/1.1\r\nHost: x\r\n{auth}\r\n"), 503),
-        // Host override attempt: the agent refuses steering headers.
-        (format!("GET /relay/demo/echo HTTP/1.1\r\nHost: x\r\n{auth}X-Forwarded-Host: evil\r\n\r\n"), 0),
-        // Smuggling: both Content-Length and Transfer-Encoding.
-        (format!("POST /relay/demo/echo HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"), 0),
+        // Host override attempt: the agent refuses steering headers (403, below).
+        (format!("GET /relay/demo/echo HTTP/1.1\r\nHost: x\r\n{auth}X-Forwarded-Host: evil\r\n\r\n"), 403),
         (format!("POST /relay/demo/echo HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 3\r\nContent-Length: 4\r\n\r\nabcd"), 400),
         // Garbage request line.
         ("\x16\x03\x01\x00\x05hello\r\n\r\n".to_string(), 400),
     ];
     for (request, want) in cases {
         let (status, headers, body) = raw(stack.http, request.as_bytes()).await;
-        assert!(status >= 100, "{request:?}: no status");
-        if want != 0 {
-            assert_eq!(
-                status,
-                want,
-                "{request:?}: {:?}",
-                String::from_utf8_lossy(&body)
-            );
-        }
+        assert_eq!(
+            status,
+            want,
+            "{request:?}: {:?}",
+            String::from_utf8_lossy(&body)
+        );
         // hyper answers unparseable requests itself (400, empty); the relay's own errors are JSON.
         if status >= 400 && !body.is_empty() {
             check(status, &headers, &body, &request);
         }
     }
+    // The steering header is refused by the agent's security check, naming the reason.
+    let (_, _, body) = raw(
+        stack.http,
+        format!("GET /relay/demo/echo HTTP/1.1\r\nHost: x\r\n{auth}X-Forwarded-Host: evil\r\n\r\n")
+            .as_bytes(),
+    )
+    .await;
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    assert_eq!(json["error"], "refused", "{json}");
+    assert!(
+        json["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("refused (override_header)")),
+        "{json}"
+    );
     assert_eq!(
         stack
             .caller()
@@ -251,5 +261,52 @@ async fn tricky_raw_requests_get_clear_answers() {
             .status,
         200
     );
+    stack.shutdown().await;
+}
+
+/// A request framed by both `Content-Length` and `Transfer-Encoding` never reaches the
+/// upstream with both: the agent refuses such a request (`smuggling`), and the
+/// dispatcher's HTTP/1 front, which reads the body as chunked (RFC 9112 section 6.3),
+/// forwards it without the `Content-Length`.
+#[tokio::test]
+async fn content_length_with_transfer_encoding_never_reaches_the_upstream_with_both() {
+    let stack = Stack::builder().servers(1).start().await.unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    let request = format!(
+        "POST /relay/demo/echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {CALLER_KEY}\r\n\
+         Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    );
+    let (status, headers, body) = raw(stack.http, request.as_bytes()).await;
+    match status {
+        403 => {
+            let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            assert!(
+                json["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("refused (smuggling)")),
+                "{json}"
+            );
+        }
+        200 => {
+            let seen: serde_json::Value = headers
+                .get("x-echo-headers")
+                .and_then(|v| serde_json::from_slice(v.as_bytes()).ok())
+                .unwrap_or_else(|| panic!("relayed without the echo of its headers: {headers:?}"));
+            let has = |n: &str| seen.get(n).is_some();
+            assert!(
+                !(has("content-length") && has("transfer-encoding")),
+                "the upstream saw both framings: {seen}"
+            );
+            assert_ne!(
+                seen.get("content-length").and_then(|v| v.as_str()),
+                Some("4"),
+                "the upstream saw the caller's Content-Length: {seen}"
+            );
+        }
+        other => panic!(
+            "neither refused nor relayed: {other} {:?}",
+            String::from_utf8_lossy(&body)
+        ),
+    }
     stack.shutdown().await;
 }

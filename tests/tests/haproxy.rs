@@ -16,8 +16,11 @@ use bytes::Bytes;
 use http::Method;
 use relay_tests::client::Caller;
 use relay_tests::haproxy::{Backend, Haproxy};
+use relay_tests::ledger::{
+    agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops,
+};
 use relay_tests::metrics::value;
-use relay_tests::procs::{free_addr, metric, scrape};
+use relay_tests::procs::{free_addr, metric, scrape, series};
 use relay_tests::stack::{Stack, CALLER_KEY, TUNNEL_ID};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -235,21 +238,42 @@ async fn behind_haproxy_coverage_reaches_every_routed_server_and_a_restart_loses
     }
     // Accounting: the dispatcher answered each call once (probes of wait_routable that
     // failed are the difference, so compare with >= and check nothing is in flight).
-    let t = scrape(stack.dispatcher_admin).await.unwrap();
-    let outcomes = metric(&t, "relay_dispatcher_calls_total", &[]) - base;
-    assert!(
-        outcomes >= sent as f64,
-        "dispatcher {outcomes} outcomes < {sent} calls"
-    );
-    assert_eq!(metric(&t, "relay_dispatcher_calls_in_flight", &[]), 0.0);
-    for s in stack.servers.iter().flatten() {
-        let t = relay_common::admin::render_metrics(&s.registry);
-        assert_eq!(
-            metric(&t, "relay_tunnel_calls_received_total", &[]),
-            metric(&t, "relay_tunnel_calls_total", &[]),
-            "{}: calls in != outcomes out",
-            s.server_id
-        );
+    // Per hop (a missing series fails): each server's calls in = outcomes out, the
+    // dispatcher's forward attempts = calls the servers received, and the agent received
+    // what the servers passed on; polled until quiet.
+    let accounted = || async {
+        let t = scrape(stack.dispatcher_admin)
+            .await
+            .map_err(|e| e.to_string())?;
+        let outcomes = series(&t, "relay_dispatcher_calls_total", &[])? - base;
+        let in_flight = series(&t, "relay_dispatcher_calls_in_flight", &[])?;
+        if outcomes < sent as f64 || in_flight != 0.0 {
+            return Err(format!(
+                "dispatcher: {outcomes} outcomes for {sent} calls, {in_flight} in flight"
+            ));
+        }
+        let mut hops = Hops {
+            attempts: dispatcher_attempts(&t)?,
+            ..Hops::default()
+        };
+        for (i, reg) in stack.server_registries() {
+            let id = stack.server_id(i).unwrap_or("?").to_string();
+            let text = relay_common::admin::render_metrics(&reg);
+            server_ledger_text(&id, &text, true, &mut hops)?;
+        }
+        for (i, reg, running) in stack.agent_registries() {
+            let text = relay_common::admin::render_metrics(&reg);
+            agent_ledger_text(&format!("agent {i}"), &text, running, &mut hops)?;
+        }
+        hops_agree(&hops)
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match accounted().await {
+            Ok(()) => break,
+            Err(e) if Instant::now() > deadline => panic!("accounting not settled: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
     }
     stack.shutdown().await;
 }

@@ -12,7 +12,10 @@
 //!   is in flight once quiet;
 //! - each tunnel server (every incarnation whose counters survive):
 //!   `relay_tunnel_calls_received_total == sum(relay_tunnel_calls_total)`, nothing in flight;
-//! - agent: calls received = outcomes, and no stream is busy once quiet.
+//! - agent: calls received = outcomes, and no stream is busy once quiet;
+//! - across hops (`relay_tests::ledger`): the dispatcher's forward attempts to a server
+//!   = calls that server received (where every incarnation's counters survive), and the
+//!   agent received what the servers passed on. A missing series fails, never reads 0.
 //!
 //! The process-level faults run the real binaries as children (`relay_tests::procs`); the
 //! rest use the in-process stack. The soak runs the whole fleet as children so each
@@ -22,9 +25,12 @@ use bytes::Bytes;
 use http::Method;
 use relay_tests::client::Caller;
 use relay_tests::lb::Policy;
+use relay_tests::ledger::{
+    agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops,
+};
 use relay_tests::metrics::value;
 use relay_tests::procs::{
-    metric, scrape, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
+    metric, scrape, series, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
     TunnelServerOpts, TunnelServerProc,
 };
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
@@ -39,6 +45,12 @@ use tokio::time::Instant;
 
 const READY: Duration = Duration::from_secs(20);
 const QUIET: Duration = Duration::from_secs(20);
+/// The dispatcher's `[registry] lease` (its default, which the fleets run with).
+const LEASE: Duration = Duration::from_secs(3);
+/// The tunnel servers' heartbeat in the process fleets of the heartbeat tests.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+/// Margin on a detection bound: polling, scheduling on a loaded 2-core machine.
+const DETECT_SLACK: Duration = Duration::from_secs(2);
 
 // ---------------------------------------------------------------------------------------
 // Load and the client-side ledger
@@ -258,43 +270,13 @@ where
 // Per-hop accounting
 
 /// Dispatcher calls handled so far (every outcome) and in flight, from its `/metrics`.
+/// A missing series is an error, never 0.
 async fn dispatcher_calls(admin: SocketAddr) -> Result<(f64, f64), String> {
     let text = scrape(admin).await.map_err(|e| e.to_string())?;
     Ok((
-        metric(&text, "relay_dispatcher_calls_total", &[]),
-        metric(&text, "relay_dispatcher_calls_in_flight", &[]),
+        series(&text, "relay_dispatcher_calls_total", &[])?,
+        series(&text, "relay_dispatcher_calls_in_flight", &[])?,
     ))
-}
-
-/// Calls in, outcomes out and in flight of one tunnel server, as Prometheus text.
-fn server_ledger_text(name: &str, text: &str) -> Result<(), String> {
-    let received = metric(text, "relay_tunnel_calls_received_total", &[]);
-    let outcomes = metric(text, "relay_tunnel_calls_total", &[]);
-    let in_flight = metric(text, "relay_tunnel_calls_in_flight", &[]);
-    if received != outcomes || in_flight != 0.0 {
-        return Err(format!(
-            "{name}: received {received} outcomes {outcomes} in flight {in_flight}"
-        ));
-    }
-    Ok(())
-}
-
-fn server_ledger(name: &str, reg: &prometheus::Registry) -> Result<(), String> {
-    server_ledger_text(name, &relay_common::admin::render_metrics(reg))
-}
-
-/// The agent's ledger: every call it received ended with one outcome, and no stream is
-/// still busy.
-fn agent_ledger_text(name: &str, text: &str) -> Result<(), String> {
-    let received = metric(text, "relay_agent_calls_received_total", &[]);
-    let outcomes = metric(text, "relay_agent_calls_total", &[]);
-    let busy = metric(text, "grpc_tunnel_server_streams", &[("state", "busy")]);
-    if received != outcomes || busy != 0.0 {
-        return Err(format!(
-            "{name}: received {received} outcomes {outcomes}, {busy} streams still busy"
-        ));
-    }
-    Ok(())
 }
 
 /// The accounting check on the in-process stack: `sent` calls since the dispatcher had
@@ -307,18 +289,31 @@ async fn stack_accounted(stack: &Stack, sent: u64, base: f64) -> Result<(), Stri
             calls - base
         ));
     }
+    let mut hops = Hops {
+        attempts: dispatcher_attempts(
+            &scrape(stack.dispatcher_admin)
+                .await
+                .map_err(|e| e.to_string())?,
+        )?,
+        ..Hops::default()
+    };
+    // Every incarnation's registry survives in the in-process stack.
     for (i, reg) in stack.server_registries() {
-        server_ledger(&format!("server slot {i}"), &reg)?;
+        let text = relay_common::admin::render_metrics(&reg);
+        let id = stack
+            .server_id(i)
+            .map_or(format!("slot {i}"), str::to_string);
+        server_ledger_text(&id, &text, true, &mut hops)?;
     }
-    for i in 0..stack.agent_count() {
-        if let Some(a) = stack.agent(i) {
-            agent_ledger_text(
-                &format!("agent {i}"),
-                &relay_common::admin::render_metrics(a.registry()),
-            )?;
-        }
+    for (i, reg, running) in stack.agent_registries() {
+        agent_ledger_text(
+            &format!("agent {i}"),
+            &relay_common::admin::render_metrics(&reg),
+            running,
+            &mut hops,
+        )?;
     }
-    Ok(())
+    hops_agree(&hops)
 }
 
 async fn dispatcher_base(admin: SocketAddr) -> f64 {
@@ -346,6 +341,8 @@ struct Fleet {
     agent: AgentProc,
     /// Calls the fleet's own readiness probes sent through the dispatcher.
     probes: AtomicU64,
+    /// Per server slot: restarted at least once (its earlier counters are gone).
+    restarted: Vec<bool>,
 }
 
 impl Fleet {
@@ -397,6 +394,7 @@ impl Fleet {
             ports,
             agent,
             probes: AtomicU64::new(0),
+            restarted: vec![false; n],
         };
         fleet.wait_covered(n).await;
         fleet
@@ -479,6 +477,7 @@ impl Fleet {
 
     async fn restart(&mut self, i: usize) {
         assert!(self.servers[i].is_none());
+        self.restarted[i] = true;
         let s =
             TunnelServerProc::start_on(self.dir.path(), self.opts[i].clone(), Some(self.ports[i]))
                 .await
@@ -501,11 +500,31 @@ impl Fleet {
                 calls - base
             ));
         }
-        for s in self.servers.iter().flatten() {
+        let mut hops = Hops {
+            attempts: dispatcher_attempts(
+                &scrape(self.dispatcher.admin)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            )?,
+            ..Hops::default()
+        };
+        // A killed or drained process's counters are gone: only a server that ran through
+        // the whole test is read whole.
+        for (i, s) in self.servers.iter().enumerate() {
+            let Some(s) = s else { continue };
             let t = scrape(s.admin_addr).await.map_err(|e| e.to_string())?;
-            server_ledger_text(&s.server_id, &t)?;
+            server_ledger_text(&s.server_id, &t, !self.restarted[i], &mut hops)?;
         }
-        agent_ledger_text("agent", &self.agent_metrics().await)
+        if self.servers.iter().any(Option::is_none) {
+            for (i, s) in self.servers.iter().enumerate() {
+                if s.is_none() {
+                    hops.server_received
+                        .insert(self.opts[i].server_id.clone(), (0.0, false));
+                }
+            }
+        }
+        agent_ledger_text("agent", &self.agent_metrics().await, true, &mut hops)?;
+        hops_agree(&hops)
     }
 }
 
@@ -524,7 +543,7 @@ fn crash_answers(k: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
-    let mut fleet = Fleet::start(3, Duration::from_secs(1), Duration::ZERO).await;
+    let mut fleet = Fleet::start(3, HEARTBEAT, Duration::ZERO).await;
     let base = fleet.base().await;
     let load = start_load(fleet.front(), LoadSpec::new(8, "/slow/100", 5000));
     tokio::time::sleep(Duration::from_millis(1500)).await; // steady state before the fault
@@ -556,6 +575,20 @@ async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
     eprintln!(
         "kill {id} (agent streams before: {before:?}): agent dropped it after {agent_gone:?}, dispatcher after {dispatcher_gone:?}; {}",
         tally.summary()
+    );
+    // A killed process's connections close with it: both notice well within the bounds
+    // for a silent peer (3 heartbeats for the agent, the lease for the dispatcher).
+    let agent_gone = agent_gone.expect("the agent kept the killed server's streams");
+    assert!(
+        agent_gone <= 3 * HEARTBEAT + DETECT_SLACK,
+        "the agent dropped the killed server after {agent_gone:?}, bound is 3 heartbeats + \
+         {DETECT_SLACK:?}"
+    );
+    let dispatcher_gone = dispatcher_gone.expect("the dispatcher kept the killed server");
+    assert!(
+        dispatcher_gone <= LEASE + DETECT_SLACK,
+        "the dispatcher dropped the killed server after {dispatcher_gone:?}, bound is its \
+         lease ({LEASE:?}) + {DETECT_SLACK:?}"
     );
     assert!(
         ok_after.is_some(),
@@ -742,7 +775,7 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dead() {
     // Heartbeat 1 s: the agent drops a stream after 3 s without a frame.
-    let fleet = Fleet::start(2, Duration::from_secs(1), Duration::ZERO).await;
+    let fleet = Fleet::start(2, HEARTBEAT, Duration::ZERO).await;
     let base = fleet.base().await;
     let load = start_load(fleet.front(), LoadSpec::new(4, "/slow/50", 3000));
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -796,12 +829,15 @@ async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dea
     );
     let agent_detect = agent_detect.expect("the agent never dropped the frozen server's streams");
     assert!(
-        agent_detect <= Duration::from_millis(3000 + 2000),
-        "frozen server found after {agent_detect:?}, bound is 3 heartbeats + 2 s"
+        agent_detect <= 3 * HEARTBEAT + DETECT_SLACK,
+        "frozen server found after {agent_detect:?}, bound is 3 heartbeats + {DETECT_SLACK:?}"
     );
+    let dispatcher_detect =
+        dispatcher_detect.expect("the dispatcher kept routing to the frozen server");
     assert!(
-        dispatcher_detect.is_some(),
-        "the dispatcher kept routing to the frozen server"
+        dispatcher_detect <= LEASE + DETECT_SLACK,
+        "the dispatcher dropped the frozen server after {dispatcher_detect:?}, bound is its \
+         lease ({LEASE:?}) + {DETECT_SLACK:?}"
     );
     for (k, n) in tally.failures() {
         assert!(
@@ -1295,30 +1331,35 @@ async fn silently_dropped_connection_is_found_by_heartbeat_on_both_ends() {
 // ---------------------------------------------------------------------------------------
 // Soak
 
-/// Steady load on a fleet of child processes with a fault every `period`: a server killed
-/// and restarted, or drained and restarted, in turn. Returns the figures it printed.
+/// Steady load on a fleet of child processes with a fault every `period` on ts-2 or ts-3:
+/// killed and restarted, then drained and restarted, in turn. ts-1 runs through every
+/// fault, so its memory, like the dispatcher's and the agent's, is measured over the
+/// whole soak; an unreadable `/proc` fails the test.
 async fn soak(total: Duration, period: Duration) {
     let mut fleet = Fleet::start(3, Duration::from_secs(2), Duration::ZERO).await;
     let base = fleet.base().await;
     let load = start_load(fleet.front(), LoadSpec::new(6, "/slow/20", 5000));
     let rss = |f: &Fleet| {
+        let read = |p: &relay_tests::procs::Proc| p.rss_kib().unwrap_or_else(|e| panic!("{e:#}"));
+        let ts1 = f.servers[0].as_ref().expect("ts-1 runs through the soak");
         (
-            f.dispatcher.proc.rss_kib().unwrap_or(0),
-            f.agent.proc.rss_kib().unwrap_or(0),
+            read(&f.dispatcher.proc),
+            read(&f.agent.proc),
+            read(&ts1.proc),
         )
     };
     let agent_streams = |t: &str| metric(t, "grpc_tunnel_server_streams", &[]);
     // Warm-up: let allocators and pools reach their working size.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let (d0, a0) = rss(&fleet);
+    let (d0, a0, t0) = rss(&fleet);
     let s0 = agent_streams(&fleet.agent_metrics().await);
-    eprintln!("soak warm: dispatcher {d0} KiB, agent {a0} KiB, agent streams {s0}");
+    eprintln!("soak warm: dispatcher {d0} KiB, agent {a0} KiB, ts-1 {t0} KiB, agent streams {s0}");
     let started = Instant::now();
     let mut n = 0usize;
     let mut max_streams = s0;
     while started.elapsed() + period <= total {
         tokio::time::sleep(period / 2).await;
-        let i = n % 3;
+        let i = 1 + (n / 2) % 2;
         let s = fleet.servers[i].take().unwrap();
         let mut proc = s.proc;
         if n.is_multiple_of(2) {
@@ -1332,9 +1373,9 @@ async fn soak(total: Duration, period: Duration) {
         fleet.wait_covered(3).await;
         n += 1;
         max_streams = max_streams.max(agent_streams(&fleet.agent_metrics().await));
-        let (d, a) = rss(&fleet);
+        let (d, a, t) = rss(&fleet);
         eprintln!(
-            "soak t={:.0}s fault {n} ({}) on ts-{}: dispatcher {d} KiB, agent {a} KiB; {}",
+            "soak t={:.0}s fault {n} ({}) on ts-{}: dispatcher {d} KiB, agent {a} KiB, ts-1 {t} KiB; {}",
             started.elapsed().as_secs_f64(),
             if n % 2 == 1 { "kill" } else { "drain" },
             i + 1,
@@ -1342,11 +1383,11 @@ async fn soak(total: Duration, period: Duration) {
         );
         tokio::time::sleep(period / 2).await;
     }
-    let (d1, a1) = rss(&fleet);
+    let (d1, a1, t1) = rss(&fleet);
     let s1 = agent_streams(&fleet.agent_metrics().await);
     let tally = load.stop().await;
     eprintln!(
-        "soak end after {:.0}s and {n} faults: dispatcher {d0} -> {d1} KiB, agent {a0} -> {a1} KiB, agent streams {s0} -> {s1} (max {max_streams}); {}",
+        "soak end after {:.0}s and {n} faults: dispatcher {d0} -> {d1} KiB, agent {a0} -> {a1} KiB, ts-1 {t0} -> {t1} KiB, agent streams {s0} -> {s1} (max {max_streams}); {}",
         started.elapsed().as_secs_f64(),
         tally.summary()
     );
@@ -1365,6 +1406,10 @@ async fn soak(total: Duration, period: Duration) {
     assert!(
         a1 <= a0 * 3 / 2 + 4096,
         "agent memory grew {a0} -> {a1} KiB"
+    );
+    assert!(
+        t1 <= t0 * 3 / 2 + 4096,
+        "tunnel server ts-1 memory grew {t0} -> {t1} KiB"
     );
     assert!(
         s1 <= (s0 * 1.5).max(s0 + 4.0),

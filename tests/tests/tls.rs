@@ -181,16 +181,37 @@ async fn refusals_wrong_ca_expired_certificate_plain_text_and_missing_client_cer
         .timeout(Duration::from_secs(2))
         .connect()
         .await;
-    if let Ok(ch) = ch {
-        let (_tx, rx) = tokio::sync::mpsc::channel::<relay_proto::AgentFrame>(1);
-        let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-        req.metadata_mut()
-            .insert("authorization", "Bearer dev-token".parse().unwrap());
-        let r = relay_proto::tunnel_client::TunnelClient::new(ch)
-            .connect(req)
-            .await;
-        assert!(r.is_err(), "plain h2c reached a TLS agent listener");
-    }
+    // The TLS listener reads the h2c preface as a broken handshake and closes: the client
+    // sees a connection or h2 protocol failure, never an answer from the tunnel service.
+    let refused = match ch {
+        Err(e) => format!("{e:?}"),
+        Ok(ch) => {
+            let (_tx, rx) = tokio::sync::mpsc::channel::<relay_proto::AgentFrame>(1);
+            let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+            req.metadata_mut()
+                .insert("authorization", "Bearer dev-token".parse().unwrap());
+            match relay_proto::tunnel_client::TunnelClient::new(ch)
+                .connect(req)
+                .await
+            {
+                Ok(_) => panic!("plain h2c reached a TLS agent listener"),
+                Err(s) => {
+                    assert!(
+                        matches!(
+                            s.code(),
+                            tonic::Code::Internal | tonic::Code::Unavailable | tonic::Code::Unknown
+                        ),
+                        "plain h2c got an answer from the tunnel service: {s:?}"
+                    );
+                    format!("{s:?}")
+                }
+            }
+        }
+    };
+    assert!(
+        refused.contains("protocol error") || refused.contains("onnect"),
+        "plain h2c to a TLS listener: not a connection failure: {refused}"
+    );
 
     // A tunnel server's forward listener requires a client certificate: a dialer trusting
     // the CA but presenting none is refused (TLS 1.3 reports it on the first read).
@@ -209,16 +230,23 @@ async fn refusals_wrong_ca_expired_certificate_plain_text_and_missing_client_cer
         .timeout(Duration::from_secs(2))
         .connect_with_connector(anonymous.tonic_connector())
         .await;
-    if let Ok(ch) = ch {
-        let (_tx, rx) = tokio::sync::mpsc::channel::<relay_proto::ForwardRequest>(1);
-        let r = relay_proto::forward_client::ForwardClient::new(ch)
-            .call(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await;
-        assert!(
-            r.is_err(),
-            "a dispatcher without a client certificate was served"
-        );
-    }
+    let refused = match ch {
+        Err(e) => format!("{e:?}"),
+        Ok(ch) => {
+            let (_tx, rx) = tokio::sync::mpsc::channel::<relay_proto::ForwardRequest>(1);
+            match relay_proto::forward_client::ForwardClient::new(ch)
+                .call(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+            {
+                Ok(_) => panic!("a dispatcher without a client certificate was served"),
+                Err(s) => format!("{s:?}"),
+            }
+        }
+    };
+    assert!(
+        refused.contains("CertificateRequired"),
+        "a dispatcher without a client certificate: not refused for it: {refused}"
+    );
 
     // The relay still serves the legitimate backend.
     let (status, _) = https_get(&backend, stack.http, "/relay/demo/hello")

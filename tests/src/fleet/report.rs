@@ -128,11 +128,16 @@ pub struct Report {
     pub calls_sent: u64,
     pub calls_ok: u64,
     /// Failed calls by reason (the dispatcher's error code, `http_<status>`,
-    /// `transport`, `client_timeout`, `interrupted`).
+    /// `transport`, `client_timeout` for an answer after the deadline, `interrupted`).
     pub calls_failed: BTreeMap<String, u64>,
     pub calls_failed_total: u64,
-    /// Sent minus every recorded outcome: must be 0.
+    /// Calls never answered by their deadline plus the grace, answered twice, or with
+    /// no recorded outcome: must be 0.
     pub calls_lost: i64,
+    /// Of `calls_lost`: never answered by their deadline plus the grace.
+    pub calls_never_answered: u64,
+    /// Of `calls_lost`: answered twice.
+    pub calls_answered_twice: u64,
     /// Arrivals not sent because `load.max_in_flight` calls were already in flight.
     pub calls_skipped: u64,
     pub latency_ms: Quantiles,
@@ -171,6 +176,7 @@ pub(crate) struct Inputs<'a> {
     pub ran_for: Duration,
     pub sent: u64,
     pub ok: u64,
+    pub never_answered: u64,
     pub skipped: u64,
     pub rec: RecInner,
     pub samples: Vec<Sample>,
@@ -387,7 +393,11 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
         calls_ok: i.ok,
         calls_failed: i.rec.failures.clone(),
         calls_failed_total: failed_total,
-        calls_lost: i.sent as i64 - (i.ok + failed_total) as i64,
+        // Never answered and answered twice, plus any call with no outcome at all.
+        calls_lost: (i.never_answered + i.rec.answered_twice) as i64
+            + (i.sent as i64 - (i.ok + failed_total + i.never_answered) as i64),
+        calls_never_answered: i.never_answered,
+        calls_answered_twice: i.rec.answered_twice,
         calls_skipped: i.skipped,
         latency_ms,
         queue_wait_ms,
@@ -543,8 +553,20 @@ pub fn summary(r: &Report) -> String {
         &mut o,
         "calls",
         format!(
-            "sent {}  ok {}  failed {}  lost {}  skipped {}",
-            r.calls_sent, r.calls_ok, r.calls_failed_total, r.calls_lost, r.calls_skipped
+            "sent {}  ok {}  failed {}  lost {}{}  skipped {}",
+            r.calls_sent,
+            r.calls_ok,
+            r.calls_failed_total,
+            r.calls_lost,
+            if r.calls_lost > 0 {
+                format!(
+                    " (never answered {}, answered twice {})",
+                    r.calls_never_answered, r.calls_answered_twice
+                )
+            } else {
+                String::new()
+            },
+            r.calls_skipped
         ),
     );
     if !r.calls_failed.is_empty() {

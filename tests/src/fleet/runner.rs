@@ -2,10 +2,14 @@
 //! external deployment), sends the load, injects the faults, samples the fleet once a
 //! second, and turns what it recorded into a [`Report`].
 //!
-//! Accounting: every call the load generator sends ends in exactly one recorded outcome
-//! (ok, or failed with a reason; a call past its client deadline is `client_timeout`, one
-//! still running when an interrupted run gives up waiting is `interrupted`). `calls_lost`
-//! is sent minus recorded outcomes, so anything but 0 is a bug in the relay or here.
+//! Accounting: every call carries its deadline (`load.call_timeout`) to the relay in
+//! `x-relay-timeout-ms`, so the relay owes it an answer by then (a 504 at the latest).
+//! Each call ends in exactly one recorded outcome: ok, or failed with a reason (the
+//! relay's error code; `client_timeout` when a success came only after the deadline, the
+//! caller having given up; `interrupted` when an interrupted run stopped waiting for it);
+//! or lost: no answer by the deadline plus [`ANSWER_GRACE`]. A call answered twice, or
+//! never recorded, is lost too. `calls_lost` is anything but 0 only on a bug in the relay
+//! or here.
 //!
 //! CPU: in embedded mode each component runs on its own tokio runtime whose threads are
 //! named after it (`fleet-dispatch`, `fleet-servers`, `fleet-agents`, `fleet-lb`,
@@ -124,12 +128,33 @@ enum Fleet {
     },
 }
 
+/// How long past its deadline a call may still be answered before it counts as lost.
+/// The relay answers a call it cannot serve at its deadline; this covers scheduling on a
+/// loaded machine.
+pub const ANSWER_GRACE: Duration = Duration::from_secs(5);
+
+/// How one call ended, as the caller saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Outcome {
+    /// Answered: ok by its deadline, or failed with the reason (by the deadline plus the
+    /// grace).
+    Answered(Result<(), String>),
+    /// Answered ok, but after its deadline (within the grace): the caller had given up.
+    Late,
+    /// No answer by the deadline plus [`ANSWER_GRACE`].
+    Lost,
+    /// Still running when an interrupted run stopped waiting.
+    Interrupted,
+}
+
 /// What the load generator recorded.
 #[derive(Default)]
 pub(crate) struct Recorder {
     pub sent: AtomicU64,
     pub ok: AtomicU64,
     pub failed: AtomicU64,
+    /// Calls never answered by their deadline plus the grace.
+    pub lost: AtomicU64,
     pub skipped: AtomicU64,
     pub in_flight: AtomicI64,
     pub inner: Mutex<RecInner>,
@@ -142,22 +167,75 @@ pub(crate) struct RecInner {
     pub failures: BTreeMap<String, u64>,
     /// Start second of every failed call.
     pub failed_at: Vec<f32>,
+    /// Per call id: whether an outcome was recorded.
+    pub recorded: Vec<bool>,
+    /// Outcomes recorded for a call that already had one.
+    pub answered_twice: u64,
+    /// Set when the run stops waiting: later outcomes are not recorded.
+    pub closed: bool,
 }
 
 impl Recorder {
-    fn record(&self, t: f32, latency_ms: f32, outcome: Result<(), String>) {
+    /// A new call's id (ids are 0, 1, 2, ... in sending order).
+    fn next_id(&self) -> u64 {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.sent.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Records call `id`'s outcome; a second outcome for the same call is counted as
+    /// answered twice and otherwise ignored. Nothing is recorded once closed.
+    fn record(&self, id: u64, t: f32, latency_ms: f32, outcome: Outcome) {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.latencies.push((t, latency_ms));
-        match outcome {
-            Ok(()) => {
-                self.ok.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(reason) => {
-                *g.failures.entry(reason).or_default() += 1;
-                g.failed_at.push(t);
-                self.failed.fetch_add(1, Ordering::Relaxed);
+        if !g.closed {
+            self.record_locked(&mut g, id, t, latency_ms, outcome);
+        }
+    }
+
+    /// Stops recording; every call without an outcome gets `leftover`.
+    fn close(&self, t: f32, leftover: Outcome) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.closed = true;
+        for id in 0..self.sent.load(Ordering::Relaxed) {
+            if !g.recorded.get(id as usize).copied().unwrap_or(false) {
+                self.record_locked(&mut g, id, t, 0.0, leftover.clone());
             }
         }
+    }
+
+    fn record_locked(&self, g: &mut RecInner, id: u64, t: f32, latency_ms: f32, outcome: Outcome) {
+        let i = id as usize;
+        if g.recorded.len() <= i {
+            g.recorded.resize(i + 1, false);
+        }
+        if std::mem::replace(&mut g.recorded[i], true) {
+            g.answered_twice += 1;
+            return;
+        }
+        let failure = match outcome {
+            Outcome::Answered(Ok(())) => {
+                g.latencies.push((t, latency_ms));
+                self.ok.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Outcome::Answered(Err(reason)) => Some(reason),
+            Outcome::Late => Some("client_timeout".to_string()),
+            Outcome::Interrupted => {
+                *g.failures.entry("interrupted".into()).or_default() += 1;
+                self.failed.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Outcome::Lost => {
+                self.lost.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        };
+        if let Some(reason) = failure {
+            g.latencies.push((t, latency_ms));
+            *g.failures.entry(reason).or_default() += 1;
+            g.failed_at.push(t);
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -204,14 +282,20 @@ impl CallShape {
     }
 }
 
-/// One call through the relay: Ok, or the failure reason (the dispatcher's `error`
-/// code, `http_<status>`, `transport`, `body`, `client_timeout`).
-async fn one_call(caller: &Caller, tunnel_id: &str, shape: &CallShape) -> Result<(), String> {
-    let req = caller.request(
+/// One call through the relay, with its deadline in `x-relay-timeout-ms`: answered (Ok,
+/// or the failure reason: the dispatcher's `error` code, `http_<status>`, `transport`,
+/// `body`), a success after the deadline (late), or no answer at all (lost).
+async fn one_call(caller: &Caller, tunnel_id: &str, shape: &CallShape) -> Outcome {
+    let mut req = caller.request(
         shape.method.clone(),
         &format!("/relay/{tunnel_id}{}", shape.suffix),
         shape.body.clone(),
     );
+    req.headers_mut().insert(
+        "x-relay-timeout-ms",
+        http::HeaderValue::from(shape.timeout.as_millis().max(1) as u64),
+    );
+    let deadline = Instant::now() + shape.timeout;
     let work = async {
         let resp = caller
             .send(req)
@@ -235,9 +319,12 @@ async fn one_call(caller: &Caller, tunnel_id: &str, shape: &CallShape) -> Result
             .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string));
         Err(code.unwrap_or_else(|| format!("http_{}", status.as_u16())))
     };
-    match tokio::time::timeout(shape.timeout, work).await {
-        Ok(r) => r,
-        Err(_) => Err("client_timeout".into()),
+    match tokio::time::timeout_at(deadline + ANSWER_GRACE, work).await {
+        // The relay's own deadline answer lands just after the deadline: its reason is
+        // kept. A success after the deadline came to a caller that had given up.
+        Ok(Ok(())) if Instant::now() > deadline => Outcome::Late,
+        Ok(r) => Outcome::Answered(r),
+        Err(_) => Outcome::Lost,
     }
 }
 
@@ -682,8 +769,7 @@ async fn drive(
                     ids.clone(),
                     bursts.clone(),
                 );
-                rec.sent.fetch_add(1, Ordering::Relaxed);
-                rec.in_flight.fetch_add(1, Ordering::Relaxed);
+                let id = rec.next_id();
                 tokio::spawn(async move {
                     let _permit: Option<tokio::sync::OwnedSemaphorePermit> = permit;
                     let t0 = Instant::now();
@@ -691,16 +777,17 @@ async fn drive(
                     let outcome = one_call(&caller, &ids[idx], &shape).await;
                     let ms = t0.elapsed().as_secs_f32() * 1000.0;
                     if let Some(b) = burst.and_then(|b| bursts.get(b)) {
-                        if outcome.is_ok() {
+                        if outcome == Outcome::Answered(Ok(())) {
                             b.ok.fetch_add(1, Ordering::Relaxed);
                         }
-                        b.done.fetch_add(1, Ordering::Relaxed);
-                        let since = (start.elapsed().as_secs_f64() - b.at).max(0.0);
-                        b.last_done_ms
-                            .fetch_max((since * 1000.0) as u64, Ordering::Relaxed);
+                        if outcome != Outcome::Lost {
+                            b.done.fetch_add(1, Ordering::Relaxed);
+                            let since = (start.elapsed().as_secs_f64() - b.at).max(0.0);
+                            b.last_done_ms
+                                .fetch_max((since * 1000.0) as u64, Ordering::Relaxed);
+                        }
                     }
-                    rec.record(t, ms, outcome);
-                    rec.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    rec.record(id, t, ms, outcome);
                 });
             };
             loop {
@@ -816,11 +903,12 @@ async fn drive(
             draw_progress(s, start, &rec, rate_shown, streams_shown);
         }
         if !generating {
-            // Wait for calls in flight: to their client deadline, or 5 s when interrupted.
+            // Wait for calls in flight: past their deadline plus the grace (each call has
+            // an outcome by then), or 5 s when interrupted.
             let grace = if interrupted {
                 Duration::from_secs(5)
             } else {
-                s.load.call_timeout + Duration::from_secs(5)
+                s.load.call_timeout + ANSWER_GRACE + Duration::from_secs(1)
             };
             let since = *stopped_at.get_or_insert(now);
             if in_flight == 0 || now > since + grace {
@@ -837,13 +925,16 @@ async fn drive(
     let _ = gen.await;
     let _ = faults.await;
     let ran_for = start.elapsed();
-    // Calls still running after the wait are recorded as interrupted.
-    let left = rec.in_flight.load(Ordering::Relaxed).max(0) as u64;
-    if left > 0 {
-        let mut g = rec.inner.lock().unwrap_or_else(|e| e.into_inner());
-        *g.failures.entry("interrupted".into()).or_default() += left;
-        rec.failed.fetch_add(left, Ordering::Relaxed);
-    }
+    // Calls still running after the wait: an interrupted run stopped waiting for them;
+    // otherwise they are past their deadline plus the grace, so lost.
+    rec.close(
+        ran_for.as_secs_f32(),
+        if interrupted {
+            Outcome::Interrupted
+        } else {
+            Outcome::Lost
+        },
+    );
     let cpu = cpu_by_component(&threads_before, &procstat::threads());
     let process_cpu = procstat::process_cpu() - cpu_before;
     let queue_wait = match fleet {
@@ -888,6 +979,7 @@ async fn drive(
         ran_for,
         sent: rec.sent.load(Ordering::Relaxed),
         ok: rec.ok.load(Ordering::Relaxed),
+        never_answered: rec.lost.load(Ordering::Relaxed),
         skipped: rec.skipped.load(Ordering::Relaxed),
         rec: inner,
         samples,
@@ -1069,3 +1161,49 @@ async fn shutdown(fleet: Fleet) {
 
 /// Caller key of the embedded stack (for docs and the external default).
 pub const EMBEDDED_CALLER_KEY: &str = CALLER_KEY;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_without_an_answer_or_answered_twice_is_lost_and_a_late_one_times_out() {
+        let rec = Recorder::default();
+        let ids: Vec<u64> = (0..5).map(|_| rec.next_id()).collect();
+        rec.record(ids[0], 0.0, 1.0, Outcome::Answered(Ok(())));
+        rec.record(
+            ids[1],
+            0.0,
+            1.0,
+            Outcome::Answered(Err("stream_lost".into())),
+        );
+        rec.record(ids[2], 0.0, 9.0, Outcome::Late);
+        rec.record(ids[3], 0.0, 0.0, Outcome::Lost);
+        // A second answer to call 0, and call 4 never answered.
+        rec.record(ids[0], 0.0, 1.0, Outcome::Answered(Ok(())));
+        rec.close(1.0, Outcome::Lost);
+        let g = rec.inner.lock().unwrap();
+        assert_eq!(rec.ok.load(Ordering::Relaxed), 1);
+        assert_eq!(rec.failed.load(Ordering::Relaxed), 2);
+        assert_eq!(g.failures.get("client_timeout"), Some(&1));
+        assert_eq!(rec.lost.load(Ordering::Relaxed), 2);
+        assert_eq!(g.answered_twice, 1);
+        assert_eq!(rec.in_flight.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn an_interrupted_run_records_what_it_stopped_waiting_for_as_interrupted() {
+        let rec = Recorder::default();
+        let a = rec.next_id();
+        rec.next_id();
+        rec.record(a, 0.0, 1.0, Outcome::Answered(Ok(())));
+        rec.close(1.0, Outcome::Interrupted);
+        // An answer after the run stopped waiting is not recorded.
+        rec.record(a + 1, 0.0, 1.0, Outcome::Answered(Ok(())));
+        let g = rec.inner.lock().unwrap();
+        assert_eq!(g.failures.get("interrupted"), Some(&1));
+        assert_eq!(rec.lost.load(Ordering::Relaxed), 0);
+        assert_eq!(g.answered_twice, 0);
+        assert_eq!(rec.ok.load(Ordering::Relaxed), 1);
+    }
+}

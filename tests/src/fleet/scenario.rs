@@ -150,7 +150,8 @@ pub struct Load {
     pub hot_share: f64,
     /// Tunnel ids that get `hot_share`, 1..=agents.
     pub hot_tunnels: usize,
-    /// Client-side deadline of one call; a call past it fails as `client_timeout`.
+    /// Deadline of one call, sent to the relay in `x-relay-timeout-ms`: a success after
+    /// it is `client_timeout`, no answer by 5 s after it is a lost call.
     #[serde(with = "humantime_serde")]
     pub call_timeout: Duration,
     /// Rate changes: from `at`, the rate moves linearly over `ramp` to `rate`.

@@ -22,6 +22,9 @@ pub struct RssTrack {
     /// At the last sample (just after the last call was answered).
     pub end_kib: Option<u64>,
     pub samples: u64,
+    /// Samples whose `/proc` read failed, and the last error.
+    pub unread: u64,
+    pub last_unread: Option<String>,
     /// `(seconds since the load started, KiB)`, thinned to at most 512 points.
     pub series: Vec<(f64, u64)>,
     #[serde(skip)]
@@ -49,6 +52,12 @@ impl RssTrack {
             }
         }
         self.samples += 1;
+    }
+
+    /// A sample that could not be taken (`/proc` unreadable, or the process gone).
+    pub fn unread(&mut self, error: String) {
+        self.unread += 1;
+        self.last_unread = Some(error);
     }
 
     /// The sample nearest the middle of the series' time span.
@@ -162,9 +171,30 @@ impl SoakReport {
         self.events.iter().filter(|e| e.problem).count()
     }
 
-    /// No call failed or was lost, no `reached limit` line, no problem event.
+    /// Processes whose memory was tried and never read, with the last error: an
+    /// unreadable `/proc` is a finding, never a figure of 0.
+    pub fn memory_unread(&self) -> Vec<String> {
+        self.processes
+            .iter()
+            .filter(|p| p.rss.samples == 0 && p.rss.unread > 0)
+            .map(|p| {
+                format!(
+                    "{}: {}",
+                    p.name,
+                    p.rss.last_unread.as_deref().unwrap_or("unread")
+                )
+            })
+            .collect()
+    }
+
+    /// No call failed or was lost, no `reached limit` line, no problem event, every
+    /// process's memory read.
     pub fn passed(&self) -> bool {
-        self.failed == 0 && self.lost == 0 && self.reached_limit() == 0 && self.problems() == 0
+        self.failed == 0
+            && self.lost == 0
+            && self.reached_limit() == 0
+            && self.problems() == 0
+            && self.memory_unread().is_empty()
     }
 
     /// Why it did not pass, one clause per finding; empty when it passed.
@@ -183,6 +213,9 @@ impl SoakReport {
         let problems = self.problems();
         if problems > 0 {
             out.push(format!("{problems} problem events"));
+        }
+        for m in self.memory_unread() {
+            out.push(format!("memory never read ({m})"));
         }
         out
     }
@@ -478,5 +511,35 @@ mod tests {
             problem: true,
         });
         assert!(!r.passed());
+    }
+
+    #[test]
+    fn a_process_whose_memory_was_never_read_fails_the_verdict() {
+        let process = |rss: RssTrack| ProcessReport {
+            name: "ts-1".into(),
+            pid: Some(1),
+            restarts: 0,
+            exited: None,
+            rss,
+            log: None,
+        };
+        let mut unread = RssTrack::default();
+        unread.unread("cannot read /proc/1/status: permission denied".into());
+        let mut r = report();
+        r.processes.push(process(unread.clone()));
+        assert!(!r.passed());
+        let text = r.summary();
+        assert!(
+            text.contains("memory never read (ts-1: cannot read /proc/1/status"),
+            "{text}"
+        );
+
+        // A failed read beside good ones (a process exiting between the table and the
+        // read) is not a finding.
+        let mut r = report();
+        let mut some = unread;
+        some.observe(0.0, 1000);
+        r.processes.push(process(some));
+        assert!(r.passed(), "{}", r.summary());
     }
 }
