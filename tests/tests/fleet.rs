@@ -247,6 +247,8 @@ async fn rolling_drain_fails_no_call() {
 async fn server_returns_without_failures() {
     let r = run_short(builtin("server-returns").scaled(0.5, 0.5)).await;
     assert_eq!(r.calls_failed_total, 0, "{:?}", r.calls_failed);
+    // The returned and the joined server hold streams again at the end.
+    assert_expectations(&r);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

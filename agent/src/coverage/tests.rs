@@ -13,6 +13,8 @@ struct NetState {
     live: HashMap<StreamId, oneshot::Sender<()>>,
     retired: Vec<StreamId>,
     fail_with: Option<OpenError>,
+    /// Each landed stream's way to report, for events a test plays as the server.
+    events: HashMap<StreamId, mpsc::UnboundedSender<(StreamId, StreamEvent)>>,
 }
 
 #[derive(Clone)]
@@ -52,6 +54,11 @@ impl FakeNet {
     fn fail_with(&self, e: Option<OpenError>) {
         self.state.lock().unwrap().fail_with = e;
     }
+    /// Reports `ev` as stream `id` would (a frame the server sent on it).
+    fn emit(&self, id: StreamId, ev: StreamEvent) {
+        let tx = self.state.lock().unwrap().events[&id].clone();
+        let _ = tx.send((id, ev));
+    }
 }
 
 impl Connector for FakeNet {
@@ -67,6 +74,7 @@ impl Connector for FakeNet {
                     None => {
                         let (tx, rx) = oneshot::channel();
                         st.live.insert(id, tx);
+                        st.events.insert(id, link.events_sender());
                         (None, Some(rx))
                     }
                 }
@@ -180,6 +188,29 @@ fn gauge(registry: &prometheus::Registry, name: &str, labels: &[(&str, &str)]) -
             });
             ok.then(|| m.get_gauge().get_value())
         })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pressure_hint_counts_until_it_is_no_longer_refreshed() {
+    let h = start(fixed(2), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let id = h.net.live()[0];
+    h.net.emit(id, StreamEvent::Pressure(500));
+    ticks(1).await;
+    assert_eq!(h.handle.view().borrow().servers[0].busy, 500);
+    // The server repeats a standing hint every second; this one is not repeated.
+    ticks(3).await;
+    assert_eq!(
+        h.handle.view().borrow().servers[0].busy,
+        0,
+        "a hint of a server that stopped refreshing it expires"
+    );
+    // Refreshed hints keep counting.
+    for _ in 0..4 {
+        h.net.emit(id, StreamEvent::Pressure(7));
+        ticks(1).await;
+    }
+    assert_eq!(h.handle.view().borrow().servers[0].busy, 7);
 }
 
 #[tokio::test(start_paused = true)]

@@ -576,6 +576,24 @@ fn a_listed_server_with_a_direct_url_gets_exactly_its_reserve() {
 }
 
 #[test]
+fn peer_supplied_counts_never_overflow() {
+    let mut s = Snap::new();
+    let mut a = s.server("a", 1, 1);
+    a.queued = u32::MAX;
+    for c in [
+        cfg(),
+        CoverageConfig {
+            enabled: false,
+            ..cfg()
+        },
+    ] {
+        let plan = Planner::new(c).plan(&s.snap(0, std::slice::from_ref(&a)));
+        assert_eq!(plan.states[0].busy, u32::MAX, "saturated, not wrapped");
+        assert_eq!(plan.states[0].budget, u32::MAX);
+    }
+}
+
+#[test]
 fn while_a_server_is_short_nothing_is_retired() {
     let mut s = Snap::new();
     let a = s.server("a", 50, 0);
