@@ -156,6 +156,32 @@ pub struct Registry {
     fleet: tokio::sync::watch::Sender<Vec<relay_proto::FleetMember>>,
 }
 
+/// What the router sees of server entry `e` for `tid`.
+fn view(
+    e: &Entry,
+    server_id: &Arc<str>,
+    forward_url: &Arc<str>,
+    tid: &str,
+    announced: &Announced,
+) -> ServerView {
+    let f = e
+        .load
+        .as_ref()
+        .and_then(|(_, l)| l.tunnels.get(tid))
+        .cloned()
+        .unwrap_or_default();
+    ServerView {
+        server_id: server_id.clone(),
+        forward_url: forward_url.clone(),
+        announced: announced.at,
+        draining: e.draining(),
+        idle: f.idle,
+        busy: f.busy,
+        queued: f.queued,
+        rtt_us: f.rtt_us,
+    }
+}
+
 fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -208,6 +234,20 @@ impl Registry {
     /// Applies a change to a local entry, queues it for the shared store and rebuilds the
     /// routing plans.
     fn change<R>(&self, session: SessionId, f: impl FnOnce(&mut Entry) -> R) -> Option<R> {
+        self.change_scoped(session, None, f)
+    }
+
+    /// As [`Registry::change`]; with `Some(tunnel_id)` the change touches only that tunnel
+    /// id, and only its plan is rebuilt. A fleet of agents connecting announces thousands
+    /// of tunnel ids within seconds: rebuilding every plan for each of them held the
+    /// table's lock long enough to back up the report streams behind it until leases
+    /// expired (1,000 agents on 3 servers).
+    fn change_scoped<R>(
+        &self,
+        session: SessionId,
+        tunnel_id: Option<&str>,
+        f: impl FnOnce(&mut Entry) -> R,
+    ) -> Option<R> {
         let now = Instant::now();
         let (r, publish) = self.with(|t| {
             let entry = t
@@ -222,7 +262,10 @@ impl Registry {
             if publish {
                 t.dirty.insert(id, Some(record));
             }
-            self.rebuild(t, now);
+            match tunnel_id {
+                Some(tid) => self.rebuild_one(t, now, tid),
+                None => self.rebuild(t, now),
+            }
             Some((r, publish))
         })?;
         if publish {
@@ -274,7 +317,7 @@ impl Registry {
 
     /// The server now holds streams of `tunnel_id`. False if the session is no longer current.
     pub fn tunnel_up(&self, session: SessionId, tunnel_id: &str) -> bool {
-        self.change(session, |e| {
+        self.change_scoped(session, Some(tunnel_id), |e| {
             e.tunnels
                 .entry(tunnel_id.to_string())
                 .or_insert_with(|| Announced {
@@ -287,7 +330,7 @@ impl Registry {
 
     /// The server holds no stream of `tunnel_id` any more. False if the session is stale.
     pub fn tunnel_down(&self, session: SessionId, tunnel_id: &str) -> bool {
-        self.change(session, |e| {
+        self.change_scoped(session, Some(tunnel_id), |e| {
             e.tunnels.remove(tunnel_id);
         })
         .is_some()
@@ -471,22 +514,13 @@ impl Registry {
             let server_id: Arc<str> = Arc::from(e.info.server_id.as_str());
             let forward_url: Arc<str> = Arc::from(e.info.forward_url.as_str());
             for (tid, announced) in &e.tunnels {
-                let f = e
-                    .load
-                    .as_ref()
-                    .and_then(|(_, l)| l.tunnels.get(tid))
-                    .cloned()
-                    .unwrap_or_default();
-                views.entry(tid.clone()).or_default().push(ServerView {
-                    server_id: server_id.clone(),
-                    forward_url: forward_url.clone(),
-                    announced: announced.at,
-                    draining: e.draining(),
-                    idle: f.idle,
-                    busy: f.busy,
-                    queued: f.queued,
-                    rtt_us: f.rtt_us,
-                });
+                views.entry(tid.clone()).or_default().push(view(
+                    e,
+                    &server_id,
+                    &forward_url,
+                    tid,
+                    announced,
+                ));
             }
         }
         t.router.update(now, &views);
@@ -512,6 +546,78 @@ impl Registry {
         });
     }
 
+    /// Rebuilds the plan and gauges of one tunnel id (the fleet's members are unchanged).
+    fn rebuild_one(&self, t: &mut Table, now: Instant, tunnel_id: &str) {
+        let views: Vec<ServerView> = t
+            .entries
+            .values()
+            .filter_map(|e| {
+                let announced = e.tunnels.get(tunnel_id)?;
+                Some(view(
+                    e,
+                    &Arc::from(e.info.server_id.as_str()),
+                    &Arc::from(e.info.forward_url.as_str()),
+                    tunnel_id,
+                    announced,
+                ))
+            })
+            .collect();
+        t.router.update_one(now, tunnel_id, &views);
+        let m = &self.metrics;
+        let mut pairs = HashSet::new();
+        if views.is_empty() {
+            if t.gauged_tunnels.remove(tunnel_id) {
+                let _ = m.spill_share.remove_label_values(&[tunnel_id]);
+            }
+        } else if let Some(status) = t.router.status(tunnel_id) {
+            self.export_tunnel(tunnel_id, &status, &views, &mut pairs);
+            t.gauged_tunnels.insert(tunnel_id.to_string());
+        }
+        let gone: Vec<(String, String)> = t
+            .gauged_pairs
+            .iter()
+            .filter(|(_, tid)| tid == tunnel_id)
+            .filter(|p| !pairs.contains(*p))
+            .cloned()
+            .collect();
+        for p in gone {
+            let _ = m.server_rtt.remove_label_values(&[&p.0, &p.1]);
+            let _ = m.server_tier.remove_label_values(&[&p.0, &p.1]);
+            t.gauged_pairs.remove(&p);
+        }
+        t.gauged_pairs.extend(pairs);
+    }
+
+    /// Sets one tunnel id's gauges; adds the (server, tunnel) pairs it exported to `pairs`.
+    fn export_tunnel(
+        &self,
+        tid: &str,
+        status: &crate::routing::TunnelStatus,
+        servers: &[ServerView],
+        pairs: &mut HashSet<(String, String)>,
+    ) {
+        let m = &self.metrics;
+        m.spill_share
+            .with_label_values(&[tid])
+            .set(status.spill_share);
+        for v in servers {
+            let pair = (v.server_id.to_string(), tid.to_string());
+            m.server_rtt
+                .with_label_values(&[&pair.0, &pair.1])
+                .set(f64::from(v.rtt_us) / 1e6);
+            let tier = status
+                .tiers
+                .iter()
+                .find(|(s, _)| *s == v.server_id)
+                .map(|(_, k)| *k as i64)
+                .unwrap_or(-1);
+            m.server_tier
+                .with_label_values(&[&pair.0, &pair.1])
+                .set(tier);
+            pairs.insert(pair);
+        }
+    }
+
     fn export_gauges(&self, t: &mut Table, views: &HashMap<String, Vec<ServerView>>) {
         let m = &self.metrics;
         let mut tunnels = HashSet::new();
@@ -520,26 +626,8 @@ impl Registry {
             let Some(status) = t.router.status(tid) else {
                 continue;
             };
-            m.spill_share
-                .with_label_values(&[tid.as_str()])
-                .set(status.spill_share);
+            self.export_tunnel(tid, &status, servers, &mut pairs);
             tunnels.insert(tid.clone());
-            for v in servers {
-                let pair = (v.server_id.to_string(), tid.clone());
-                m.server_rtt
-                    .with_label_values(&[&pair.0, &pair.1])
-                    .set(f64::from(v.rtt_us) / 1e6);
-                let tier = status
-                    .tiers
-                    .iter()
-                    .find(|(s, _)| *s == v.server_id)
-                    .map(|(_, k)| *k as i64)
-                    .unwrap_or(-1);
-                m.server_tier
-                    .with_label_values(&[&pair.0, &pair.1])
-                    .set(tier);
-                pairs.insert(pair);
-            }
         }
         for gone in t.gauged_tunnels.difference(&tunnels) {
             let _ = m.spill_share.remove_label_values(&[gone.as_str()]);
@@ -705,6 +793,67 @@ mod tests {
             calls_in_flight: 0,
             draining,
         }
+    }
+
+    /// Label sets of a gauge family, as `(server_id, tunnel_id)` or `tunnel_id`.
+    fn labels(family: &[prometheus::proto::MetricFamily], name: &str) -> Vec<Vec<String>> {
+        let mut out: Vec<Vec<String>> = family
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric())
+            .map(|m| {
+                m.get_label()
+                    .iter()
+                    .map(|l| l.value().to_string())
+                    .collect()
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn announcing_one_tunnel_id_routes_it_and_gauges_follow_it_alone() {
+        let prom = prometheus::Registry::new();
+        let metrics = Metrics::register(&prom).unwrap();
+        let r = Registry::new(
+            RoutingConfig::default(),
+            Duration::from_secs(3),
+            "d1".into(),
+            false,
+            metrics,
+        );
+        let a = r.join(info("a")).unwrap();
+        let b = r.join(info("b")).unwrap();
+        r.tunnel_up(a, "t");
+        r.tunnel_up(b, "t");
+        r.tunnel_up(a, "u");
+        let mut both = ids(&r, "t");
+        both.sort();
+        assert_eq!(both, ["a", "b"]);
+        assert_eq!(ids(&r, "u"), ["a"]);
+        let tiers = || labels(&prom.gather(), "relay_dispatcher_server_tier");
+        let spill = || labels(&prom.gather(), "relay_dispatcher_spill_share");
+        assert_eq!(tiers().len(), 3, "{:?}", tiers());
+        // b drops t: only the pair (b, t) goes; u is untouched.
+        r.tunnel_down(b, "t");
+        assert_eq!(ids(&r, "t"), ["a"]);
+        assert!(
+            !tiers().iter().any(|l| l.contains(&"b".to_string())),
+            "{:?}",
+            tiers()
+        );
+        assert_eq!(tiers().len(), 2, "{:?}", tiers());
+        // a drops t: t is gone from routing and from every gauge.
+        r.tunnel_down(a, "t");
+        assert!(r.route("t").is_none());
+        assert_eq!(spill(), vec![vec!["u".to_string()]]);
+        assert_eq!(tiers().len(), 1, "{:?}", tiers());
+        // A full rebuild (a load report) agrees with the per-tunnel one.
+        r.load(a, load(&[("u", 1)], false));
+        assert_eq!(ids(&r, "u"), ["a"]);
+        assert_eq!(spill(), vec![vec!["u".to_string()]]);
+        assert_eq!(tiers().len(), 1, "{:?}", tiers());
     }
 
     #[tokio::test(start_paused = true)]

@@ -214,6 +214,21 @@ impl Router {
         }
     }
 
+    /// Rebuilds one tunnel id's plan from the servers holding it (`views`), stepping its
+    /// spill share if due; forgets it when `views` is empty. A server announcing or
+    /// dropping one tunnel id costs this, not a rebuild of every plan.
+    pub fn update_one(&mut self, now: Instant, tunnel_id: &str, views: &[ServerView]) {
+        if views.is_empty() {
+            self.tunnels.remove(tunnel_id);
+            return;
+        }
+        let st = self
+            .tunnels
+            .entry(tunnel_id.to_string())
+            .or_insert_with(TunnelState::new);
+        update_tunnel(&self.cfg, st, now, views);
+    }
+
     /// The plan for `tunnel_id`; `None` when no server holds it.
     pub fn plan(&self, tunnel_id: &str) -> Option<Arc<TunnelPlan>> {
         self.tunnels

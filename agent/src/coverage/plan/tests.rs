@@ -558,6 +558,29 @@ fn direct_growth_opens_the_whole_shortfall_straight_to_the_short_server() {
 }
 
 #[test]
+fn direct_growth_opens_the_shortfall_not_a_doubling() {
+    let mut s = Snap::new();
+    // 600 calls on 600 streams, 100 more queued, 50 direct opens already in flight.
+    let mut a = s.server("a", 0, 600);
+    a.queued = 100;
+    a.opening = 50;
+    a.direct_url = "http://a:8441".into();
+    let b = s.server("b", 2, 0);
+    let plan = Planner::new(direct_cfg()).plan(&s.snap(0, &[a.clone(), b.clone()]));
+    assert_eq!(plan.open, 0, "{:?}", plan.actions);
+    assert_eq!(plan.direct.len(), 1, "{:?}", plan.actions);
+    assert_eq!(
+        plan.direct[0].count, 52,
+        "queued 100 + reserve 2 - 50 opening: {:?}",
+        plan.actions
+    );
+    // Through the load balancer the same server doubles: its new streams scatter.
+    a.direct_url.clear();
+    let plan = Planner::new(direct_cfg()).plan(&s.snap(0, &[a, b]));
+    assert!(plan.open >= 550, "{:?}", plan.actions);
+}
+
+#[test]
 fn a_listed_server_with_a_direct_url_gets_exactly_its_reserve() {
     let mut s = Snap::new();
     let a = s.server("a", 2, 0);
