@@ -382,9 +382,15 @@ mod tests {
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("`forward_url`"), "{err}");
         c.forward_url = None;
-        c.direct_url = Some("http://ts-1:8441".into());
+        // The direct URL's scheme follows the agent listener (plain text here).
+        c.direct_url = Some("https://ts-1:8441".into());
         let err = c.transport().unwrap_err().to_string();
-        assert!(err.contains("`direct_url`"), "{err}");
+        assert!(
+            err.contains("`direct_url`") && err.contains("insecure"),
+            "{err}"
+        );
+        c.direct_url = Some("http://ts-1:8441".into());
+        c.transport().unwrap();
         c.direct_url = None;
         c.dispatchers = vec!["https://d:8460".into()];
         let err = c.validate().unwrap_err().to_string();
