@@ -111,10 +111,7 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         })
         .transpose()?;
     if tls.is_none() {
-        tracing::warn!(
-            hop = "tunnel streams ([tls])",
-            "insecure = true: this hop is plain text, without TLS"
-        );
+        relay_common::tls::note_plain_text("agent", &["tunnel streams ([tls])"]);
     }
     let dialer = Dialer::new(
         &config.tunnels,
