@@ -72,6 +72,7 @@ enum Tokens {
     /// starts with, 8+ hex digits) --sha256; both together must match the same entry.
     /// Streams opened with a removed token close when the servers reload.
     Revoke {
+        /// The tunnel id whose tokens go (all of them, unless --sha256 names one).
         #[arg(long, required_unless_present = "sha256")]
         tunnel_id: Option<String>,
         /// SHA-256 of the token (or its first 8+ hex digits), as `tokens list` shows it.
