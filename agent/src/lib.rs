@@ -6,10 +6,11 @@
 //! (the customer's accept filters, request safety checks and size limits; default deny),
 //! `upstream` (the HTTP client to the origin), `admin` (`/systemcheck`, `/readyz`,
 //! `/metrics`), `metrics`. `run` wires them together; `spawn` does the same and returns a
-//! handle the end-to-end tests can observe.
+//! handle the end-to-end tests can observe. `check` is the preflight (`relay-agent check`).
 
 pub mod admin;
 pub mod call;
+pub mod check;
 pub mod config;
 pub mod coverage;
 pub mod error;
@@ -111,10 +112,7 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         })
         .transpose()?;
     if tls.is_none() {
-        tracing::warn!(
-            hop = "tunnel streams ([tls])",
-            "insecure = true: this hop is plain text, without TLS"
-        );
+        relay_common::tls::note_plain_text("agent", &["tunnel streams ([tls])"]);
     }
     let dialer = Dialer::new(
         &config.tunnels,

@@ -1,8 +1,9 @@
 //! `relay-agent`: parse flags and config, init tracing, bind the admin listener, run until
-//! SIGTERM/SIGINT, map errors to an exit code.
+//! SIGTERM/SIGINT, map errors to an exit code. `relay-agent check` runs the preflight
+//! (`relay_agent::check`) with the same config, flags and environment instead.
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use relay_agent::Config;
 use relay_common::Secret;
 use std::net::SocketAddr;
@@ -15,20 +16,27 @@ use std::path::PathBuf;
     about = "relay agent: outbound tunnel streams to the relay, calls to the upstream"
 )]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// TOML config file; flags and RELAY_* variables override its keys.
-    #[arg(long, env = "RELAY_CONFIG")]
+    #[arg(long, env = "RELAY_CONFIG", global = true)]
     config: Option<PathBuf>,
     /// The agent token (prefer the environment variable to keep it out of `ps`).
-    #[arg(long, env = "RELAY_TOKEN", hide_env_values = true)]
+    #[arg(long, env = "RELAY_TOKEN", hide_env_values = true, global = true)]
     token: Option<String>,
     /// Tunnel endpoint URL; repeat the flag, or comma-separate in RELAY_TUNNELS.
-    #[arg(long = "tunnel", env = "RELAY_TUNNELS", value_delimiter = ',')]
+    #[arg(
+        long = "tunnel",
+        env = "RELAY_TUNNELS",
+        value_delimiter = ',',
+        global = true
+    )]
     tunnels: Vec<String>,
     /// Upstream origin, e.g. http://127.0.0.1:8000.
-    #[arg(long, env = "RELAY_UPSTREAM")]
+    #[arg(long, env = "RELAY_UPSTREAM", global = true)]
     upstream: Option<String>,
     /// Admin listener address (/metrics, /healthz, /readyz, /systemcheck).
-    #[arg(long, env = "RELAY_ADMIN_LISTEN")]
+    #[arg(long, env = "RELAY_ADMIN_LISTEN", global = true)]
     admin_listen: Option<SocketAddr>,
     /// Pool size when coverage is off.
     #[arg(long)]
@@ -38,7 +46,20 @@ struct Args {
     no_coverage: bool,
 }
 
-fn load(args: Args) -> anyhow::Result<Config> {
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Preflight, run where the agent will run: config valid, upstream reachable, each
+    /// tunnel endpoint reachable (TCP, TLS) with the token accepted, clock skew. Prints a
+    /// table; exit 0 when nothing failed, 1 when a check failed, 2 when the config is
+    /// invalid. Opens no stream that could take a call.
+    Check {
+        /// Largest clock difference to a tunnel server that passes.
+        #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+        max_clock_skew: std::time::Duration,
+    },
+}
+
+fn load(args: Args) -> Result<Config, relay_common::config::ConfigError> {
     let mut config: Config = relay_common::config::load(args.config.as_deref())?;
     if let Some(t) = args.token {
         config.token = Secret::new(t);
@@ -70,8 +91,12 @@ fn load(args: Args) -> anyhow::Result<Config> {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    let mut args = Args::parse();
+    if let Some(Command::Check { max_clock_skew }) = args.command.take() {
+        return check(args, max_clock_skew).await;
+    }
     relay_common::telemetry::init("info");
-    match main_inner().await {
+    match main_inner(args).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), "relay-agent failed");
@@ -81,12 +106,39 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn main_inner() -> anyhow::Result<()> {
-    let config = load(Args::parse())?;
+async fn main_inner(args: Args) -> anyhow::Result<()> {
+    let config = load(args)?;
     let admin = tokio::net::TcpListener::bind(config.admin_listen)
         .await
         .with_context(|| format!("cannot bind the admin listener on {}", config.admin_listen))?;
     tracing::info!(admin = %config.admin_listen, "admin listener bound");
     relay_agent::run(config, admin, relay_common::shutdown::signal()).await?;
     Ok(())
+}
+
+/// `relay-agent check`: the table on stdout, the verdict on stderr, the exit code.
+async fn check(args: Args, max_clock_skew: std::time::Duration) -> std::process::ExitCode {
+    // Logs only when asked for: the table is the output.
+    if std::env::var_os("RELAY_LOG").is_some() {
+        relay_common::telemetry::init("warn");
+    }
+    let source = match &args.config {
+        Some(p) => p.display().to_string(),
+        None => "(flags and environment)".to_string(),
+    };
+    let (report, code) = match load(args) {
+        Err(e) => (
+            relay_agent::check::Report::config_failed(&source, &e.to_string()),
+            2,
+        ),
+        Ok(config) => {
+            let opts = relay_agent::check::CheckOptions { max_clock_skew };
+            let report = relay_agent::check::run(&config, &source, &opts).await;
+            let code = if report.failed().is_empty() { 0 } else { 1 };
+            (report, code)
+        }
+    };
+    print!("{}", report.table());
+    eprintln!("relay-agent check: {}", report.verdict());
+    std::process::ExitCode::from(code)
 }

@@ -114,7 +114,7 @@ impl Dialer {
     }
 
     /// A channel to a random endpoint (created lazily, then reused).
-    fn pick(&self) -> (String, Channel, ChannelId) {
+    pub(crate) fn pick(&self) -> (String, Channel, ChannelId) {
         let i = if self.endpoints.len() == 1 {
             0
         } else {
@@ -248,7 +248,8 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
                 return open_failed(&ctx, &link, e);
             }
         };
-        let opened = tokio::time::timeout(ctx.connect_timeout, open(&ctx, endpoint, channel)).await;
+        let opened =
+            tokio::time::timeout(ctx.connect_timeout, open(&ctx.dialer, endpoint, channel)).await;
         drop(turn);
         let (out, inbound, hello) = match opened {
             Ok(Ok(x)) => x,
@@ -320,8 +321,10 @@ fn status_to_open_error(s: &tonic::Status) -> OpenError {
     }
 }
 
-async fn open(
-    ctx: &StreamContext,
+/// Opens `Tunnel.Connect` on `channel` with the dialer's token and waits for the hello.
+/// Also used by `relay-agent check` (`crate::check`), which then retires the stream at once.
+pub(crate) async fn open(
+    dialer: &Dialer,
     endpoint: String,
     channel: Channel,
 ) -> Result<
@@ -336,7 +339,7 @@ async fn open(
     let mut request = tonic::Request::new(ReceiverStream::new(rx));
     request
         .metadata_mut()
-        .insert("authorization", ctx.dialer.auth.clone());
+        .insert("authorization", dialer.auth.clone());
     // Fleet news: this agent understands `Fleet` frames.
     request.metadata_mut().insert(
         AGENT_FEATURES,

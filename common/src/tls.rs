@@ -23,7 +23,27 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
+
+/// Whether this process has already said that some hop runs plain text.
+static PLAIN_TEXT_NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Says that `hops` of `component` run plain text (`insecure = true`): one warning line per
+/// process. A binary runs one component, so this is its one line naming every plain hop.
+/// Where several components share a process (`relay-fleet demo`, `relay-fleet run`, which
+/// call it first with a summary of their own), only the first call warns; later ones log at
+/// debug level, so a thousand simulated agents do not print a thousand lines.
+pub fn note_plain_text(component: &str, hops: &[&str]) {
+    if hops.is_empty() {
+        return;
+    }
+    let hops = hops.join(", ");
+    if PLAIN_TEXT_NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        debug!(component, hops = %hops, "insecure = true: plain text without TLS");
+    } else {
+        warn!(component, hops = %hops, "insecure = true: plain text without TLS");
+    }
+}
 
 /// ALPN for gRPC hops: HTTP/2 only.
 pub const ALPN_H2: &[&[u8]] = &[b"h2"];

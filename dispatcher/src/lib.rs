@@ -86,18 +86,18 @@ pub async fn run(
         .map(|c| TlsClient::new("forward_tls", c, tls::ALPN_H2))
         .transpose()
         .map_err(tls_err("forward_tls"))?;
-    for (hop, plain) in [
+    let plain: Vec<&str> = [
         ("HTTP front ([tls])", front_tls.is_none()),
         ("registry listener ([registry_tls])", registry_tls.is_none()),
         (
             "forward calls to tunnel servers ([forward_tls])",
             forward_tls.is_none(),
         ),
-    ] {
-        if plain {
-            warn!(hop, "insecure = true: this hop is plain text, without TLS");
-        }
-    }
+    ]
+    .into_iter()
+    .filter_map(|(hop, plain)| plain.then_some(hop))
+    .collect();
+    tls::note_plain_text("dispatcher", &plain);
     let mut reloadable: Vec<Arc<dyn tls::Reload>> = Vec::new();
     reloadable.extend(
         front_tls

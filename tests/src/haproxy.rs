@@ -5,7 +5,7 @@
 //! runs `haproxy -db -f <cfg>` on loopback, and kills it on drop.
 //!
 //! The binary is `$HAPROXY` if set, else `haproxy` on `PATH`, else `/usr/sbin/haproxy`
-//! (the Debian package; `.ci/run` installs it). HAProxy balances per HTTP request, and one
+//! (the Debian package; `scripts/test` installs it). HAProxy balances per HTTP request, and one
 //! gRPC tunnel stream is one request, so `weight` skews where new streams land.
 //!
 //! This module must not decide what a test asserts.
@@ -36,7 +36,7 @@ pub fn binary() -> anyhow::Result<PathBuf> {
         anyhow::ensure!(
             p.is_file(),
             "HAPROXY={} is not a file: point it at the haproxy binary, or unset it and \
-             install the Debian package (`apt-get install haproxy`; .ci/run does)",
+             install the Debian package (`apt-get install haproxy`; scripts/test does)",
             p.display()
         );
         return Ok(p);
@@ -52,7 +52,7 @@ pub fn binary() -> anyhow::Result<PathBuf> {
     let p = PathBuf::from("/usr/sbin/haproxy");
     anyhow::ensure!(
         p.is_file(),
-        "haproxy not found: install the Debian package (`apt-get install haproxy`; .ci/run does) \
+        "haproxy not found: install the Debian package (`apt-get install haproxy`; scripts/test does) \
          or set HAPROXY to the binary"
     );
     Ok(p)

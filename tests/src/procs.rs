@@ -409,6 +409,10 @@ pub struct TunnelServerOpts {
     pub heartbeat: Duration,
     pub shutdown_grace: Duration,
     pub report_interval: Duration,
+    /// Extra top-level TOML keys (e.g. `reload_interval = "1h"`).
+    pub extra: String,
+    /// `[agent_tls]` certificate and key (PEM files); plain text when `None`.
+    pub agent_tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl Default for TunnelServerOpts {
@@ -422,6 +426,8 @@ impl Default for TunnelServerOpts {
             heartbeat: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(10),
             report_interval: Duration::from_millis(250),
+            extra: String::new(),
+            agent_tls: None,
         }
     }
 }
@@ -435,6 +441,8 @@ pub struct TunnelServerProc {
     pub forward_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub opts: TunnelServerOpts,
+    /// Its token store file (written at start from `opts.tokens`).
+    pub token_store: PathBuf,
 }
 
 fn humantime(d: Duration) -> String {
@@ -506,8 +514,8 @@ impl TunnelServerProc {
         let cfg = format!(
             "server_id = {id:?}\nzone = {:?}\nagent_listen = \"{agent}\"\nforward_listen = \"{forward}\"\n\
              admin_listen = \"{admin}\"\ndispatchers = [{}]\ndispatcher_key = {:?}\ntoken_store = {:?}\n\
-             heartbeat = \"{}\"\nshutdown_grace = \"{}\"\nreport_interval = \"{}\"\n\n\
-             [agent_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n[dispatcher_tls]\ninsecure = true\n",
+             heartbeat = \"{}\"\nshutdown_grace = \"{}\"\nreport_interval = \"{}\"\n{}\n\n\
+             [agent_tls]\n{}\n[forward_tls]\ninsecure = true\n[dispatcher_tls]\ninsecure = true\n",
             opts.zone,
             dispatchers.join(", "),
             opts.dispatcher_key,
@@ -515,6 +523,15 @@ impl TunnelServerProc {
             humantime(opts.heartbeat),
             humantime(opts.shutdown_grace),
             humantime(opts.report_interval),
+            opts.extra,
+            match &opts.agent_tls {
+                Some((cert, key)) => format!(
+                    "cert = {:?}\nkey = {:?}",
+                    cert.display().to_string(),
+                    key.display().to_string()
+                ),
+                None => "insecure = true".into(),
+            },
         );
         std::fs::write(&cfg_path, cfg)?;
         let proc = Proc::spawn_with(
@@ -531,11 +548,18 @@ impl TunnelServerProc {
             forward_addr: forward,
             admin_addr: admin,
             opts,
+            token_store: tokens_path,
         })
     }
 
+    /// Where agents dial it: `https://` with `[agent_tls]` certificates, else `http://`.
     pub fn agent_url(&self) -> String {
-        format!("http://{}", self.agent_addr)
+        let scheme = if self.opts.agent_tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.agent_addr)
     }
 
     /// Its listener addresses, to start a replacement on the same ports.

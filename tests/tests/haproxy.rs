@@ -9,7 +9,7 @@
 //! - with every server routed, coverage reaches every server the dispatcher uses, and a
 //!   hard restart of HAProxy (every agent connection dropped) leaves no call unanswered.
 //!
-//! HAProxy is the Debian package `haproxy` (`.ci/run` installs it); the test starts its own
+//! HAProxy is the Debian package `haproxy` (`scripts/test` installs it); the test starts its own
 //! instance on loopback with a config generated like `examples/haproxy/haproxy.cfg`.
 
 use bytes::Bytes;

@@ -435,7 +435,7 @@ fn require_redis(test: &str) {
     assert!(
         found,
         "{test}: redis-server is not installed or not on PATH: install the Debian package \
-         (`apt-get install redis-server`; .ci/run does), or point RELAY_TEST_REDIS_URL at a \
+         (`apt-get install redis-server`; scripts/test does), or point RELAY_TEST_REDIS_URL at a \
          running Redis where the test accepts a shared instance"
     );
 }
@@ -695,7 +695,7 @@ fn unique_prefix(name: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_dispatchers_sharing_redis_both_route_the_tunnel_id() {
-    // A shared instance (.ci/run exports one) is fine here: the key prefix is unique.
+    // A shared instance (scripts/test exports one) is fine here: the key prefix is unique.
     let mut _own = None;
     let url = match std::env::var("RELAY_TEST_REDIS_URL") {
         Ok(u) if !u.is_empty() => u,

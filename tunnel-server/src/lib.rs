@@ -126,18 +126,18 @@ pub async fn start(
         .map(|c| TlsClient::new("dispatcher_tls", c, tls::ALPN_H2))
         .transpose()
         .map_err(tls_err("dispatcher_tls"))?;
-    for (hop, plain) in [
+    let plain: Vec<&str> = [
         ("agent listener ([agent_tls])", agent_tls.is_none()),
         ("forward listener ([forward_tls])", forward_tls.is_none()),
         (
             "report streams to dispatchers ([dispatcher_tls])",
             dispatcher_tls.is_none() && !config.dispatchers.is_empty(),
         ),
-    ] {
-        if plain {
-            warn!(hop, "insecure = true: this hop is plain text, without TLS");
-        }
-    }
+    ]
+    .into_iter()
+    .filter_map(|(hop, plain)| plain.then_some(hop))
+    .collect();
+    tls::note_plain_text("tunnel server", &plain);
     let agent_addr = listeners.agent.local_addr()?;
     let forward_addr = listeners.forward.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;

@@ -1,15 +1,22 @@
 //! `relay-tunnel-server`: parse config, init tracing, bind, run until SIGTERM/SIGINT.
+//! `relay-tunnel-server tokens add | revoke | list` edits a token store file instead.
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use relay_tunnel_server::{Config, Listeners};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 /// relay tunnel server: holds agents' tunnel streams and serves dispatchers' calls.
 #[derive(Parser, Debug)]
-#[command(name = "relay-tunnel-server", version)]
+#[command(
+    name = "relay-tunnel-server",
+    version,
+    args_conflicts_with_subcommands = true
+)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// TOML config file (unknown keys are refused).
     #[arg(long, env = "RELAY_CONFIG")]
     config: Option<PathBuf>,
@@ -42,10 +49,155 @@ struct Args {
     dispatcher_key: Option<String>,
 }
 
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Mint, revoke and list agent tokens in a token store file. Running servers pick the
+    /// change up on SIGHUP, or by themselves within `reload_interval`.
+    #[command(subcommand)]
+    Tokens(Tokens),
+}
+
+#[derive(Subcommand, Debug)]
+enum Tokens {
+    /// Generate a strong random token for a tunnel id, print it (only this once) on
+    /// stdout and add its SHA-256 to the store (created if missing).
+    Add {
+        /// The public tunnel id the token opens (backends call /relay/<tunnel id>/...).
+        #[arg(long)]
+        tunnel_id: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Remove entries: every token of --tunnel-id, or the one whose SHA-256 is (or
+    /// starts with, 8+ hex digits) --sha256; both together must match the same entry.
+    /// Streams opened with a removed token close when the servers reload.
+    Revoke {
+        /// The tunnel id whose tokens go (all of them, unless --sha256 names one).
+        #[arg(long, required_unless_present = "sha256")]
+        tunnel_id: Option<String>,
+        /// SHA-256 of the token (or its first 8+ hex digits), as `tokens list` shows it.
+        #[arg(long)]
+        sha256: Option<String>,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// List the store's entries: tunnel id and SHA-256 (the store holds no tokens).
+    List {
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct StoreArgs {
+    /// The token store file (the server's `token_store`).
+    #[arg(long, env = "RELAY_TOKEN_STORE")]
+    store: Option<PathBuf>,
+    /// Instead of --store: the server's config file, whose `token_store` is used.
+    #[arg(long, env = "RELAY_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+impl StoreArgs {
+    fn path(&self) -> anyhow::Result<PathBuf> {
+        if let Some(p) = &self.store {
+            return Ok(p.clone());
+        }
+        if let Some(c) = &self.config {
+            let config: Config = relay_common::config::load(Some(c))?;
+            return config.token_store.ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{} sets no token_store: name the store with --store FILE",
+                    c.display()
+                )
+            });
+        }
+        anyhow::bail!("name the token store: --store FILE (or --config FILE with token_store)")
+    }
+}
+
+/// Runs a `tokens` subcommand; what it prints is its answer (no log lines).
+fn tokens(cmd: Tokens) -> anyhow::Result<()> {
+    use relay_tunnel_server::tokens::edit;
+    const RELOAD: &str = "running tunnel servers load the change on SIGHUP \
+        (`systemctl reload`, `kill -HUP`) or by themselves within reload_interval (5s by default)";
+    match cmd {
+        Tokens::Add { tunnel_id, store } => {
+            let path = store.path()?;
+            let added = edit::add(&path, &tunnel_id)?;
+            // stdout: the token alone, so `TOKEN=$(relay-tunnel-server tokens add ...)` works.
+            println!("{}", added.token);
+            eprintln!(
+                "{} token store {}: tunnel id {} -> sha256 {}",
+                if added.created { "created" } else { "added to" },
+                path.display(),
+                added.entry.tunnel_id,
+                added.entry.sha256
+            );
+            eprintln!(
+                "the token is shown only this once: give it to the agent (`token`, or RELAY_TOKEN)"
+            );
+            if added.tokens_of_tunnel > 1 {
+                eprintln!(
+                    "tunnel id {} now has {} tokens; once agents use the new one, revoke the old \
+                     with `relay-tunnel-server tokens revoke --sha256 <hash> --store {}`",
+                    added.entry.tunnel_id,
+                    added.tokens_of_tunnel,
+                    path.display()
+                );
+            }
+            eprintln!("{RELOAD}");
+        }
+        Tokens::Revoke {
+            tunnel_id,
+            sha256,
+            store,
+        } => {
+            let path = store.path()?;
+            let removed = edit::revoke(&path, tunnel_id.as_deref(), sha256.as_deref())?;
+            for e in &removed {
+                println!("revoked {} sha256 {}", e.tunnel_id, e.sha256);
+            }
+            eprintln!(
+                "removed {} entr{} from {}; {RELOAD}, and close the streams opened with {}",
+                removed.len(),
+                if removed.len() == 1 { "y" } else { "ies" },
+                path.display(),
+                if removed.len() == 1 { "it" } else { "them" },
+            );
+        }
+        Tokens::List { store } => {
+            let path = store.path()?;
+            let entries = edit::list(&path)?;
+            let width = entries
+                .iter()
+                .map(|e| e.tunnel_id.len())
+                .max()
+                .unwrap_or(0)
+                .max("tunnel_id".len());
+            println!("{:<width$}  sha256", "tunnel_id");
+            for e in &entries {
+                println!("{:<width$}  {}", e.tunnel_id, e.sha256);
+            }
+        }
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    let mut args = Args::parse();
+    if let Some(Command::Tokens(cmd)) = args.command.take() {
+        return match tokens(cmd) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("relay-tunnel-server tokens: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     relay_common::telemetry::init("info");
-    match main_inner().await {
+    match main_inner(args).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("relay-tunnel-server: {e:#}");
@@ -54,8 +206,7 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn main_inner() -> anyhow::Result<()> {
-    let args = Args::parse();
+async fn main_inner(args: Args) -> anyhow::Result<()> {
     let mut config: Config = relay_common::config::load(args.config.as_deref())?;
     if let Some(v) = args.server_id {
         config.server_id = v;

@@ -216,6 +216,9 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             protocol_version: relay_proto::PROTOCOL_VERSION,
             instance_id: self.hub.instance_id.clone(),
             direct_url: self.direct_url.clone(),
+            unix_time_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
         };
         // The hello goes first, then the fleet; the stream takes calls once the agent
         // confirms it (see `Hub::confirm`).

@@ -8,6 +8,10 @@
 //! swaps it when the file changes or on SIGHUP (driven by `relay_common::tls::watch`) and
 //! then calls back so streams of removed tokens can be closed. A file that fails to load
 //! on reload leaves the previous store in place.
+//!
+//! `edit` changes a store file from the command line (`relay-tunnel-server tokens ...`).
+
+pub mod edit;
 
 use relay_common::config::ConfigError;
 use relay_common::secret::{ct_eq, sha256_hex};

@@ -187,6 +187,7 @@ impl Tunnel for Svc {
             protocol_version: relay_proto::PROTOCOL_VERSION,
             instance_id: "fake-1".into(),
             direct_url: String::new(),
+            unix_time_ms: 0,
         };
         tx.send(Ok(ServerFrame::of(In::Hello(hello))))
             .await

@@ -359,6 +359,11 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn demo(listen: SocketAddr, servers: usize, once: bool) -> anyhow::Result<()> {
+    // The one start-up warning: every component's own would repeat it.
+    relay_common::tls::note_plain_text(
+        "relay-fleet demo",
+        &["every hop of the demo (loopback, no certificates; see examples/tls for TLS)"],
+    );
     let stack = Stack::builder()
         .servers(servers)
         .front(listen)

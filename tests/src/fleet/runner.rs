@@ -454,6 +454,12 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
     let s = scenario;
     let (fleet, caller, tunnel_ids) = match &opts.mode {
         Mode::Embedded => {
+            // One line for the whole simulated fleet; each component's own would repeat
+            // it (a thousand agents, a thousand lines).
+            relay_common::tls::note_plain_text(
+                "relay-fleet run",
+                &["every hop of the embedded fleet (loopback, no certificates)"],
+            );
             let cov = s.agents.coverage.clone();
             let (qt, mq) = (s.servers.queue_timeout, s.servers.max_queue);
             let zones: Vec<&str> = s.servers.zones.iter().map(String::as_str).collect();
@@ -498,6 +504,10 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
             let mut agents = Vec::new();
             let mut configs = Vec::new();
             let mut ids = Vec::new();
+            relay_common::tls::note_plain_text(
+                "relay-fleet run",
+                &["the simulated agents' tunnel streams (plain http:// to --tunnel)"],
+            );
             for i in 0..s.agents.count {
                 let (token, id) = agent_identity(i);
                 let mut cfg = relay_agent::Config {
