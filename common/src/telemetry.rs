@@ -1,5 +1,6 @@
 //! Tracing setup shared by the binaries: `RELAY_LOG` (or `RUST_LOG`) sets the filter,
-//! `RELAY_LOG_FORMAT=json` switches to JSON lines.
+//! `RELAY_LOG_FORMAT=json` switches to JSON lines. Logs go to stderr (stdout stays for what
+//! a command prints, such as a report or a token), coloured only when stderr is a terminal.
 
 use tracing_subscriber::EnvFilter;
 
@@ -12,7 +13,9 @@ pub fn init(default_filter: &str) {
     let json = std::env::var("RELAY_LOG_FORMAT").is_ok_and(|v| v == "json");
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_target(false);
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = if json {
         builder.json().try_init()
     } else {
