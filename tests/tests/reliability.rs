@@ -1,10 +1,12 @@
 //! Reliability under faults: every call gets exactly one answer, and the fleet heals.
 //!
 //! Each test runs steady load through the dispatcher's HTTP front while it injects one
-//! fault: a tunnel server process killed (SIGKILL), frozen (SIGSTOP) or drained (SIGTERM),
-//! a rolling restart of every server, an agent restart, the upstream going away, callers
-//! leaving mid-call, the load balancer losing its connections, and a connection dropped
-//! silently on the path. Then it checks the accounting:
+//! fault: a tunnel server process killed (SIGKILL; also behind a real HAProxy that keeps
+//! placing streams on it until its health check fails), frozen (SIGSTOP) or drained
+//! (SIGTERM), a rolling restart of every server, an agent restart or crash (SIGKILL), a
+//! dispatcher crash and restart (memory and Redis registry), the upstream going away,
+//! callers leaving mid-call, the load balancer losing its connections, and a connection
+//! dropped silently on the path. Then it checks the accounting:
 //!
 //! - client: every call sent got exactly one answer (a response, or the caller's own
 //!   cancel), within its deadline plus slack (no hang);
