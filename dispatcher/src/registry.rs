@@ -88,6 +88,17 @@ pub struct RouteCounts {
     pub tunnels: usize,
 }
 
+/// Which shared entries missing from a read of the shared store are dropped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prune {
+    /// Every one: the shared store is the truth.
+    Missing,
+    /// Only those whose dispatcher wrote that they left (just after an outage, when the
+    /// records of live servers may have expired and their dispatchers have not rewritten
+    /// them yet).
+    Left(HashSet<String>),
+}
+
 /// A change of a local entry that the shared store must write (`Some`) or delete (`None`).
 pub type Publish = (String, Option<ServerRecord>);
 
@@ -399,17 +410,33 @@ impl Registry {
         expired
     }
 
+    /// Ids of the shared entries (servers known from the shared store).
+    pub fn shared_ids(&self) -> Vec<String> {
+        self.with(|t| {
+            t.entries
+                .iter()
+                .filter(|(_, e)| e.origin == Origin::Shared)
+                .map(|(id, _)| id.clone())
+                .collect()
+        })
+    }
+
     /// Replaces the shared entries with `records` read from the shared store. Servers that
-    /// report here are skipped (the local entry is the fresher one). With `prune` false,
-    /// entries missing from `records` are kept (just after an outage, while the other
-    /// dispatchers have not rewritten their records yet).
-    pub fn apply_shared(&self, records: Vec<ServerRecord>, prune: bool) {
+    /// report here are skipped (the local entry is the fresher one). Shared entries missing
+    /// from `records` are dropped as `prune` says.
+    pub fn apply_shared(&self, records: Vec<ServerRecord>, prune: Prune) {
         let now = Instant::now();
         self.with(|t| {
             let listed: HashSet<String> =
                 records.iter().map(|r| r.info.server_id.clone()).collect();
-            t.entries
-                .retain(|id, e| e.origin != Origin::Shared || !prune || listed.contains(id));
+            t.entries.retain(|id, e| {
+                e.origin != Origin::Shared
+                    || listed.contains(id)
+                    || match &prune {
+                        Prune::Missing => false,
+                        Prune::Left(left) => !left.contains(id),
+                    }
+            });
             for r in records {
                 let id = r.info.server_id.clone();
                 if matches!(t.entries.get(&id), Some(e) if e.origin != Origin::Shared) {
@@ -978,7 +1005,7 @@ mod tests {
         };
         r.apply_shared(
             vec![rec("x", &["demo"]), rec("y", &["demo", "other"])],
-            true,
+            Prune::Missing,
         );
         assert_eq!(
             r.counts(),
@@ -993,14 +1020,20 @@ mod tests {
         r.tunnel_up(y, "third");
         r.apply_shared(
             vec![rec("x", &["demo"]), rec("y", &["demo", "other"])],
-            true,
+            Prune::Missing,
         );
         assert_eq!(ids(&r, "third"), ["y"]);
         assert!(r.route("other").is_none());
-        // Right after an outage a missing record is kept; then it is dropped.
-        r.apply_shared(vec![], false);
+        // Right after an outage a missing record is kept, unless its server left; then
+        // it is dropped.
+        r.apply_shared(vec![], Prune::Left(HashSet::new()));
         assert_eq!(ids(&r, "demo"), ["x"]);
-        r.apply_shared(vec![], true);
+        assert_eq!(r.shared_ids(), ["x"]);
+        r.apply_shared(vec![], Prune::Left(HashSet::from(["x".to_string()])));
+        assert!(r.route("demo").is_none());
+        r.apply_shared(vec![rec("x", &["demo"])], Prune::Missing);
+        assert_eq!(ids(&r, "demo"), ["x"]);
+        r.apply_shared(vec![], Prune::Missing);
         assert!(r.route("demo").is_none());
         assert_eq!(ids(&r, "third"), ["y"]);
         let snap = r.snapshot();

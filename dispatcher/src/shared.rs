@@ -7,19 +7,33 @@
 //! `refresh_interval` it reads all records back into the registry. A server that stops
 //! reporting stops being rewritten, so its key expires and every dispatcher drops it
 //! within `lease + refresh_interval`; the reader that finds an id without a key removes it
-//! from the set and counts a lease expiry.
+//! from the set and counts a lease expiry. A server that leaves this dispatcher (its report
+//! stream ended, or its lease ran out here) has its record deleted and a marker
+//! `<prefix>:left:<server_id>` written (expiring after `lease`).
 //!
 //! The call path never waits on Redis: it routes from the registry's local table. When
-//! Redis is unreachable the task keeps the last known shared entries, reports degraded (see
-//! [`SharedHealth`], used by `/readyz`), retries with backoff, and once Redis answers again
-//! rewrites every local record before anything else (keys may have expired meanwhile).
+//! Redis is unreachable (refusing, or frozen: connections open and nothing answered, which
+//! every command's `redis_timeout` bounds) the task keeps the last known shared entries,
+//! reports degraded (see [`SharedHealth`], used by `/readyz`), retries with backoff, and
+//! once Redis answers again rewrites every local record before anything else (keys may
+//! have expired meanwhile).
+//!
+//! Right after an outage the other dispatchers may not have rewritten their records yet
+//! (an outage longer than the lease lets every record expire, and a restarted Redis is
+//! empty), so for one lease from the first successful read a missing record does not drop
+//! its entry: that grace starts with the very first read (an earlier version pruned on it,
+//! dropping live servers of other dispatchers until they rewrote). A server whose `left`
+//! marker is there is dropped during the grace too: its dispatcher saw it go (a server that
+//! crashed during the outage is gone from every dispatcher within `refresh_interval` of its
+//! own dispatcher reaching Redis again, instead of a lease later).
 //!
 //! This module must not route calls; it never logs the Redis URL (it may hold a password).
 
 use crate::metrics::Metrics;
-use crate::registry::{Publish, Registry, ServerRecord};
+use crate::registry::{Prune, Publish, Registry, ServerRecord};
 use redis::aio::MultiplexedConnection;
 use redis::AsyncConnectionConfig;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -126,6 +140,11 @@ impl SharedStore {
         format!("{}:server:{}", self.key_prefix, server_id)
     }
 
+    /// The marker of a server that left its dispatcher (see the module docs).
+    fn left_key(&self, server_id: &str) -> String {
+        format!("{}:left:{}", self.key_prefix, server_id)
+    }
+
     async fn bounded<T>(
         &self,
         f: impl std::future::Future<Output = Result<T, redis::RedisError>>,
@@ -172,6 +191,12 @@ impl SharedStore {
                 None => {
                     pipe.cmd("DEL").arg(self.server_key(id)).ignore();
                     pipe.cmd("SREM").arg(self.set_key()).arg(id).ignore();
+                    pipe.cmd("SET")
+                        .arg(self.left_key(id))
+                        .arg(1)
+                        .arg("PX")
+                        .arg(lease_ms)
+                        .ignore();
                 }
             }
         }
@@ -215,6 +240,31 @@ impl SharedStore {
                 }
             }
         }
+        let prune = if prune {
+            Prune::Missing
+        } else {
+            // The grace after an outage: drop only servers known to have left.
+            let listed: HashSet<&str> = records.iter().map(|r| r.info.server_id.as_str()).collect();
+            let missing: Vec<String> = self
+                .registry
+                .shared_ids()
+                .into_iter()
+                .filter(|id| !listed.contains(id.as_str()))
+                .collect();
+            let mut left = HashSet::new();
+            if !missing.is_empty() {
+                let keys: Vec<String> = missing.iter().map(|id| self.left_key(id)).collect();
+                let marks: Vec<Option<String>> = self
+                    .bounded(redis::cmd("MGET").arg(&keys).query_async(conn))
+                    .await?;
+                for (id, mark) in missing.into_iter().zip(marks) {
+                    if mark.is_some() {
+                        left.insert(id);
+                    }
+                }
+            }
+            Prune::Left(left)
+        };
         self.registry.apply_shared(records, prune);
         Ok(())
     }
@@ -250,8 +300,10 @@ impl SharedStore {
                 all.retain(|(id, _)| !items.iter().any(|(i, _)| i == id));
                 items.extend(all);
             }
-            let prune = recovered_at
-                .is_none_or(|t| Instant::now().saturating_duration_since(t) >= self.lease);
+            // The grace starts with the first read after an outage (`was_down`).
+            let prune = !was_down
+                && recovered_at
+                    .is_none_or(|t| Instant::now().saturating_duration_since(t) >= self.lease);
             let result = self.sync(&mut conn, &items, read, prune).await;
             match result {
                 Ok(()) => {

@@ -1,6 +1,13 @@
 //! End-to-end tests of the dispatcher library: a real `run` on 127.0.0.1:0, fake tunnel
 //! servers (a tonic `Forward` service plus a `Registry.Report` client announcing them), and a
 //! hyper client acting as the backend. No sleeps: conditions are polled with a deadline.
+//!
+//! A fake models "the server died" as a gRPC status (`Status::unavailable`), which is not
+//! what a crash looks like on the wire; [`start_fake_resetting`] puts a fake behind a TCP
+//! proxy that resets its connections (`SO_LINGER` 0: a real TCP RST) at a chosen point of
+//! a call, so the error classification is also checked against what h2 and tonic make of
+//! a real reset (UNKNOWN "transport error" before the response headers, UNKNOWN "error
+//! reading a body" after them).
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, StatusCode};
@@ -257,6 +264,8 @@ struct FakeState {
     cancelled: Arc<AtomicUsize>,
     /// Fired by `Forward.Proceed`.
     proceeded: Arc<tokio::sync::Notify>,
+    /// Resets every TCP connection through the fake's proxy (see [`start_fake_resetting`]).
+    reset: Option<Arc<tokio::sync::Notify>>,
 }
 
 struct FakeForward(FakeState);
@@ -288,6 +297,25 @@ fn body_frame(data: Vec<u8>, end: bool) -> ForwardResponse {
 type Out = mpsc::Sender<Result<ForwardResponse, Status>>;
 
 impl FakeState {
+    /// The behaviour of a call: forced, or the request's `x-fake` header.
+    fn behaviour(&self, head: &RequestHead) -> String {
+        self.force.clone().unwrap_or_else(|| {
+            header(head, "x-fake")
+                .first()
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default()
+        })
+    }
+
+    /// The server's host dies: every connection to it is reset (TCP RST), as the
+    /// dispatcher sees a crashed machine or a killed process with unread data.
+    fn reset_connections(&self) {
+        self.reset
+            .as_ref()
+            .expect("a resetting fake (start_fake_resetting)")
+            .notify_waiters();
+    }
+
     async fn serve_call(
         &self,
         tunnel_id: String,
@@ -295,12 +323,7 @@ impl FakeState {
         mut inbound: Streaming<ForwardRequest>,
         tx: Out,
     ) {
-        let behaviour = self.force.clone().unwrap_or_else(|| {
-            header(&head, "x-fake")
-                .first()
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .unwrap_or_default()
-        });
+        let behaviour = self.behaviour(&head);
         let index = {
             let mut seen = self.seen.lock().unwrap();
             seen.push(Seen {
@@ -407,6 +430,34 @@ impl FakeState {
                 self.seen.lock().unwrap()[index].ended = true;
                 let _ = tx.send(Err(Status::unavailable("server went away"))).await;
             }
+            "queued_then_hang" => {
+                // The test resets the connection once the dispatcher heard `Queued`.
+                send(ForwardResponse::of(RespKind::Queued(
+                    relay_proto::Queued {},
+                )))
+                .await;
+                tx.closed().await;
+            }
+            "proceeded_then_reset" => {
+                send(ForwardResponse::of(RespKind::Queued(
+                    relay_proto::Queued {},
+                )))
+                .await;
+                send(ForwardResponse::of(RespKind::Reserved(
+                    relay_proto::StreamReserved { reservation: 42 },
+                )))
+                .await;
+                self.proceeded.notified().await;
+                self.seen.lock().unwrap()[index].ended = true;
+                self.reset_connections();
+                tx.closed().await;
+            }
+            "head_then_hang" => {
+                // The test resets the connection once the caller has the head.
+                send(response_head(vec![], false)).await;
+                send(body_frame(vec![1; 1000], false)).await;
+                tx.closed().await;
+            }
             "head_then_error" => {
                 send(response_head(vec![], false)).await;
                 send(body_frame(vec![1; 1000], false)).await;
@@ -504,6 +555,19 @@ impl Forward for FakeForward {
         let head = call_head
             .request
             .ok_or_else(|| Status::invalid_argument("no request"))?;
+        if self.0.behaviour(&head) == "reset_before_headers" {
+            // The call arrived; the host dies before the response headers leave.
+            self.0.seen.lock().unwrap().push(Seen {
+                tunnel_id: call_head.tunnel_id.clone(),
+                head: head.clone(),
+                chunk_sizes: vec![],
+                body_len: 0,
+                ended: false,
+            });
+            self.0.reset_connections();
+            // Nothing more leaves this server; the handler ends with its connection.
+            std::future::pending::<()>().await;
+        }
         let (tx, rx) = mpsc::channel(4);
         let state = self.0.clone();
         tokio::spawn(async move {
@@ -521,12 +585,16 @@ struct Fake {
 }
 
 async fn start_fake(force: Option<&str>) -> Fake {
-    let listener = bind().await;
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let state = FakeState {
+    start_fake_with(FakeState {
         force: force.map(str::to_string),
         ..Default::default()
-    };
+    })
+    .await
+}
+
+async fn start_fake_with(state: FakeState) -> Fake {
+    let listener = bind().await;
+    let url = format!("http://{}", listener.local_addr().unwrap());
     let svc = ForwardServer::new(FakeForward(state.clone()));
     tokio::spawn(
         tonic::transport::Server::builder()
@@ -536,7 +604,50 @@ async fn start_fake(force: Option<&str>) -> Fake {
     Fake { url, state }
 }
 
+/// A fake whose URL is a TCP proxy in front of it. When a call's behaviour resets the
+/// connections, the proxy sets `SO_LINGER` 0 on every dispatcher-facing socket and closes
+/// it: the dispatcher gets a real TCP RST mid-call, not a gRPC status.
+async fn start_fake_resetting(force: &str) -> Fake {
+    let reset = Arc::new(tokio::sync::Notify::new());
+    let mut fake = start_fake_with(FakeState {
+        force: Some(force.to_string()),
+        reset: Some(reset.clone()),
+        ..Default::default()
+    })
+    .await;
+    let target: SocketAddr = fake.url.trim_start_matches("http://").parse().unwrap();
+    let proxy = bind().await;
+    fake.url = format!("http://{}", proxy.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = proxy.accept().await {
+            let reset = reset.clone();
+            tokio::spawn(async move {
+                let Ok(mut server) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                let reset = reset.notified();
+                let reset = tokio::select! {
+                    // The reset first: nothing the server writes after it reaches the
+                    // dispatcher.
+                    biased;
+                    _ = reset => true,
+                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
+                };
+                if reset {
+                    client.set_zero_linger().unwrap();
+                }
+            });
+        }
+    });
+    fake
+}
+
 impl Fake {
+    /// Resets every connection through a resetting fake's proxy now.
+    fn reset(&self) {
+        self.state.reset_connections();
+    }
+
     fn seen(&self) -> Vec<Seen> {
         self.state.seen.lock().unwrap().clone()
     }
@@ -1336,5 +1447,90 @@ async fn a_server_that_stops_reporting_is_dropped_after_its_lease() {
     a.tx.send(load_frame("demo", 2, 0, 0)).await.unwrap();
     let status = a.result.await.unwrap().unwrap_err();
     assert_eq!(status.code(), tonic::Code::Aborted);
+    d.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_real_connection_reset_is_retried_only_where_no_agent_can_have_the_call() {
+    // Each case: the resetting server is the home (most idle streams), a good one has
+    // room; a POST (never retried once it may have reached an agent) goes to the home,
+    // whose connection is reset with a TCP RST at the given point of the call.
+    for (behaviour, retried) in [
+        // The call arrived, no response header left: no agent saw it.
+        ("reset_before_headers", true),
+        // The call waits in the server's queue (the dispatcher heard `Queued`).
+        ("queued_then_hang", true),
+        // We sent Proceed: the call may have reached the agent.
+        ("proceeded_then_reset", false),
+    ] {
+        let d = start_dispatcher().await;
+        let lossy = start_fake_resetting(behaviour).await;
+        let good = start_fake(None).await;
+        let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
+        let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
+        assert_eq!(home_of(&d, "demo").await, "ts-lossy");
+        let post = async {
+            if behaviour == "queued_then_hang" {
+                let post = d.post("/relay/demo/x", b"payload");
+                let reset = async {
+                    eventually(|| async { d.metric("relay_dispatcher_queued_total").await == 1.0 })
+                        .await;
+                    lossy.reset();
+                };
+                tokio::join!(post, reset).0
+            } else {
+                d.post("/relay/demo/x", b"payload").await
+            }
+        }
+        .await;
+        assert_eq!(
+            lossy.seen().len(),
+            1,
+            "{behaviour}: the call reached the server"
+        );
+        if retried {
+            assert_eq!(post.status, StatusCode::OK, "{behaviour}: {:?}", post.body);
+            assert_eq!(post.body.unwrap(), Bytes::from_static(b"payload"));
+            assert_eq!(good.seen().len(), 1, "{behaviour}");
+            assert_eq!(d.metric("relay_dispatcher_retries_total").await, 1.0);
+        } else {
+            assert!(lossy.seen()[0].ended, "the fake got Proceed");
+            assert_eq!(post.status, StatusCode::BAD_GATEWAY, "{behaviour}");
+            assert_eq!(post.json()["error"], "stream_lost", "{behaviour}");
+            assert_eq!(good.seen().len(), 0, "{behaviour}: not retried");
+        }
+        d.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn a_real_connection_reset_after_the_response_head_cuts_the_body_short() {
+    let d = start_dispatcher().await;
+    let lossy = start_fake_resetting("head_then_hang").await;
+    let good = start_fake(None).await;
+    let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
+    let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
+    let resp = d
+        .client
+        .request(
+            d.request(Method::GET, "/relay/demo/x", Some(KEY))
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .expect("response head");
+    // The head went to the caller: the call is not retried, and once the server's
+    // connection is reset the body must not look complete.
+    assert_eq!(resp.status(), StatusCode::OK);
+    lossy.reset();
+    let body = resp.into_body().collect().await;
+    assert!(body.is_err(), "a truncated body looked complete");
+    assert_eq!(good.seen().len(), 0);
+    eventually(|| async {
+        d.metric("relay_dispatcher_calls_total{outcome=\"aborted\"}")
+            .await
+            == 1.0
+    })
+    .await;
     d.shutdown().await;
 }

@@ -29,6 +29,37 @@ pub struct Backend {
     pub disabled: bool,
 }
 
+/// HAProxy's health checks of every backend: one every `inter`, `fall` failures in a row
+/// mark it down, `rise` successes up again. The default is quick for tests (down within
+/// 1 s); `examples/haproxy/haproxy.cfg` checks every 2 s, so a crashed server still gets
+/// new streams for up to 4 s there.
+#[derive(Clone, Copy, Debug)]
+pub struct Checks {
+    pub inter: Duration,
+    pub fall: u32,
+    pub rise: u32,
+}
+
+impl Default for Checks {
+    fn default() -> Self {
+        Checks {
+            inter: Duration::from_millis(500),
+            fall: 2,
+            rise: 2,
+        }
+    }
+}
+
+impl Checks {
+    /// The checks of `examples/haproxy/haproxy.cfg` (`inter 2s fall 2 rise 2`).
+    pub fn example() -> Self {
+        Checks {
+            inter: Duration::from_secs(2),
+            ..Checks::default()
+        }
+    }
+}
+
 /// Where the haproxy binary is, or an error that says how to install it.
 pub fn binary() -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("HAPROXY") {
@@ -64,6 +95,7 @@ pub fn config(
     stats: SocketAddr,
     socket: &std::path::Path,
     backends: &[Backend],
+    checks: Checks,
 ) -> String {
     let mut c = format!(
         "global\n\
@@ -99,8 +131,11 @@ pub fn config(
          \x20   option httpchk\n\
          \x20   http-check send meth GET uri /readyz\n\
          \x20   http-check expect status 200\n\
-         \x20   default-server proto h2 inter 500ms fall 2 rise 2\n",
-        socket.display()
+         \x20   default-server proto h2 inter {}ms fall {} rise {}\n",
+        socket.display(),
+        checks.inter.as_millis(),
+        checks.fall,
+        checks.rise,
     );
     for b in backends {
         let check = match b.admin {
@@ -127,6 +162,7 @@ pub struct Haproxy {
     proc: Option<Proc>,
     starts: u32,
     how: Spawn,
+    checks: Checks,
 }
 
 impl Haproxy {
@@ -141,6 +177,15 @@ impl Haproxy {
 
     /// [`Haproxy::start`], spawned as `how` says (e.g. in its own process group).
     pub async fn start_with(backends: Vec<Backend>, how: &Spawn) -> anyhow::Result<Haproxy> {
+        Self::start_checked(backends, how, Checks::default()).await
+    }
+
+    /// [`Haproxy::start_with`], with these health checks.
+    pub async fn start_checked(
+        backends: Vec<Backend>,
+        how: &Spawn,
+        checks: Checks,
+    ) -> anyhow::Result<Haproxy> {
         let mut h = Haproxy {
             addr: free_addr()?,
             stats: free_addr()?,
@@ -149,6 +194,7 @@ impl Haproxy {
             proc: None,
             starts: 0,
             how: how.clone(),
+            checks,
         };
         h.launch().await?;
         Ok(h)
@@ -163,7 +209,13 @@ impl Haproxy {
         let cfg = self.dir.path().join("haproxy.cfg");
         std::fs::write(
             &cfg,
-            config(self.addr, self.stats, &self.socket(), &self.backends),
+            config(
+                self.addr,
+                self.stats,
+                &self.socket(),
+                &self.backends,
+                self.checks,
+            ),
         )?;
         self.starts += 1;
         let bin = binary()?;

@@ -574,6 +574,8 @@ pub struct DispatcherOpts {
     pub caller_key: String,
     pub server_key: String,
     pub call_timeout: Duration,
+    /// Extra keys of the `[registry]` table, one per line (e.g. `backend = "redis"`).
+    pub registry: String,
     /// Extra TOML appended to the generated config (e.g. a `[routing]` table).
     pub extra: String,
 }
@@ -584,6 +586,7 @@ impl Default for DispatcherOpts {
             caller_key: crate::stack::CALLER_KEY.into(),
             server_key: crate::stack::SERVER_KEY.into(),
             call_timeout: Duration::from_secs(10),
+            registry: String::new(),
             extra: String::new(),
         }
     }
@@ -605,16 +608,39 @@ impl DispatcherProc {
 
     /// [`DispatcherProc::start`], spawned as `how` says.
     pub async fn start_with(dir: &Path, opts: DispatcherOpts, how: &Spawn) -> anyhow::Result<Self> {
+        Self::start_on_with(dir, opts, None, how).await
+    }
+
+    /// Starts it on `ports` (front, registry, admin), e.g. a restart where the tunnel
+    /// servers and callers look for it; fresh ports when `None`.
+    pub async fn start_on(
+        dir: &Path,
+        opts: DispatcherOpts,
+        ports: Option<(SocketAddr, SocketAddr, SocketAddr)>,
+    ) -> anyhow::Result<Self> {
+        Self::start_on_with(dir, opts, ports, &Spawn::default()).await
+    }
+
+    async fn start_on_with(
+        dir: &Path,
+        opts: DispatcherOpts,
+        ports: Option<(SocketAddr, SocketAddr, SocketAddr)>,
+        how: &Spawn,
+    ) -> anyhow::Result<Self> {
         for _ in 0..PORT_ATTEMPTS {
-            let (http, registry, admin) = (free_addr()?, free_addr()?, free_addr()?);
+            let (http, registry, admin) = match ports {
+                Some(p) => p,
+                None => (free_addr()?, free_addr()?, free_addr()?),
+            };
             let cfg_path = dir.join("dispatcher.toml");
             let cfg = format!(
                 "listen = \"{http}\"\nregistry_listen = \"{registry}\"\nadmin_listen = \"{admin}\"\n\
-                 call_timeout = \"{}\"\n\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n\n\
+                 call_timeout = \"{}\"\n\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n{}\n\n\
                  [tls]\ninsecure = true\n[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n\n{}\n",
                 humantime(opts.call_timeout),
                 opts.caller_key,
                 opts.server_key,
+                opts.registry,
                 opts.extra,
             );
             std::fs::write(&cfg_path, cfg)?;
@@ -633,12 +659,21 @@ impl DispatcherProc {
                     admin,
                 });
             }
+            anyhow::ensure!(
+                ports.is_none(),
+                "dispatcher: its ports {ports:?} are taken by another process"
+            );
         }
         anyhow::bail!("dispatcher: no free ports after {PORT_ATTEMPTS} attempts")
     }
 
     pub fn registry_url(&self) -> String {
         format!("http://{}", self.registry)
+    }
+
+    /// Its listener addresses (front, registry, admin), to start a replacement on them.
+    pub fn ports(&self) -> (SocketAddr, SocketAddr, SocketAddr) {
+        (self.http, self.registry, self.admin)
     }
 }
 
@@ -648,8 +683,24 @@ pub struct AgentOpts {
     pub tunnels: Vec<String>,
     pub token: String,
     pub upstream: String,
+    /// `backoff_initial` and `backoff_max` of its stream opens. The default (100 ms, 2 s)
+    /// is shorter than the product's (200 ms, 30 s) so that fault tests recover quickly;
+    /// a test of the backoff itself sets the product's.
+    pub backoff: (Duration, Duration),
     /// Extra TOML appended to the generated config (e.g. a `[coverage]` table).
     pub extra: String,
+}
+
+impl Default for AgentOpts {
+    fn default() -> Self {
+        AgentOpts {
+            tunnels: Vec::new(),
+            token: crate::stack::TOKEN.into(),
+            upstream: String::new(),
+            backoff: (Duration::from_millis(100), Duration::from_secs(2)),
+            extra: String::new(),
+        }
+    }
 }
 
 /// A `relay-agent` child.
@@ -672,11 +723,13 @@ impl AgentProc {
             let tunnels: Vec<String> = opts.tunnels.iter().map(|t| format!("{t:?}")).collect();
             let cfg = format!(
                 "tunnels = [{}]\ntoken = {:?}\nupstream = {:?}\nadmin_listen = \"{admin}\"\n\
-                 backoff_initial = \"100ms\"\nbackoff_max = \"2s\"\n\n[tls]\ninsecure = true\n\n\
+                 backoff_initial = \"{}\"\nbackoff_max = \"{}\"\n\n[tls]\ninsecure = true\n\n\
                  [[allow]]\nname = \"test-all\"\nmethods = [\"*\"]\npath = \"/**\"\n\n{}\n",
                 tunnels.join(", "),
                 opts.token,
                 opts.upstream,
+                humantime(opts.backoff.0),
+                humantime(opts.backoff.1),
                 opts.extra,
             );
             std::fs::write(&cfg_path, cfg)?;

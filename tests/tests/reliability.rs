@@ -1,10 +1,12 @@
 //! Reliability under faults: every call gets exactly one answer, and the fleet heals.
 //!
 //! Each test runs steady load through the dispatcher's HTTP front while it injects one
-//! fault: a tunnel server process killed (SIGKILL), frozen (SIGSTOP) or drained (SIGTERM),
-//! a rolling restart of every server, an agent restart, the upstream going away, callers
-//! leaving mid-call, the load balancer losing its connections, and a connection dropped
-//! silently on the path. Then it checks the accounting:
+//! fault: a tunnel server process killed (SIGKILL; also behind a real HAProxy that keeps
+//! placing streams on it until its health check fails), frozen (SIGSTOP) or drained
+//! (SIGTERM), a rolling restart of every server, an agent restart or crash (SIGKILL), a
+//! dispatcher crash and restart (memory and Redis registry), the upstream going away,
+//! callers leaving mid-call, the load balancer losing its connections, and a connection
+//! dropped silently on the path. Then it checks the accounting:
 //!
 //! - client: every call sent got exactly one answer (a response, or the caller's own
 //!   cancel), within its deadline plus slack (no hang);
@@ -24,6 +26,7 @@
 use bytes::Bytes;
 use http::Method;
 use relay_tests::client::Caller;
+use relay_tests::haproxy::{Backend, Checks, Haproxy};
 use relay_tests::lb::Policy;
 use relay_tests::ledger::{
     agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops,
@@ -33,6 +36,7 @@ use relay_tests::procs::{
     metric, scrape, series, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
     TunnelServerOpts, TunnelServerProc,
 };
+use relay_tests::redis::{require_redis, RedisServer};
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use relay_tests::upstream::{Upstream, UpstreamHandle};
 use std::collections::BTreeMap;
@@ -330,71 +334,140 @@ async fn dispatcher_servers(admin: SocketAddr) -> f64 {
 // ---------------------------------------------------------------------------------------
 // The fleet as child processes
 
+/// How a [`Fleet`] is made.
+#[derive(Clone)]
+struct FleetOpts {
+    servers: usize,
+    heartbeat: Duration,
+    upstream_latency: Duration,
+    /// The agent dials a real HAProxy with these health checks on each server's
+    /// `/readyz` (as in `examples/haproxy/haproxy.cfg`) instead of the servers themselves.
+    haproxy: Option<Checks>,
+    /// The agent's open backoff (initial, max).
+    agent_backoff: (Duration, Duration),
+    dispatcher: DispatcherOpts,
+}
+
+impl FleetOpts {
+    fn new(servers: usize, heartbeat: Duration, upstream_latency: Duration) -> Self {
+        FleetOpts {
+            servers,
+            heartbeat,
+            upstream_latency,
+            haproxy: None,
+            agent_backoff: AgentOpts::default().backoff,
+            dispatcher: DispatcherOpts::default(),
+        }
+    }
+}
+
 struct Fleet {
     dir: ScratchDir,
     /// Kept alive for the fleet's life.
     _upstream: UpstreamHandle,
     dispatcher: DispatcherProc,
+    dispatcher_opts: DispatcherOpts,
     servers: Vec<Option<TunnelServerProc>>,
     opts: Vec<TunnelServerOpts>,
     ports: Vec<(SocketAddr, SocketAddr, SocketAddr)>,
+    /// Between the agent and the servers, when asked for; kept for the fleet's life.
+    _haproxy: Option<Haproxy>,
     agent: AgentProc,
+    agent_opts: AgentOpts,
     /// Calls the fleet's own readiness probes sent through the dispatcher.
     probes: AtomicU64,
     /// Per server slot: restarted at least once (its earlier counters are gone).
     restarted: Vec<bool>,
+    /// The agent was killed and started again (the first one's counters are gone).
+    agent_restarted: bool,
 }
 
 impl Fleet {
     async fn start(n: usize, heartbeat: Duration, upstream_latency: Duration) -> Fleet {
+        Self::start_with(FleetOpts::new(n, heartbeat, upstream_latency)).await
+    }
+
+    async fn start_with(o: FleetOpts) -> Fleet {
+        let n = o.servers;
         let dir = ScratchDir::new("fleet").unwrap();
         let upstream = Upstream::builder()
-            .latency(upstream_latency)
+            .latency(o.upstream_latency)
             .spawn()
             .await
             .unwrap();
-        let dispatcher = DispatcherProc::start(dir.path(), DispatcherOpts::default())
+        let dispatcher = DispatcherProc::start(dir.path(), o.dispatcher.clone())
             .await
             .unwrap();
         let mut servers = Vec::new();
         let mut opts = Vec::new();
         let mut ports = Vec::new();
         for i in 0..n {
-            let o = TunnelServerOpts {
+            let so = TunnelServerOpts {
                 server_id: format!("ts-{}", i + 1),
                 zone: format!("zone-{}", i + 1),
                 dispatchers: vec![dispatcher.registry_url()],
-                heartbeat,
+                heartbeat: o.heartbeat,
                 ..TunnelServerOpts::default()
             };
-            let s = TunnelServerProc::start(dir.path(), o.clone())
+            let s = TunnelServerProc::start(dir.path(), so.clone())
                 .await
                 .unwrap();
             ports.push(s.ports());
             servers.push(Some(s));
-            opts.push(o);
+            opts.push(so);
         }
-        let agent = AgentProc::start(
-            dir.path(),
-            AgentOpts {
-                tunnels: servers.iter().flatten().map(|s| s.agent_url()).collect(),
-                token: TOKEN.into(),
-                upstream: upstream.url(),
-                extra: String::new(),
-            },
-        )
-        .await
-        .unwrap();
+        let haproxy = if let Some(checks) = o.haproxy {
+            let backends = servers
+                .iter()
+                .flatten()
+                .map(|s| Backend {
+                    name: s.server_id.clone(),
+                    addr: s.agent_addr,
+                    admin: Some(s.admin_addr),
+                    weight: 1,
+                    disabled: false,
+                })
+                .collect();
+            let how = relay_tests::procs::Spawn {
+                env: Vec::new(),
+                own_process_group: false,
+            };
+            Some(
+                Haproxy::start_checked(backends, &how, checks)
+                    .await
+                    .unwrap(),
+            )
+        } else {
+            None
+        };
+        let tunnels = match &haproxy {
+            Some(h) => vec![h.url()],
+            None => servers.iter().flatten().map(|s| s.agent_url()).collect(),
+        };
+        let agent_opts = AgentOpts {
+            tunnels,
+            token: TOKEN.into(),
+            upstream: upstream.url(),
+            backoff: o.agent_backoff,
+            extra: String::new(),
+        };
+        let agent = AgentProc::start(dir.path(), agent_opts.clone())
+            .await
+            .unwrap();
         let fleet = Fleet {
             dir,
             _upstream: upstream,
             dispatcher,
+            dispatcher_opts: o.dispatcher,
             servers,
             opts,
             ports,
+            _haproxy: haproxy,
             agent,
+            agent_opts,
             probes: AtomicU64::new(0),
             restarted: vec![false; n],
+            agent_restarted: false,
         };
         fleet.wait_covered(n).await;
         fleet
@@ -485,6 +558,33 @@ impl Fleet {
         self.servers[i] = Some(s);
     }
 
+    /// Starts the agent again (after it was killed), with its config.
+    async fn restart_agent(&mut self) {
+        assert!(
+            self.agent.proc.try_exited().is_some(),
+            "the agent still runs"
+        );
+        self.agent_restarted = true;
+        self.agent = AgentProc::start(self.dir.path(), self.agent_opts.clone())
+            .await
+            .unwrap();
+    }
+
+    /// Kills the dispatcher (SIGKILL), leaves it down for `down`, and starts it again on
+    /// the same ports (the servers and callers look for it there). Returns when it
+    /// answers `/healthz` again.
+    async fn crash_dispatcher(&mut self, down: Duration) {
+        let ports = self.dispatcher.ports();
+        self.dispatcher.proc.kill();
+        // The outage itself: the servers' report streams retry meanwhile.
+        tokio::time::sleep(down).await;
+        self.dispatcher =
+            DispatcherProc::start_on(self.dir.path(), self.dispatcher_opts.clone(), Some(ports))
+                .await
+                .unwrap();
+        self.probes.store(0, Ordering::SeqCst);
+    }
+
     /// Dispatcher calls so far, less the fleet's own probes: the base of [`Fleet::accounted`].
     async fn base(&self) -> f64 {
         dispatcher_base(self.dispatcher.admin).await - self.probes.load(Ordering::SeqCst) as f64
@@ -524,6 +624,7 @@ impl Fleet {
             }
         }
         agent_ledger_text("agent", &self.agent_metrics().await, true, &mut hops)?;
+        hops.agents_partial = self.agent_restarted;
         hops_agree(&hops)
     }
 }
@@ -648,6 +749,7 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
             token: TOKEN.into(),
             upstream: upstream.url(),
             extra: "[coverage]\nenabled = false\nfixed_streams = 8\n".into(),
+            ..AgentOpts::default()
         },
     )
     .await
@@ -1326,6 +1428,358 @@ async fn silently_dropped_connection_is_found_by_heartbeat_on_both_ends() {
     })
     .await;
     stack.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Faults as production delivers them: process crashes behind a real load balancer, an
+// agent crash, a dispatcher crash
+
+impl Fleet {
+    /// The running servers' streams of the demo tunnel id, summed (`None` while one
+    /// cannot be read).
+    async fn server_streams_total(&self) -> Option<f64> {
+        let mut total = 0.0;
+        for i in 0..self.servers.len() {
+            if self.servers[i].is_some() {
+                total += self.server_streams(i).await?;
+            }
+        }
+        Some(total)
+    }
+
+    /// Server ids reporting on their own report stream to the dispatcher (origin `local`
+    /// in `/debug/routes`), as opposed to records it read back from Redis.
+    async fn reporting_locally(&self) -> usize {
+        let Ok(a) = Caller::new(self.dispatcher.admin, None)
+            .get("/debug/routes")
+            .await
+        else {
+            return 0;
+        };
+        a.json()["servers"]
+            .as_array()
+            .map_or(0, |s| s.iter().filter(|s| s["origin"] == "local").count())
+    }
+
+    /// Whether the agent's `/systemcheck` shows every server of `ids` covered while they
+    /// carry at least `busy` calls in all (in flight and queued there), and holds nothing
+    /// on `gone`.
+    async fn agent_covers(&self, ids: &[String], gone: Option<&str>, busy: u64) -> bool {
+        let Ok(check) = Caller::new(self.agent.admin, None)
+            .get("/systemcheck")
+            .await
+        else {
+            return false;
+        };
+        let servers = check.json()["servers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let state = |id: &str| {
+            servers
+                .iter()
+                .find(|s| s["server_id"] == id)
+                .and_then(|s| s["state"].as_str().map(str::to_string))
+        };
+        let carried: u64 = servers
+            .iter()
+            .filter(|s| ids.iter().any(|i| s["server_id"] == i.as_str()))
+            .map(|s| s["busy"].as_u64().unwrap_or(0))
+            .sum();
+        gone.is_none_or(|g| state(g).is_none())
+            && ids.iter().all(|i| state(i).as_deref() == Some("covered"))
+            && carried >= busy
+    }
+
+    /// One probe call through the front: whether it answered 200.
+    async fn probe(&self) -> bool {
+        self.probes.fetch_add(1, Ordering::SeqCst);
+        let c = Caller::new(self.front(), Some(CALLER_KEY));
+        matches!(c.get(&format!("/relay/{TUNNEL_ID}/hello")).await, Ok(a) if a.status == 200)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_agent_process_fails_only_its_calls_in_progress_frees_its_streams_and_routes_again_after_restart(
+) {
+    let mut fleet = Fleet::start(2, HEARTBEAT, Duration::ZERO).await;
+    let base = fleet.base().await;
+    let workers = 6;
+    let load = start_load(fleet.front(), LoadSpec::new(workers, "/slow/200", 5000));
+    tokio::time::sleep(Duration::from_millis(1000)).await; // steady state before the fault
+    let held = fleet.server_streams_total().await;
+    assert!(
+        held.is_some_and(|n| n > 0.0),
+        "the servers hold its streams"
+    );
+    fleet.agent.proc.kill();
+    // The servers free its streams: its connections closed with the process.
+    let freed = time_until(QUIET, || async {
+        fleet.server_streams_total().await == Some(0.0)
+    })
+    .await;
+    // Callers are told at once that no agent is there (the tally marks a 503 without
+    // Retry-After as such).
+    let told = time_until(READY, || async {
+        load.tally()
+            .failures()
+            .keys()
+            .any(|k| k.starts_with("503 tunnel_unavailable"))
+    })
+    .await;
+    fleet.restart_agent().await;
+    let restarted = Instant::now();
+    let ok_before = load.tally().ok.load(Ordering::SeqCst);
+    let routable = time_until(READY, || async {
+        load.tally().ok.load(Ordering::SeqCst) > ok_before + 20
+    })
+    .await;
+    let tally = load.stop().await;
+    eprintln!(
+        "agent SIGKILL ({held:?} streams on the servers): freed after {freed:?}, callers told \
+         after {told:?}, calls flowing {routable:?} after the restart ({:?} since); {}",
+        restarted.elapsed(),
+        tally.summary()
+    );
+    // Its connections closed with it: the servers free the streams at once, not after the
+    // heartbeat (3 silent periods) that finds an agent whose connection stays open.
+    let freed = freed.expect("the servers kept the killed agent's streams");
+    assert!(
+        freed <= HEARTBEAT,
+        "the servers freed the killed agent's streams after {freed:?}, bound is one \
+         heartbeat ({HEARTBEAT:?}): they found it by heartbeat, not by its closed connection"
+    );
+    assert!(
+        told.is_some(),
+        "no caller got 503 tunnel_unavailable: {}",
+        tally.summary()
+    );
+    assert!(
+        routable.is_some(),
+        "calls did not flow again after the agent restarted: {}",
+        tally.summary()
+    );
+    // Only the calls it had taken are lost; the rest are told to come back later.
+    let failures = tally.failures();
+    for (k, n) in &failures {
+        assert!(
+            k == "502 stream_lost" || k == "503 tunnel_unavailable",
+            "unexpected answer {k} x{n}: {}",
+            tally.summary()
+        );
+    }
+    let lost = failures.get("502 stream_lost").copied().unwrap_or(0);
+    assert!(
+        lost <= workers as u64,
+        "more calls lost ({lost}) than were in progress: {}",
+        tally.summary()
+    );
+    settle("accounting after an agent SIGKILL", QUIET, || {
+        fleet.accounted(tally.sent(), base)
+    })
+    .await;
+}
+
+/// HAProxy's checks in the SIGKILL test below: those of `examples/haproxy/haproxy.cfg`.
+/// With them HAProxy keeps placing new streams on a dead server for up to `fall` x
+/// `inter` (4 s), and holds each such open for its connect retries (3, a second apart)
+/// before it answers 503: the agent hears of those failed opens 3 to 7 s after the crash.
+const DEAD_SERVER_PLACED_FOR: Duration = Duration::from_secs(4);
+const HAPROXY_RETRIES_TAKE: Duration = Duration::from_secs(3);
+
+/// How soon the agent covers the servers left after a crash: opens placed on the dead
+/// server count as opening until HAProxy fails them, so growth there may wait for that
+/// (plus a sizing tick and a margin).
+const COVERED_AFTER_CRASH: Duration =
+    Duration::from_secs(DEAD_SERVER_PLACED_FOR.as_secs() + HAPROXY_RETRIES_TAKE.as_secs() + 1);
+
+/// How soon the agent covers servers whose load just grew, once the load balancer knows
+/// the dead server (also while failed opens keep coming back from it): a few sizing ticks
+/// (growth doubles per tick), as without a fault.
+const COVERED_AFTER_GROWTH: Duration = Duration::from_secs(5);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhere_does_not_stall()
+{
+    // HAProxy between the agent and three servers, checking each server's /readyz as the
+    // example config does; the agent backs off failed opens as in production (200 ms
+    // doubling to 30 s).
+    let mut o = FleetOpts::new(3, HEARTBEAT, Duration::ZERO);
+    o.haproxy = Some(Checks::example());
+    o.agent_backoff = (Duration::from_millis(200), Duration::from_secs(30));
+    let mut fleet = Fleet::start_with(o).await;
+    let workers = 8;
+    let load = start_load(fleet.front(), LoadSpec::new(workers, "/slow/100", 10_000));
+    // Steady state before the fault: every server holds streams and is covered.
+    let all: Vec<String> = fleet
+        .servers
+        .iter()
+        .flatten()
+        .map(|s| s.server_id.clone())
+        .collect();
+    let steady = time_until(READY, || fleet.agent_covers(&all, None, 0)).await;
+    assert!(
+        steady.is_some(),
+        "the agent never covered every server: {:?}",
+        fleet.agent_servers().await
+    );
+    let victim = fleet.busiest().await;
+    let before = fleet.agent_servers().await;
+    let s = fleet.servers[victim].take().unwrap();
+    let id = s.server_id.clone();
+    let mut proc = s.proc;
+    proc.kill();
+    let healthy: Vec<String> = fleet
+        .servers
+        .iter()
+        .flatten()
+        .map(|s| s.server_id.clone())
+        .collect();
+    // The dead server's share moves to the servers left, and more calls arrive: they
+    // grow while HAProxy still places opens on the dead server.
+    let more = start_load(
+        fleet.front(),
+        LoadSpec::new(2 * workers, "/slow/100", 10_000),
+    );
+    let first = time_until(QUIET, || fleet.agent_covers(&healthy, Some(&id), 0)).await;
+    // The load grows again just as the opens HAProxy placed on the dead server come back
+    // failed, one after another: growth must go on through the load balancer, not wait
+    // behind the open backoff those failures start.
+    tokio::time::sleep(DEAD_SERVER_PLACED_FOR.saturating_sub(first.unwrap_or_default())).await;
+    // Slow calls (1 s), so that they are all in flight at once: the agent must hold a
+    // stream for each of them on the servers left.
+    let slow = 6 * workers;
+    let burst = start_load(fleet.front(), LoadSpec::new(slow, "/slow/1000", 10_000));
+    let second = time_until(QUIET, || {
+        fleet.agent_covers(&healthy, Some(&id), (slow * 9 / 10) as u64)
+    })
+    .await;
+    let after = fleet.agent_servers().await;
+    let ok_before = burst.tally().ok.load(Ordering::SeqCst);
+    let flowing = time_until(READY, || async {
+        burst.tally().ok.load(Ordering::SeqCst) >= ok_before + slow as u64
+    })
+    .await;
+    let burst = burst.stop().await;
+    let more = more.stop().await;
+    let tally = load.stop().await;
+    let log = fleet.agent.proc.log();
+    let failed_opens = log.matches("tunnel stream open failed").count();
+    eprintln!(
+        "SIGKILL {id} behind haproxy (agent streams {before:?}): servers left covered after \
+         {first:?}, after the second step after {second:?} ({after:?}); {failed_opens} backoff \
+         steps; calls in progress at the kill: {}; started after it: {}; second step: {}",
+        tally.summary(),
+        more.summary(),
+        burst.summary()
+    );
+    for (step, t, bound) in [
+        ("the crash", first, COVERED_AFTER_CRASH),
+        ("the load grew", second, COVERED_AFTER_GROWTH),
+    ] {
+        let t = t.unwrap_or_else(|| {
+            panic!(
+                "the agent did not cover the servers left after {step}: {after:?}\n{}",
+                fleet.agent.proc.log_tail(30)
+            )
+        });
+        assert!(
+            t <= bound,
+            "the servers left were covered only {t:?} after {step} (bound {bound:?}): \
+             growth stalled\n{}",
+            fleet.agent.proc.log_tail(30)
+        );
+    }
+    assert!(flowing.is_some(), "calls stopped: {}", burst.summary());
+    // Calls started after the kill all succeed: new calls go to live servers, and the
+    // servers left grow instead of queueing them into `no_capacity`.
+    for t in [&more, &burst] {
+        assert_eq!(
+            t.failed(),
+            0,
+            "a call started after the kill failed: {}",
+            t.summary()
+        );
+    }
+    // Of the calls running at the kill, only those on the dead server fail, as stream_lost.
+    for (k, n) in tally.failures() {
+        assert_eq!(k, "502 stream_lost", "x{n}: {}", tally.summary());
+    }
+    assert!(
+        tally.failed() <= workers as u64,
+        "more failures than calls in progress: {}",
+        tally.summary()
+    );
+}
+
+/// How long after a restarted dispatcher listens again the tunnel servers report to it at
+/// the latest (README, "Operations": their report stream retries back off to 1 s, with
+/// up to 25% jitter).
+const REPORT_RETRY_MAX: Duration = Duration::from_millis(1250);
+
+/// A dispatcher SIGKILLed and started again on its ports, twice: after the first, long
+/// outage the servers' report retries have backed off to their cap; the second outage is
+/// short. After each, the servers report again and calls route within
+/// [`REPORT_RETRY_MAX`] (plus [`DETECT_SLACK`]) of the dispatcher being up.
+async fn dispatcher_crash_and_restart(registry: String) {
+    let mut o = FleetOpts::new(2, HEARTBEAT, Duration::ZERO);
+    o.dispatcher.registry = registry;
+    let mut fleet = Fleet::start_with(o).await;
+    for (round, down) in [Duration::from_secs(4), Duration::from_millis(300)]
+        .into_iter()
+        .enumerate()
+    {
+        fleet.crash_dispatcher(down).await;
+        let (reported, routed) = tokio::join!(
+            time_until(QUIET, || async { fleet.reporting_locally().await == 2 }),
+            time_until(QUIET, || fleet.probe())
+        );
+        eprintln!(
+            "dispatcher crash {} (down {down:?}): both servers report again after {reported:?}, \
+             calls route after {routed:?} (from the restarted dispatcher answering /healthz)",
+            round + 1
+        );
+        let bound = REPORT_RETRY_MAX + DETECT_SLACK;
+        let reported = reported.expect("the servers never reported to the restarted dispatcher");
+        assert!(
+            reported <= bound,
+            "crash {}: the servers reported again after {reported:?}, bound {bound:?}\n{}",
+            round + 1,
+            fleet.servers[0].as_ref().unwrap().proc.log_tail(10)
+        );
+        let routed = routed.expect("calls never routed through the restarted dispatcher");
+        assert!(
+            routed <= bound,
+            "crash {}: calls routed again after {routed:?}, bound {bound:?}",
+            round + 1
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashed_dispatcher_with_the_memory_registry_routes_again_within_the_report_retry_bound() {
+    dispatcher_crash_and_restart(String::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashed_dispatcher_with_the_redis_registry_routes_again_within_the_report_retry_bound() {
+    // A shared instance (scripts/test exports one) is fine here: the key prefix is unique.
+    let mut _own = None;
+    let url = match std::env::var("RELAY_TEST_REDIS_URL") {
+        Ok(u) if !u.is_empty() => u,
+        _ => {
+            require_redis("crashed_dispatcher_with_the_redis_registry_routes_again");
+            let r = RedisServer::start().await;
+            let url = r.url();
+            _own = Some(r);
+            url
+        }
+    };
+    let prefix = format!("relay-test-dispatcher-crash-{}", std::process::id());
+    dispatcher_crash_and_restart(format!(
+        "backend = \"redis\"\nurl = {url:?}\nkey_prefix = {prefix:?}\n"
+    ))
+    .await;
 }
 
 // ---------------------------------------------------------------------------------------

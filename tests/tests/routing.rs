@@ -11,16 +11,14 @@ use relay_dispatcher::{RegistryBackend, RoutingPolicy};
 use relay_tests::client::Caller;
 use relay_tests::eventually;
 use relay_tests::lb::Policy;
+use relay_tests::redis::{require_redis, RedisServer};
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use relay_tests::upstream::{Upstream, UpstreamHandle};
 use relay_tunnel_server::{TokenStore, TunnelServerHandle};
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -73,6 +71,8 @@ struct Outcome {
     errors: std::collections::BTreeMap<String, u64>,
     /// (sent at, HTTP status, error code) per call.
     calls: Vec<(Instant, u16, String)>,
+    /// Longest time to an answer.
+    slowest: Duration,
 }
 
 /// `workers` callers each send `path` back to back until `stop`.
@@ -96,7 +96,9 @@ async fn drive(
                 );
                 let at = Instant::now();
                 out.sent += 1;
-                match caller.call(req).await {
+                let answer = caller.call(req).await;
+                out.slowest = out.slowest.max(at.elapsed());
+                match answer {
                     Ok(a) => {
                         out.answered += 1;
                         let code = if a.status == 200 {
@@ -125,8 +127,50 @@ async fn drive(
             *total.errors.entry(k).or_default() += v;
         }
         total.calls.extend(o.calls);
+        total.slowest = total.slowest.max(o.slowest);
     }
     total
+}
+
+/// Runs `workers` callers through each of `dispatchers` until `stop`; their outcomes added up.
+async fn drive_all(
+    callers: Vec<Caller>,
+    workers: usize,
+    path: String,
+    stop: Arc<AtomicBool>,
+) -> Outcome {
+    let loads: Vec<_> = callers
+        .into_iter()
+        .map(|c| tokio::spawn(drive(c, workers, path.clone(), 5000, stop.clone())))
+        .collect();
+    let mut total = Outcome::default();
+    for l in loads {
+        let o = l.await.unwrap();
+        total.sent += o.sent;
+        total.answered += o.answered;
+        total.ok += o.ok;
+        for (k, v) in o.errors {
+            *total.errors.entry(k).or_default() += v;
+        }
+        total.slowest = total.slowest.max(o.slowest);
+    }
+    total
+}
+
+/// Polls `cond` until true; how long it took, or None at the deadline.
+async fn time_until<F, Fut>(within: Duration, mut cond: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while started.elapsed() < within {
+        if cond().await {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
 }
 
 /// Queue waits observed by the tunnel servers: (cumulative bucket counts, total count).
@@ -414,114 +458,15 @@ async fn a_server_killed_mid_load_loses_only_calls_in_progress_and_every_call_is
     stack.shutdown().await;
 }
 
-// ---------------------------------------------------------------- Redis fixture
-
-/// A `redis-server` of our own on a free loopback port; killed on drop.
-struct RedisServer {
-    child: Option<Child>,
-    port: u16,
-    dir: PathBuf,
-}
-
-/// Fails the test, saying how to install it, when `redis-server` cannot be run: a test
-/// that needs Redis never passes without it.
-fn require_redis(test: &str) {
-    let found = Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        found,
-        "{test}: redis-server is not installed or not on PATH: install the Debian package \
-         (`apt-get install redis-server`; scripts/test does), or point RELAY_TEST_REDIS_URL at a \
-         running Redis where the test accepts a shared instance"
-    );
-}
-
-impl RedisServer {
-    async fn start() -> Self {
-        // Redis cannot bind port 0: take a free port from the OS and release it.
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
-        let dir =
-            std::env::temp_dir().join(format!("relay-test-redis-{}-{port}", std::process::id()));
-        let mut r = RedisServer {
-            child: None,
-            port,
-            dir,
-        };
-        r.restart().await;
-        r
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// (Re)starts the server on its port with an empty data set.
-    async fn restart(&mut self) {
-        self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
-        std::fs::create_dir_all(&self.dir).unwrap();
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string()])
-            .args(["--bind", "127.0.0.1"])
-            .args(["--save", ""])
-            .args(["--appendonly", "no"])
-            .args(["--daemonize", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn redis-server");
-        self.child = Some(child);
-        let port = self.port;
-        eventually(
-            "redis-server answers PING",
-            Duration::from_secs(10),
-            || async move { ping(port).await },
-        )
-        .await;
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-async fn ping(port: u16) -> bool {
-    let attempt = async {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .ok()?;
-        s.write_all(b"PING\r\n").await.ok()?;
-        let mut buf = [0u8; 7];
-        s.read_exact(&mut buf).await.ok()?;
-        Some(&buf == b"+PONG\r\n")
-    };
-    tokio::time::timeout(Duration::from_millis(500), attempt)
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or(false)
-}
-
 // ---------------------------------------------------------------- two dispatchers, one Redis
+
+/// The shared registry's `refresh_interval`, `redis_timeout` and `lease` (the default) in
+/// these fleets.
+const REFRESH: Duration = Duration::from_millis(200);
+const REDIS_TIMEOUT: Duration = Duration::from_millis(500);
+const LEASE: Duration = Duration::from_secs(3);
+/// Margin on a detection bound: polling, scheduling on a loaded 2-core machine.
+const SLACK: Duration = Duration::from_secs(1);
 
 struct DispatcherUnderTest {
     http: SocketAddr,
@@ -556,8 +501,8 @@ async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest 
             backend: RegistryBackend::Redis,
             url: Some(Secret::new(redis_url)),
             key_prefix: prefix.to_string(),
-            refresh_interval: Duration::from_millis(200),
-            redis_timeout: Duration::from_millis(500),
+            refresh_interval: REFRESH,
+            redis_timeout: REDIS_TIMEOUT,
             server_key: Some(Secret::new("fleet-key")),
             ..Default::default()
         },
@@ -839,5 +784,143 @@ async fn redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers() {
         total.errors
     );
     assert!(total.sent > 20, "the load ran: {}", total.sent);
+    fleet.shutdown().await;
+}
+
+/// Whether dispatcher `admin`'s `/readyz` reports the shared registry degraded.
+async fn degraded(admin: SocketAddr) -> bool {
+    let (status, body) = admin_json(admin, "/readyz").await;
+    status == 503 && body["detail"]["registry"]["state"] == "degraded"
+}
+
+/// Whether `server_id` is in dispatcher `admin`'s table (`/debug/routes`).
+async fn lists(admin: SocketAddr, server_id: &str) -> bool {
+    let (_, routes) = admin_json(admin, "/debug/routes").await;
+    routes["servers"]
+        .as_array()
+        .is_some_and(|s| s.iter().any(|s| s["server_id"] == server_id))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_crashed_server() {
+    require_redis(
+        "redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_crashed_server",
+    );
+    let redis = RedisServer::start().await;
+    let mut fleet = Fleet::start(&redis.url(), &unique_prefix("freeze")).await;
+    fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
+    fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
+    for d in &fleet.dispatchers {
+        assert_eq!(admin_json(d.admin, "/readyz").await.0, 200);
+    }
+    let both: Vec<Caller> = (0..2).map(|d| fleet.caller(d)).collect();
+    let callers = || both.clone();
+    let path = format!("/relay/{TUNNEL_ID}/slow/20");
+
+    // Before: the same load with Redis answering, for comparison.
+    let stop = Arc::new(AtomicBool::new(false));
+    let before = tokio::spawn(drive_all(callers(), 2, path.clone(), stop.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::SeqCst);
+    let before = before.await.unwrap();
+
+    // Frozen: connections to Redis stay open and nothing answers (unlike a killed Redis,
+    // which refuses at once). Calls must not wait on it.
+    let stop = Arc::new(AtomicBool::new(false));
+    let during = tokio::spawn(drive_all(callers(), 2, path.clone(), stop.clone()));
+    redis.freeze();
+    let (a0, a1) = (fleet.dispatchers[0].admin, fleet.dispatchers[1].admin);
+    let (d0, d1) = tokio::join!(
+        time_until(READY, || degraded(a0)),
+        time_until(READY, || degraded(a1))
+    );
+    // Keep calling a while longer on the last known table.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::SeqCst);
+    let during = during.await.unwrap();
+    eprintln!(
+        "redis frozen: degraded after {d0:?} / {d1:?}; calls before: {} ok {} slowest {:?}; \
+         during: {} ok {} errors {:?} slowest {:?}",
+        before.sent,
+        before.ok,
+        before.slowest,
+        during.sent,
+        during.ok,
+        during.errors,
+        during.slowest
+    );
+    let bound = REDIS_TIMEOUT + REFRESH + SLACK;
+    for (d, t) in [d0, d1].into_iter().enumerate() {
+        let t = t.unwrap_or_else(|| panic!("dispatcher {d} never reported the registry degraded"));
+        assert!(
+            t <= bound,
+            "dispatcher {d} reported the registry degraded after {t:?}, bound {bound:?} \
+             (redis_timeout + refresh_interval + {SLACK:?})"
+        );
+    }
+    assert_eq!(
+        before.ok, before.sent,
+        "before the freeze: {:?}",
+        before.errors
+    );
+    assert_eq!(during.answered, during.sent);
+    assert_eq!(
+        during.ok, during.sent,
+        "calls failed while Redis was frozen: {:?}",
+        during.errors
+    );
+    assert!(during.sent > 20, "the load ran: {}", during.sent);
+
+    // A server crashes while Redis is still frozen (no goodbye: its report stream just
+    // ends). Dispatcher 0 hears it; dispatcher 1 knows ts-1 only from Redis.
+    fleet.servers[0].take().unwrap().abort();
+    let crashed = Instant::now();
+    eventually("dispatcher 0 drops ts-1", READY, || async move {
+        !lists(a0, "ts-1").await
+    })
+    .await;
+    // Calls go on through the crash, the thaw and the rewrite of the shared table: to the
+    // live server (a call dispatcher 1 tries on the dead one first is retried, since no
+    // agent saw it).
+    let stop = Arc::new(AtomicBool::new(false));
+    let after = tokio::spawn(drive_all(callers(), 2, path.clone(), stop.clone()));
+    // Redis answers again within the crashed server's lease, after the records of the
+    // live servers expired (frozen longer than the lease in all).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    redis.thaw();
+    let dropped = time_until(READY, || async { !lists(a1, "ts-1").await }).await;
+    let dropped = dropped.map(|_| crashed.elapsed());
+    for d in &fleet.dispatchers {
+        let admin = d.admin;
+        eventually("readyz recovers", READY, || async move {
+            admin_json(admin, "/readyz").await.0 == 200
+        })
+        .await;
+    }
+    // Past the grace after the outage, both still route to the live server.
+    tokio::time::sleep(LEASE).await;
+    stop.store(true, Ordering::SeqCst);
+    let after = after.await.unwrap();
+    eprintln!(
+        "ts-1 crashed during the freeze: dispatcher 1 dropped it {dropped:?} after the crash; \
+         calls from the crash on: {} ok {} errors {:?} slowest {:?}",
+        after.sent, after.ok, after.errors, after.slowest
+    );
+    let bound = LEASE + REFRESH + SLACK;
+    let dropped = dropped.expect("dispatcher 1 kept the crashed server");
+    assert!(
+        dropped <= bound,
+        "dispatcher 1 dropped the crashed server {dropped:?} after the crash, bound {bound:?} \
+         (lease + refresh_interval + {SLACK:?})"
+    );
+    assert_eq!(after.answered, after.sent);
+    assert_eq!(
+        after.ok, after.sent,
+        "calls failed after the crash and the thaw: {:?}",
+        after.errors
+    );
+    for d in 0..2 {
+        fleet.wait_sees(d, &["ts-2"]).await;
+    }
     fleet.shutdown().await;
 }

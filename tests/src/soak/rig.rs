@@ -221,7 +221,7 @@ impl Rig {
                 tunnels,
                 token: TOKEN.into(),
                 upstream: spec.upstream_url.clone(),
-                extra: String::new(),
+                ..AgentOpts::default()
             },
             how,
         )
