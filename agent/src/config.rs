@@ -13,6 +13,7 @@ use relay_common::tls::{ClientCerts, DialerTls};
 use relay_common::Secret;
 use serde::Deserialize;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// The whole agent config.
@@ -24,6 +25,10 @@ pub struct Config {
     pub tunnels: Vec<String>,
     /// The agent's secret token, sent as `authorization: Bearer <token>`; never logged.
     pub token: Secret,
+    /// A file holding the token (surrounding whitespace ignored), read once at start: keeps
+    /// the token out of the config file, the command line and the environment (e.g. a
+    /// systemd credential, `--token-file %d/token`). Set either this or `token`.
+    pub token_file: Option<PathBuf>,
     /// The origin every call goes to: `http://host:port`, no path or query.
     pub upstream: String,
     /// Where the admin listener (`/metrics`, `/healthz`, `/readyz`, `/systemcheck`) binds.
@@ -126,6 +131,7 @@ impl Default for Config {
                 "http://127.0.0.1:8442".into(),
             ],
             token: Secret::new(""),
+            token_file: None,
             upstream: "http://127.0.0.1:8000".into(),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
             upstream_check: UpstreamCheckConfig::default(),
@@ -158,6 +164,32 @@ impl Config {
         self
     }
 
+    /// Reads `token_file` into `token` (once, at start, before `validate`). Setting both is
+    /// an error naming `token_file`; so is a file that cannot be read or holds no token.
+    pub fn read_token_file(&mut self) -> Result<(), ConfigError> {
+        let Some(path) = &self.token_file else {
+            return Ok(());
+        };
+        if !self.token.is_empty() {
+            return Err(ConfigError::invalid(
+                "token_file",
+                "set token or token_file, not both",
+            ));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigError::invalid("token_file", format!("cannot read {}: {e}", path.display()))
+        })?;
+        let token = text.trim();
+        if token.is_empty() {
+            return Err(ConfigError::invalid(
+                "token_file",
+                format!("{} holds no token", path.display()),
+            ));
+        }
+        self.token = Secret::new(token);
+        Ok(())
+    }
+
     /// Checks every key once; the error names the first offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.tunnels.is_empty() {
@@ -179,7 +211,12 @@ impl Config {
             ));
         }
         if self.token.is_empty() {
-            return Err(ConfigError::invalid("token", "the agent token is required"));
+            let why = if self.token_file.is_some() {
+                "the agent token is required: token_file is set but was not read (Config::read_token_file)"
+            } else {
+                "the agent token is required (token or token_file; --token, --token-file, RELAY_TOKEN or RELAY_TOKEN_FILE)"
+            };
+            return Err(ConfigError::invalid("token", why));
         }
         if http::HeaderValue::from_str(&format!("Bearer {}", self.token.expose())).is_err() {
             return Err(ConfigError::invalid("token", "must be printable ASCII"));
@@ -361,6 +398,64 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("`token`"), "{err}");
+    }
+
+    #[test]
+    fn token_file_is_read_trimmed_and_excludes_token() {
+        let dir = std::env::temp_dir().join(format!("relay-agent-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        std::fs::write(&file, "s3cret-token\n").unwrap();
+        let mut c = Config {
+            token: Secret::new(""),
+            token_file: Some(file.clone()),
+            ..valid()
+        };
+        c.read_token_file().unwrap();
+        assert_eq!(c.token.expose(), "s3cret-token");
+        c.validate().unwrap();
+        assert!(!format!("{c:?}").contains("s3cret"));
+
+        let mut both = Config {
+            token_file: Some(file.clone()),
+            ..valid()
+        };
+        let err = both.read_token_file().unwrap_err().to_string();
+        assert!(
+            err.contains("`token_file`") && err.contains("not both"),
+            "{err}"
+        );
+
+        std::fs::write(&file, " \n").unwrap();
+        let mut empty = Config {
+            token: Secret::new(""),
+            token_file: Some(file.clone()),
+            ..valid()
+        };
+        let err = empty.read_token_file().unwrap_err().to_string();
+        assert!(
+            err.contains("`token_file`") && err.contains("holds no token"),
+            "{err}"
+        );
+
+        let mut missing = Config {
+            token: Secret::new(""),
+            token_file: Some(dir.join("nope")),
+            ..valid()
+        };
+        let err = missing.read_token_file().unwrap_err().to_string();
+        assert!(
+            err.contains("`token_file`") && err.contains("cannot read"),
+            "{err}"
+        );
+        let unread = Config {
+            token: Secret::new(""),
+            token_file: Some(file),
+            ..valid()
+        };
+        let err = unread.validate().unwrap_err().to_string();
+        assert!(err.contains("not read"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -252,6 +252,8 @@ pub struct CoverageActor {
     backoff: Backoff,
     view: watch::Sender<CoverageView>,
     exported: HashSet<String>,
+    /// Server ids with a `grpc_tunnel_server_short_seconds` series.
+    exported_short: HashSet<String>,
     next_tick: Instant,
     shutting_down: bool,
 }
@@ -265,6 +267,7 @@ impl CoverageActor {
     ) -> (Self, watch::Receiver<CoverageView>) {
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let (view, view_rx) = watch::channel(CoverageView::default());
+        metrics.coverage_grace.set(settings.grace.as_secs_f64());
         let backoff = Backoff::new(settings.backoff_initial, settings.backoff_max);
         let actor = CoverageActor {
             planner,
@@ -285,6 +288,7 @@ impl CoverageActor {
             backoff,
             view,
             exported: HashSet::new(),
+            exported_short: HashSet::new(),
             next_tick: Instant::now(),
             shutting_down: false,
         };
@@ -646,6 +650,23 @@ impl CoverageActor {
             self.metrics.remove_server(gone);
         }
         self.exported = current;
+        // Short-for per server id: the longest of its instances, for every server the
+        // tick planned (a server can be short while holding no stream).
+        let mut short: BTreeMap<&str, Duration> = BTreeMap::new();
+        for p in &plan.states {
+            let e = short.entry(&p.server_id).or_default();
+            *e = (*e).max(p.short_for);
+        }
+        for (id, d) in &short {
+            self.metrics.set_short(id, *d);
+        }
+        let short: HashSet<String> = short.into_keys().map(str::to_string).collect();
+        for gone in self.exported_short.difference(&short) {
+            self.metrics.remove_short(gone);
+        }
+        self.exported_short = short;
+        let live = self.streams.values().filter(|e| !e.retiring).count() as u32;
+        self.metrics.streams_live.set(i64::from(live));
         let view = CoverageView {
             servers: plan
                 .states
@@ -664,7 +685,7 @@ impl CoverageActor {
                 .collect(),
             streams_total: self.streams.len() as u32,
             opening: self.opening.len() as u32,
-            live: self.streams.values().filter(|e| !e.retiring).count() as u32,
+            live,
             grace_s: self.settings.grace.as_secs(),
         };
         self.view.send_replace(view);
@@ -704,6 +725,10 @@ impl CoverageActor {
         for server in &self.exported {
             self.metrics.remove_server(server);
         }
+        for server in &self.exported_short {
+            self.metrics.remove_short(server);
+        }
+        self.metrics.streams_live.set(0);
     }
 }
 

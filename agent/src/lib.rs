@@ -98,6 +98,7 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
     config.validate()?;
     let registry = prometheus::Registry::new();
     let metrics = metrics::AgentMetrics::register(&registry)?;
+    let expiry = relay_common::tls::CertExpiry::register(&registry)?;
     let upstream = upstream::Upstream::new(
         &config.upstream,
         config.connect_timeout,
@@ -108,6 +109,7 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         .resolve("tls", relay_common::tls::ClientCerts::Optional)?
         .map(|c| {
             relay_common::tls::TlsClient::new("tls", c, relay_common::tls::ALPN_H2)
+                .map(|t| t.with_expiry(&expiry))
                 .map_err(|source| RunError::Tls { source })
         })
         .transpose()?;

@@ -21,9 +21,17 @@ struct Args {
     /// TOML config file; flags and RELAY_* variables override its keys.
     #[arg(long, env = "RELAY_CONFIG", global = true)]
     config: Option<PathBuf>,
-    /// The agent token (prefer the environment variable to keep it out of `ps`).
+    /// The agent token (prefer --token-file or the environment variable to keep it out of `ps`).
     #[arg(long, env = "RELAY_TOKEN", hide_env_values = true, global = true)]
     token: Option<String>,
+    /// A file holding the agent token, e.g. a systemd credential (`%d/token`).
+    #[arg(
+        long,
+        env = "RELAY_TOKEN_FILE",
+        conflicts_with = "token",
+        global = true
+    )]
+    token_file: Option<PathBuf>,
     /// Tunnel endpoint URL; repeat the flag, or comma-separate in RELAY_TUNNELS.
     #[arg(
         long = "tunnel",
@@ -61,9 +69,16 @@ enum Command {
 
 fn load(args: Args) -> Result<Config, relay_common::config::ConfigError> {
     let mut config: Config = relay_common::config::load(args.config.as_deref())?;
+    // A token source given as a flag or variable replaces the config file's.
     if let Some(t) = args.token {
         config.token = Secret::new(t);
+        config.token_file = None;
     }
+    if let Some(f) = args.token_file {
+        config.token = Secret::new("");
+        config.token_file = Some(f);
+    }
+    config.read_token_file()?;
     let tunnels: Vec<String> = args
         .tunnels
         .into_iter()

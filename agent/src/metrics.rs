@@ -6,7 +6,8 @@
 use crate::coverage::plan::{ActionKind, State};
 use crate::filter::Reason;
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry,
 };
 
 /// How a call ended, as counted in `relay_agent_calls_total{outcome}`.
@@ -85,6 +86,15 @@ pub struct AgentMetrics {
     pub coverage_state: IntGaugeVec,
     /// `grpc_tunnel_coverage_actions_total{action}`.
     pub coverage_actions: IntCounterVec,
+    /// `grpc_tunnel_server_short_seconds{server_id}`: how long each server has been short
+    /// without a break (0 when covered), as `/systemcheck` shows it.
+    pub server_short: GaugeVec,
+    /// `grpc_tunnel_coverage_grace_seconds`: `coverage.grace`, so an alert can compare
+    /// `server_short` with the grace this agent runs with.
+    pub coverage_grace: Gauge,
+    /// `relay_agent_streams_live`: live (non-retiring) streams across servers; 0 means no
+    /// call can reach this agent.
+    pub streams_live: IntGauge,
     /// `relay_agent_calls_received_total`: every RequestHead that started a call. Each
     /// ends with exactly one `relay_agent_calls_total{outcome}`, so once quiet the two
     /// agree (the per-hop accounting check).
@@ -121,6 +131,21 @@ impl AgentMetrics {
                 "Coverage actions taken by the sizing tick",
             ),
             &["action"],
+        )?;
+        let server_short = GaugeVec::new(
+            Opts::new(
+                "grpc_tunnel_server_short_seconds",
+                "How long each tunnel server has been short of busy + reserve without a break (0 when covered)",
+            ),
+            &["server_id"],
+        )?;
+        let coverage_grace = Gauge::new(
+            "grpc_tunnel_coverage_grace_seconds",
+            "coverage.grace: how long a server carrying calls may stay short before /systemcheck fails",
+        )?;
+        let streams_live = IntGauge::new(
+            "relay_agent_streams_live",
+            "Live (non-retiring) tunnel streams across servers; 0 means no call can reach this agent",
         )?;
         let calls = IntCounterVec::new(
             Opts::new(
@@ -159,6 +184,9 @@ impl AgentMetrics {
         registry.register(Box::new(server_streams.clone()))?;
         registry.register(Box::new(coverage_state.clone()))?;
         registry.register(Box::new(coverage_actions.clone()))?;
+        registry.register(Box::new(server_short.clone()))?;
+        registry.register(Box::new(coverage_grace.clone()))?;
+        registry.register(Box::new(streams_live.clone()))?;
         registry.register(Box::new(calls_received.clone()))?;
         registry.register(Box::new(calls.clone()))?;
         registry.register(Box::new(call_duration.clone()))?;
@@ -181,6 +209,9 @@ impl AgentMetrics {
             server_streams,
             coverage_state,
             coverage_actions,
+            server_short,
+            coverage_grace,
+            streams_live,
             calls_received,
             calls,
             call_duration,
@@ -228,6 +259,18 @@ impl AgentMetrics {
                     .set(i64::from(s == state));
             }
         }
+    }
+
+    /// Sets how long a server has been short (0 when covered).
+    pub fn set_short(&self, server_id: &str, short: std::time::Duration) {
+        self.server_short
+            .with_label_values(&[server_id])
+            .set(short.as_secs_f64());
+    }
+
+    /// Drops the short-for series of a server the sizing tick no longer plans for.
+    pub fn remove_short(&self, server_id: &str) {
+        let _ = self.server_short.remove_label_values(&[server_id]);
     }
 
     /// Drops every series of a server that holds no streams any more.

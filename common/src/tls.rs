@@ -5,6 +5,10 @@
 //!
 //! This module owns certificates and handshakes only; it knows nothing of tunnels or
 //! calls. A config that fails to load on reload is logged and the previous one stays.
+//!
+//! Each loaded certificate file's expiry is exported as
+//! `relay_tls_certificate_expiry_timestamp_seconds{section,role,file}` ([`CertExpiry`]),
+//! updated on every successful reload, so an alert can warn before a hop breaks.
 
 use crate::config::ConfigError;
 use arc_swap::ArcSwap;
@@ -189,6 +193,67 @@ pub fn client_config(c: &ClientTls, alpn: &[&[u8]]) -> Result<ClientConfig, TlsE
     Ok(config)
 }
 
+/// `relay_tls_certificate_expiry_timestamp_seconds{section,role,file}`: when each loaded
+/// certificate file stops being valid, in seconds since the Unix epoch. `section` is the
+/// config section (`agent_tls`, `forward_tls`, ...), `role` what the file is in it (`cert`,
+/// `ca`, `client_ca`) and `file` its path. A file holding several certificates (a chain,
+/// a CA bundle) reports the earliest `notAfter` among them: the hop breaks when the first
+/// one expires. Updated at start and after every successful reload.
+#[derive(Clone)]
+pub struct CertExpiry {
+    gauge: prometheus::GaugeVec,
+}
+
+impl CertExpiry {
+    /// The metric's name.
+    pub const NAME: &'static str = "relay_tls_certificate_expiry_timestamp_seconds";
+
+    /// Creates the metric and registers it on `registry`.
+    pub fn register(registry: &prometheus::Registry) -> prometheus::Result<Self> {
+        let gauge = prometheus::GaugeVec::new(
+            prometheus::Opts::new(
+                Self::NAME,
+                "When a loaded certificate file expires (earliest notAfter of its certificates), seconds since the Unix epoch",
+            ),
+            &["section", "role", "file"],
+        )?;
+        registry.register(Box::new(gauge.clone()))?;
+        Ok(CertExpiry { gauge })
+    }
+
+    fn record(&self, section: &str, files: &[(&'static str, &Path)]) {
+        for (role, path) in files {
+            match earliest_expiry(path) {
+                Ok(t) => self
+                    .gauge
+                    .with_label_values(&[section, role, &path.display().to_string()])
+                    .set(t as f64),
+                Err(e) => {
+                    warn!(section, role, error = %e, "cannot read the certificate's expiry")
+                }
+            }
+        }
+    }
+}
+
+/// The earliest `notAfter` (seconds since the Unix epoch) among the PEM certificates in
+/// `path`.
+pub fn earliest_expiry(path: &Path) -> Result<i64, TlsError> {
+    let mut earliest: Option<i64> = None;
+    for der in certs(path)? {
+        let (_, cert) =
+            x509_parser::parse_x509_certificate(der.as_ref()).map_err(|e| TlsError::Read {
+                path: path.to_path_buf(),
+                message: format!("not an X.509 certificate: {e}"),
+            })?;
+        let t = cert.validity().not_after.timestamp();
+        earliest = Some(earliest.map_or(t, |e| e.min(t)));
+    }
+    earliest.ok_or_else(|| TlsError::NoCertificate {
+        path: path.to_path_buf(),
+    })
+}
+
 /// Something that can rebuild itself from its files.
 pub trait Reload: Send + Sync {
     /// Rebuilds from the files; on error the old config stays.
@@ -206,6 +271,7 @@ pub struct TlsServer {
     alpn: &'static [&'static [u8]],
     current: Arc<ArcSwap<ServerConfig>>,
     name: &'static str,
+    expiry: Option<CertExpiry>,
 }
 
 impl TlsServer {
@@ -220,7 +286,22 @@ impl TlsServer {
             alpn,
             current: Arc::new(ArcSwap::from_pointee(config)),
             name,
+            expiry: None,
         })
+    }
+
+    /// Exports the expiry of its certificate files now and after every reload. Call it
+    /// before cloning the server into [`watch`].
+    pub fn with_expiry(mut self, expiry: &CertExpiry) -> Self {
+        expiry.record(self.name, &self.cert_files());
+        self.expiry = Some(expiry.clone());
+        self
+    }
+
+    fn cert_files(&self) -> Vec<(&'static str, &Path)> {
+        let mut f = vec![("cert", self.settings.cert.as_path())];
+        f.extend(self.settings.client_ca.as_deref().map(|p| ("client_ca", p)));
+        f
     }
 
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
@@ -232,6 +313,9 @@ impl Reload for TlsServer {
     fn reload(&self) -> Result<(), TlsError> {
         self.current
             .store(Arc::new(server_config(&self.settings, self.alpn)?));
+        if let Some(e) = &self.expiry {
+            e.record(self.name, &self.cert_files());
+        }
         Ok(())
     }
 
@@ -258,6 +342,7 @@ pub struct TlsClient {
     alpn: &'static [&'static [u8]],
     current: Arc<ArcSwap<ClientConfig>>,
     name: &'static str,
+    expiry: Option<CertExpiry>,
 }
 
 impl TlsClient {
@@ -272,7 +357,28 @@ impl TlsClient {
             alpn,
             current: Arc::new(ArcSwap::from_pointee(config)),
             name,
+            expiry: None,
         })
+    }
+
+    /// Exports the expiry of its certificate files now and after every reload. Call it
+    /// before cloning the client into [`watch`].
+    pub fn with_expiry(mut self, expiry: &CertExpiry) -> Self {
+        expiry.record(self.name, &self.cert_files());
+        self.expiry = Some(expiry.clone());
+        self
+    }
+
+    fn cert_files(&self) -> Vec<(&'static str, &Path)> {
+        let mut f: Vec<(&'static str, &Path)> = self
+            .settings
+            .ca
+            .as_deref()
+            .map(|p| ("ca", p))
+            .into_iter()
+            .collect();
+        f.extend(self.settings.cert.as_deref().map(|p| ("cert", p)));
+        f
     }
 
     /// Opens TCP to `addr` and runs the handshake, verifying `host` (or the configured
@@ -341,6 +447,9 @@ impl Reload for TlsClient {
     fn reload(&self) -> Result<(), TlsError> {
         self.current
             .store(Arc::new(client_config(&self.settings, self.alpn)?));
+        if let Some(e) = &self.expiry {
+            e.record(self.name, &self.cert_files());
+        }
         Ok(())
     }
 
@@ -576,11 +685,10 @@ impl DialerTls {
 }
 
 /// Reloads every item on SIGHUP, and when one of its files changes (checked every
-/// `poll`), until `stop`.
+/// `poll`), until `stop`. With no item it still takes SIGHUP (and reloads nothing), so
+/// `systemctl reload` never kills a process whose hops are all plain text: SIGHUP's
+/// default action is to terminate.
 pub async fn watch(items: Vec<Arc<dyn Reload>>, poll: Duration, stop: CancellationToken) {
-    if items.is_empty() {
-        return;
-    }
     let stamp = |r: &Arc<dyn Reload>| -> Vec<Option<SystemTime>> {
         r.files()
             .iter()
@@ -610,6 +718,9 @@ pub async fn watch(items: Vec<Arc<dyn Reload>>, poll: Duration, stop: Cancellati
             _ = hup_fut => true,
             _ = tick.tick() => false,
         };
+        if forced && items.is_empty() {
+            info!("SIGHUP: nothing to reload (no certificate or token file is configured)");
+        }
         for (i, item) in items.iter().enumerate() {
             let now = stamp(item);
             if !forced && now == stamps[i] {

@@ -49,6 +49,26 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// Every code, for exporting each `outcome` label from the start.
+    pub const ALL: [ErrorCode; 16] = [
+        ErrorCode::Unauthorized,
+        ErrorCode::Forbidden,
+        ErrorCode::TooManyCalls,
+        ErrorCode::BodyTooLarge,
+        ErrorCode::NotFound,
+        ErrorCode::BadRequest,
+        ErrorCode::HeadersTooLarge,
+        ErrorCode::TunnelUnavailable,
+        ErrorCode::NoCapacity,
+        ErrorCode::Refused,
+        ErrorCode::UpstreamUnreachable,
+        ErrorCode::UpstreamTimeout,
+        ErrorCode::UpstreamError,
+        ErrorCode::StreamLost,
+        ErrorCode::TunnelServerUnreachable,
+        ErrorCode::DeadlineExceeded,
+    ];
+
     /// The `error` field of the JSON body and the `outcome` metric label.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -70,22 +70,28 @@ pub async fn run(
 ) -> Result<(), RunError> {
     config.validate()?;
     let transport = config.transport()?;
+    let prometheus = prometheus::Registry::new();
+    let metrics = metrics::Metrics::register(&prometheus)?;
+    let expiry = tls::CertExpiry::register(&prometheus)?;
     let tls_err = |section| move |source| RunError::Tls { section, source };
     let front_tls = transport
         .front
         .map(|s| TlsServer::new("tls", s, tls::ALPN_HTTP))
         .transpose()
-        .map_err(tls_err("tls"))?;
+        .map_err(tls_err("tls"))?
+        .map(|t| t.with_expiry(&expiry));
     let registry_tls = transport
         .registry
         .map(|s| TlsServer::new("registry_tls", s, tls::ALPN_H2))
         .transpose()
-        .map_err(tls_err("registry_tls"))?;
+        .map_err(tls_err("registry_tls"))?
+        .map(|t| t.with_expiry(&expiry));
     let forward_tls = transport
         .forward
         .map(|c| TlsClient::new("forward_tls", c, tls::ALPN_H2))
         .transpose()
-        .map_err(tls_err("forward_tls"))?;
+        .map_err(tls_err("forward_tls"))?
+        .map(|t| t.with_expiry(&expiry));
     let plain: Vec<&str> = [
         ("HTTP front ([tls])", front_tls.is_none()),
         ("registry listener ([registry_tls])", registry_tls.is_none()),
@@ -114,8 +120,6 @@ pub async fn run(
             .clone()
             .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
     );
-    let prometheus = prometheus::Registry::new();
-    let metrics = metrics::Metrics::register(&prometheus)?;
     let channels = Channels::new(forward_tls, config.forward_h2()?);
 
     let addrs = (

@@ -3,10 +3,20 @@
 //!
 //! Labels carry outcomes and server ids only: never a caller key, token or tunnel secret.
 
+use crate::body::{OUTCOME_ABORTED, OUTCOME_CANCELLED, OUTCOME_OK};
+use crate::error::ErrorCode;
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
 };
+
+/// Every `reason` of `relay_dispatcher_reports_refused_total`.
+pub const REFUSAL_REASONS: [&str; 4] = [
+    "unauthenticated",
+    "bad_intro",
+    "unknown_server",
+    "duplicate_server_id",
+];
 
 /// Handles to every dispatcher metric; cheap to clone.
 #[derive(Clone)]
@@ -156,6 +166,18 @@ impl Metrics {
         registry.register(Box::new(tunnel_servers.clone()))?;
         registry.register(Box::new(tunnels.clone()))?;
         registry.register(Box::new(calls_in_flight.clone()))?;
+        // Export every fixed label value from the start: a counter that first appears
+        // already above zero loses that first step in `rate()`, so an alert on
+        // `no_capacity` or `stream_lost` would miss the first burst.
+        let outcomes = [OUTCOME_OK, OUTCOME_ABORTED, OUTCOME_CANCELLED]
+            .into_iter()
+            .chain(ErrorCode::ALL.iter().map(|c| c.as_str()));
+        for o in outcomes {
+            calls.with_label_values(&[o]);
+        }
+        for r in REFUSAL_REASONS {
+            reports_refused.with_label_values(&[r]);
+        }
         Ok(Metrics {
             calls,
             call_duration,

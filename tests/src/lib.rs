@@ -10,6 +10,7 @@ pub mod lb;
 pub mod ledger;
 pub mod metrics;
 pub mod procs;
+pub mod promql;
 pub mod redis;
 pub mod soak;
 pub mod stack;

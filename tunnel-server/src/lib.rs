@@ -109,23 +109,29 @@ pub async fn start(
         config.dispatcher_h2()?,
     );
     let transport = config.transport()?;
+    let registry = prometheus::Registry::new();
+    let metrics = ServerMetrics::register(&registry)?;
+    let expiry = tls::CertExpiry::register(&registry)?;
     let tls_err = |section| move |source| RunError::Tls { section, source };
     let agent_tls = transport
         .agent
         .map(|s| TlsServer::new("agent_tls", s, tls::ALPN_H2))
         .transpose()
-        .map_err(tls_err("agent_tls"))?;
+        .map_err(tls_err("agent_tls"))?
+        .map(|t| t.with_expiry(&expiry));
     let forward_tls = transport
         .forward
         .map(|s| TlsServer::new("forward_tls", s, tls::ALPN_H2))
         .transpose()
-        .map_err(tls_err("forward_tls"))?;
+        .map_err(tls_err("forward_tls"))?
+        .map(|t| t.with_expiry(&expiry));
     let forward_is_tls = forward_tls.is_some();
     let dispatcher_tls = transport
         .dispatchers
         .map(|c| TlsClient::new("dispatcher_tls", c, tls::ALPN_H2))
         .transpose()
-        .map_err(tls_err("dispatcher_tls"))?;
+        .map_err(tls_err("dispatcher_tls"))?
+        .map(|t| t.with_expiry(&expiry));
     let plain: Vec<&str> = [
         ("agent listener ([agent_tls])", agent_tls.is_none()),
         ("forward listener ([forward_tls])", forward_tls.is_none()),
@@ -142,8 +148,6 @@ pub async fn start(
     let forward_addr = listeners.forward.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
     let server_id = config.effective_server_id(agent_addr);
-    let registry = prometheus::Registry::new();
-    let metrics = ServerMetrics::register(&registry)?;
     let hub = Arc::new(Hub::new(
         Limits {
             max_queue_per_tunnel: config.max_queue_per_tunnel,

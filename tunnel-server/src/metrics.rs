@@ -5,6 +5,20 @@ use prometheus::{
     Registry,
 };
 
+/// Every `outcome` of `relay_tunnel_calls_total`.
+pub const CALL_OUTCOMES: [&str; 7] = [
+    "ok",
+    "agent_error",
+    "cancelled",
+    "stream_lost",
+    "no_capacity",
+    "unknown_tunnel",
+    "bad_request",
+];
+
+/// Every `result` of `relay_tunnel_stream_opens_total`.
+pub const OPEN_RESULTS: [&str; 4] = ["accepted", "unauthenticated", "exhausted", "draining"];
+
 #[derive(Clone)]
 pub struct ServerMetrics {
     /// Streams held per tunnel id.
@@ -14,7 +28,7 @@ pub struct ServerMetrics {
     /// Time calls waited for an idle stream (0 when one was idle).
     pub queue_wait: Histogram,
     /// Calls by outcome: ok, agent_error, cancelled, stream_lost, no_capacity,
-    /// unknown_tunnel, draining, bad_request.
+    /// unknown_tunnel, bad_request.
     pub calls: IntCounterVec,
     /// Calls holding a stream now.
     pub in_flight: IntGauge,
@@ -78,6 +92,15 @@ impl ServerMetrics {
         registry.register(Box::new(m.in_flight.clone()))?;
         registry.register(Box::new(m.opens.clone()))?;
         registry.register(Box::new(m.closes.clone()))?;
+        // Export every fixed label value from the start: a counter that first appears
+        // already above zero loses that first step in `rate()`, so an alert on refused
+        // tokens would miss the first burst.
+        for o in CALL_OUTCOMES {
+            m.calls.with_label_values(&[o]);
+        }
+        for r in OPEN_RESULTS {
+            m.opens.with_label_values(&[r]);
+        }
         Ok(m)
     }
 

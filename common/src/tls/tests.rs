@@ -241,3 +241,68 @@ async fn a_broken_file_on_reload_keeps_the_previous_config() {
     .unwrap();
     talk(&client, addr).await.unwrap();
 }
+
+/// The exported expiry of `(section, role)`, if any.
+fn expiry_of(registry: &prometheus::Registry, section: &str, role: &str) -> Option<f64> {
+    registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == CertExpiry::NAME)
+        .flat_map(|f| f.get_metric().iter())
+        .find(|m| {
+            let l = m.get_label();
+            l.iter()
+                .any(|p| p.name() == "section" && p.value() == section)
+                && l.iter().any(|p| p.name() == "role" && p.value() == role)
+        })
+        .map(|m| m.get_gauge().get_value())
+}
+
+/// 2021-01-01T00:00:00Z, the end of `DevCa::expired_server` certificates.
+const END_2020: f64 = 1_609_459_200.0;
+
+#[tokio::test]
+async fn certificate_expiry_is_exported_per_file_and_follows_reloads() {
+    let (s, ca) = set("expiry", true);
+    let registry = prometheus::Registry::new();
+    let expiry = CertExpiry::register(&registry).unwrap();
+    let tls = TlsServer::new("agent_tls", s.server.clone(), ALPN_H2)
+        .unwrap()
+        .with_expiry(&expiry);
+    let cert = expiry_of(&registry, "agent_tls", "cert").expect("the certificate's expiry");
+    assert_eq!(cert, earliest_expiry(&s.server.cert).unwrap() as f64);
+    assert!(
+        cert > END_2020,
+        "a fresh certificate expires in the future: {cert}"
+    );
+    assert_eq!(
+        expiry_of(&registry, "agent_tls", "client_ca"),
+        Some(earliest_expiry(&s.ca).unwrap() as f64)
+    );
+
+    // Rotated to a chain whose first certificate ended in 2020: the earliest counts, and
+    // the reload updates the series.
+    let old = ca.expired_server(&["localhost"]).unwrap();
+    std::fs::write(&s.server.cert, format!("{}{}", old.cert_pem, ca.cert_pem)).unwrap();
+    std::fs::write(&s.server.key, &old.key_pem).unwrap();
+    tls.reload().unwrap();
+    assert_eq!(expiry_of(&registry, "agent_tls", "cert"), Some(END_2020));
+
+    // A dialer exports its CA and its client certificate.
+    let client = TlsClient::new(
+        "forward_tls",
+        ClientTls {
+            ca: Some(s.ca.clone()),
+            cert: Some(s.server.cert.clone()),
+            key: Some(s.server.key.clone()),
+            server_name: None,
+        },
+        ALPN_H2,
+    )
+    .unwrap()
+    .with_expiry(&expiry);
+    assert_eq!(expiry_of(&registry, "forward_tls", "cert"), Some(END_2020));
+    assert!(expiry_of(&registry, "forward_tls", "ca").is_some());
+    drop(client);
+    assert!(earliest_expiry(&s.dir.join("missing.pem")).is_err());
+}
