@@ -356,7 +356,14 @@ impl CoverageActor {
                 if self.shutting_down {
                     retire(&mut entry);
                 }
+                let first = !self.streams.values().any(|e| !e.retiring);
                 self.streams.insert(id, entry);
+                if first && !self.shutting_down {
+                    // The first live stream: calls can reach the agent now, so /systemcheck
+                    // and /readyz say so at once rather than up to a tick later.
+                    ticker.reset();
+                    self.tick();
+                }
             }
             StreamEvent::CallStarted => {
                 if let Some(e) = self.streams.get_mut(&id) {

@@ -190,6 +190,17 @@ fn gauge(registry: &prometheus::Registry, name: &str, labels: &[(&str, &str)]) -
         })
 }
 
+/// The published view (what /systemcheck and /readyz read) shows the first stream as soon
+/// as it lands, not a tick later: a call may already have been served on it.
+#[tokio::test(start_paused = true)]
+async fn the_first_stream_to_land_is_published_at_once() {
+    let h = start(fixed(2), FakeNet::new(|_| "s1".into()));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let view = h.handle.view().borrow().clone();
+    assert!(view.live >= 1, "{view:?}");
+    assert_eq!(view.servers.len(), 1, "{view:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_pressure_hint_counts_until_it_is_no_longer_refreshed() {
     let h = start(fixed(2), FakeNet::new(|_| "s1".into()));
