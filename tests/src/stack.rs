@@ -326,7 +326,6 @@ impl StackBuilder {
                 forward: any().await?,
                 admin: any().await?,
             };
-            let mut cfg = cfg;
             if self.direct {
                 cfg.direct_url = Some(format!("{agent_scheme}://{}", l.agent.local_addr()?));
             }
