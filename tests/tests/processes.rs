@@ -121,7 +121,6 @@ struct SlowRead {
 /// pattern.
 async fn read_slowly(trio: &Trio, total: u64, rate: u64, deadline: Duration) -> SlowRead {
     let caller = Caller::new(trio.dispatcher.http, Some(CALLER_KEY));
-    let served_before = trio.upstream.served();
     let mut req = caller.request(
         Method::GET,
         &format!("/relay/{TUNNEL_ID}/bytes/{total}"),
@@ -152,7 +151,9 @@ async fn read_slowly(trio: &Trio, total: u64, rate: u64, deadline: Duration) -> 
             }
         }
         got += data.len() as u64;
-        if read_when_upstream_done.is_none() && trio.upstream.served() > served_before {
+        // The upstream has sent its last byte once it holds no request (its only other
+        // requests are the agent's brief reachability checks).
+        if read_when_upstream_done.is_none() && trio.upstream.in_flight() == 0 {
             read_when_upstream_done = Some(got);
         }
         if got >= next_report {
