@@ -360,8 +360,8 @@ impl CoverageActor {
                 self.streams.insert(id, entry);
                 if first && !self.shutting_down {
                     // The first live stream: calls can reach the agent now, so /systemcheck
-                    // and /readyz say so at once rather than up to a tick later.
-                    ticker.reset();
+                    // and /readyz say so at once rather than up to a tick later. An extra
+                    // tick, outside the cadence (which stays as it was).
                     self.tick();
                 }
             }
@@ -386,7 +386,17 @@ impl CoverageActor {
             StreamEvent::Fleet(members) => {
                 if members != self.fleet {
                     debug!(members = members.len(), "fleet news");
+                    let joined = members.iter().any(|m| {
+                        !self
+                            .fleet
+                            .iter()
+                            .any(|o| o.server_id == m.server_id && o.instance_id == m.instance_id)
+                    });
                     self.fleet = members;
+                    if joined {
+                        // A server to cover that we did not know: fill it soon, not a tick later.
+                        self.replan_soon(now, ticker);
+                    }
                 }
             }
             StreamEvent::Drained => {

@@ -685,10 +685,41 @@ impl DialerTls {
 }
 
 /// Reloads every item on SIGHUP, and when one of its files changes (checked every
-/// `poll`), until `stop`. With no item it still takes SIGHUP (and reloads nothing), so
-/// `systemctl reload` never kills a process whose hops are all plain text: SIGHUP's
-/// default action is to terminate.
-pub async fn watch(items: Vec<Arc<dyn Reload>>, poll: Duration, stop: CancellationToken) {
+/// `poll`), until `stop`.
+///
+/// The SIGHUP handler is installed when this is called, not when the future first runs,
+/// and also when there is nothing to reload: a process that serves (say, its `/healthz`)
+/// after calling this never dies of a SIGHUP, whose default action ends the process. With
+/// nothing to reload a SIGHUP is logged and ignored.
+pub fn watch(
+    items: Vec<Arc<dyn Reload>>,
+    poll: Duration,
+    stop: CancellationToken,
+) -> impl std::future::Future<Output = ()> + Send {
+    #[cfg(unix)]
+    let hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(h) => Some(h),
+        Err(e) => {
+            warn!(error = %e, "cannot listen for SIGHUP; files are still checked every reload_interval");
+            None
+        }
+    };
+    #[cfg(not(unix))]
+    let hup: Option<()> = None;
+    watch_files(items, poll, stop, hup)
+}
+
+#[cfg(unix)]
+type Hangup = tokio::signal::unix::Signal;
+#[cfg(not(unix))]
+type Hangup = ();
+
+async fn watch_files(
+    items: Vec<Arc<dyn Reload>>,
+    poll: Duration,
+    stop: CancellationToken,
+    #[cfg_attr(not(unix), allow(unused_mut, unused_variables))] mut hup: Option<Hangup>,
+) {
     let stamp = |r: &Arc<dyn Reload>| -> Vec<Option<SystemTime>> {
         r.files()
             .iter()
@@ -696,8 +727,6 @@ pub async fn watch(items: Vec<Arc<dyn Reload>>, poll: Duration, stop: Cancellati
             .collect()
     };
     let mut stamps: Vec<_> = items.iter().map(stamp).collect();
-    #[cfg(unix)]
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     let mut tick = tokio::time::interval(poll);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
@@ -712,15 +741,24 @@ pub async fn watch(items: Vec<Arc<dyn Reload>>, poll: Duration, stop: Cancellati
         };
         #[cfg(not(unix))]
         let hup_fut = std::future::pending::<()>();
+        // With nothing to reload there are no files to check.
+        let tick_fut = async {
+            if items.is_empty() {
+                std::future::pending::<()>().await;
+            }
+            tick.tick().await;
+        };
         let forced = tokio::select! {
             biased;
             _ = stop.cancelled() => return,
             _ = hup_fut => true,
-            _ = tick.tick() => false,
+            _ = tick_fut => false,
         };
-        if forced && items.is_empty() {
-            info!("SIGHUP: nothing to reload (no certificate or token file is configured)");
+        if items.is_empty() {
+            info!("SIGHUP: nothing to reload (no certificate or token store file configured)");
+            continue;
         }
+        let trigger = if forced { "SIGHUP" } else { "file change" };
         for (i, item) in items.iter().enumerate() {
             let now = stamp(item);
             if !forced && now == stamps[i] {
@@ -728,9 +766,9 @@ pub async fn watch(items: Vec<Arc<dyn Reload>>, poll: Duration, stop: Cancellati
             }
             stamps[i] = now;
             match item.reload() {
-                Ok(()) => info!(what = item.name(), "reloaded from its files"),
+                Ok(()) => info!(what = item.name(), trigger, "reloaded from its files"),
                 Err(e) => {
-                    warn!(what = item.name(), error = %e, "reload failed; keeping the previous one")
+                    warn!(what = item.name(), trigger, error = %e, "reload failed; keeping the previous one")
                 }
             }
         }

@@ -3,8 +3,23 @@
 //! - [`RequestBody`] turns the caller's body into `BodyChunk` frames of at most
 //!   `MAX_CHUNK` bytes, pulled by the Forward.Call request stream only as fast as gRPC/HTTP2
 //!   flow control lets it send (back-pressure). It hands the body to one forward attempt at
-//!   a time and keeps the frames sent so far (up to one chunk) so that a retry on another
-//!   tunnel server can replay them; beyond that the call is no longer retryable.
+//!   a time and keeps the frames sent so far, up to a replay limit, so that a retry on
+//!   another tunnel server can replay them and then go on pulling the rest from the caller;
+//!   beyond the limit the call is no longer retryable and the kept frames are dropped.
+//!
+//! The replay limit ([`replay_limit`]) is what one forward RPC can carry before the tunnel
+//! server reads any of it: its HTTP/2 stream window plus the few chunks hyper and tonic
+//! hold while they wait for window. A call waiting in a tunnel server's queue has its body
+//! unread there (see the tunnel server's `forward` module), so flow control stops the
+//! dispatcher at that bound, and every queued call stays replayable whatever its body's
+//! size: a 1 MiB or a 1 GiB POST queued on a server that dies is retried elsewhere with
+//! its whole body, which is what "queued calls are safe to retry, POSTs included" promises
+//! a caller. (An earlier limit of one chunk made any queued POST over 64 KiB a 502.) The
+//! cost is memory the window already admits on the tunnel server's side: at most
+//! `replay_limit` per call with a body, and at most the connection window per tunnel
+//! server for calls that queue there, released when the response head arrives (a call is
+//! never retried after it) or when the body outgrows the limit (then it has reached an
+//! agent, which reads it).
 //! - [`RelayBody`] is the caller's response body: either a small fixed body (error JSON) or
 //!   the tunnel server's `BodyChunk` frames, polled one by one as the caller reads. Any
 //!   failure after the head is a body error, so hyper aborts the response (HTTP/1: the
@@ -32,8 +47,13 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The caller's request body, boxed.
 pub type CallerBody = UnsyncBoxBody<Bytes, BoxError>;
 
-/// Request body bytes a retry may replay. One chunk covers every small POST.
-const REPLAY_LIMIT: usize = MAX_CHUNK;
+/// Request body bytes a retry may replay when the tunnel servers' `Forward.Call` stream
+/// window is `stream_window` bytes: the window (what the dispatcher can send before the
+/// server reads anything) plus chunks held in flight beside it (one decoded ahead by the
+/// server, one waiting for window in hyper, one in h2's send queue, one being encoded).
+pub fn replay_limit(stream_window: u32) -> usize {
+    stream_window as usize + 4 * MAX_CHUNK
+}
 
 struct Source {
     body: CallerBody,
@@ -67,12 +87,16 @@ impl Source {
 struct Shared {
     /// `None` once the body is fully read (or there was none).
     source: Option<Source>,
-    /// Frames handed out so far, while they fit in `REPLAY_LIMIT`.
+    /// Frames handed out so far, while they fit in `replay_limit`.
     replay: Vec<ForwardRequest>,
     replay_bytes: usize,
+    /// Bytes `replay` may hold (see [`replay_limit`]).
+    replay_limit: usize,
     replayable: bool,
     /// The attempt allowed to pull; streams of older attempts end.
     owner: u32,
+    /// How many of `replay` the owner has sent.
+    cursor: usize,
     /// Set when reading the caller's body failed; the call must be aborted.
     failed: Option<String>,
     /// Who to wake when `failed` is set (the call driver or the response body).
@@ -88,7 +112,8 @@ pub struct RequestBody {
 
 impl RequestBody {
     /// `body` is `None` when the request has none (no body frames will be sent).
-    pub fn new(body: Option<CallerBody>, call_id: u64) -> Self {
+    /// `replay_limit`: body bytes kept for a retry (see [`replay_limit`]).
+    pub fn new(body: Option<CallerBody>, call_id: u64, replay_limit: usize) -> Self {
         let shared = Shared {
             source: body.map(|body| Source {
                 body,
@@ -96,8 +121,10 @@ impl RequestBody {
             }),
             replay: Vec::new(),
             replay_bytes: 0,
+            replay_limit,
             replayable: true,
             owner: 0,
+            cursor: 0,
             failed: None,
             watcher: None,
         };
@@ -114,18 +141,30 @@ impl RequestBody {
     /// The request stream of forward attempt `attempt`: `head`, then the body frames.
     /// Hands the body over from any earlier attempt.
     pub fn attempt(&self, attempt: u32, head: ForwardRequest) -> AttemptStream {
-        self.lock().owner = attempt;
+        let mut s = self.lock();
+        s.owner = attempt;
+        s.cursor = 0;
+        drop(s);
         AttemptStream {
             body: self.clone(),
             attempt,
             head: Some(head),
-            replay_pos: 0,
         }
     }
 
     /// Whether a new attempt can still send the whole body.
     pub fn replayable(&self) -> bool {
         self.lock().replayable
+    }
+
+    /// Drops the frames kept for a retry (those the current attempt has yet to replay
+    /// stay until it sent them): the call has its answer and is never retried.
+    pub fn settle(&self) {
+        let mut s = self.lock();
+        s.replayable = false;
+        let sent = s.cursor;
+        s.replay.drain(..sent);
+        s.cursor = 0;
     }
 
     /// Ready with the reason once reading the caller's body failed.
@@ -151,7 +190,6 @@ pub struct AttemptStream {
     body: RequestBody,
     attempt: u32,
     head: Option<ForwardRequest>,
-    replay_pos: usize,
 }
 
 impl futures::Stream for AttemptStream {
@@ -167,9 +205,10 @@ impl futures::Stream for AttemptStream {
         if s.owner != this.attempt {
             return Poll::Ready(None);
         }
-        if let Some(frame) = s.replay.get(this.replay_pos) {
-            this.replay_pos += 1;
-            return Poll::Ready(Some(frame.clone()));
+        if let Some(frame) = s.replay.get(s.cursor) {
+            let frame = frame.clone();
+            s.cursor += 1;
+            return Poll::Ready(Some(frame));
         }
         if s.failed.is_some() {
             // The driver aborts the whole call; never send a fake end.
@@ -190,13 +229,16 @@ impl futures::Stream for AttemptStream {
                     end,
                 }));
                 if s.replayable {
-                    if s.replay_bytes + len <= REPLAY_LIMIT {
+                    if s.replay_bytes + len <= s.replay_limit {
                         s.replay_bytes += len;
                         s.replay.push(frame.clone());
-                        this.replay_pos += 1;
+                        s.cursor += 1;
                     } else {
+                        // The owner has sent every kept frame (it replays before it
+                        // pulls): none is needed any more.
                         s.replayable = false;
                         s.replay = Vec::new();
+                        s.cursor = 0;
                     }
                 }
                 Poll::Ready(Some(frame))
@@ -510,6 +552,7 @@ mod tests {
         let body = RequestBody::new(
             Some(caller_body(vec![Ok(big), Ok(Bytes::from_static(b"xy"))])),
             1,
+            MAX_CHUNK,
         );
         let frames: Vec<_> = body.attempt(0, head()).collect().await;
         assert_eq!(
@@ -533,6 +576,7 @@ mod tests {
                 Ok(Bytes::from_static(b"cd")),
             ])),
             1,
+            MAX_CHUNK,
         );
         let mut first = body.attempt(0, head());
         assert!(first.next().await.is_some());
@@ -544,8 +588,62 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_body_within_the_replay_limit_is_replayed_whole_then_the_rest_is_pulled() {
+        let limit = replay_limit(1024 * 1024);
+        let chunk = Bytes::from(vec![1u8; MAX_CHUNK]);
+        // 20 chunks before the first attempt dies (more than a 1 MiB window), 4 after.
+        let body = RequestBody::new(
+            Some(caller_body((0..24).map(|_| Ok(chunk.clone())).collect())),
+            1,
+            limit,
+        );
+        let mut first = body.attempt(0, head());
+        for _ in 0..21 {
+            assert!(first.next().await.is_some());
+        }
+        assert!(body.replayable(), "20 chunks fit in {limit} bytes");
+        let second: Vec<_> = body.attempt(1, head()).collect().await;
+        let sizes = chunks(second);
+        assert_eq!(sizes.len(), 25, "{sizes:?}");
+        assert!(sizes[..24].iter().all(|&c| c == (MAX_CHUNK, false)));
+        assert_eq!(sizes[24], (0, true));
+    }
+
+    #[tokio::test]
+    async fn settling_keeps_the_frames_a_retry_has_yet_to_send() {
+        let body = RequestBody::new(
+            Some(caller_body(vec![
+                Ok(Bytes::from_static(b"ab")),
+                Ok(Bytes::from_static(b"cd")),
+                Ok(Bytes::from_static(b"ef")),
+            ])),
+            1,
+            MAX_CHUNK,
+        );
+        let mut first = body.attempt(0, head());
+        for _ in 0..3 {
+            assert!(first.next().await.is_some());
+        }
+        let mut second = body.attempt(1, head());
+        assert!(second.next().await.is_some(), "head");
+        assert!(second.next().await.is_some(), "replayed ab");
+        // The answer's head arrives while "cd" is still to be replayed.
+        body.settle();
+        assert!(!body.replayable());
+        let rest: Vec<_> = second.collect().await;
+        let data: Vec<Vec<u8>> = rest
+            .into_iter()
+            .map(|f| match f.kind {
+                Some(ReqKind::Body(c)) => c.data,
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(data, [b"cd".to_vec(), b"ef".to_vec(), Vec::new()]);
+    }
+
+    #[tokio::test]
     async fn a_failing_caller_body_is_reported_not_ended() {
-        let body = RequestBody::new(Some(caller_body(vec![Err("boom".into())])), 1);
+        let body = RequestBody::new(Some(caller_body(vec![Err("boom".into())])), 1, MAX_CHUNK);
         let mut s = body.attempt(0, head());
         assert!(s.next().await.is_some());
         assert!(

@@ -7,7 +7,8 @@
 //! stream, or a [`Failure`].
 //!
 //! Retry rules (servers in the order the router picked, at most `max_attempts`, all within
-//! the call's deadline, and only while the request body sent so far can be replayed):
+//! the call's deadline, and only while the request body sent so far can be replayed: the
+//! replay limit covers what a queued call can have sent, see `body`):
 //! - the call never reached an agent (the server could not be reached, refused the RPC, or
 //!   answered UNKNOWN_TUNNEL / DRAINING): retried on the next server;
 //! - NO_CAPACITY (never reached an agent either): fed back to the router as saturation, and
@@ -177,6 +178,9 @@ pub struct Forwarder {
     pub max_attempts: usize,
     /// Largest gRPC message sent to or accepted from a tunnel server.
     pub max_frame_bytes: usize,
+    /// Request body bytes kept for a retry (`body::replay_limit` of the forward stream
+    /// window): enough that a call waiting in a queue stays replayable.
+    pub replay_limit: usize,
 }
 
 /// A failed call and the server that gave the last answer, if any was tried.
@@ -346,11 +350,13 @@ impl Forwarder {
             };
             match kind {
                 RespKind::Head(head) => {
+                    // Never retried from here: the frames kept for a retry can go.
+                    body.settle();
                     return Ok(Answer {
                         head,
                         stream,
                         server_id: route.server_id.clone(),
-                    })
+                    });
                 }
                 RespKind::Error(e) => {
                     let (failure, _) = Failure::from_forward_error(&e);

@@ -286,7 +286,7 @@ impl Front {
                     .boxed_unsync(),
                 None => body.map_err(Into::into).boxed_unsync(),
             });
-        let request_body = RequestBody::new(caller_body, call_id);
+        let request_body = RequestBody::new(caller_body, call_id, self.forwarder.replay_limit);
         let plan = CallPlan {
             call_id,
             tunnel_id: tunnel_id.clone(),

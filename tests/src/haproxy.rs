@@ -8,6 +8,9 @@
 //! (the Debian package; `scripts/test` installs it). HAProxy balances per HTTP request, and one
 //! gRPC tunnel stream is one request, so `weight` skews where new streams land.
 //!
+//! [`Haproxy::start_example`] runs the shipped `examples/haproxy/haproxy.cfg` itself, with
+//! only its addresses and ports replaced by loopback ones ([`example_config`]).
+//!
 //! This module must not decide what a test asserts.
 
 use crate::procs::{free_addr, Proc, ScratchDir, Spawn};
@@ -152,12 +155,98 @@ pub fn config(
     c
 }
 
+/// The shipped example config (`examples/haproxy/haproxy.cfg`, read from the workspace).
+pub fn example_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/haproxy/haproxy.cfg")
+}
+
+/// `text` (the example config) with only its addresses replaced: the `bind` of each
+/// frontend (`agents` on `listen`, `stats` on `stats`), the runtime API socket, and each
+/// `server` line's address and health-check `addr`/`port` from the backend of that name.
+/// Everything else (timeouts, checks, weights, limits) stays as shipped. An error if a
+/// backend has no `server` line, or a line to replace is missing.
+pub fn example_config(
+    text: &str,
+    listen: SocketAddr,
+    stats: SocketAddr,
+    socket: &std::path::Path,
+    backends: &[Backend],
+) -> anyhow::Result<String> {
+    let mut out = String::new();
+    let mut section = String::new();
+    let mut replaced = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        let indent = &line[..line.len() - trimmed.len()];
+        let words: Vec<&str> = trimmed.split_whitespace().collect();
+        if !line.starts_with(char::is_whitespace)
+            && !trimmed.is_empty()
+            && !trimmed.starts_with('#')
+        {
+            section = words.iter().take(2).cloned().collect::<Vec<_>>().join(" ");
+        }
+        let new_line = match words.as_slice() {
+            ["stats", "socket", _path, rest @ ..] => {
+                replaced.insert("stats socket".to_string());
+                format!(
+                    "{indent}stats socket {} {}",
+                    socket.display(),
+                    rest.join(" ")
+                )
+            }
+            ["bind", _addr, rest @ ..] if section == "frontend agents" => {
+                replaced.insert("frontend agents".to_string());
+                format!("{indent}bind {listen} {}", rest.join(" "))
+            }
+            ["bind", _addr, rest @ ..] if section == "frontend stats" => {
+                replaced.insert("frontend stats".to_string());
+                format!("{indent}bind {stats} {}", rest.join(" "))
+            }
+            ["server", name, _addr, rest @ ..] => {
+                let b = backends
+                    .iter()
+                    .find(|b| b.name == *name)
+                    .ok_or_else(|| anyhow::anyhow!("no backend for `server {name}`"))?;
+                let mut rest: Vec<String> = rest.iter().map(|w| w.to_string()).collect();
+                for i in 0..rest.len() {
+                    match (rest[i].as_str(), b.admin) {
+                        ("addr", Some(a)) if i + 1 < rest.len() => rest[i + 1] = a.ip().to_string(),
+                        ("port", Some(a)) if i + 1 < rest.len() => {
+                            rest[i + 1] = a.port().to_string()
+                        }
+                        _ => {}
+                    }
+                }
+                replaced.insert(format!("server {name}"));
+                format!("{indent}server {name} {} {}", b.addr, rest.join(" "))
+            }
+            _ => line.to_string(),
+        };
+        out.push_str(new_line.trim_end());
+        out.push('\n');
+    }
+    let mut want: Vec<String> = ["stats socket", "frontend agents", "frontend stats"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    want.extend(backends.iter().map(|b| format!("server {}", b.name)));
+    for w in want {
+        anyhow::ensure!(
+            replaced.contains(&w),
+            "the example config has no `{w}` line to point at loopback"
+        );
+    }
+    Ok(out)
+}
+
 /// A running haproxy. Dropping it kills the process.
 pub struct Haproxy {
     pub addr: SocketAddr,
     /// Stats page (`/stats`) and `/healthz`.
     pub stats: SocketAddr,
     backends: Vec<Backend>,
+    /// The shipped example's text, when it runs that instead of [`config`].
+    example: Option<String>,
     dir: ScratchDir,
     proc: Option<Proc>,
     starts: u32,
@@ -190,6 +279,7 @@ impl Haproxy {
             addr: free_addr()?,
             stats: free_addr()?,
             backends,
+            example: None,
             dir: ScratchDir::new("haproxy")?,
             proc: None,
             starts: 0,
@@ -200,6 +290,44 @@ impl Haproxy {
         Ok(h)
     }
 
+    /// Starts haproxy with the shipped `examples/haproxy/haproxy.cfg`, addresses replaced
+    /// by fresh loopback ports and `backends` (see [`example_config`]).
+    pub async fn start_example(backends: Vec<Backend>) -> anyhow::Result<Haproxy> {
+        let text = std::fs::read_to_string(example_path())?;
+        let mut h = Haproxy {
+            addr: free_addr()?,
+            stats: free_addr()?,
+            backends,
+            example: Some(text),
+            dir: ScratchDir::new("haproxy")?,
+            proc: None,
+            starts: 0,
+            how: Spawn {
+                env: Vec::new(),
+                own_process_group: false,
+            },
+            checks: Checks::example(),
+        };
+        h.launch().await?;
+        Ok(h)
+    }
+
+    /// The config it runs with.
+    pub fn config_text(&self) -> anyhow::Result<String> {
+        match &self.example {
+            Some(text) => {
+                example_config(text, self.addr, self.stats, &self.socket(), &self.backends)
+            }
+            None => Ok(config(
+                self.addr,
+                self.stats,
+                &self.socket(),
+                &self.backends,
+                self.checks,
+            )),
+        }
+    }
+
     /// `http://{addr}`, for agents.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
@@ -207,16 +335,7 @@ impl Haproxy {
 
     async fn launch(&mut self) -> anyhow::Result<()> {
         let cfg = self.dir.path().join("haproxy.cfg");
-        std::fs::write(
-            &cfg,
-            config(
-                self.addr,
-                self.stats,
-                &self.socket(),
-                &self.backends,
-                self.checks,
-            ),
-        )?;
+        std::fs::write(&cfg, self.config_text()?)?;
         self.starts += 1;
         let bin = binary()?;
         let check = std::process::Command::new(&bin)
@@ -237,11 +356,11 @@ impl Haproxy {
             self.dir.path().join(format!("haproxy-{}.log", self.starts)),
         )?;
         self.proc = Some(proc);
-        // Up once its stats frontend answers (it binds every frontend together).
+        // Up once its stats page answers (it binds every frontend together).
         let deadline = Instant::now() + Duration::from_secs(10);
         let c = crate::client::Caller::new(self.stats, None);
         loop {
-            if matches!(c.get("/healthz").await, Ok(a) if a.status == 200) {
+            if matches!(c.get("/stats;csv").await, Ok(a) if a.status == 200) {
                 return Ok(());
             }
             if let Some(p) = self.proc.as_mut() {
@@ -282,6 +401,23 @@ impl Haproxy {
         s.write_all(format!("{cmd}\n").as_bytes()).await?;
         let mut out = String::new();
         tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out)).await??;
+        Ok(out)
+    }
+
+    /// Each server's `(status, total sessions)` from the stats CSV (`status` as HAProxy
+    /// shows it: `UP`, `DOWN`, `UP 1/2`, `MAINT`, `no check`, ...).
+    pub async fn servers(
+        &self,
+    ) -> anyhow::Result<std::collections::BTreeMap<String, (String, u64)>> {
+        let csv = self.stats_csv().await?;
+        let mut out = std::collections::BTreeMap::new();
+        for line in csv.lines().filter(|l| !l.starts_with('#')) {
+            let f: Vec<&str> = line.split(',').collect();
+            if f.len() > 17 && f[0] == "tunnel_servers" && f[1] != "BACKEND" {
+                let stot = f[7].parse().unwrap_or(0);
+                out.insert(f[1].to_string(), (f[17].to_string(), stot));
+            }
+        }
         Ok(out)
     }
 

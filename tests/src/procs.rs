@@ -227,6 +227,19 @@ impl Proc {
             .with_context(|| format!("memory of {}", self.name))
     }
 
+    /// Peak resident memory in KiB over the process's life so far (`VmHWM`); an error if
+    /// the process has exited or its status cannot be read.
+    pub fn peak_rss_kib(&self) -> anyhow::Result<u64> {
+        anyhow::ensure!(
+            self.exited.is_none(),
+            "{} has exited ({:?}): no memory to read",
+            self.name,
+            self.exited
+        );
+        status_kib(&format!("/proc/{}/status", self.pid()), "VmHWM")
+            .with_context(|| format!("peak memory of {}", self.name))
+    }
+
     /// Where its stdout and stderr go (appended: a restart on the same name continues it).
     pub fn log_path(&self) -> &Path {
         &self.log
@@ -259,17 +272,22 @@ impl Drop for Proc {
 /// `VmRSS` in KiB from a `/proc/.../status` file; an error if the file cannot be read or
 /// holds no `VmRSS` line (a process that exited but is not reaped yet has none).
 pub fn rss_kib_of(status_path: &str) -> anyhow::Result<u64> {
+    status_kib(status_path, "VmRSS")
+}
+
+/// A `kB` field (`VmRSS`, `VmHWM`, ...) of a `/proc/.../status` file.
+fn status_kib(status_path: &str, field: &str) -> anyhow::Result<u64> {
     let text = std::fs::read_to_string(status_path)
         .with_context(|| format!("cannot read {status_path}"))?;
     let line = text
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .ok_or_else(|| anyhow::anyhow!("{status_path} has no VmRSS line"))?;
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .ok_or_else(|| anyhow::anyhow!("{status_path} has no {field} line"))?;
     line.trim()
         .trim_end_matches("kB")
         .trim()
         .parse()
-        .with_context(|| format!("{status_path}: VmRSS {line:?} is not a number of kB"))
+        .with_context(|| format!("{status_path}: {field} {line:?} is not a number of kB"))
 }
 
 /// This process's resident memory in KiB.
@@ -409,9 +427,11 @@ pub struct TunnelServerOpts {
     pub heartbeat: Duration,
     pub shutdown_grace: Duration,
     pub report_interval: Duration,
-    /// Extra top-level TOML keys (e.g. `reload_interval = "1h"`).
+    /// Extra top-level TOML keys.
     pub extra: String,
-    /// `[agent_tls]` certificate and key (PEM files); plain text when `None`.
+    /// `reload_interval` (the binary's default, 5 s, when `None`).
+    pub reload_interval: Option<Duration>,
+    /// `[agent_tls]` certificate and key files; plain text (`insecure = true`) when `None`.
     pub agent_tls: Option<(PathBuf, PathBuf)>,
 }
 
@@ -427,9 +447,45 @@ impl Default for TunnelServerOpts {
             shutdown_grace: Duration::from_secs(10),
             report_interval: Duration::from_millis(250),
             extra: String::new(),
+            reload_interval: None,
             agent_tls: None,
         }
     }
+}
+
+/// Writes a token store file (`[[tokens]] tunnel_id`, `sha256`) of `(token, tunnel id)`
+/// pairs, as a tunnel server reads it.
+pub fn write_token_store(path: &Path, tokens: &[(String, String)]) -> anyhow::Result<()> {
+    let mut text = String::new();
+    for (token, tunnel_id) in tokens {
+        let _ = writeln!(
+            text,
+            "[[tokens]]\ntunnel_id = \"{tunnel_id}\"\nsha256 = \"{}\"\n",
+            relay_common::secret::sha256_hex(token.as_bytes())
+        );
+    }
+    // Written whole, then renamed: a reload never reads half a file.
+    let tmp = path.with_extension("toml.tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// The TOML table of a listener's TLS: certificate and key, or plain text.
+fn listener_tls(table: &str, tls: &Option<(PathBuf, PathBuf)>) -> String {
+    match tls {
+        Some((cert, key)) => format!(
+            "[{table}]\ncert = {:?}\nkey = {:?}\n",
+            cert.display().to_string(),
+            key.display().to_string()
+        ),
+        None => format!("[{table}]\ninsecure = true\n"),
+    }
+}
+
+fn reload_line(d: Option<Duration>) -> String {
+    d.map(|d| format!("reload_interval = \"{}\"\n", humantime(d)))
+        .unwrap_or_default()
 }
 
 /// A `relay-tunnel-server` child.
@@ -500,22 +556,14 @@ impl TunnelServerProc {
     ) -> anyhow::Result<Self> {
         let id = &opts.server_id.clone();
         let tokens_path = dir.join(format!("{id}-tokens.toml"));
-        let mut tokens = String::new();
-        for (token, tunnel_id) in &opts.tokens {
-            let _ = writeln!(
-                tokens,
-                "[[tokens]]\ntunnel_id = \"{tunnel_id}\"\nsha256 = \"{}\"\n",
-                relay_common::secret::sha256_hex(token.as_bytes())
-            );
-        }
-        std::fs::write(&tokens_path, tokens)?;
+        write_token_store(&tokens_path, &opts.tokens)?;
         let cfg_path = dir.join(format!("{id}.toml"));
         let dispatchers: Vec<String> = opts.dispatchers.iter().map(|d| format!("{d:?}")).collect();
         let cfg = format!(
             "server_id = {id:?}\nzone = {:?}\nagent_listen = \"{agent}\"\nforward_listen = \"{forward}\"\n\
              admin_listen = \"{admin}\"\ndispatchers = [{}]\ndispatcher_key = {:?}\ntoken_store = {:?}\n\
-             heartbeat = \"{}\"\nshutdown_grace = \"{}\"\nreport_interval = \"{}\"\n{}\n\n\
-             [agent_tls]\n{}\n[forward_tls]\ninsecure = true\n[dispatcher_tls]\ninsecure = true\n",
+             heartbeat = \"{}\"\nshutdown_grace = \"{}\"\nreport_interval = \"{}\"\n{}{}\n\n\
+             {}[forward_tls]\ninsecure = true\n[dispatcher_tls]\ninsecure = true\n",
             opts.zone,
             dispatchers.join(", "),
             opts.dispatcher_key,
@@ -523,15 +571,9 @@ impl TunnelServerProc {
             humantime(opts.heartbeat),
             humantime(opts.shutdown_grace),
             humantime(opts.report_interval),
+            reload_line(opts.reload_interval),
             opts.extra,
-            match &opts.agent_tls {
-                Some((cert, key)) => format!(
-                    "cert = {:?}\nkey = {:?}",
-                    cert.display().to_string(),
-                    key.display().to_string()
-                ),
-                None => "insecure = true".into(),
-            },
+            listener_tls("agent_tls", &opts.agent_tls),
         );
         std::fs::write(&cfg_path, cfg)?;
         let proc = Proc::spawn_with(
@@ -562,6 +604,11 @@ impl TunnelServerProc {
         format!("{scheme}://{}", self.agent_addr)
     }
 
+    /// Its token store file (rewrite it with [`write_token_store`]).
+    pub fn token_store_path(&self, dir: &Path) -> PathBuf {
+        dir.join(format!("{}-tokens.toml", self.server_id))
+    }
+
     /// Its listener addresses, to start a replacement on the same ports.
     pub fn ports(&self) -> (SocketAddr, SocketAddr, SocketAddr) {
         (self.agent_addr, self.forward_addr, self.admin_addr)
@@ -578,6 +625,12 @@ pub struct DispatcherOpts {
     pub registry: String,
     /// Extra TOML appended to the generated config (e.g. a `[routing]` table).
     pub extra: String,
+    /// `reload_interval` (the binary's default, 5 s, when `None`).
+    pub reload_interval: Option<Duration>,
+    /// `max_call_timeout` (the binary's default, 5 min, when `None`).
+    pub max_call_timeout: Option<Duration>,
+    /// `[tls]` (the HTTP front) certificate and key files; plain text when `None`.
+    pub front_tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl Default for DispatcherOpts {
@@ -588,6 +641,9 @@ impl Default for DispatcherOpts {
             call_timeout: Duration::from_secs(10),
             registry: String::new(),
             extra: String::new(),
+            reload_interval: None,
+            max_call_timeout: None,
+            front_tls: None,
         }
     }
 }
@@ -635,12 +691,18 @@ impl DispatcherProc {
             let cfg_path = dir.join("dispatcher.toml");
             let cfg = format!(
                 "listen = \"{http}\"\nregistry_listen = \"{registry}\"\nadmin_listen = \"{admin}\"\n\
-                 call_timeout = \"{}\"\n\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n{}\n\n\
-                 [tls]\ninsecure = true\n[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n\n{}\n",
+                 call_timeout = \"{}\"\n{}\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n{}\n\
+                 {}[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n\n{}\n",
                 humantime(opts.call_timeout),
+                reload_line(opts.reload_interval)
+                    + &opts
+                        .max_call_timeout
+                        .map(|d| format!("max_call_timeout = \"{}\"\n", humantime(d)))
+                        .unwrap_or_default(),
                 opts.caller_key,
                 opts.server_key,
                 opts.registry,
+                listener_tls("tls", &opts.front_tls),
                 opts.extra,
             );
             std::fs::write(&cfg_path, cfg)?;

@@ -7,10 +7,14 @@
 //! - the zone-skew incident does not happen: only the starved server (weight 5) is routed,
 //!   and 400 concurrent calls to a 200 ms upstream all complete;
 //! - with every server routed, coverage reaches every server the dispatcher uses, and a
-//!   hard restart of HAProxy (every agent connection dropped) leaves no call unanswered.
+//!   hard restart of HAProxy (every agent connection dropped) leaves no call unanswered;
+//! - with the shipped `examples/haproxy/haproxy.cfg` itself (addresses replaced) in front
+//!   of the real binaries, a draining (SIGTERMed) tunnel server answers `/readyz` 503,
+//!   HAProxy marks it down and places no new stream there.
 //!
-//! HAProxy is the Debian package `haproxy` (`scripts/test` installs it); the test starts its own
-//! instance on loopback with a config generated like `examples/haproxy/haproxy.cfg`.
+//! HAProxy is the Debian package `haproxy` (`scripts/test` installs it); each test starts its own
+//! instance on loopback, with a config generated like `examples/haproxy/haproxy.cfg` or
+//! with that file.
 
 use bytes::Bytes;
 use http::Method;
@@ -20,8 +24,12 @@ use relay_tests::ledger::{
     agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops,
 };
 use relay_tests::metrics::value;
-use relay_tests::procs::{free_addr, metric, scrape, series};
-use relay_tests::stack::{Stack, CALLER_KEY, TUNNEL_ID};
+use relay_tests::procs::{
+    free_addr, metric, scrape, series, wait_http, AgentOpts, AgentProc, DispatcherOpts,
+    DispatcherProc, ScratchDir, TunnelServerOpts, TunnelServerProc,
+};
+use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
+use relay_tests::upstream::Upstream;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -89,13 +97,24 @@ async fn stack_behind_haproxy(routed: Option<usize>) -> (Stack, Haproxy) {
 
 /// Fires `n` concurrent calls; returns answers by "status error".
 async fn burst(front: SocketAddr, n: usize, timeout_ms: u64) -> BTreeMap<String, usize> {
+    burst_to(front, n, timeout_ms, "/hello").await
+}
+
+/// [`burst`] to `path` (after `/relay/{tunnel}`).
+async fn burst_to(
+    front: SocketAddr,
+    n: usize,
+    timeout_ms: u64,
+    path: &str,
+) -> BTreeMap<String, usize> {
     let caller = Caller::new(front, Some(CALLER_KEY));
     let calls = (0..n).map(|i| {
         let caller = caller.clone();
+        let path = path.to_string();
         tokio::spawn(async move {
             let mut req = caller.request(
                 Method::GET,
-                &format!("/relay/{TUNNEL_ID}/hello?i={i}"),
+                &format!("/relay/{TUNNEL_ID}{path}?i={i}"),
                 Bytes::new(),
             );
             req.headers_mut().insert(
@@ -319,4 +338,190 @@ async fn burst_for(caller: Caller, d: Duration) -> (BTreeMap<String, usize>, usi
         }
     }
     (all, total)
+}
+
+/// Every agent stream open that reached the server's handler, by any result (accepted,
+/// refused as draining, ...).
+async fn opens(admin: SocketAddr) -> f64 {
+    let t = scrape(admin).await.unwrap_or_default();
+    metric(&t, "relay_tunnel_stream_opens_total", &[])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server() {
+    // The real binaries behind HAProxy running examples/haproxy/haproxy.cfg as shipped
+    // (only addresses replaced): health checks on each tunnel server's /readyz, every 2 s,
+    // down after 2 failures. A SIGTERMed server drains while a call runs on it: /readyz
+    // answers 503, HAProxy marks it down, and the new streams the agent opens meanwhile
+    // land on the other servers only.
+    let dir = ScratchDir::new("haproxy-drain").unwrap();
+    let upstream = Upstream::builder().spawn().await.unwrap();
+    let dispatcher = DispatcherProc::start(
+        dir.path(),
+        DispatcherOpts {
+            call_timeout: Duration::from_secs(30),
+            // Every call to one home server, so the slow call surely runs on the victim.
+            extra: "[routing]\npolicy = \"sticky\"\n".into(),
+            ..DispatcherOpts::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut servers = Vec::new();
+    for i in 1..=3 {
+        let o = TunnelServerOpts {
+            server_id: format!("ts-{i}"),
+            dispatchers: vec![dispatcher.registry_url()],
+            shutdown_grace: Duration::from_secs(60),
+            ..TunnelServerOpts::default()
+        };
+        servers.push(TunnelServerProc::start(dir.path(), o).await.unwrap());
+    }
+    let backends = servers
+        .iter()
+        .map(|s| Backend {
+            name: s.server_id.clone(),
+            addr: s.agent_addr,
+            admin: Some(s.admin_addr),
+            weight: 0, // the example's weights apply
+            disabled: false,
+        })
+        .collect();
+    let haproxy = Haproxy::start_example(backends).await.unwrap();
+    let cfg = haproxy.config_text().unwrap();
+    assert!(
+        cfg.contains("http-check send meth GET uri /readyz"),
+        "the example checks /readyz:\n{cfg}"
+    );
+    let agent = AgentProc::start(
+        dir.path(),
+        AgentOpts {
+            tunnels: vec![haproxy.url()],
+            token: TOKEN.into(),
+            upstream: upstream.url(),
+            ..AgentOpts::default()
+        },
+    )
+    .await
+    .unwrap();
+    let caller = Caller::new(dispatcher.http, Some(CALLER_KEY));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let up = haproxy.servers().await.unwrap_or_default();
+        let ok = matches!(caller.get(&format!("/relay/{TUNNEL_ID}/hello")).await, Ok(a) if a.status == 200);
+        if ok && up.len() == 3 && up.values().all(|(st, _)| st == "UP") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not routable behind haproxy with every server up: {up:?}\n{}",
+            haproxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let routes = Caller::new(dispatcher.admin, None)
+        .get("/debug/routes")
+        .await
+        .unwrap()
+        .json();
+    let home = routes["tunnels"]
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["tunnel_id"] == TUNNEL_ID))
+        .and_then(|t| t["home"].as_str())
+        .expect("a home server")
+        .to_string();
+    let victim = servers.iter().position(|s| s.server_id == home).unwrap();
+    let others: Vec<usize> = (0..3).filter(|&i| i != victim).collect();
+    // A slow call holds the victim while it drains.
+    let slow = {
+        let c = caller.clone();
+        tokio::spawn(async move {
+            let mut req = c.request(
+                Method::GET,
+                &format!("/relay/{TUNNEL_ID}/slow/15000"),
+                Bytes::new(),
+            );
+            req.headers_mut()
+                .insert("x-relay-timeout-ms", "30000".parse().unwrap());
+            c.call(req).await.map(|a| a.status.as_u16())
+        })
+    };
+    let admin = servers[victim].admin_addr;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(
+        &scrape(admin).await.unwrap_or_default(),
+        "relay_tunnel_calls_in_flight",
+        &[],
+    ) < 1.0
+    {
+        assert!(Instant::now() < deadline, "the slow call runs on {home}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    servers[victim].proc.signal("TERM").unwrap();
+    wait_http(admin, "/readyz", 503, Duration::from_secs(5))
+        .await
+        .expect("a draining server's /readyz answers 503");
+    // inter 2s, fall 2: down within about two checks.
+    let marked = Instant::now();
+    let deadline = marked + Duration::from_secs(15);
+    loop {
+        let st = haproxy.servers().await.unwrap_or_default();
+        if st.get(&home).is_some_and(|(s, _)| s.starts_with("DOWN")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "haproxy still places streams on draining {home}: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "haproxy marked draining {home} down after {:?}",
+        marked.elapsed()
+    );
+    let victim_opens = opens(admin).await;
+    let mut others_opens = 0.0;
+    for &i in &others {
+        others_opens += opens(servers[i].admin_addr).await;
+    }
+    // The agent opens streams now: replacements for its draining streams, and growth for
+    // a burst of calls on the new home.
+    let answers = burst_to(dispatcher.http, 40, 20_000, "/slow/1000").await;
+    assert_eq!(answers.get("200").copied(), Some(40), "{answers:?}");
+    let mut others_now = 0.0;
+    for &i in &others {
+        others_now += opens(servers[i].admin_addr).await;
+    }
+    let victim_now = opens(admin).await;
+    eprintln!(
+        "while {home} drained: {} new streams on the others, {} on {home}",
+        others_now - others_opens,
+        victim_now - victim_opens
+    );
+    assert!(
+        others_now - others_opens >= 8.0,
+        "the agent opened streams meanwhile ({} on the others)",
+        others_now - others_opens
+    );
+    assert_eq!(
+        victim_now, victim_opens,
+        "haproxy placed new streams on draining {home}"
+    );
+    assert!(
+        servers[victim].proc.try_exited().is_none(),
+        "{home} still drains (its call runs): the check above is about placement"
+    );
+    assert_eq!(
+        slow.await.unwrap().ok(),
+        Some(200),
+        "the draining server's call finishes"
+    );
+    let status = servers[victim]
+        .proc
+        .wait_exit(Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(status.success(), "{home} exits 0 after its drain: {status}");
+    drop(agent);
 }

@@ -717,88 +717,171 @@ async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
     .await;
 }
 
+/// Two tunnel server processes behind a dispatcher with sticky routing, one agent with a
+/// fixed pool of streams on both: every call goes to the home server, so once its streams
+/// are busy the next calls wait in its queue, and killing it leaves them to be retried on
+/// the other server.
+struct QueuedKillRig {
+    _dir: ScratchDir,
+    upstream: UpstreamHandle,
+    dispatcher: DispatcherProc,
+    servers: Vec<Option<TunnelServerProc>>,
+    _agent: AgentProc,
+    /// Index of the home server in `servers`, and its id.
+    victim: usize,
+    home: String,
+    home_streams: u64,
+    other_streams: u64,
+}
+
+impl QueuedKillRig {
+    async fn start(tag: &str) -> Self {
+        let dir = ScratchDir::new(tag).unwrap();
+        let upstream = Upstream::builder().spawn().await.unwrap();
+        let dispatcher = DispatcherProc::start(
+            dir.path(),
+            DispatcherOpts {
+                call_timeout: Duration::from_secs(30),
+                extra: "[routing]\npolicy = \"sticky\"\n".into(),
+                ..DispatcherOpts::default()
+            },
+        )
+        .await
+        .unwrap();
+        let mut servers = Vec::new();
+        for i in 1..=2 {
+            let o = TunnelServerOpts {
+                server_id: format!("ts-{i}"),
+                dispatchers: vec![dispatcher.registry_url()],
+                ..TunnelServerOpts::default()
+            };
+            servers.push(Some(TunnelServerProc::start(dir.path(), o).await.unwrap()));
+        }
+        let agent = AgentProc::start(
+            dir.path(),
+            AgentOpts {
+                tunnels: servers.iter().flatten().map(|s| s.agent_url()).collect(),
+                token: TOKEN.into(),
+                upstream: upstream.url(),
+                extra: "[coverage]\nenabled = false\nfixed_streams = 8\n".into(),
+                ..AgentOpts::default()
+            },
+        )
+        .await
+        .unwrap();
+        let mut rig = QueuedKillRig {
+            _dir: dir,
+            upstream,
+            dispatcher,
+            servers,
+            _agent: agent,
+            victim: 0,
+            home: String::new(),
+            home_streams: 0,
+            other_streams: 0,
+        };
+        let ready = time_until(READY, || async {
+            let (a, b) = (rig.streams_of(0).await, rig.streams_of(1).await);
+            a.is_some_and(|a| a.0 > 0.0)
+                && b.is_some_and(|b| b.0 > 0.0)
+                && dispatcher_servers(rig.dispatcher.admin).await == 2.0
+                && matches!(
+                    Caller::new(rig.dispatcher.http, Some(CALLER_KEY)).get(&format!("/relay/{TUNNEL_ID}/hello")).await,
+                    Ok(a) if a.status == 200
+                )
+        })
+        .await;
+        assert!(ready.is_some(), "both servers hold streams and calls flow");
+        let routes = Caller::new(rig.dispatcher.admin, None)
+            .get("/debug/routes")
+            .await
+            .unwrap()
+            .json();
+        rig.home = routes["tunnels"]
+            .as_array()
+            .and_then(|t| t.iter().find(|t| t["tunnel_id"] == TUNNEL_ID))
+            .and_then(|t| t["home"].as_str())
+            .expect("a home server")
+            .to_string();
+        rig.victim = if rig.home == "ts-1" { 0 } else { 1 };
+        rig.home_streams = rig.streams_of(rig.victim).await.unwrap().0 as u64;
+        rig.other_streams = rig.streams_of(1 - rig.victim).await.unwrap().0 as u64;
+        rig
+    }
+
+    /// Server `i`'s streams and queued calls of the tunnel id; `None` once it is gone.
+    async fn streams_of(&self, i: usize) -> Option<(f64, f64)> {
+        let admin = self.servers[i].as_ref().map(|s| s.admin_addr)?;
+        let t = scrape(admin).await.ok()?;
+        Some((
+            metric(&t, "relay_tunnel_streams", &[("tunnel_id", TUNNEL_ID)]),
+            metric(&t, "relay_tunnel_calls_queued", &[("tunnel_id", TUNNEL_ID)]),
+        ))
+    }
+
+    /// Waits until `queued` calls wait in the home server's queue and the dispatcher
+    /// heard so (`Queued`).
+    async fn wait_queued(&self, queued: u64) {
+        let waiting = time_until(READY, || async {
+            let heard = metric(
+                &scrape(self.dispatcher.admin).await.unwrap_or_default(),
+                "relay_dispatcher_queued_total",
+                &[],
+            );
+            heard >= queued as f64
+                && self
+                    .streams_of(self.victim)
+                    .await
+                    .is_some_and(|(_, q)| q >= queued as f64)
+        })
+        .await;
+        assert!(
+            waiting.is_some(),
+            "{queued} calls wait in {}'s queue",
+            self.home
+        );
+    }
+
+    /// SIGKILL of the home server.
+    fn kill_home(&mut self) {
+        let mut proc = self.servers[self.victim].take().unwrap().proc;
+        proc.kill();
+    }
+
+    async fn retries(&self) -> f64 {
+        metric(
+            &scrape(self.dispatcher.admin).await.unwrap(),
+            "relay_dispatcher_retries_total",
+            &[],
+        )
+    }
+
+    /// Requests the upstream received so far (answered or cancelled).
+    fn reached(&self) -> u64 {
+        self.upstream.served() + self.upstream.cancelled()
+    }
+
+    async fn wait_upstream_quiet(&self) {
+        let quiet = time_until(QUIET, || async { self.upstream.in_flight() == 0 }).await;
+        assert!(quiet.is_some(), "the upstream goes quiet");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_once() {
     // Sticky routing sends every call to the home server; its streams are all busy with
     // slow calls, so the rest wait in its queue when the process is SIGKILLed.
-    let dir = ScratchDir::new("queued-kill").unwrap();
-    let upstream = Upstream::builder().spawn().await.unwrap();
-    let dispatcher = DispatcherProc::start(
-        dir.path(),
-        DispatcherOpts {
-            call_timeout: Duration::from_secs(30),
-            extra: "[routing]\npolicy = \"sticky\"\n".into(),
-            ..DispatcherOpts::default()
-        },
-    )
-    .await
-    .unwrap();
-    let mut servers = Vec::new();
-    for i in 1..=2 {
-        let o = TunnelServerOpts {
-            server_id: format!("ts-{i}"),
-            dispatchers: vec![dispatcher.registry_url()],
-            ..TunnelServerOpts::default()
-        };
-        servers.push(Some(TunnelServerProc::start(dir.path(), o).await.unwrap()));
-    }
-    let agent = AgentProc::start(
-        dir.path(),
-        AgentOpts {
-            tunnels: servers.iter().flatten().map(|s| s.agent_url()).collect(),
-            token: TOKEN.into(),
-            upstream: upstream.url(),
-            extra: "[coverage]\nenabled = false\nfixed_streams = 8\n".into(),
-            ..AgentOpts::default()
-        },
-    )
-    .await
-    .unwrap();
-    let streams_of = |i: usize| {
-        let admin = servers[i].as_ref().map(|s| s.admin_addr);
-        async move {
-            let t = scrape(admin?).await.ok()?;
-            Some((
-                metric(&t, "relay_tunnel_streams", &[("tunnel_id", TUNNEL_ID)]),
-                metric(&t, "relay_tunnel_calls_queued", &[("tunnel_id", TUNNEL_ID)]),
-            ))
-        }
-    };
-    let ready = time_until(READY, || async {
-        let (a, b) = (streams_of(0).await, streams_of(1).await);
-        a.is_some_and(|a| a.0 > 0.0)
-            && b.is_some_and(|b| b.0 > 0.0)
-            && dispatcher_servers(dispatcher.admin).await == 2.0
-            && matches!(
-                Caller::new(dispatcher.http, Some(CALLER_KEY)).get(&format!("/relay/{TUNNEL_ID}/hello")).await,
-                Ok(a) if a.status == 200
-            )
-    })
-    .await;
-    assert!(ready.is_some(), "both servers hold streams and calls flow");
-    let routes = Caller::new(dispatcher.admin, None)
-        .get("/debug/routes")
-        .await
-        .unwrap()
-        .json();
-    let home = routes["tunnels"]
-        .as_array()
-        .and_then(|t| t.iter().find(|t| t["tunnel_id"] == TUNNEL_ID))
-        .and_then(|t| t["home"].as_str())
-        .expect("a home server")
-        .to_string();
-    let victim = if home == "ts-1" { 0 } else { 1 };
-    let home_streams = streams_of(victim).await.unwrap().0 as u64;
-    let other_streams = streams_of(1 - victim).await.unwrap().0 as u64;
+    let mut rig = QueuedKillRig::start("queued-kill").await;
+    let (home, home_streams) = (rig.home.clone(), rig.home_streams);
     // As many calls wait as the other server can take at once.
-    let queued = other_streams.min(home_streams);
+    let queued = rig.other_streams.min(home_streams);
     let calls = home_streams + queued;
-    let reached_before = upstream.served() + upstream.cancelled();
+    let reached_before = rig.reached();
     let tally = Arc::new(Tally::default());
     let mut tasks = Vec::new();
     for _ in 0..calls {
         let (c, tally) = (
-            Caller::new(dispatcher.http, Some(CALLER_KEY)),
+            Caller::new(rig.dispatcher.http, Some(CALLER_KEY)),
             tally.clone(),
         );
         tasks.push(tokio::spawn(async move {
@@ -812,30 +895,12 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
             .await
         }));
     }
-    // They wait in the home server's queue, and the dispatcher heard so (`Queued`).
-    let waiting = time_until(READY, || async {
-        let heard = metric(
-            &scrape(dispatcher.admin).await.unwrap_or_default(),
-            "relay_dispatcher_queued_total",
-            &[],
-        );
-        heard >= queued as f64
-            && streams_of(victim)
-                .await
-                .is_some_and(|(_, q)| q >= queued as f64)
-    })
-    .await;
-    assert!(waiting.is_some(), "{queued} calls wait in {home}'s queue");
-    let mut proc = servers[victim].take().unwrap().proc;
-    proc.kill();
+    rig.wait_queued(queued).await;
+    rig.kill_home();
     for t in tasks {
         t.await.unwrap();
     }
-    let retries = metric(
-        &scrape(dispatcher.admin).await.unwrap(),
-        "relay_dispatcher_retries_total",
-        &[],
-    );
+    let retries = rig.retries().await;
     eprintln!(
         "SIGKILL {home} with {home_streams} calls in progress and {queued} queued: {}; retries {retries}",
         tally.summary()
@@ -864,14 +929,113 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
     );
     assert!(retries >= queued as f64, "queued calls were retried");
     // Run once: no call reached the upstream twice.
-    let quiet = time_until(QUIET, || async { upstream.in_flight() == 0 }).await;
-    assert!(quiet.is_some(), "the upstream goes quiet");
+    rig.wait_upstream_quiet().await;
     assert_eq!(
-        upstream.served() + upstream.cancelled() - reached_before,
+        rig.reached() - reached_before,
         calls,
         "each call reached the upstream exactly once"
     );
-    drop(agent);
+}
+
+/// A body of `len` bytes no other call sends (so a mix-up cannot pass for an echo).
+fn distinct_body(seed: u64, len: usize) -> Bytes {
+    use rand::{RngCore, SeedableRng};
+    let mut b = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut b);
+    Bytes::from(b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_posts_with_large_bodies_on_a_killed_server_process_succeed_elsewhere_intact() {
+    // README: queued calls are safe to retry, POSTs included. A POST waiting in a queue has
+    // sent as much of its body as the forward stream window admits (1 MiB) before the
+    // server reads any; it must still be retried elsewhere, whole, and reach the upstream
+    // once. Bodies of 1 MiB and of 4 MiB (four windows: the rest is pulled from the caller
+    // after the retry).
+    let mut rig = QueuedKillRig::start("queued-post-kill").await;
+    let home_streams = rig.home_streams;
+    let reached_before = rig.reached();
+    // Every stream of the home server busy with a slow call.
+    let mut slow = Vec::new();
+    for _ in 0..home_streams {
+        let c = Caller::new(rig.dispatcher.http, Some(CALLER_KEY));
+        slow.push(tokio::spawn(async move {
+            let mut req = c.request(
+                Method::GET,
+                &format!("/relay/{TUNNEL_ID}/slow/3000"),
+                Bytes::new(),
+            );
+            req.headers_mut()
+                .insert("x-relay-timeout-ms", "20000".parse().unwrap());
+            c.call(req).await.map(|a| a.status.as_u16())
+        }));
+    }
+    let busy = time_until(READY, || async { rig.upstream.in_flight() >= home_streams }).await;
+    assert!(
+        busy.is_some(),
+        "{home_streams} slow calls hold the home's streams"
+    );
+    let sizes = [1024 * 1024, 4 * 1024 * 1024];
+    let mut posts = Vec::new();
+    for (i, len) in sizes.into_iter().enumerate() {
+        let body = distinct_body(i as u64 + 1, len);
+        let c = Caller::new(rig.dispatcher.http, Some(CALLER_KEY));
+        posts.push(tokio::spawn(async move {
+            let mut req = c.request(
+                Method::POST,
+                &format!("/relay/{TUNNEL_ID}/echo/post-{i}"),
+                body.clone(),
+            );
+            req.headers_mut()
+                .insert("x-relay-timeout-ms", "20000".parse().unwrap());
+            (body, c.call(req).await)
+        }));
+    }
+    rig.wait_queued(sizes.len() as u64).await;
+    rig.kill_home();
+    for (i, p) in posts.into_iter().enumerate() {
+        let (sent, answer) = p.await.unwrap();
+        let a = answer.unwrap_or_else(|e| panic!("POST {i}: transport error {e}"));
+        assert_eq!(
+            a.status,
+            200,
+            "the queued POST of {} bytes was not retried elsewhere: {}",
+            sent.len(),
+            a.text()
+        );
+        assert_eq!(
+            a.headers.get("x-echo-method").map(|v| v.as_bytes()),
+            Some(&b"POST"[..])
+        );
+        assert!(
+            a.body == sent,
+            "the upstream saw a body of {} bytes, not the {} sent (or other bytes)",
+            a.body.len(),
+            sent.len()
+        );
+    }
+    let mut slow_answers = BTreeMap::new();
+    for t in slow {
+        let k = match t.await.unwrap() {
+            Ok(s) => s.to_string(),
+            Err(e) => format!("transport {e}"),
+        };
+        *slow_answers.entry(k).or_insert(0u64) += 1;
+    }
+    assert!(
+        slow_answers.keys().all(|k| k == "502" || k == "200"),
+        "calls in progress on the killed server end in 502 (or finished): {slow_answers:?}"
+    );
+    assert!(
+        rig.retries().await >= sizes.len() as f64,
+        "the queued POSTs were retried"
+    );
+    rig.wait_upstream_quiet().await;
+    assert_eq!(
+        rig.reached() - reached_before,
+        home_streams + sizes.len() as u64,
+        "each call reached the upstream exactly once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
