@@ -143,18 +143,12 @@ async fn calls_past_their_deadline_are_answered_by_the_relay_and_none_is_lost() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uniform_serves_everything() {
+    // From agents at rest (the runner waits for their reserve on every server), calls
+    // queue only briefly: every expectation holds, the queue-wait p99 included.
     let r = run_short(builtin("uniform").scaled(0.2, 0.5)).await;
     assert_eq!(r.calls_failed_total, 0, "{:?}", r.calls_failed);
-    // Every expectation but the queue-wait p99: in a 4 s run the agents' growth from
-    // their resting reserve in the first second holds more than 1% of the calls, and the
-    // p99 lands there (61 to 101 ms against 73 ms on a 2-core machine).
-    let failed: Vec<_> = r
-        .expectations
-        .iter()
-        .filter(|c| !c.pass && c.name != "max_queue_wait_p99")
-        .collect();
-    assert!(failed.is_empty(), "expectations not met: {failed:?}");
     assert!(r.check("max_queue_wait_p99").is_some());
+    assert_expectations(&r);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -294,12 +288,15 @@ async fn many_agents_serve_every_tunnel_id() {
 async fn a_stopped_run_still_reports_what_ran() {
     let stop = CancellationToken::new();
     let s = stop.clone();
+    // Past the warm-up (agents reach their reserve first, at most 10 s) and into the 20 s
+    // of load.
     tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        tokio::time::sleep(Duration::from_secs(14)).await;
         s.cancel();
     });
+    let scenario = builtin("uniform");
     let r = run(
-        &builtin("uniform"),
+        &scenario,
         RunOptions {
             stop,
             ..RunOptions::default()
@@ -308,7 +305,11 @@ async fn a_stopped_run_still_reports_what_ran() {
     .await
     .expect("runs");
     assert!(r.interrupted);
-    assert!(r.ran_for_s < 10.0, "ran {} s", r.ran_for_s);
+    assert!(
+        r.ran_for_s < scenario.duration.as_secs_f64() - 1.0,
+        "ran {} s",
+        r.ran_for_s
+    );
     assert!(r.calls_sent > 0);
     assert_eq!(r.calls_lost, 0);
     let html = relay_tests::fleet::html::render(&r);

@@ -536,7 +536,13 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
             )
         }
     };
-    let ready = wait_ready(&fleet, &caller, &tunnel_ids, &opts.stop).await;
+    // Rest is the reserve on every server; a fixed pool (coverage off) has no such rest,
+    // and an external deployment's size is not known here.
+    let servers = match &opts.mode {
+        Mode::Embedded if s.agents.coverage.enabled => s.servers.count,
+        _ => 0,
+    };
+    let ready = wait_ready(&fleet, &caller, &tunnel_ids, servers, &opts.stop).await;
     let report = match ready {
         Ok(()) => Some(drive(s, opts, &fleet, caller, tunnel_ids).await),
         Err(e) => {
@@ -569,11 +575,19 @@ async fn reachable(url: &str, what: &str) -> anyhow::Result<SocketAddr> {
     }
 }
 
-/// Waits until every agent holds a stream and every tunnel id answers through the relay.
+/// How long the run waits for the agents to reach their resting reserve before the load
+/// starts anyway.
+const REST_WAIT: Duration = Duration::from_secs(10);
+
+/// Waits until every agent holds a stream and every tunnel id answers through the relay,
+/// then (embedded, with `servers` known) until every agent covers all `servers` at its
+/// reserve, at most [`REST_WAIT`]: each scenario starts from agents at rest, as its
+/// description says, not from the first stream of each.
 async fn wait_ready(
     fleet: &Fleet,
     caller: &Caller,
     ids: &[String],
+    servers: usize,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -613,7 +627,38 @@ async fn wait_ready(
     for p in probes {
         p.await??;
     }
+    if servers > 0 {
+        let rest_deadline = Instant::now() + REST_WAIT;
+        while Instant::now() < rest_deadline && !stop.is_cancelled() {
+            let (resting, total) = agents_at_rest(fleet, servers).await;
+            if resting == total {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     Ok(())
+}
+
+/// Agents whose streams cover every one of `servers` (each covered: its reserve held).
+async fn agents_at_rest(fleet: &Fleet, servers: usize) -> (usize, usize) {
+    let at_rest = |h: Option<&AgentHandle>| {
+        h.is_some_and(|h| {
+            let v = h.coverage().borrow().clone();
+            v.servers.len() >= servers && v.servers.iter().all(|s| s.state == "covered")
+        })
+    };
+    match fleet {
+        Fleet::Embedded(stack) => {
+            let st = stack.lock().await;
+            let n = st.agent_count();
+            ((0..n).filter(|i| at_rest(st.agent(*i))).count(), n)
+        }
+        Fleet::External { agents, .. } => {
+            let a = agents.lock().await;
+            (a.iter().filter(|h| at_rest(h.as_ref())).count(), a.len())
+        }
+    }
 }
 
 async fn agents_landed(fleet: &Fleet) -> (usize, usize) {
