@@ -32,3 +32,23 @@ where
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// Polls `cond` every 20 ms until it holds; how long that took, or `None` at `within`.
+/// For tests that measure a time against a stated bound rather than only wait.
+pub async fn time_until<F, Fut>(
+    within: std::time::Duration,
+    mut cond: F,
+) -> Option<std::time::Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < within {
+        if cond().await {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    None
+}

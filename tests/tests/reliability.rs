@@ -38,6 +38,7 @@ use relay_tests::procs::{
 };
 use relay_tests::redis::{require_redis, RedisServer};
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
+use relay_tests::time_until;
 use relay_tests::upstream::{Upstream, UpstreamHandle};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -252,22 +253,6 @@ where
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
-}
-
-/// Polls `cond` until true; returns how long it took, or None at the deadline.
-async fn time_until<F, Fut>(within: Duration, mut cond: F) -> Option<Duration>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let started = Instant::now();
-    while started.elapsed() < within {
-        if cond().await {
-            return Some(started.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    None
 }
 
 // ---------------------------------------------------------------------------------------

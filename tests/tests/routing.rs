@@ -9,11 +9,11 @@ use relay_agent::coverage::plan::CoverageConfig;
 use relay_common::Secret;
 use relay_dispatcher::{RegistryBackend, RoutingPolicy};
 use relay_tests::client::Caller;
-use relay_tests::eventually;
 use relay_tests::lb::Policy;
 use relay_tests::redis::{require_redis, RedisServer};
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use relay_tests::upstream::{Upstream, UpstreamHandle};
+use relay_tests::{eventually, time_until};
 use relay_tunnel_server::{TokenStore, TunnelServerHandle};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -155,22 +155,6 @@ async fn drive_all(
         total.slowest = total.slowest.max(o.slowest);
     }
     total
-}
-
-/// Polls `cond` until true; how long it took, or None at the deadline.
-async fn time_until<F, Fut>(within: Duration, mut cond: F) -> Option<Duration>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let started = Instant::now();
-    while started.elapsed() < within {
-        if cond().await {
-            return Some(started.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    None
 }
 
 /// Queue waits observed by the tunnel servers: (cumulative bucket counts, total count).
