@@ -14,4 +14,4 @@ pub mod shutdown;
 pub mod telemetry;
 pub mod tls;
 
-pub use secret::Secret;
+pub use secret::{KeyDigest, Secret};

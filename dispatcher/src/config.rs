@@ -7,7 +7,7 @@
 use relay_common::config::ConfigError;
 use relay_common::h2::{H2Limits, H2Settings};
 use relay_common::tls::{ClientCerts, ClientTls, DialerTls, ListenerTls, ServerTls};
-use relay_common::Secret;
+use relay_common::{KeyDigest, Secret};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -159,10 +159,22 @@ pub struct RegistryConfig {
     #[serde(with = "humantime_serde")]
     pub redis_timeout: Duration,
     /// Shared secret tunnel servers must present (`authorization: Bearer`) on their report
-    /// stream. Unset: any server may report (fine on a private network only).
-    pub server_key: Option<Secret>,
+    /// stream; only its SHA-256 is kept. Unset (and `server_key_sha256` unset): any server
+    /// may report (fine on a private network only).
+    #[serde(deserialize_with = "KeyDigest::deserialize_clear")]
+    pub server_key: Option<KeyDigest>,
+    /// `server_key` given as its hex SHA-256 instead, so the config holds no key in clear.
+    #[serde(deserialize_with = "KeyDigest::deserialize_hex")]
+    pub server_key_sha256: Option<KeyDigest>,
     /// Server ids allowed to report; empty allows any id.
     pub allowed_servers: Vec<String>,
+}
+
+impl RegistryConfig {
+    /// The digest a report stream's key is checked against, if one is required.
+    pub fn server_key_digest(&self) -> Option<&KeyDigest> {
+        self.server_key.as_ref().or(self.server_key_sha256.as_ref())
+    }
 }
 
 impl Default for RegistryConfig {
@@ -175,6 +187,7 @@ impl Default for RegistryConfig {
             refresh_interval: Duration::from_millis(500),
             redis_timeout: Duration::from_secs(1),
             server_key: None,
+            server_key_sha256: None,
             allowed_servers: Vec::new(),
         }
     }
@@ -186,8 +199,14 @@ impl Default for RegistryConfig {
 pub struct CallerConfig {
     /// Readable name, used in logs (never the key).
     pub name: String,
-    /// The caller's bearer key; compared in constant time and never logged.
-    pub key: Secret,
+    /// The caller's bearer key (`Authorization: Bearer <key>`). Only its SHA-256 is kept;
+    /// a presented key is hashed and compared in constant time, and never logged.
+    #[serde(default, deserialize_with = "KeyDigest::deserialize_clear")]
+    pub key: Option<KeyDigest>,
+    /// The key given as its hex SHA-256 (`printf '%s' "$KEY" | sha256sum`) instead of
+    /// `key`, so the config file holds no caller key in clear. Exactly one of the two.
+    #[serde(default, deserialize_with = "KeyDigest::deserialize_hex")]
+    pub key_sha256: Option<KeyDigest>,
     /// Tunnel ids this caller may reach: exact ids or patterns where `*` matches any run of
     /// characters (`"acme-*"`); `["*"]` allows every tunnel id. Required: there is no
     /// implicit "all". Another tunnel id gets 403 `forbidden`.
@@ -206,13 +225,20 @@ fn default_max_concurrent_calls() -> usize {
 
 impl CallerConfig {
     /// A caller that may reach every tunnel id, with the default concurrency bound.
-    pub fn allow_all(name: impl Into<String>, key: Secret) -> Self {
+    pub fn allow_all(name: impl Into<String>, key: &str) -> Self {
         CallerConfig {
             name: name.into(),
-            key,
+            key: Some(KeyDigest::of(key.as_bytes())),
+            key_sha256: None,
             tunnels: vec!["*".into()],
             max_concurrent_calls: DEFAULT_MAX_CONCURRENT_CALLS,
         }
+    }
+
+    /// The digest a presented key is checked against (`key` or `key_sha256`; `validate`
+    /// requires exactly one).
+    pub fn digest(&self) -> Option<&KeyDigest> {
+        self.key.as_ref().or(self.key_sha256.as_ref())
     }
 
     /// Whether this caller may reach `tunnel_id`.
@@ -385,10 +411,10 @@ impl Config {
                     "must not be empty",
                 ));
             }
-            if c.key.is_empty() {
+            if c.key.is_some() == c.key_sha256.is_some() {
                 return Err(ConfigError::invalid(
                     format!("callers[{i}].key"),
-                    "must not be empty",
+                    "set exactly one of key and key_sha256",
                 ));
             }
             if self.callers[..i].iter().any(|o| o.name == c.name) {
@@ -496,10 +522,10 @@ impl Config {
                 "must not be empty",
             ));
         }
-        if r.server_key.as_ref().is_some_and(|k| k.is_empty()) {
+        if r.server_key.is_some() && r.server_key_sha256.is_some() {
             return Err(ConfigError::invalid(
                 "registry.server_key",
-                "must not be empty when set",
+                "set at most one of server_key and server_key_sha256",
             ));
         }
         if r.backend == RegistryBackend::Redis {
@@ -549,8 +575,50 @@ mod tests {
         assert_eq!(cfg.call_timeout, Duration::from_secs(5));
         assert_eq!(cfg.max_call_timeout, Duration::from_secs(60));
         assert_eq!(cfg.registry_listen, Config::default().registry_listen);
-        assert_eq!(format!("{:?}", cfg.callers[0].key), "***");
+        assert_eq!(format!("{:?}", cfg.callers[0].key), "Some(***)");
         cfg.validate().unwrap();
+    }
+
+    #[test]
+    fn caller_and_server_keys_are_kept_as_digests_given_in_clear_or_as_sha256() {
+        let parse = |callers: &str| {
+            relay_common::config::parse::<Config>(
+                &format!(
+                    "{callers}\n[tls]\ninsecure = true\n[registry_tls]\ninsecure = true\n\
+                     [forward_tls]\ninsecure = true\n"
+                ),
+                Path::new("d.toml"),
+            )
+        };
+        let digest = relay_common::secret::sha256_hex(b"k2");
+        let cfg = parse(&format!(
+            "[[callers]]\nname = \"a\"\nkey = \"k1\"\ntunnels = [\"*\"]\n\
+             [[callers]]\nname = \"b\"\nkey_sha256 = \"{digest}\"\ntunnels = [\"*\"]\n\
+             [registry]\nserver_key_sha256 = \"{digest}\"\n"
+        ))
+        .unwrap();
+        cfg.validate().unwrap();
+        assert!(cfg.callers[0].digest().unwrap().matches(b"k1"));
+        assert!(cfg.callers[1].digest().unwrap().matches(b"k2"));
+        assert!(!cfg.callers[1].digest().unwrap().matches(digest.as_bytes()));
+        assert!(cfg.registry.server_key_digest().unwrap().matches(b"k2"));
+
+        let both = parse(&format!(
+            "[[callers]]\nname = \"a\"\nkey = \"k1\"\nkey_sha256 = \"{digest}\"\ntunnels = [\"*\"]\n"
+        ))
+        .unwrap();
+        let err = both.validate().unwrap_err().to_string();
+        assert!(err.contains("callers[0].key"), "{err}");
+        let neither = parse("[[callers]]\nname = \"a\"\ntunnels = [\"*\"]\n").unwrap();
+        let err = neither.validate().unwrap_err().to_string();
+        assert!(err.contains("exactly one of key and key_sha256"), "{err}");
+        for bad in [
+            "[[callers]]\nname = \"a\"\nkey = \"\"\ntunnels = [\"*\"]\n",
+            "[[callers]]\nname = \"a\"\nkey_sha256 = \"abc\"\ntunnels = [\"*\"]\n",
+        ] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains("key"), "{err}");
+        }
     }
 
     #[test]
@@ -635,7 +703,7 @@ mod tests {
     fn every_hop_needs_tls_or_an_explicit_insecure() {
         let base = || {
             let mut c = Config::default().insecure();
-            c.callers = vec![CallerConfig::allow_all("ci", Secret::new("k"))];
+            c.callers = vec![CallerConfig::allow_all("ci", "k")];
             c
         };
         base().validate().unwrap();
@@ -684,7 +752,7 @@ mod tests {
         let mut c = Config::default().insecure();
         c.callers = vec![CallerConfig {
             tunnels: vec![],
-            ..CallerConfig::allow_all("a", Secret::new("k"))
+            ..CallerConfig::allow_all("a", "k")
         }];
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("`callers[0].tunnels`"), "{err}");

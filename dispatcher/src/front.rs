@@ -109,7 +109,8 @@ impl Front {
         let key = rest.trim_ascii();
         let mut found = None;
         for caller in &self.callers {
-            if caller.config.key.matches(key) && found.is_none() {
+            let matches = caller.config.digest().is_some_and(|d| d.matches(key));
+            if matches && found.is_none() {
                 found = Some(caller);
             }
         }

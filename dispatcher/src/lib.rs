@@ -217,7 +217,7 @@ pub async fn run(
     let registry_up = Arc::new(AtomicBool::new(false));
     let report = report::ReportService {
         routes: routes.clone(),
-        server_key: config.registry.server_key.clone(),
+        server_key: config.registry.server_key_digest().cloned(),
         allowed_servers: config.registry.allowed_servers.clone(),
         metrics: metrics.clone(),
         channels: channels.clone(),

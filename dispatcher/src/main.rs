@@ -41,10 +41,9 @@ fn config(args: Args) -> anyhow::Result<Config> {
         config.admin_listen = a;
     }
     if let Some(key) = args.caller_key {
-        config.callers.push(CallerConfig::allow_all(
-            "default",
-            relay_common::Secret::new(key),
-        ));
+        config
+            .callers
+            .push(CallerConfig::allow_all("default", &key));
     }
     config.validate()?;
     Ok(config)

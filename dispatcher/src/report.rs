@@ -15,7 +15,7 @@ use crate::forward::Channels;
 use crate::metrics::Metrics;
 use crate::registry::{LoadFigures, Registry, ServerInfo, SessionId, TunnelFigures};
 use futures::StreamExt;
-use relay_common::Secret;
+use relay_common::KeyDigest;
 use relay_proto::server_report::Kind;
 use relay_proto::{ReportAck, ServerReport};
 use std::sync::Arc;
@@ -40,7 +40,7 @@ pub fn valid_tunnel_id(id: &str) -> bool {
 pub struct ReportService {
     pub routes: Arc<Registry>,
     /// Shared secret tunnel servers must present; `None` admits any.
-    pub server_key: Option<Secret>,
+    pub server_key: Option<KeyDigest>,
     /// Server ids allowed to report; empty admits any.
     pub allowed_servers: Vec<String>,
     pub metrics: Metrics,

@@ -71,10 +71,7 @@ async fn start_dispatcher_with(tweak: impl FnOnce(&mut Config)) -> Dispatcher {
     let config = Config {
         call_timeout: Duration::from_secs(5),
         shutdown_grace: Duration::from_secs(2),
-        callers: vec![CallerConfig::allow_all(
-            "ci",
-            relay_common::Secret::new(KEY),
-        )],
+        callers: vec![CallerConfig::allow_all("ci", KEY)],
         // The fake servers announce once and never send load reports.
         registry: relay_dispatcher::RegistryConfig {
             lease: Duration::from_secs(600),
@@ -1296,7 +1293,7 @@ async fn home_of(d: &Dispatcher, tunnel_id: &str) -> String {
 #[tokio::test]
 async fn reports_without_the_server_key_or_from_unlisted_servers_are_refused() {
     let d = start_dispatcher_with(|c| {
-        c.registry.server_key = Some(relay_common::Secret::new("server-key"));
+        c.registry.server_key = Some(relay_common::KeyDigest::of(b"server-key"));
         c.registry.allowed_servers = vec!["ts-1".into()];
     })
     .await;

@@ -263,16 +263,17 @@ impl StackBuilder {
         plain_unless_set(&mut dcfg.registry_tls);
         dial_plain_unless_set(&mut dcfg.forward_tls);
         let registry_scheme = scheme(dcfg.registry_tls.insecure);
-        let server_key = dcfg
-            .registry
-            .server_key
-            .get_or_insert_with(|| Secret::new(SERVER_KEY))
-            .clone();
+        // The dispatcher keeps the digest of the key; the servers present the key itself.
+        // A test that sets its own dispatcher server key sets the servers' key as well.
+        if dcfg.registry.server_key_digest().is_none() {
+            dcfg.registry.server_key = Some(relay_common::KeyDigest::of(SERVER_KEY.as_bytes()));
+        }
+        let server_key = Secret::new(SERVER_KEY);
         if dcfg.callers.is_empty() {
             // Load tests send bursts of thousands of calls from this one caller.
             dcfg.callers = vec![relay_dispatcher::config::CallerConfig {
                 max_concurrent_calls: HARNESS_CALLER_MAX_CALLS,
-                ..relay_dispatcher::config::CallerConfig::allow_all("dev", Secret::new(CALLER_KEY))
+                ..relay_dispatcher::config::CallerConfig::allow_all("dev", CALLER_KEY)
             }];
         }
         let s = stop.clone();

@@ -476,10 +476,7 @@ async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest 
         l.admin.local_addr().unwrap(),
     );
     let cfg = relay_dispatcher::Config {
-        callers: vec![relay_dispatcher::CallerConfig::allow_all(
-            "dev",
-            Secret::new(CALLER_KEY),
-        )],
+        callers: vec![relay_dispatcher::CallerConfig::allow_all("dev", CALLER_KEY)],
         call_timeout: Duration::from_secs(10),
         registry: relay_dispatcher::RegistryConfig {
             backend: RegistryBackend::Redis,
@@ -487,7 +484,7 @@ async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest 
             key_prefix: prefix.to_string(),
             refresh_interval: REFRESH,
             redis_timeout: REDIS_TIMEOUT,
-            server_key: Some(Secret::new("fleet-key")),
+            server_key: Some(relay_common::KeyDigest::of(b"fleet-key")),
             ..Default::default()
         },
         ..relay_dispatcher::Config::default().insecure()

@@ -7,7 +7,6 @@
 use bytes::Bytes;
 use http::Method;
 use relay_agent::coverage::plan::CoverageConfig;
-use relay_common::Secret;
 use relay_dispatcher::CallerConfig;
 use relay_tests::client::Caller;
 use relay_tests::stack::{Stack, CALLER_KEY};
@@ -25,14 +24,14 @@ fn fixed(streams: u32) -> CoverageConfig {
 
 fn callers() -> Vec<CallerConfig> {
     vec![
-        CallerConfig::allow_all("dev", Secret::new(CALLER_KEY)),
+        CallerConfig::allow_all("dev", CALLER_KEY),
         CallerConfig {
             tunnels: vec!["acme-*".into(), "other".into()],
-            ..CallerConfig::allow_all("acme-ci", Secret::new("acme-key"))
+            ..CallerConfig::allow_all("acme-ci", "acme-key")
         },
         CallerConfig {
             max_concurrent_calls: 1,
-            ..CallerConfig::allow_all("one-at-a-time", Secret::new("single-key"))
+            ..CallerConfig::allow_all("one-at-a-time", "single-key")
         },
     ]
 }
