@@ -9,6 +9,7 @@ pub mod config;
 #[cfg(any(test, feature = "dev-certs"))]
 pub mod devcerts;
 pub mod h2;
+pub mod listen;
 pub mod secret;
 pub mod shutdown;
 pub mod telemetry;

@@ -12,7 +12,6 @@
 
 use crate::config::ConfigError;
 use arc_swap::ArcSwap;
-use futures::Stream;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use rustls_pki_types::pem::PemObject;
@@ -24,8 +23,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -306,6 +304,11 @@ impl TlsServer {
 
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
         tokio_rustls::TlsAcceptor::from(self.current.load_full())
+    }
+
+    /// The server config in force (it changes on reload).
+    pub fn config(&self) -> Arc<ServerConfig> {
+        self.current.load_full()
     }
 }
 
@@ -782,6 +785,11 @@ pub enum MaybeTls {
 }
 
 impl MaybeTls {
+    /// The local address of the connection.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.tcp().local_addr().ok()
+    }
+
     fn tcp(&self) -> &TcpStream {
         match self {
             MaybeTls::Plain(s) => s,
@@ -869,62 +877,6 @@ impl tonic::transport::server::Connected for MaybeTls {
             remote_addr: self.tcp().peer_addr().ok(),
         }
     }
-}
-
-/// Accepts connections on `listener` with Nagle off, running TLS handshakes (when `tls`
-/// is set) concurrently so one slow client cannot stall the accept loop. A failed
-/// handshake is logged and skipped; the stream yields only ready connections.
-pub fn incoming(
-    listener: TcpListener,
-    tls: Option<TlsServer>,
-    stop: CancellationToken,
-) -> impl Stream<Item = std::io::Result<MaybeTls>> + Send + 'static {
-    let (tx, rx) = mpsc::channel::<std::io::Result<MaybeTls>>(64);
-    tokio::spawn(async move {
-        loop {
-            let (tcp, peer): (TcpStream, SocketAddr) = tokio::select! {
-                biased;
-                _ = stop.cancelled() => return,
-                _ = tx.closed() => return,
-                r = listener.accept() => match r {
-                    Ok(c) => c,
-                    Err(e) => {
-                        warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let _ = tcp.set_nodelay(true);
-            match &tls {
-                None => {
-                    if tx.send(Ok(MaybeTls::Plain(tcp))).await.is_err() {
-                        return;
-                    }
-                }
-                Some(tls) => {
-                    let acceptor = tls.acceptor();
-                    let tx = tx.clone();
-                    tokio::spawn(async move {
-                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                            Ok(Ok(s)) => {
-                                let _ = tx.send(Ok(MaybeTls::Tls(Box::new(s)))).await;
-                            }
-                            Ok(Err(e)) => info!(%peer, error = %e, "tls handshake refused"),
-                            Err(_) => info!(%peer, "tls handshake timed out"),
-                        }
-                    });
-                }
-            }
-        }
-    });
-    tokio_stream_from(rx)
-}
-
-fn tokio_stream_from<T: Send + 'static>(
-    mut rx: mpsc::Receiver<T>,
-) -> impl Stream<Item = T> + Send + 'static {
-    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
 #[cfg(test)]

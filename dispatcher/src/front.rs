@@ -23,7 +23,8 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use relay_common::h2::H2Limits;
-use relay_common::tls::{self, MaybeTls, TlsServer};
+use relay_common::listen::{self, Conn, ListenerGuard};
+use relay_common::tls::TlsServer;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,7 +34,6 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::server::Connected;
 use tracing::{debug, info, warn, Instrument};
 
 /// One configured caller and its concurrency slots.
@@ -368,6 +368,7 @@ fn body_too_large(max: u64) -> Failure {
 pub async fn serve(
     listener: TcpListener,
     tls: Option<TlsServer>,
+    guard: Arc<ListenerGuard>,
     h2: H2Limits,
     front: Arc<Front>,
     stop: CancellationToken,
@@ -391,7 +392,7 @@ pub async fn serve(
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();
     // Accept errors are logged and backed off inside `incoming`.
-    let mut incoming = Box::pin(tls::incoming(listener, tls, stop.child_token()));
+    let mut incoming = Box::pin(listen::incoming(listener, tls, guard, stop.child_token()));
     loop {
         tokio::select! {
             // Stop first so a flood of connections cannot delay shutdown; then reap finished
@@ -400,7 +401,7 @@ pub async fn serve(
             _ = stop.cancelled() => break,
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
             accepted = incoming.next() => {
-                let stream: MaybeTls = match accepted {
+                let stream: Conn = match accepted {
                     Some(Ok(s)) => s,
                     Some(Err(e)) => {
                         warn!(error = %e, "accept failed");
@@ -408,7 +409,7 @@ pub async fn serve(
                     }
                     None => break,
                 };
-                let peer = stream.connect_info().remote_addr;
+                let peer = stream.info().remote_addr;
                 let front = front.clone();
                 let svc = hyper::service::service_fn(move |req| {
                     let front = front.clone();

@@ -36,6 +36,7 @@ use forward::{Channels, Forwarder};
 use registry::Registry;
 use relay_common::admin::{self, Admin};
 use relay_common::config::ConfigError;
+use relay_common::listen::{self, ListenerGuard, ListenerLimits, ListenerMetrics};
 use relay_common::tls::{self, TlsClient, TlsServer};
 use shared::{SharedHealth, SharedStore};
 use std::future::Future;
@@ -73,6 +74,7 @@ pub async fn run(
     let prometheus = prometheus::Registry::new();
     let metrics = metrics::Metrics::register(&prometheus)?;
     let expiry = tls::CertExpiry::register(&prometheus)?;
+    let listener_metrics = ListenerMetrics::register(&prometheus)?;
     let tls_err = |section| move |source| RunError::Tls { section, source };
     let front_tls = transport
         .front
@@ -225,7 +227,12 @@ pub async fn run(
     };
     let mut registry_task = {
         let stop = registry_stop.clone();
-        let incoming = tls::incoming(listeners.registry, registry_tls, stop.clone());
+        let guard = ListenerGuard::new(
+            "registry",
+            ListenerLimits::without_auth(),
+            listener_metrics.clone(),
+        );
+        let incoming = listen::incoming(listeners.registry, registry_tls, guard, stop.clone());
         let max_frame = config.max_frame_bytes;
         let up = registry_up.clone();
         let h2 = config.registry_h2()?;
@@ -308,6 +315,7 @@ pub async fn run(
     let front_task = tokio::spawn(front::serve(
         listeners.http,
         front_tls,
+        ListenerGuard::new("front", ListenerLimits::without_auth(), listener_metrics),
         config.front_h2()?,
         front,
         front_stop.clone(),

@@ -269,10 +269,7 @@ impl relay_proto::registry_server::Registry for ReportService {
         &self,
         request: Request<relay_proto::WatchRequest>,
     ) -> Result<Response<FleetStream>, Status> {
-        let peer = request
-            .remote_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|| "unknown".into());
+        let peer = relay_common::listen::ConnInfo::peer(&request);
         self.authenticate(&peer, request.metadata())?;
         let stop = self.stop.clone();
         let fleet = tokio_stream::wrappers::WatchStream::new(self.routes.watch_fleet())
@@ -285,10 +282,7 @@ impl relay_proto::registry_server::Registry for ReportService {
         &self,
         request: Request<Streaming<ServerReport>>,
     ) -> Result<Response<ReportAck>, Status> {
-        let peer = request
-            .remote_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|| "unknown".into());
+        let peer = relay_common::listen::ConnInfo::peer(&request);
         self.authenticate(&peer, request.metadata())?;
         let mut stream = request.into_inner();
         let first = tokio::select! {

@@ -3,6 +3,7 @@
 
 use relay_common::config::ConfigError;
 use relay_common::h2::{H2Limits, H2Settings};
+use relay_common::listen::ListenerLimits;
 use relay_common::tls::{ClientCerts, ClientTls, DialerTls, ListenerTls, ServerTls};
 use relay_common::Secret;
 use serde::Deserialize;
@@ -92,6 +93,11 @@ pub struct Config {
     /// reloads at once).
     #[serde(with = "humantime_serde")]
     pub reload_interval: Duration,
+    /// `[agent_limits]`: what the agent listener (the one facing the internet) spends on a
+    /// peer before it authenticates: connections, TLS handshakes, time to a first
+    /// authenticated stream and a per-source budget of refused tokens (see
+    /// `relay_common::listen`).
+    pub agent_limits: ListenerLimits,
 }
 
 /// The transport of each hop, checked: `None` is plain text (`insecure = true`).
@@ -131,6 +137,7 @@ impl Default for Config {
             forward_h2: H2Settings::default(),
             dispatcher_h2: H2Settings::default(),
             reload_interval: Duration::from_secs(5),
+            agent_limits: ListenerLimits::default(),
         }
     }
 }
@@ -217,6 +224,7 @@ impl Config {
         self.agent_h2()?;
         self.forward_h2()?;
         self.dispatcher_h2()?;
+        self.agent_limits.validate("agent_limits")?;
         if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
             return Err(ConfigError::invalid(
                 "max_frame_bytes",

@@ -22,6 +22,7 @@ use hub::{Hub, Limits};
 use metrics::ServerMetrics;
 use relay_common::config::ConfigError;
 use relay_common::h2::H2Limits;
+use relay_common::listen::{self, ListenerGuard, ListenerLimits, ListenerMetrics};
 use relay_common::tls::{self, TlsClient, TlsError, TlsServer};
 use relay_proto::{forward_server::ForwardServer, tunnel_server::TunnelServer, ServerIntro};
 use std::future::Future;
@@ -112,6 +113,14 @@ pub async fn start(
     let registry = prometheus::Registry::new();
     let metrics = ServerMetrics::register(&registry)?;
     let expiry = tls::CertExpiry::register(&registry)?;
+    let listener_metrics = ListenerMetrics::register(&registry)?;
+    let agent_guard = ListenerGuard::new(
+        "agent",
+        config.agent_limits.clone(),
+        listener_metrics.clone(),
+    );
+    let forward_guard =
+        ListenerGuard::new("forward", ListenerLimits::without_auth(), listener_metrics);
     let tls_err = |section| move |source| RunError::Tls { section, source };
     let agent_tls = transport
         .agent
@@ -208,6 +217,7 @@ pub async fn start(
         heartbeat: config.heartbeat,
         heartbeat_misses: config.heartbeat_misses,
         tracker: tracker.clone(),
+        listener: agent_guard.clone(),
     };
     let tunnel = TunnelServer::new(tunnel)
         .max_decoding_message_size(config.max_frame_bytes)
@@ -217,7 +227,7 @@ pub async fn start(
         let r = grpc_server(agent_h2)
             .add_service(tunnel)
             .serve_with_incoming_shutdown(
-                tls::incoming(listeners.agent, agent_tls, stop.clone()),
+                listen::incoming(listeners.agent, agent_tls, agent_guard, stop.clone()),
                 stop.cancelled_owned(),
             )
             .await;
@@ -247,7 +257,12 @@ pub async fn start(
         let r = grpc_server(forward_h2)
             .add_service(forward)
             .serve_with_incoming_shutdown(
-                tls::incoming(listeners.forward, forward_tls.clone(), stop.clone()),
+                listen::incoming(
+                    listeners.forward,
+                    forward_tls.clone(),
+                    forward_guard,
+                    stop.clone(),
+                ),
                 stop.cancelled_owned(),
             )
             .await;

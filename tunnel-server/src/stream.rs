@@ -141,6 +141,9 @@ pub struct TunnelService {
     pub heartbeat: Duration,
     pub heartbeat_misses: u32,
     pub tracker: tokio_util::task::TaskTracker,
+    /// The agent listener's guard: a refused token counts against its source's budget, an
+    /// accepted one frees its connection from `auth_timeout`.
+    pub listener: Arc<relay_common::listen::ListenerGuard>,
 }
 
 type ConnectStream = Pin<Box<dyn Stream<Item = OutFrame> + Send + 'static>>;
@@ -183,11 +186,14 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
+        let conn = relay_common::listen::ConnInfo::of(&request);
         let Some((token_hash, tunnel_id)) = token.and_then(|t| self.tokens.lookup(t)) else {
             metrics.opens.with_label_values(&["unauthenticated"]).inc();
-            warn!(peer = ?request.remote_addr(), "agent stream refused: missing or unknown token");
+            self.listener
+                .auth_failed(conn, "agent stream refused: missing or unknown token");
             return Err(Status::unauthenticated("missing or unknown tunnel token"));
         };
+        self.listener.authenticated(conn);
         let tunnel_id: Arc<str> = Arc::from(tunnel_id.as_str());
         let wants_fleet = request
             .metadata()

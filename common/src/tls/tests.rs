@@ -50,9 +50,19 @@ fn set(tag: &str, mtls: bool) -> (Set, DevCa) {
 
 /// Serves: each TLS connection answers "hello" with "world".
 async fn serve(tls: TlsServer) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let mut conns = Box::pin(incoming(listener, Some(tls), CancellationToken::new()));
+    let guard = crate::listen::ListenerGuard::new(
+        "test",
+        crate::listen::ListenerLimits::without_auth(),
+        crate::listen::ListenerMetrics::register(&prometheus::Registry::new()).unwrap(),
+    );
+    let mut conns = Box::pin(crate::listen::incoming(
+        listener,
+        Some(tls),
+        guard,
+        CancellationToken::new(),
+    ));
     tokio::spawn(async move {
         use futures::StreamExt;
         while let Some(Ok(mut c)) = conns.next().await {

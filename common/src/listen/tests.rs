@@ -1,0 +1,299 @@
+//! The guard's table, and each limit against real loopback sockets.
+
+use super::*;
+use crate::devcerts::{write, DevCa};
+use crate::tls::{ClientTls, ServerTls, TlsClient, ALPN_H2};
+use futures::StreamExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const T0_SECS: u64 = 1_000;
+
+fn at(base: Instant, ms: u64) -> Instant {
+    base + Duration::from_millis(ms)
+}
+
+#[test]
+fn a_source_is_blocked_past_its_budget_until_its_window_ends() {
+    let base = Instant::now() + Duration::from_secs(T0_SECS);
+    let mut b = AuthBudget::new(2, Duration::from_secs(60));
+    let ip: IpAddr = [10, 0, 0, 1].into();
+    let other: IpAddr = [10, 0, 0, 2].into();
+    assert!(!b.failed(ip, at(base, 0)));
+    assert!(!b.failed(ip, at(base, 10)));
+    assert!(
+        !b.blocked(ip, at(base, 20)),
+        "two failures are within the budget"
+    );
+    assert!(b.failed(ip, at(base, 30)), "the third is over it");
+    assert!(b.blocked(ip, at(base, 59_999)));
+    assert!(
+        !b.blocked(other, at(base, 100)),
+        "another source is not affected"
+    );
+    assert!(!b.blocked(ip, at(base, 60_000)), "the window ended");
+    assert!(
+        !b.failed(ip, at(base, 60_001)),
+        "a new window starts from zero"
+    );
+}
+
+#[test]
+fn a_zero_budget_never_blocks() {
+    let base = Instant::now();
+    let mut b = AuthBudget::new(0, Duration::from_secs(60));
+    let ip: IpAddr = [10, 0, 0, 1].into();
+    for i in 0..100 {
+        assert!(!b.failed(ip, at(base, i)));
+    }
+    assert!(!b.blocked(ip, base));
+    assert!(b.is_empty(), "nothing is tracked");
+}
+
+#[test]
+fn the_table_of_sources_stays_bounded() {
+    let base = Instant::now();
+    let mut b = AuthBudget::new(1, Duration::from_secs(60));
+    for i in 0..(MAX_TRACKED_SOURCES as u32 + 10) {
+        b.failed(IpAddr::from(i.to_be_bytes()), at(base, u64::from(i) / 1000));
+    }
+    assert_eq!(b.len(), MAX_TRACKED_SOURCES);
+}
+
+#[test]
+fn logs_are_limited_per_period_and_the_next_line_counts_the_rest() {
+    let l = LogLimiter::default();
+    let base = Instant::now();
+    for _ in 0..LOG_BURST {
+        assert_eq!(l.allow_at(base), Some(0));
+    }
+    for _ in 0..5 {
+        assert_eq!(l.allow_at(base + Duration::from_secs(1)), None);
+    }
+    assert_eq!(l.allow_at(base + LOG_PERIOD), Some(5));
+}
+
+/// Polls `check` until it holds, failing after `within`.
+async fn until<F, Fut>(within: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !check().await {
+        assert!(Instant::now() < deadline, "not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn guard(limits: ListenerLimits) -> (Arc<ListenerGuard>, Registry) {
+    let reg = Registry::new();
+    let m = ListenerMetrics::register(&reg).unwrap();
+    (ListenerGuard::new("test", limits, m), reg)
+}
+
+fn refused(reg: &Registry, reason: &str) -> u64 {
+    reg.gather()
+        .iter()
+        .find(|f| f.name() == "relay_listener_refused_total")
+        .and_then(|f| {
+            f.get_metric().iter().find(|m| {
+                m.get_label()
+                    .iter()
+                    .any(|l| l.name() == "reason" && l.value() == reason)
+            })
+        })
+        .map_or(0, |m| m.get_counter().get_value() as u64)
+}
+
+/// Serves `guard`'s listener: a connection whose first byte is `A` is marked
+/// authenticated, `F` counts a refused authentication, anything else is echoed.
+async fn serve(guard: Arc<ListenerGuard>, tls: Option<crate::tls::TlsServer>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let g = guard.clone();
+    let mut conns = Box::pin(incoming(listener, tls, guard, CancellationToken::new()));
+    tokio::spawn(async move {
+        while let Some(Ok(mut c)) = conns.next().await {
+            let g = g.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1];
+                while let Ok(1) = c.read(&mut buf).await {
+                    match buf[0] {
+                        b'A' => g.authenticated(Some(c.info())),
+                        b'F' => g.auth_failed(Some(c.info()), "refused"),
+                        _ => {}
+                    }
+                    if c.write_all(&buf).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Whether the server closes `s` within `within` (a read ends or fails).
+async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 16];
+    loop {
+        match tokio::time::timeout(within, s.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => continue,
+        }
+    }
+}
+
+async fn echo(s: &mut TcpStream, b: u8) -> bool {
+    if s.write_all(&[b]).await.is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 1];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await,
+        Ok(Ok(1))
+    ) && buf[0] == b
+}
+
+#[tokio::test]
+async fn a_connection_with_no_authenticated_stream_is_closed_after_auth_timeout() {
+    let (g, reg) = guard(ListenerLimits {
+        auth_timeout: Duration::from_millis(300),
+        ..ListenerLimits::default()
+    });
+    let addr = serve(g, None).await;
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    let mut talker = TcpStream::connect(addr).await.unwrap();
+    assert!(
+        echo(&mut talker, b'x').await,
+        "unauthenticated traffic is served meanwhile"
+    );
+    let mut authed = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut authed, b'A').await);
+    assert!(
+        closed_within(&mut silent, Duration::from_secs(5)).await,
+        "a silent connection stays open past auth_timeout"
+    );
+    assert!(closed_within(&mut talker, Duration::from_secs(5)).await);
+    // The authenticated one is still served, well past the timeout.
+    assert!(!closed_within(&mut authed, Duration::from_millis(600)).await);
+    assert!(echo(&mut authed, b'y').await);
+    assert_eq!(refused(&reg, "auth_timeout"), 2);
+}
+
+#[tokio::test]
+async fn connections_past_max_connections_are_closed_at_accept() {
+    let (g, reg) = guard(ListenerLimits {
+        max_connections: 2,
+        ..ListenerLimits::without_auth()
+    });
+    let addr = serve(g, None).await;
+    let mut a = TcpStream::connect(addr).await.unwrap();
+    let mut b = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut a, b'1').await && echo(&mut b, b'2').await);
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    assert!(closed_within(&mut c, Duration::from_secs(5)).await);
+    assert_eq!(refused(&reg, "max_connections"), 1);
+    drop(a);
+    // The slot frees once the server sees the close.
+    until(Duration::from_secs(5), || async {
+        let mut d = TcpStream::connect(addr).await.unwrap();
+        echo(&mut d, b'3').await
+    })
+    .await;
+    assert!(echo(&mut b, b'4').await);
+}
+
+#[tokio::test]
+async fn a_source_over_its_failure_budget_is_closed_and_refused_until_the_window_ends() {
+    let (g, reg) = guard(ListenerLimits {
+        auth_failures: 2,
+        auth_failure_window: Duration::from_millis(800),
+        ..ListenerLimits::without_auth()
+    });
+    let addr = serve(g, None).await;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut s, b'F').await && echo(&mut s, b'F').await);
+    let mut other = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut other, b'x').await, "within budget: still served");
+    // The third failure closes the connection that failed...
+    let _ = s.write_all(b"F").await;
+    assert!(closed_within(&mut s, Duration::from_secs(5)).await);
+    assert_eq!(refused(&reg, "auth_budget"), 1);
+    // ...and new connections from the source are closed at accept, while one already
+    // open is left alone.
+    let mut again = TcpStream::connect(addr).await.unwrap();
+    assert!(closed_within(&mut again, Duration::from_secs(5)).await);
+    assert!(refused(&reg, "source_blocked") >= 1);
+    assert!(echo(&mut other, b'y').await);
+    // Once the window ends the source is served again.
+    until(Duration::from_secs(5), || async {
+        let mut d = TcpStream::connect(addr).await.unwrap();
+        echo(&mut d, b'z').await
+    })
+    .await;
+}
+
+fn tls_pair(tag: &str) -> (crate::tls::TlsServer, TlsClient) {
+    let dir = std::env::temp_dir().join(format!("relay-listen-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = DevCa::new("relay listen test ca").unwrap();
+    let leaf = ca.server(&["localhost"]).unwrap();
+    let server = crate::tls::TlsServer::new(
+        "test",
+        ServerTls {
+            cert: write(&dir, "s.pem", &leaf.cert_pem).unwrap(),
+            key: write(&dir, "s.key", &leaf.key_pem).unwrap(),
+            client_ca: None,
+            client_cert_optional: false,
+        },
+        ALPN_H2,
+    )
+    .unwrap();
+    let client = TlsClient::new(
+        "test",
+        ClientTls {
+            ca: Some(write(&dir, "ca.pem", &ca.cert_pem).unwrap()),
+            cert: None,
+            key: None,
+            server_name: None,
+        },
+        ALPN_H2,
+    )
+    .unwrap();
+    (server, client)
+}
+
+#[tokio::test]
+async fn a_silent_peer_times_out_its_handshake_and_holds_no_handshake_slot() {
+    let (server, client) = tls_pair("hs");
+    let (g, reg) = guard(ListenerLimits {
+        max_handshakes: 1,
+        handshake_timeout: Duration::from_secs(3),
+        ..ListenerLimits::without_auth()
+    });
+    let addr = serve(g, Some(server)).await;
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    // The only handshake slot is free for a real client however many peers stay silent:
+    // it gets through while they all still hold their connections.
+    let mut s = client
+        .connect("localhost", &addr.to_string())
+        .await
+        .unwrap();
+    assert_eq!(
+        refused(&reg, "handshake_timeout"),
+        0,
+        "the handshake waited for silent peers to time out"
+    );
+    s.write_all(b"x").await.unwrap();
+    let mut buf = [0u8; 1];
+    s.read_exact(&mut buf).await.unwrap();
+    for mut p in silent {
+        assert!(closed_within(&mut p, Duration::from_secs(10)).await);
+    }
+    assert_eq!(refused(&reg, "handshake_timeout"), 3);
+}
