@@ -44,6 +44,11 @@ impl DevCa {
         self.leaf(&[name], ExtendedKeyUsagePurpose::ClientAuth, false)
     }
 
+    /// A client certificate naming each of `names`, valid now.
+    pub fn client_for(&self, names: &[&str]) -> Result<Leaf, rcgen::Error> {
+        self.leaf(names, ExtendedKeyUsagePurpose::ClientAuth, false)
+    }
+
     /// A server certificate that expired in 2021.
     pub fn expired_server(&self, names: &[&str]) -> Result<Leaf, rcgen::Error> {
         self.leaf(names, ExtendedKeyUsagePurpose::ServerAuth, true)

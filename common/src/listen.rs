@@ -369,6 +369,9 @@ struct ConnState {
 pub struct ConnInfo {
     pub remote_addr: Option<SocketAddr>,
     pub local_addr: Option<SocketAddr>,
+    /// The names (DNS and URI SANs) of the peer's verified client certificate; empty
+    /// without one.
+    pub peer_names: Arc<[String]>,
     state: Arc<ConnState>,
 }
 
@@ -558,6 +561,7 @@ pub fn incoming(
                 let info = ConnInfo {
                     remote_addr: Some(peer),
                     local_addr: io.local_addr(),
+                    peer_names: io.client_cert_names().into(),
                     state: state.clone(),
                 };
                 let auth_deadline = (!guard.limits.auth_timeout.is_zero()).then(|| {

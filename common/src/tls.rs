@@ -70,6 +70,11 @@ pub struct ServerTls {
     /// authenticated by other means, e.g. a token).
     #[serde(default)]
     pub client_cert_optional: bool,
+    /// With `client_ca`: the names (DNS or URI subject alternative names) a client
+    /// certificate must carry one of. Empty: any certificate the CA signed. Pin it when
+    /// the CA signs other parties' certificates too (agents', other services').
+    #[serde(default)]
+    pub client_names: Vec<String>,
 }
 
 /// `[tls]` of a client (dialer).
@@ -155,15 +160,106 @@ pub fn server_config(s: &ServerTls, alpn: &[&[u8]]) -> Result<ServerConfig, TlsE
             } else {
                 v
             };
-            builder.with_client_cert_verifier(
-                v.build().map_err(|e| TlsError::Verifier(e.to_string()))?,
-            )
+            let v = v.build().map_err(|e| TlsError::Verifier(e.to_string()))?;
+            if s.client_names.is_empty() {
+                builder.with_client_cert_verifier(v)
+            } else {
+                builder.with_client_cert_verifier(Arc::new(PinnedNames {
+                    inner: v,
+                    names: s.client_names.clone(),
+                }))
+            }
         }
         None => builder.with_no_client_auth(),
     };
     let mut config = builder.with_single_cert(certs(&s.cert)?, key(&s.key)?)?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(config)
+}
+
+/// The DNS and URI subject alternative names of a DER certificate (none if unreadable).
+pub fn cert_names(der: &[u8]) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return Vec::new();
+    };
+    let Ok(Some(san)) = cert.subject_alternative_name() else {
+        return Vec::new();
+    };
+    san.value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            GeneralName::DNSName(d) => Some(d.to_string()),
+            GeneralName::URI(u) => Some(u.to_string()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A client verifier that, past the CA check, requires the certificate to name one of
+/// `names` (`client_names`).
+#[derive(Debug)]
+struct PinnedNames {
+    inner: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    names: Vec<String>,
+}
+
+impl rustls::server::danger::ClientCertVerifier for PinnedNames {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        let ok = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        if cert_names(end_entity.as_ref())
+            .iter()
+            .any(|n| self.names.iter().any(|a| a == n))
+        {
+            Ok(ok)
+        } else {
+            Err(rustls::Error::General(
+                "the client certificate names none of client_names".into(),
+            ))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
 }
 
 /// Builds a client config from PEM files.
@@ -484,6 +580,9 @@ pub struct ListenerTls {
     pub client_ca: Option<PathBuf>,
     /// With `client_ca`: accept clients without a certificate too.
     pub client_cert_optional: bool,
+    /// With `client_ca`: a client certificate must name one of these (DNS or URI subject
+    /// alternative names, exact). Empty: any certificate the CA signed.
+    pub client_names: Vec<String>,
 }
 
 /// Whether a listener insists on client certificates.
@@ -512,6 +611,7 @@ impl ListenerTls {
             key: Some(s.key),
             client_ca: s.client_ca,
             client_cert_optional: s.client_cert_optional,
+            client_names: s.client_names,
         }
     }
 
@@ -567,11 +667,21 @@ impl ListenerTls {
                 "needs client_ca",
             ));
         }
+        if !self.client_names.is_empty() && self.client_ca.is_none() {
+            return Err(ConfigError::invalid(key("client_names"), "needs client_ca"));
+        }
+        if self.client_names.iter().any(|n| n.trim().is_empty()) {
+            return Err(ConfigError::invalid(
+                key("client_names"),
+                "must not contain an empty name",
+            ));
+        }
         Ok(Some(ServerTls {
             cert,
             key: k,
             client_ca: self.client_ca.clone(),
             client_cert_optional: self.client_cert_optional,
+            client_names: self.client_names.clone(),
         }))
     }
 }
@@ -794,6 +904,20 @@ impl MaybeTls {
         match self {
             MaybeTls::Plain(s) => s,
             MaybeTls::Tls(s) => s.get_ref().0,
+        }
+    }
+
+    /// The names (DNS and URI SANs) of the client certificate that verified, if any.
+    pub fn client_cert_names(&self) -> Vec<String> {
+        match self {
+            MaybeTls::Plain(_) => Vec::new(),
+            MaybeTls::Tls(s) => s
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .map(|c| cert_names(c.as_ref()))
+                .unwrap_or_default(),
         }
     }
 

@@ -168,6 +168,10 @@ pub struct RegistryConfig {
     pub server_key_sha256: Option<KeyDigest>,
     /// Server ids allowed to report; empty allows any id.
     pub allowed_servers: Vec<String>,
+    /// A report stream's `server_id` must be one of the names (DNS or URI SANs) of the
+    /// client certificate it came with (`[registry_tls]` mutual TLS), so one server's
+    /// certificate cannot report as another.
+    pub server_id_in_cert: bool,
 }
 
 impl RegistryConfig {
@@ -189,6 +193,7 @@ impl Default for RegistryConfig {
             server_key: None,
             server_key_sha256: None,
             allowed_servers: Vec::new(),
+            server_id_in_cert: false,
         }
     }
 }
@@ -520,6 +525,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "registry.key_prefix",
                 "must not be empty",
+            ));
+        }
+        if r.server_id_in_cert && self.registry_tls.insecure {
+            return Err(ConfigError::invalid(
+                "registry.server_id_in_cert",
+                "needs mutual TLS on [registry_tls]",
             ));
         }
         if r.server_key.is_some() && r.server_key_sha256.is_some() {

@@ -221,6 +221,7 @@ pub async fn run(
         routes: routes.clone(),
         server_key: config.registry.server_key_digest().cloned(),
         allowed_servers: config.registry.allowed_servers.clone(),
+        server_id_in_cert: config.registry.server_id_in_cert,
         metrics: metrics.clone(),
         channels: channels.clone(),
         stop: registry_stop.clone(),

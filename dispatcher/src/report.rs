@@ -8,7 +8,8 @@
 //! Admission: with `[registry] server_key` set, a stream must carry
 //! `authorization: Bearer <key>` (compared in constant time) or it is refused with
 //! UNAUTHENTICATED; with `allowed_servers` set, an intro naming another server id is refused
-//! with PERMISSION_DENIED. Every refusal is logged with the peer address and counted; the
+//! with PERMISSION_DENIED, as is, with `server_id_in_cert`, an intro naming a server id
+//! its client certificate does not name. Every refusal is logged with the peer address and counted; the
 //! key is never logged.
 
 use crate::forward::Channels;
@@ -43,6 +44,9 @@ pub struct ReportService {
     pub server_key: Option<KeyDigest>,
     /// Server ids allowed to report; empty admits any.
     pub allowed_servers: Vec<String>,
+    /// `[registry] server_id_in_cert`: the intro's server id must be named by the
+    /// stream's client certificate.
+    pub server_id_in_cert: bool,
     pub metrics: Metrics,
     pub channels: Channels,
     /// Cancelled at shutdown: open report streams end with UNAVAILABLE.
@@ -284,6 +288,9 @@ impl relay_proto::registry_server::Registry for ReportService {
     ) -> Result<Response<ReportAck>, Status> {
         let peer = relay_common::listen::ConnInfo::peer(&request);
         self.authenticate(&peer, request.metadata())?;
+        let cert_names = relay_common::listen::ConnInfo::of(&request)
+            .map(|c| c.peer_names.clone())
+            .unwrap_or_else(|| Arc::from(Vec::new()));
         let mut stream = request.into_inner();
         let first = tokio::select! {
             biased;
@@ -308,6 +315,16 @@ impl relay_proto::registry_server::Registry for ReportService {
             warn!(%peer, %server_id, "report stream refused: server id not in registry.allowed_servers");
             return Err(Status::permission_denied(format!(
                 "tunnel server {server_id:?} is not allowed to report here"
+            )));
+        }
+        if self.server_id_in_cert && !cert_names.contains(&server_id) {
+            self.metrics
+                .reports_refused
+                .with_label_values(&["server_id_not_in_cert"])
+                .inc();
+            warn!(%peer, %server_id, names = ?cert_names, "report stream refused: the client certificate does not name this server id");
+            return Err(Status::permission_denied(format!(
+                "tunnel server {server_id:?} is not named by the client certificate it reports with"
             )));
         }
         let instance_id = info.instance_id.clone();

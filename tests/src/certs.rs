@@ -41,7 +41,11 @@ pub fn generate(dir: &Path, names: &[&str]) -> anyhow::Result<CertSet> {
         dispatcher: pair("dispatcher", ca.server(names)?)?,
         dispatcher_client: pair("dispatcher-client", ca.client("dispatcher")?)?,
         tunnel_server: pair("tunnel-server", ca.server(names)?)?,
-        tunnel_server_client: pair("tunnel-server-client", ca.client("tunnel-server")?)?,
+        // Names the role and the first test server's id (`[registry] server_id_in_cert`).
+        tunnel_server_client: pair(
+            "tunnel-server-client",
+            ca.client_for(&["tunnel-server", "ts-1"])?,
+        )?,
     })
 }
 
@@ -52,6 +56,7 @@ impl CertSet {
             key: key.clone(),
             client_ca: mutual.then(|| self.ca.clone()),
             client_cert_optional: false,
+            client_names: Vec::new(),
         })
     }
 

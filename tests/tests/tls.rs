@@ -270,6 +270,7 @@ async fn an_expired_server_certificate_is_refused() {
         key,
         client_ca: None,
         client_cert_optional: false,
+        client_names: Vec::new(),
     });
     let stack = Stack::builder()
         .servers(1)
@@ -336,5 +337,74 @@ async fn a_rotated_certificate_is_used_for_new_connections_while_streams_stay_up
             .0,
         StatusCode::OK
     );
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_id_its_client_certificate_does_not_name_is_refused_by_the_registry() {
+    // The tunnel servers' client certificate names "tunnel-server" and "ts-1": with
+    // server_id_in_cert, ts-1 reports and ts-2 (same CA, same certificate) is refused.
+    let set = certs("id-in-cert");
+    let (d_front, d_reg, d_fwd) = (
+        set.dispatcher_front(),
+        set.dispatcher_registry(),
+        set.dispatcher_forward(),
+    );
+    let (t_agent, t_fwd, t_disp) = (
+        set.tunnel_agent(),
+        set.tunnel_forward(),
+        set.tunnel_dispatcher(),
+    );
+    let agent_tls = set.agent();
+    let stack = Stack::builder()
+        .servers(2)
+        .dispatcher_config(move |c| {
+            c.tls = d_front;
+            c.registry_tls = d_reg;
+            c.forward_tls = d_fwd;
+            c.registry.server_id_in_cert = true;
+        })
+        .tunnel_config(move |c| {
+            c.agent_tls = t_agent;
+            c.forward_tls = t_fwd;
+            c.dispatcher_tls = t_disp;
+        })
+        .agent_config(move |c| c.tls = agent_tls)
+        .start()
+        .await
+        .unwrap();
+    let admin = stack.dispatcher_admin;
+    let refused = || async move {
+        let text = relay_tests::procs::scrape(admin).await.unwrap_or_default();
+        relay_tests::procs::metric(
+            &text,
+            "relay_dispatcher_reports_refused_total",
+            &[("reason", "server_id_not_in_cert")],
+        )
+    };
+    assert!(
+        relay_tests::time_until(Duration::from_secs(20), || async { refused().await >= 1.0 })
+            .await
+            .is_some(),
+        "ts-2 was never refused"
+    );
+    let servers = || async move {
+        let text = relay_tests::procs::scrape(admin).await.unwrap_or_default();
+        relay_tests::procs::metric(&text, "relay_dispatcher_tunnel_servers", &[])
+    };
+    assert!(
+        relay_tests::time_until(Duration::from_secs(20), || async { servers().await == 1.0 })
+            .await
+            .is_some(),
+        "ts-1 never joined"
+    );
+    // A window: ts-2 keeps retrying and is never admitted.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        servers().await,
+        1.0,
+        "a server its certificate does not name joined"
+    );
+    assert!(refused().await >= 2.0, "ts-2 retried and was refused again");
     stack.shutdown().await;
 }

@@ -247,6 +247,7 @@ fn tls_pair(tag: &str) -> (crate::tls::TlsServer, TlsClient) {
             key: write(&dir, "s.key", &leaf.key_pem).unwrap(),
             client_ca: None,
             client_cert_optional: false,
+            client_names: Vec::new(),
         },
         ALPN_H2,
     )

@@ -37,6 +37,7 @@ fn set(tag: &str, mtls: bool) -> (Set, DevCa) {
         key: write(&dir, "server.key", &leaf.key_pem).unwrap(),
         client_ca: mtls.then(|| ca_path.clone()),
         client_cert_optional: false,
+        client_names: Vec::new(),
     };
     (
         Set {
@@ -315,4 +316,29 @@ async fn certificate_expiry_is_exported_per_file_and_follows_reloads() {
     assert!(expiry_of(&registry, "forward_tls", "ca").is_some());
     drop(client);
     assert!(earliest_expiry(&s.dir.join("missing.pem")).is_err());
+}
+
+#[tokio::test]
+async fn a_listener_pinned_to_client_names_refuses_another_certificate_of_the_same_ca() {
+    let (mut s, ca) = set("pinned", true);
+    s.server.client_names = vec!["dispatcher-1".into()];
+    let addr = serve(TlsServer::new("t", s.server.clone(), ALPN_H2).unwrap()).await;
+    let client = |name: &str| {
+        let leaf = ca.client(name).unwrap();
+        let c = ClientTls {
+            ca: Some(s.ca.clone()),
+            cert: Some(write(&s.dir, &format!("{name}.pem"), &leaf.cert_pem).unwrap()),
+            key: Some(write(&s.dir, &format!("{name}.key"), &leaf.key_pem).unwrap()),
+            server_name: None,
+        };
+        TlsClient::new("c", c, ALPN_H2).unwrap()
+    };
+    // An agent's certificate from the same CA verifies against the CA but names no
+    // allowed peer: refused.
+    let err = talk(&client("agent-7"), addr).await.unwrap_err();
+    assert!(
+        err.kind() != std::io::ErrorKind::TimedOut,
+        "refused, not timed out: {err}"
+    );
+    talk(&client("dispatcher-1"), addr).await.unwrap();
 }
