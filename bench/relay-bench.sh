@@ -1,26 +1,45 @@
 #!/usr/bin/env bash
-# Benchmarks the relay binaries against a fast upstream (nginx returning 8 bytes), with wrk
-# as the backend, at 16 and 64 connections for 10 s each, and reports calls/s, p50/p99
-# latency, CPU per relayed call summed over the three relay processes, and peak RSS of each
-# process; then streams a 64 MiB response through the relay and reports peak RSS again.
-# Direct-to-nginx figures are measured in the same run as the baseline.
+# Benchmarks the relay binaries against the references measured in the same run, with wrk
+# as the backend and nginx returning 8 bytes as the upstream:
+#   direct   wrk -> nginx
+#   chain    three nginx reverse proxies in a chain (one worker each, keep-alive between
+#            hops): the same number of hops as relay, done by a C proxy
+#   rathole  rathole (a plain TCP reverse tunnel, no per-call routing): server + client
+#   relay    dispatcher -> tunnel server -> agent (examples/local: two tunnel servers)
+# at 1, 16 and 64 connections. Each round runs every target once per connection count, in
+# turn; the table shows the median over ROUNDS rounds of calls/s, p50 and p99 latency, CPU
+# per call summed over each target's processes, and the ratio of relay's calls/s to the
+# chain's and to rathole's. Then peak RSS per relay process, a 64 MiB response streamed
+# through the relay (peak RSS again), every non-2xx answer or socket error wrk saw, and a
+# search of every relay log for h2 connection guards tripped (`reached limit`).
 #
 # Usage: bench/relay-bench.sh            (from the repository root; builds release binaries)
-#        BIN_DIR=/path bench/relay-bench.sh   (benchmarks the binaries in /path instead, e.g.
-#                                              another version's, without building)
-#        POLICY=sticky bench/relay-bench.sh    (the dispatcher's [routing] policy; default
-#                                              the config's, `available`)
-#        DURATION=5s CONNS=64 bench/relay-bench.sh
-# Needs: nginx, wrk (Debian packages nginx-light, wrk); installs them when missing.
-# Uses the fixed loopback ports of examples/local (8080, 8441-8452, 8460, 9080, 9090, 9441-9442, 8000).
+#        BIN_DIR=/path bench/relay-bench.sh   (benchmarks the binaries in /path instead)
+#        POLICY=sticky bench/relay-bench.sh    (the dispatcher's [routing] policy)
+#        DURATION=5s CONNS="16 64" ROUNDS=3 bench/relay-bench.sh
+#        TARGETS="chain relay" bench/relay-bench.sh   (a subset of direct chain rathole relay)
+# Needs: nginx, wrk (Debian packages nginx-light, wrk; installed when missing) and rathole
+# (`cargo install rathole` into $RATHOLE_ROOT, default ~/.cache/relay-bench, once).
+# Uses the fixed loopback ports of examples/local (8080, 8441-8452, 8460, 9080, 9090,
+# 9441-9442, 8000) and 8101-8103, 8201-8202 for the references.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-10s}
-CONNS=${CONNS:-"16 64"}
+CONNS=${CONNS:-"1 16 64"}
+ROUNDS=${ROUNDS:-3}
+TARGETS=${TARGETS:-"direct chain rathole relay"}
+RATHOLE_ROOT=${RATHOLE_ROOT:-$HOME/.cache/relay-bench}
 
 need() { command -v "$1" >/dev/null 2>&1; }
 if ! need nginx || ! need wrk; then
-  apt-get update -qq && apt-get install -y -qq nginx-light wrk >/dev/null
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nginx-light wrk >/dev/null
+fi
+wants() { case " $TARGETS " in *" $1 "*) return 0;; *) return 1;; esac; }
+RATHOLE=$RATHOLE_ROOT/bin/rathole
+if wants rathole && [ ! -x "$RATHOLE" ]; then
+  echo "installing rathole into $RATHOLE_ROOT (once)"
+  cargo install -q --locked rathole --root "$RATHOLE_ROOT"
 fi
 if [ -z "${BIN_DIR:-}" ]; then
   cargo build --release --bins -q
@@ -29,9 +48,10 @@ BIN=${BIN_DIR:-target/release}
 
 work=$(mktemp -d)
 pids=()
+nginx_pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  [ -f "$work/nginx.pid" ] && kill "$(cat "$work/nginx.pid")" 2>/dev/null || true
+  for f in "$work"/nginx*.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$work"
 }
@@ -39,22 +59,55 @@ trap cleanup EXIT
 
 chmod 755 "$work"
 head -c $((64 * 1024 * 1024)) /dev/urandom > "$work/big.bin"
-cat > "$work/nginx.conf" <<NGX
+
+# nginx: the upstream on 8000, and the chain 8101 -> 8102 -> 8103 -> 8000.
+nginx_conf() { # name listen body
+  cat > "$work/$1.conf" <<NGX
 worker_processes 1;
-pid $work/nginx.pid;
-error_log $work/nginx-error.log;
+pid $work/$1.pid;
+error_log $work/$1-error.log;
 events { worker_connections 4096; }
 http {
   access_log off;
   keepalive_requests 1000000;
+  $3
   server {
-    listen 127.0.0.1:8000 reuseport;
-    location = / { return 200 "12345678"; }
-    location = /big.bin { root $work; }
+    listen 127.0.0.1:$2 reuseport;
+    $4
   }
 }
 NGX
-nginx -c "$work/nginx.conf"
+  nginx -c "$work/$1.conf"
+}
+nginx_conf nginx 8000 "" "location = / { return 200 \"12345678\"; } location = /big.bin { root $work; }"
+hop() { # name listen next-port
+  nginx_conf "$1" "$2" "upstream next { server 127.0.0.1:$3; keepalive 128; keepalive_requests 1000000; }" \
+    "location / { proxy_pass http://next; proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_buffering off; }"
+}
+if wants chain; then
+  hop chain3 8103 8000
+  hop chain2 8102 8103
+  hop chain1 8101 8102
+fi
+
+if wants rathole; then
+  cat > "$work/rathole-server.toml" <<TOML
+[server]
+bind_addr = "127.0.0.1:8201"
+[server.services.bench]
+token = "bench-token"
+bind_addr = "127.0.0.1:8202"
+TOML
+  cat > "$work/rathole-client.toml" <<TOML
+[client]
+remote_addr = "127.0.0.1:8201"
+[client.services.bench]
+token = "bench-token"
+local_addr = "127.0.0.1:8000"
+TOML
+  "$RATHOLE" --server "$work/rathole-server.toml" >"$work/rathole-server.log" 2>&1 & RH_S=$!; pids+=($RH_S)
+  "$RATHOLE" --client "$work/rathole-client.toml" >"$work/rathole-client.log" 2>&1 & RH_C=$!; pids+=($RH_C)
+fi
 
 DISPATCHER_CONFIG=examples/local/dispatcher.toml
 if [ -n "${POLICY:-}" ]; then
@@ -66,55 +119,88 @@ $BIN/relay-tunnel-server --config examples/local/tunnel-server-1.toml >"$work/ts
 $BIN/relay-tunnel-server --config examples/local/tunnel-server-2.toml >"$work/ts2.log" 2>&1 & TS2=$!; pids+=($TS2)
 $BIN/relay-agent --config examples/local/agent.toml >"$work/agent.log" 2>&1 & AGENT=$!; pids+=($AGENT)
 
-URL=http://127.0.0.1:8080/relay/demo/
 AUTH='Authorization: Bearer dev-caller-key'
-for _ in $(seq 1 200); do
-  if [ "$(curl -s -o /dev/null -w '%{http_code}' -H "$AUTH" "$URL")" = 200 ]; then break; fi
-  sleep 0.05
+declare -A URL=(
+  [direct]=http://127.0.0.1:8000/
+  [chain]=http://127.0.0.1:8101/
+  [rathole]=http://127.0.0.1:8202/
+  [relay]=http://127.0.0.1:8080/relay/demo/
+)
+for t in $TARGETS; do
+  for _ in $(seq 1 200); do
+    if [ "$(curl -s -H "$AUTH" "${URL[$t]}" || true)" = 12345678 ]; then break; fi
+    sleep 0.05
+  done
+  [ "$(curl -s -H "$AUTH" "${URL[$t]}")" = 12345678 ] || { echo "$t not answering"; tail "$work"/*.log; exit 1; }
 done
-[ "$(curl -s -H "$AUTH" "$URL")" = 12345678 ] || { echo "relay not routable"; tail "$work"/*.log; exit 1; }
 
-ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+ticks() { local s=0 p; for p in "$@"; do s=$((s + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $s; }
 hwm() { awk '/VmHWM/ {print $2}' "/proc/$1/status"; }
 hz=$(getconf CLK_TCK)
+workers() { pgrep -P "$(cat "$work/$1.pid")" | tr '\n' ' '; }
+declare -A PROCS=(
+  [direct]="$(workers nginx)"
+  [relay]="$DISP $TS1 $TS2 $AGENT"
+)
+wants chain && PROCS[chain]="$(workers chain1) $(workers chain2) $(workers chain3)"
+wants rathole && PROCS[rathole]="$RH_S $RH_C"
 
-run_wrk() { # url conns -> "rps p50 p99 requests"
-  wrk -t2 -c"$2" -d"$DURATION" --latency -H "$AUTH" "$1" > "$work/wrk.out"
+# wrk against $1 with $2 connections -> "rps p50_ms p99_ms requests errors"
+run_wrk() {
+  local threads=2; [ "$2" -lt 2 ] && threads=1
+  wrk -t$threads -c"$2" -d"$DURATION" --latency -H "$AUTH" "$1" > "$work/wrk.out"
   awk '
+    function ms(v) { if (v ~ /us$/) return v / 1000; if (v ~ /ms$/) return v + 0; if (v ~ /s$/) return v * 1000; return v }
     /Requests\/sec/ {rps=$2}
-    /^ +50%/ {p50=$2} /^ +99%/ {p99=$2}
+    /^ +50%/ {p50=ms($2)} /^ +99%/ {p99=ms($2)}
     /requests in/ {n=$1}
-    END {print rps, p50, p99, n}' "$work/wrk.out"
+    /Non-2xx/ {e += $NF}
+    /Socket errors/ {gsub(",", ""); e += $4 + $6 + $8 + $10}
+    END {printf "%s %.3f %.3f %s %d\n", rps, p50, p99, n, e}' "$work/wrk.out"
 }
 
-# Calls the tunnel servers queued so far (waited for a stream): all queue-wait samples less
-# those in the first bucket (immediate hand-overs record 0).
-queued_calls() {
-  for port in 9441 9442; do curl -s "http://127.0.0.1:$port/metrics"; done | awk '
-    /^relay_tunnel_queue_wait_seconds_count/ {n += $2}
-    /^relay_tunnel_queue_wait_seconds_bucket\{le="0.0001"\}/ {z += $2}
-    END {print n - z}'
-}
+declare -A RES
+errors=0
+for r in $(seq 1 "$ROUNDS"); do
+  for c in $CONNS; do
+    for t in $TARGETS; do
+      before=$(ticks ${PROCS[$t]})
+      read -r rps p50 p99 n e < <(run_wrk "${URL[$t]}" "$c")
+      after=$(ticks ${PROCS[$t]})
+      cpu=$(awk -v t=$((after - before)) -v hz="$hz" -v n="$n" 'BEGIN {printf "%.1f", n ? t / hz * 1e6 / n : 0}')
+      RES[$t,$c]+="$rps $p50 $p99 $cpu"$'\n'
+      if [ "$e" -gt 0 ]; then
+        echo "errors: round $r, $t at $c connections: $e non-2xx answers or socket errors"
+        errors=$((errors + e))
+      fi
+    done
+  done
+done
 
-# Calls that took the queue handshake (the dispatcher heard `Queued`).
-handshakes() {
-  curl -s http://127.0.0.1:9080/metrics | awk '/^relay_dispatcher_queued_total/ {n += $2} END {print n + 0}'
-}
+median() { sort -g | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+col() { printf '%s' "${RES[$1,$2]}" | awk -v k="$3" 'NF {print $k}' | median; }
 
-printf '%-8s %-6s %12s %10s %10s %14s %8s %10s\n' target conns calls/s p50 p99 "cpu/call(us)" queued handshakes
+echo
+echo "medians of $ROUNDS rounds, $DURATION each (wrk; nginx upstream returning 8 bytes)"
+printf '%-8s %-6s %12s %10s %10s %14s %10s %10s\n' target conns calls/s p50-ms p99-ms "cpu/call(us)" "x chain" "x rathole"
 for c in $CONNS; do
-  read -r rps p50 p99 n < <(run_wrk http://127.0.0.1:8000/ "$c")
-  printf '%-8s %-6s %12s %10s %10s %14s %8s %10s\n' direct "$c" "$rps" "$p50" "$p99" "-" "-" "-"
-  before=$(( $(ticks $DISP) + $(ticks $TS1) + $(ticks $TS2) + $(ticks $AGENT) ))
-  q0=$(queued_calls); h0=$(handshakes)
-  read -r rps p50 p99 n < <(run_wrk "$URL" "$c")
-  after=$(( $(ticks $DISP) + $(ticks $TS1) + $(ticks $TS2) + $(ticks $AGENT) ))
-  q1=$(queued_calls); h1=$(handshakes)
-  cpu_us=$(awk -v t=$((after - before)) -v hz="$hz" -v n="$n" 'BEGIN {printf "%.1f", t / hz * 1e6 / n}')
-  printf '%-8s %-6s %12s %10s %10s %14s %8s %10s\n' relayed "$c" "$rps" "$p50" "$p99" "$cpu_us" $((q1 - q0)) $((h1 - h0))
+  for t in $TARGETS; do
+    rps=$(col "$t" "$c" 1)
+    vs_chain=-; vs_rh=-
+    if [ "$t" = relay ]; then
+      wants chain && vs_chain=$(awk -v a="$rps" -v b="$(col chain "$c" 1)" 'BEGIN {printf "%.2f", a / b}')
+      wants rathole && vs_rh=$(awk -v a="$rps" -v b="$(col rathole "$c" 1)" 'BEGIN {printf "%.2f", a / b}')
+    fi
+    printf '%-8s %-6s %12s %10s %10s %14s %10s %10s\n' "$t" "$c" "$rps" "$(col "$t" "$c" 2)" \
+      "$(col "$t" "$c" 3)" "$(col "$t" "$c" 4)" "$vs_chain" "$vs_rh"
+  done
 done
 echo
+echo "errors: $errors non-2xx answers or socket errors over every run"
 echo "peak RSS after load (KiB): dispatcher $(hwm $DISP)  tunnel-server-1 $(hwm $TS1)  tunnel-server-2 $(hwm $TS2)  agent $(hwm $AGENT)"
-bytes=$(curl -s -H "$AUTH" "${URL}big.bin" | wc -c)
+wants rathole && echo "peak RSS after load (KiB): rathole server $(hwm $RH_S)  rathole client $(hwm $RH_C)"
+bytes=$(curl -s -H "$AUTH" "${URL[relay]}big.bin" | wc -c)
 echo "64 MiB response relayed: $bytes bytes"
 echo "peak RSS after 64 MiB (KiB): dispatcher $(hwm $DISP)  tunnel-server-1 $(hwm $TS1)  tunnel-server-2 $(hwm $TS2)  agent $(hwm $AGENT)"
+limits=$(cat "$work"/dispatcher.log "$work"/ts*.log "$work"/agent.log | grep -c 'reached limit' || true)
+echo "h2 guards tripped (\`reached limit\` in the relay logs): $limits"
