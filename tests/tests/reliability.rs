@@ -235,6 +235,21 @@ impl Load {
     fn tally(&self) -> &Tally {
         &self.tally
     }
+
+    /// Waits until `n` more calls than now have been answered 200: the load is flowing
+    /// (before a fault), or flows again (after one). Fails after `READY`.
+    async fn flowing(&self, n: u64) {
+        let from = self.tally.ok.load(Ordering::SeqCst);
+        let t = time_until(READY, || async {
+            self.tally.ok.load(Ordering::SeqCst) >= from + n
+        })
+        .await;
+        assert!(
+            t.is_some(),
+            "{n} calls were not answered within {READY:?}: {}",
+            self.tally.summary()
+        );
+    }
 }
 
 /// Polls `check` until it returns Ok, or panics with its last error after `within`.
@@ -635,7 +650,7 @@ async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
     let mut fleet = Fleet::start(3, HEARTBEAT, Duration::ZERO).await;
     let base = fleet.base().await;
     let load = start_load(fleet.front(), LoadSpec::new(8, "/slow/100", 5000));
-    tokio::time::sleep(Duration::from_millis(1500)).await; // steady state before the fault
+    load.flowing(40).await; // steady state before the fault
     let victim = fleet.busiest().await;
     let before = fleet.agent_servers().await;
     let s = fleet.servers[victim].take().unwrap();
@@ -1032,7 +1047,7 @@ async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dea
     let fleet = Fleet::start(2, HEARTBEAT, Duration::ZERO).await;
     let base = fleet.base().await;
     let load = start_load(fleet.front(), LoadSpec::new(4, "/slow/50", 3000));
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    load.flowing(40).await;
     let victim = fleet.busiest().await;
     let before = fleet.agent_servers().await;
     let expiries = |t: &str| metric(t, "relay_dispatcher_lease_expiries_total", &[]);
@@ -1126,7 +1141,7 @@ async fn sigterm_drains_a_tunnel_server_process_without_failing_a_call() {
     let mut fleet = Fleet::start(2, Duration::from_secs(1), Duration::ZERO).await;
     let base = fleet.base().await;
     let load = start_load(fleet.front(), LoadSpec::new(6, "/slow/200", 10_000));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    load.flowing(24).await;
     let victim = fleet.busiest().await;
     let s = fleet.servers[victim].take().unwrap();
     let mut proc = s.proc;
@@ -1135,8 +1150,8 @@ async fn sigterm_drains_a_tunnel_server_process_without_failing_a_call() {
     let status = proc.wait_exit(Duration::from_secs(15)).await.unwrap();
     let took = started.elapsed();
     let log = proc.log();
-    // Keep the load running a little on the remaining server.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The load goes on on the remaining server.
+    load.flowing(12).await;
     let tally = load.stop().await;
     eprintln!(
         "SIGTERM: exited {status} after {took:?}; {}",
@@ -1171,7 +1186,7 @@ async fn rolling_restart_of_every_tunnel_server_under_steady_load_fails_no_call(
     stack.wait_routable(READY).await.unwrap();
     let base = dispatcher_base(stack.dispatcher_admin).await;
     let load = start_load(stack.http, LoadSpec::new(8, "/slow/100", 10_000));
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    load.flowing(40).await;
     let mut back = Vec::new();
     for i in 0..3 {
         // As an operator would: wait until the fleet is whole (every server reporting),
@@ -1187,9 +1202,9 @@ async fn rolling_restart_of_every_tunnel_server_under_steady_load_fails_no_call(
         let s = stack.take_server(i).unwrap();
         s.shutdown().await;
         stack.start_server(i).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(1000)).await;
+        load.flowing(40).await;
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    load.flowing(20).await;
     let tally = load.stop().await;
     eprintln!(
         "rolling restart: fleet whole again before each step after {back:?}; {}",
@@ -1215,7 +1230,7 @@ async fn agent_restart_routes_again_within_a_bound_and_calls_between_get_503_wit
     stack.wait_routable(READY).await.unwrap();
     let base = dispatcher_base(stack.dispatcher_admin).await;
     let load = start_load(stack.http, LoadSpec::new(4, "/slow/50", 5000));
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    load.flowing(30).await;
     let agent = stack.take_agent(0).unwrap();
     agent.shutdown().await; // streams retire; calls in flight finish first
                             // With no agent, calls are answered at once with 503 and Retry-After, not held.
@@ -1268,7 +1283,7 @@ async fn agent_restart_routes_again_within_a_bound_and_calls_between_get_503_wit
         probes.ok.load(Ordering::SeqCst) > 0
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    load.flowing(8).await;
     let tally = load.stop().await;
     eprintln!(
         "agent restart: tunnel id routable again {routable:?} after the agent started ({:?} since); load {}; probes {}",
@@ -1308,7 +1323,7 @@ async fn upstream_failure_and_callers_leaving_each_get_one_outcome() {
     spec.cancel_every = Some(4);
     spec.cancel_after = Duration::from_millis(40);
     let load = start_load(stack.http, spec);
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    load.flowing(30).await;
     // The upstream goes away (its port refuses connections), then comes back on it.
     let addr: SocketAddr = stack
         .upstream
@@ -1389,7 +1404,7 @@ async fn load_balancer_dropping_every_stream_leaves_no_call_unanswered() {
     stack.wait_routable(READY).await.unwrap();
     let base = dispatcher_base(stack.dispatcher_admin).await;
     let load = start_load(stack.http, LoadSpec::new(8, "/slow/100", 5000));
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    load.flowing(40).await;
     // The load balancer restarts: every stream through it is reset at once.
     let lb = stack.lb.as_ref().unwrap();
     for i in 0..3 {
@@ -1513,7 +1528,7 @@ async fn silently_dropped_connection_is_found_by_heartbeat_on_both_ends() {
     stack.wait_routable(READY).await.unwrap();
     let base = dispatcher_base(stack.dispatcher_admin).await;
     let load = start_load(stack.http, LoadSpec::new(2, "/slow/50", 4000));
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    load.flowing(16).await;
     let server = stack.servers[0].as_ref().unwrap();
     let closes = |reason: &str| {
         value(
@@ -1658,7 +1673,7 @@ async fn killed_agent_process_fails_only_its_calls_in_progress_frees_its_streams
     let base = fleet.base().await;
     let workers = 6;
     let load = start_load(fleet.front(), LoadSpec::new(workers, "/slow/200", 5000));
-    tokio::time::sleep(Duration::from_millis(1000)).await; // steady state before the fault
+    load.flowing(4 * workers as u64).await; // steady state before the fault
     let held = fleet.server_streams_total().await;
     assert!(
         held.is_some_and(|n| n > 0.0),
