@@ -7,10 +7,11 @@
 
 use relay_agent::coverage::plan::CoverageConfig;
 use relay_common::Secret;
+use relay_dispatcher::config::RedisTls;
 use relay_dispatcher::{RegistryBackend, RoutingPolicy};
 use relay_tests::client::Caller;
 use relay_tests::lb::Policy;
-use relay_tests::redis::{require_redis, RedisServer};
+use relay_tests::redis::{require_redis, RedisServer, RedisTlsFiles};
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use relay_tests::upstream::{Upstream, UpstreamHandle};
 use relay_tests::{eventually, time_until};
@@ -466,7 +467,8 @@ async fn any() -> TcpListener {
     TcpListener::bind("127.0.0.1:0").await.unwrap()
 }
 
-async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest {
+/// A dispatcher on the shared registry at `redis_url`, with `[registry.redis_tls]`.
+async fn start_dispatcher_on(redis_url: &str, prefix: &str, tls: RedisTls) -> DispatcherUnderTest {
     let l = relay_dispatcher::Listeners {
         http: any().await,
         registry: any().await,
@@ -491,6 +493,7 @@ async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest 
             redis_timeout: REDIS_TIMEOUT,
             server_key: Some(Secret::new("fleet-key")),
             record_key: Some(Secret::new(RECORD_KEY)),
+            redis_tls: tls,
             ..Default::default()
         },
         ..relay_dispatcher::Config::default().insecure()
@@ -542,9 +545,14 @@ struct Fleet {
 
 impl Fleet {
     async fn start(redis_url: &str, prefix: &str) -> Fleet {
+        Fleet::start_on(redis_url, prefix, RedisTls::default()).await
+    }
+
+    /// With `[registry.redis_tls]` on both dispatchers.
+    async fn start_on(redis_url: &str, prefix: &str, tls: RedisTls) -> Fleet {
         let upstream = Upstream::builder().spawn().await.unwrap();
-        let d1 = start_dispatcher(redis_url, prefix).await;
-        let d2 = start_dispatcher(redis_url, prefix).await;
+        let d1 = start_dispatcher_on(redis_url, prefix, tls.clone()).await;
+        let d2 = start_dispatcher_on(redis_url, prefix, tls).await;
         let s1 = start_server("ts-1", d1.registry).await;
         let s2 = start_server("ts-2", d2.registry).await;
         let agent_stop = CancellationToken::new();
@@ -1108,5 +1116,140 @@ async fn forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are
         }
     }
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
+    fleet.shutdown().await;
+}
+
+// ---------------------------------------------------------------- TLS and an ACL user
+
+/// The ACL README documents for the relay's Redis user, for key prefix `prefix`: the
+/// commands the shared registry sends, on its own keys only.
+fn relay_acl(user: &str, password: &str, prefix: &str) -> Vec<String> {
+    let rule = format!(
+        "{user} on >{password} resetkeys ~{prefix}:* resetchannels -@all +set +mget +del +sadd +srem +smembers"
+    );
+    std::iter::once("ACL".to_string())
+        .chain(std::iter::once("SETUSER".to_string()))
+        .chain(rule.split(' ').map(str::to_string))
+        .collect()
+}
+
+/// The error `/readyz` reports for the shared registry, once it reports one.
+async fn registry_error(admin: SocketAddr) -> String {
+    let why = Arc::new(std::sync::Mutex::new(String::new()));
+    eventually("readyz reports the registry's error", READY, || {
+        let why = why.clone();
+        async move {
+            let (status, body) = admin_json(admin, "/readyz").await;
+            match body["detail"]["registry"]["error"].as_str() {
+                Some(e) if status == 503 => {
+                    *why.lock().unwrap() = e.to_string();
+                    true
+                }
+                _ => false,
+            }
+        }
+    })
+    .await;
+    let why = why.lock().unwrap().clone();
+    why
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_an_acl_user_routes_and_a_wrong_password_or_an_untrusted_ca_is_a_clear_error() {
+    require_redis(
+        "rediss_with_an_acl_user_routes_and_a_wrong_password_or_an_untrusted_ca_is_a_clear_error",
+    );
+    let dir = relay_tests::procs::ScratchDir::new("rediss").unwrap();
+    let certs = relay_tests::certs::generate(&dir.path().join("good"), &["127.0.0.1"]).unwrap();
+    let other = relay_tests::certs::generate(&dir.path().join("other"), &["127.0.0.1"]).unwrap();
+    let redis = RedisServer::start_tls(RedisTlsFiles {
+        cert: certs.dispatcher.0.clone(),
+        key: certs.dispatcher.1.clone(),
+        ca: certs.ca.clone(),
+    })
+    .await;
+    let prefix = unique_prefix("rediss");
+    // The documented ACL, applied by an administrator (the default user).
+    let admin = redis::Client::build_with_tls(
+        redis.url(),
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(std::fs::read(&certs.ca).unwrap()),
+        },
+    )
+    .unwrap();
+    let mut conn = admin.get_multiplexed_async_connection().await.unwrap();
+    let acl = relay_acl("relay", "relay-pw", &prefix);
+    let mut cmd = redis::cmd(&acl[0]);
+    for a in &acl[1..] {
+        cmd.arg(a);
+    }
+    let _: () = cmd.query_async(&mut conn).await.unwrap();
+
+    let url = |password: &str| format!("rediss://relay:{password}@127.0.0.1:{}", redis.port());
+    let trusted = RedisTls {
+        ca: Some(certs.ca.clone()),
+        ..RedisTls::default()
+    };
+    let fleet = Fleet::start_on(&url("relay-pw"), &prefix, trusted.clone()).await;
+    fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
+    fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
+    for d in 0..2 {
+        let caller = fleet.caller(d);
+        for _ in 0..10 {
+            let a = caller
+                .get(&format!("/relay/{TUNNEL_ID}/hello"))
+                .await
+                .unwrap();
+            assert_eq!(a.status, 200, "via dispatcher {d}: {}", a.text());
+        }
+        assert_eq!(
+            admin_json(fleet.dispatchers[d].admin, "/readyz").await.0,
+            200
+        );
+    }
+    // The records are where the ACL lets the relay write, sealed.
+    let listed: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(format!("{prefix}:servers"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+
+    // A wrong password: Redis refuses, /readyz says so (and never shows the password).
+    let wrong = start_dispatcher_on(&url("not-the-pw"), &prefix, trusted.clone()).await;
+    let why = registry_error(wrong.admin).await;
+    eprintln!("wrong password: {why}");
+    assert!(
+        why.to_lowercase().contains("authentication failed"),
+        "{why}"
+    );
+    assert!(!why.contains("not-the-pw"), "{why}");
+    // A Redis certificate from a CA the dispatcher does not trust.
+    let untrusted = start_dispatcher_on(
+        &url("relay-pw"),
+        &prefix,
+        RedisTls {
+            ca: Some(other.ca.clone()),
+            ..RedisTls::default()
+        },
+    )
+    .await;
+    let why = registry_error(untrusted.admin).await;
+    eprintln!("untrusted CA: {why}");
+    // (Both test CAs have one name: the issuer is found and its signature does not match.)
+    assert!(why.contains("invalid peer certificate"), "{why}");
+    // No CA configured: the system's trust store, which does not hold the test CA either.
+    let system = start_dispatcher_on(&url("relay-pw"), &prefix, RedisTls::default()).await;
+    let why = registry_error(system.admin).await;
+    eprintln!("system trust store: {why}");
+    assert!(
+        why.contains("invalid peer certificate: UnknownIssuer"),
+        "{why}"
+    );
+    for d in [wrong, untrusted, system] {
+        d.stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), d.task).await;
+    }
     fleet.shutdown().await;
 }
