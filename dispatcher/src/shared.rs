@@ -2,7 +2,7 @@
 //! dispatchers of a fleet through Redis (`[registry] backend = "redis"`).
 //!
 //! One background task owns the Redis connection. It writes each local server's record
-//! (`<prefix>:server:<server_id>`, JSON, expiring after `lease`) whenever the server
+//! (`<prefix>:server:<server_id>`, sealed JSON, expiring after `lease`) whenever the server
 //! reports, and lists the server id in the set `<prefix>:servers`; every
 //! `refresh_interval` it reads all records back into the registry. A server that stops
 //! reporting stops being rewritten, so its key expires and every dispatcher drops it
