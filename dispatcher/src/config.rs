@@ -144,7 +144,8 @@ pub enum RegistryBackend {
 pub struct RegistryConfig {
     /// `"memory"` (default) or `"redis"`.
     pub backend: RegistryBackend,
-    /// Redis URL (`redis://host:port/db`) when `backend = "redis"`.
+    /// Redis URL when `backend = "redis"`: `redis://host:port/db`, or `rediss://` for TLS
+    /// (`[registry.redis_tls]`); `user:password@` before the host is sent with `AUTH`.
     pub url: Option<Secret>,
     /// Prefix of every Redis key, so several fleets can share one Redis.
     pub key_prefix: String,

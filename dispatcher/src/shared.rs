@@ -41,7 +41,7 @@ pub mod record;
 use crate::config::RedisTls;
 use crate::metrics::Metrics;
 use crate::registry::{Prune, Publish, Registry};
-use record::{RecordRules, Refusal, MAX_SHARED_SERVERS};
+use record::{RecordRules, Refusal, MAX_READ_BYTES, MAX_RECORD_BYTES, MAX_SHARED_SERVERS};
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, IntoConnectionInfo};
 use relay_common::config::ConfigError;
@@ -144,11 +144,38 @@ pub struct SharedStore {
 #[derive(Default)]
 struct Refused(HashMap<String, (u64, &'static str)>);
 
-fn fingerprint(value: Option<&str>) -> u64 {
+fn fingerprint(value: &str) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     value.hash(&mut h);
     h.finish()
 }
+
+/// Records refused in one read of the shared store.
+#[derive(Default)]
+struct Pass {
+    /// Server ids refused in this read.
+    seen: HashSet<String>,
+    logged: usize,
+    /// Refusals past [`LOGGED_PER_READ`]: counted, and summed up in one log line.
+    unlogged: usize,
+}
+
+/// Refusals logged one by one per read (a flood of planted records costs one more line).
+const LOGGED_PER_READ: usize = 10;
+
+/// One record value as read: bounded in size before it is read whole.
+enum Value {
+    /// No such key (or an empty string).
+    Missing,
+    Text(String),
+    /// Refused before it is opened (too large, not text, not a string), with a
+    /// fingerprint of what was read.
+    Refused(u64, Refusal),
+}
+
+/// Record values read per round trip (`GETRANGE` each, at most [`MAX_RECORD_BYTES`] + 1
+/// bytes): what one round trip can hold in memory.
+const READ_BATCH: usize = 16;
 
 fn unix_ms_now() -> u64 {
     SystemTime::now()
@@ -172,7 +199,7 @@ enum StoreError {
 ///
 /// The commands sent, for an ACL: `AUTH` (with a password in the URL), `SELECT` (with a
 /// database other than 0 in the URL), then `SET` (with `PX`), `SADD`, `SREM`, `DEL`,
-/// `SMEMBERS` and `MGET` on keys under the prefix.
+/// `SMEMBERS`, `GETRANGE` and `EXISTS` on keys under the prefix.
 pub fn client(url: &Secret, tls: &RedisTls) -> Result<redis::Client, ConfigError> {
     // The redis crate's own messages may quote the URL (and its password): say only which
     // kind of problem it is.
@@ -297,16 +324,9 @@ impl SharedStore {
     }
 
     /// Counts and logs a refused record, unless the same value was refused last time.
-    fn refuse(
-        &self,
-        refused: &mut Refused,
-        seen: &mut HashSet<String>,
-        id: &str,
-        value: Option<&str>,
-        why: &Refusal,
-    ) {
-        seen.insert(id.to_string());
-        let mark = (fingerprint(value), why.reason());
+    fn refuse(&self, refused: &mut Refused, pass: &mut Pass, id: &str, print: u64, why: &Refusal) {
+        pass.seen.insert(id.to_string());
+        let mark = (print, why.reason());
         if refused.0.get(id) == Some(&mark) {
             return;
         }
@@ -315,9 +335,65 @@ impl SharedStore {
             .registry_records_refused
             .with_label_values(&[why.reason()])
             .inc();
+        if pass.logged >= LOGGED_PER_READ {
+            pass.unlogged += 1;
+            return;
+        }
+        pass.logged += 1;
         // Debug formatting escapes whatever the id holds.
         warn!(server_id = ?id, reason = why.reason(), detail = %why,
             "refused a shared registry record: routing ignores it");
+    }
+
+    /// The values at `keys`: each read through `GETRANGE 0 MAX_RECORD_BYTES`, so a value
+    /// over the bound is refused after reading one byte more than it (not whole), and no
+    /// more than [`MAX_READ_BYTES`] in all per read; a key that is not a string is refused
+    /// (other keys read on).
+    async fn values(
+        &self,
+        conn: &mut MultiplexedConnection,
+        keys: &[String],
+    ) -> Result<Vec<Value>, StoreError> {
+        let mut out = Vec::with_capacity(keys.len());
+        let mut total = 0usize;
+        for batch in keys.chunks(READ_BATCH) {
+            if total > MAX_READ_BYTES {
+                out.extend(batch.iter().map(|_| {
+                    Value::Refused(
+                        0,
+                        Refusal::TooLarge(format!(
+                            "the records read before it pass {MAX_READ_BYTES} bytes"
+                        )),
+                    )
+                }));
+                continue;
+            }
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            for key in batch {
+                pipe.cmd("GETRANGE").arg(key).arg(0).arg(MAX_RECORD_BYTES);
+            }
+            let got: Vec<redis::RedisResult<Vec<u8>>> =
+                self.bounded(pipe.query_async(conn)).await?;
+            for value in got {
+                out.push(match value {
+                    Ok(v) if v.is_empty() => Value::Missing,
+                    Ok(v) if v.len() > MAX_RECORD_BYTES => Value::Refused(
+                        v.len() as u64,
+                        Refusal::TooLarge(format!("over {MAX_RECORD_BYTES} bytes")),
+                    ),
+                    Ok(v) => {
+                        total += v.len();
+                        match String::from_utf8(v) {
+                            Ok(text) => Value::Text(text),
+                            Err(_) => Value::Refused(1, Refusal::Malformed("not UTF-8".into())),
+                        }
+                    }
+                    Err(e) => Value::Refused(2, Refusal::Malformed(format!("{:?}", e.kind()))),
+                });
+            }
+        }
+        Ok(out)
     }
 
     async fn read(
@@ -330,13 +406,13 @@ impl SharedStore {
             .bounded(redis::cmd("SMEMBERS").arg(self.set_key()).query_async(conn))
             .await?;
         listed.sort();
-        let mut seen = HashSet::new();
+        let mut pass = Pass::default();
         let mut ids = Vec::with_capacity(listed.len().min(MAX_SHARED_SERVERS));
         for id in listed {
             if let Err(why) = self.rules.check_server_id(&id) {
-                self.refuse(refused, &mut seen, &id, None, &why);
+                self.refuse(refused, &mut pass, &id, 0, &why);
             } else if ids.len() >= MAX_SHARED_SERVERS {
-                self.refuse(refused, &mut seen, &id, None, &Refusal::TooManyServers);
+                self.refuse(refused, &mut pass, &id, 0, &Refusal::TooManyServers);
             } else {
                 ids.push(id);
             }
@@ -344,17 +420,16 @@ impl SharedStore {
         let mut records = Vec::with_capacity(ids.len());
         if !ids.is_empty() {
             let keys: Vec<String> = ids.iter().map(|id| self.server_key(id)).collect();
-            let values: Vec<Option<String>> = self
-                .bounded(redis::cmd("MGET").arg(&keys).query_async(conn))
-                .await?;
+            let values = self.values(conn, &keys).await?;
             let mut expired = Vec::new();
             let now = unix_ms_now();
             for ((id, key), value) in ids.iter().zip(&keys).zip(values) {
                 match value {
-                    None => expired.push(id.clone()),
-                    Some(value) => match self.rules.open(key, id, &value, now) {
+                    Value::Missing => expired.push(id.clone()),
+                    Value::Refused(print, why) => self.refuse(refused, &mut pass, id, print, &why),
+                    Value::Text(value) => match self.rules.open(key, id, &value, now) {
                         Ok(r) => records.push(r),
-                        Err(why) => self.refuse(refused, &mut seen, id, Some(&value), &why),
+                        Err(why) => self.refuse(refused, &mut pass, id, fingerprint(&value), &why),
                     },
                 }
             }
@@ -374,7 +449,14 @@ impl SharedStore {
             }
         }
         // Forget refusals of records that are gone, so a bad record written again counts.
-        refused.0.retain(|id, _| seen.contains(id));
+        refused.0.retain(|id, _| pass.seen.contains(id));
+        if pass.unlogged > 0 {
+            warn!(
+                more = pass.unlogged,
+                "refused more shared registry records than are logged one by one per read \
+                 (see relay_dispatcher_registry_records_refused_total)"
+            );
+        }
         let prune = if prune {
             Prune::Missing
         } else {
@@ -388,12 +470,14 @@ impl SharedStore {
                 .collect();
             let mut left = HashSet::new();
             if !missing.is_empty() {
-                let keys: Vec<String> = missing.iter().map(|id| self.left_key(id)).collect();
-                let marks: Vec<Option<String>> = self
-                    .bounded(redis::cmd("MGET").arg(&keys).query_async(conn))
-                    .await?;
+                // EXISTS, not the values: a marker's content does not matter.
+                let mut pipe = redis::pipe();
+                for id in &missing {
+                    pipe.cmd("EXISTS").arg(self.left_key(id));
+                }
+                let marks: Vec<u64> = self.bounded(pipe.query_async(conn)).await?;
                 for (id, mark) in missing.into_iter().zip(marks) {
-                    if mark.is_some() {
+                    if mark > 0 {
                         left.insert(id);
                     }
                 }

@@ -1063,12 +1063,30 @@ async fn forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are
         now_ms() + 60_000,
     );
     plant("evil-host", sealed).await;
+    // 6. A value over the size bound, and a key that is not a string: refused, and the
+    //    other records are read on.
+    plant("evil-big", "v1.".to_string() + &"x".repeat(5 << 20)).await;
+    let _: () = redis::cmd("HSET")
+        .arg(key("evil-hash"))
+        .arg("f")
+        .arg("v")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SADD")
+        .arg(format!("{prefix}:servers"))
+        .arg("evil-hash")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
 
     let want = [
         ("unsealed", 1.0),
         ("bad_seal", 2.0),
         ("expired", 1.0),
         ("forward_url", 1.0),
+        ("too_large", 1.0),
+        ("malformed", 1.0),
     ];
     for d in &fleet.dispatchers {
         let admin = d.admin;
@@ -1107,6 +1125,8 @@ async fn forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are
             "evil-moved",
             "evil-replayed",
             "evil-host",
+            "evil-big",
+            "evil-hash",
         ] {
             assert!(!lists(d.admin, id).await, "{id} is in the routing table");
         }
@@ -1125,7 +1145,7 @@ async fn forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are
 /// commands the shared registry sends, on its own keys only.
 fn relay_acl(user: &str, password: &str, prefix: &str) -> Vec<String> {
     let rule = format!(
-        "{user} on >{password} resetkeys ~{prefix}:* resetchannels -@all +set +mget +del +sadd +srem +smembers"
+        "{user} on >{password} resetkeys ~{prefix}:* resetchannels -@all +set +getrange +exists +del +sadd +srem +smembers"
     );
     std::iter::once("ACL".to_string())
         .chain(std::iter::once("SETUSER".to_string()))

@@ -22,12 +22,15 @@ use ring::hmac;
 use serde::{Deserialize, Serialize};
 use std::net::IpAddr;
 
-/// Largest record value read (bytes); a bigger one is refused unread.
-pub const MAX_RECORD_BYTES: usize = 8 << 20;
+/// Largest record value read (bytes); a bigger one is refused, read no further.
+pub const MAX_RECORD_BYTES: usize = 4 << 20;
+/// Most record bytes read in one refresh; the records after them are refused.
+pub const MAX_READ_BYTES: usize = 128 << 20;
 /// Most tunnel ids in one record (its tunnel list and its load figures each).
 pub const MAX_TUNNELS_PER_RECORD: usize = 100_000;
-/// Most server ids read from the set `<prefix>:servers`; the rest are refused.
-pub const MAX_SHARED_SERVERS: usize = 4096;
+/// Most server ids read from the set `<prefix>:servers` (first by name); the rest are
+/// refused.
+pub const MAX_SHARED_SERVERS: usize = 1024;
 /// Longest server id, zone, instance id or dispatcher name in a record.
 const MAX_NAME_BYTES: usize = 256;
 /// Longest URL in a record.
