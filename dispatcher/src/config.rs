@@ -144,7 +144,8 @@ pub enum RegistryBackend {
 pub struct RegistryConfig {
     /// `"memory"` (default) or `"redis"`.
     pub backend: RegistryBackend,
-    /// Redis URL (`redis://host:port/db`) when `backend = "redis"`.
+    /// Redis URL when `backend = "redis"`: `redis://host:port/db`, or `rediss://` for TLS
+    /// (`[registry.redis_tls]`); `user:password@` before the host is sent with `AUTH`.
     pub url: Option<Secret>,
     /// Prefix of every Redis key, so several fleets can share one Redis.
     pub key_prefix: String,
@@ -166,18 +167,57 @@ pub struct RegistryConfig {
     /// `server_key` given as its hex SHA-256 instead, so the config holds no key in clear.
     #[serde(deserialize_with = "KeyDigest::deserialize_hex")]
     pub server_key_sha256: Option<KeyDigest>,
-    /// Server ids allowed to report; empty allows any id.
+    /// Server ids allowed to report; empty allows any id. Also applies to records read
+    /// from Redis.
     pub allowed_servers: Vec<String>,
     /// A report stream's `server_id` must be one of the names (DNS or URI SANs) of the
     /// client certificate it came with (`[registry_tls]` mutual TLS), so one server's
     /// certificate cannot report as another.
     pub server_id_in_cert: bool,
+    /// Key of the HMAC-SHA256 that seals every record written to Redis; every dispatcher
+    /// sharing the Redis key prefix must use the same one. Required with `backend =
+    /// "redis"` (at least [`MIN_RECORD_KEY_BYTES`] bytes): a record whose seal does not
+    /// verify (written by someone without the key, moved to another server's key, or
+    /// replayed after its expiry) is refused, so write access to Redis alone cannot steer
+    /// calls.
+    pub record_key: Option<Secret>,
+    /// Hosts a `forward_url` in a record read from Redis may name: `"private"` (IP
+    /// addresses in loopback, private, link-local, shared (100.64/10) and unique-local
+    /// ranges), an address range (`"10.1.0.0/16"`, `"fd00::/8"`), an address, or a host
+    /// name pattern where `*` matches any run of characters (`"*.relay.internal"`). Default
+    /// `["private"]`. The scheme must be the one `[forward_tls]` dials (`https`, or `http`
+    /// with `insecure = true`).
+    pub forward_hosts: Vec<String>,
+    /// `[registry.redis_tls]`: trust and client certificate for `rediss://` URLs.
+    pub redis_tls: RedisTls,
 }
 
 impl RegistryConfig {
     /// The digest a report stream's key is checked against, if one is required.
     pub fn server_key_digest(&self) -> Option<&KeyDigest> {
         self.server_key.as_ref().or(self.server_key_sha256.as_ref())
+    }
+}
+
+/// Smallest `registry.record_key` accepted, in bytes.
+pub const MIN_RECORD_KEY_BYTES: usize = 32;
+
+/// `[registry.redis_tls]`: TLS to Redis, used with a `rediss://` URL.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisTls {
+    /// PEM bundle of CAs trusted to sign Redis's certificate; unset: the system's trust
+    /// store (a managed Redis with a public certificate).
+    pub ca: Option<std::path::PathBuf>,
+    /// PEM client certificate chain, for a Redis with `tls-auth-clients yes`.
+    pub cert: Option<std::path::PathBuf>,
+    /// PEM private key of `cert`.
+    pub key: Option<std::path::PathBuf>,
+}
+
+impl RedisTls {
+    fn is_set(&self) -> bool {
+        self.ca.is_some() || self.cert.is_some() || self.key.is_some()
     }
 }
 
@@ -194,6 +234,9 @@ impl Default for RegistryConfig {
             server_key_sha256: None,
             allowed_servers: Vec::new(),
             server_id_in_cert: false,
+            record_key: None,
+            forward_hosts: vec!["private".into()],
+            redis_tls: RedisTls::default(),
         }
     }
 }
@@ -546,10 +589,59 @@ impl Config {
                     "is required with backend = \"redis\"",
                 ));
             };
-            if !(url.expose().starts_with("redis://") || url.expose().starts_with("rediss://")) {
+            let tls = url.expose().starts_with("rediss://");
+            if !(url.expose().starts_with("redis://") || tls) {
                 return Err(ConfigError::invalid(
                     "registry.url",
                     "must be a redis:// or rediss:// URL",
+                ));
+            }
+            if !tls && r.redis_tls.is_set() {
+                return Err(ConfigError::invalid(
+                    "registry.redis_tls",
+                    "is set but registry.url is plain redis://: use rediss:// for TLS",
+                ));
+            }
+            if r.redis_tls.cert.is_some() != r.redis_tls.key.is_some() {
+                return Err(ConfigError::invalid(
+                    "registry.redis_tls.cert",
+                    "cert and key must be given together",
+                ));
+            }
+            match &r.record_key {
+                None => {
+                    return Err(ConfigError::invalid(
+                        "registry.record_key",
+                        format!(
+                            "is required with backend = \"redis\": a secret of at least \
+                             {MIN_RECORD_KEY_BYTES} bytes shared by every dispatcher of the \
+                             fleet, which seals the records in Redis"
+                        ),
+                    ))
+                }
+                Some(k) if k.expose().len() < MIN_RECORD_KEY_BYTES => {
+                    return Err(ConfigError::invalid(
+                        "registry.record_key",
+                        format!(
+                            "must be at least {MIN_RECORD_KEY_BYTES} bytes (e.g. `openssl rand \
+                             -hex 32`)"
+                        ),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        if r.forward_hosts.is_empty() {
+            return Err(ConfigError::invalid(
+                "registry.forward_hosts",
+                "must list at least one entry (default [\"private\"])",
+            ));
+        }
+        for (i, h) in r.forward_hosts.iter().enumerate() {
+            if let Err(why) = crate::shared::record::HostRule::parse(h) {
+                return Err(ConfigError::invalid(
+                    format!("registry.forward_hosts[{i}]"),
+                    why,
                 ));
             }
         }
@@ -675,6 +767,8 @@ mod tests {
             lease = "5s"
             server_key = "sk"
             allowed_servers = ["ts-1"]
+            record_key = "0123456789abcdef0123456789abcdef"
+            forward_hosts = ["private", "*.relay.internal", "10.0.0.0/8"]
             "#,
             Path::new("d.toml"),
         )
@@ -692,6 +786,38 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("registry.url"));
+        let mut bad = cfg.clone();
+        bad.registry.record_key = None;
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`registry.record_key`") && err.contains("required"),
+            "{err}"
+        );
+        bad.registry.record_key = Some(Secret::new("short"));
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`registry.record_key`") && err.contains("at least 32 bytes"),
+            "{err}"
+        );
+        let mut bad = cfg.clone();
+        bad.registry.forward_hosts = vec!["private".into(), "10.0.0.0/40".into()];
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("`registry.forward_hosts[1]`"), "{err}");
+        bad.registry.forward_hosts = vec![];
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("`registry.forward_hosts`"), "{err}");
+        let mut bad = cfg.clone();
+        bad.registry.redis_tls.ca = Some("ca.pem".into());
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`registry.redis_tls`") && err.contains("rediss://"),
+            "{err}"
+        );
+        bad.registry.url = Some(Secret::new("rediss://relay:pw@127.0.0.1:6380"));
+        bad.validate().unwrap();
+        bad.registry.redis_tls.cert = Some("c.pem".into());
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("`registry.redis_tls.cert`"), "{err}");
         let mut bad = cfg.clone();
         bad.routing.spill_max = 1.0;
         assert!(bad

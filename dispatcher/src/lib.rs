@@ -154,12 +154,19 @@ pub async fn run(
     ));
     let health = match (&config.registry.url, shared) {
         (Some(url), true) => {
-            let client = redis::Client::open(url.expose()).map_err(|e| {
-                ConfigError::invalid(
-                    "registry.url",
-                    format!("not a usable Redis URL: {:?}", e.kind()),
-                )
-            })?;
+            let client = shared::client(url, &config.registry.redis_tls)?;
+            let rules = shared::record::RecordRules::new(
+                config
+                    .registry
+                    .record_key
+                    .as_ref()
+                    .map(|k| k.expose().as_bytes())
+                    .unwrap_or_default(),
+                config.registry.allowed_servers.clone(),
+                !config.forward_tls.insecure,
+                &config.registry.forward_hosts,
+            )
+            .map_err(|e| ConfigError::invalid("registry.forward_hosts", e))?;
             let health = Arc::new(SharedHealth::default());
             let store = SharedStore {
                 registry: routes.clone(),
@@ -171,6 +178,7 @@ pub async fn run(
                 health: health.clone(),
                 metrics: metrics.clone(),
                 stop: background_stop.clone(),
+                rules,
             };
             tokio::spawn(store.run());
             Some(health)

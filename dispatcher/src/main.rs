@@ -27,6 +27,9 @@ struct Args {
     /// Adds a caller named "default" with this key; it may reach every tunnel id.
     #[arg(long, env = "RELAY_CALLER_KEY", hide_env_values = true)]
     caller_key: Option<String>,
+    /// The shared registry's record key (overrides `[registry] record_key`).
+    #[arg(long, env = "RELAY_REGISTRY_RECORD_KEY", hide_env_values = true)]
+    registry_record_key: Option<String>,
 }
 
 fn config(args: Args) -> anyhow::Result<Config> {
@@ -44,6 +47,9 @@ fn config(args: Args) -> anyhow::Result<Config> {
         config
             .callers
             .push(CallerConfig::allow_all("default", &key));
+    }
+    if let Some(key) = args.registry_record_key {
+        config.registry.record_key = Some(relay_common::Secret::new(key));
     }
     config.validate()?;
     Ok(config)
@@ -73,5 +79,30 @@ async fn main() {
         tracing::error!(error = %format!("{e:#}"), "relay-dispatcher failed");
         eprintln!("relay-dispatcher: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_record_key_flag_overrides_the_config() {
+        let example = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/local/dispatcher.toml"
+        );
+        let args = Args::parse_from([
+            "relay-dispatcher",
+            "--config",
+            example,
+            "--registry-record-key",
+            "0123456789abcdef0123456789abcdef",
+        ]);
+        let c = config(args).unwrap();
+        assert_eq!(
+            c.registry.record_key.as_ref().map(|k| k.expose()),
+            Some("0123456789abcdef0123456789abcdef")
+        );
     }
 }

@@ -54,6 +54,9 @@ pub struct Metrics {
     /// 1 while the shared registry (Redis) is unreachable and routing runs on the last
     /// known table.
     pub registry_degraded: IntGauge,
+    /// Records read from the shared registry and refused (seal, expiry, content), by
+    /// reason; counted once per refused record value.
+    pub registry_records_refused: IntCounterVec,
 }
 
 impl Metrics {
@@ -158,6 +161,17 @@ impl Metrics {
         registry.register(Box::new(lease_expiries.clone()))?;
         registry.register(Box::new(reports_refused.clone()))?;
         registry.register(Box::new(registry_degraded.clone()))?;
+        let registry_records_refused = IntCounterVec::new(
+            Opts::new(
+                "relay_dispatcher_registry_records_refused_total",
+                "Records read from the shared registry (Redis) and refused, by reason (once per record value)",
+            ),
+            &["reason"],
+        )?;
+        registry.register(Box::new(registry_records_refused.clone()))?;
+        for r in crate::shared::record::REFUSAL_REASONS {
+            registry_records_refused.with_label_values(&[r]);
+        }
         registry.register(Box::new(calls.clone()))?;
         registry.register(Box::new(call_duration.clone()))?;
         registry.register(Box::new(routing_decisions.clone()))?;
@@ -195,6 +209,7 @@ impl Metrics {
             lease_expiries,
             reports_refused,
             registry_degraded,
+            registry_records_refused,
         })
     }
 }

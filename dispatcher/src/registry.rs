@@ -70,7 +70,8 @@ pub struct LoadFigures {
     pub draining: bool,
 }
 
-/// A server's entry as shared between dispatchers (the JSON stored in Redis).
+/// A server's entry as shared between dispatchers (the JSON sealed into Redis by
+/// `shared::record`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerRecord {
     pub info: ServerInfo,

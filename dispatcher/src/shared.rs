@@ -2,7 +2,7 @@
 //! dispatchers of a fleet through Redis (`[registry] backend = "redis"`).
 //!
 //! One background task owns the Redis connection. It writes each local server's record
-//! (`<prefix>:server:<server_id>`, JSON, expiring after `lease`) whenever the server
+//! (`<prefix>:server:<server_id>`, sealed JSON, expiring after `lease`) whenever the server
 //! reports, and lists the server id in the set `<prefix>:servers`; every
 //! `refresh_interval` it reads all records back into the registry. A server that stops
 //! reporting stops being rewritten, so its key expires and every dispatcher drops it
@@ -27,15 +27,29 @@
 //! crashed during the outage is gone from every dispatcher within `refresh_interval` of its
 //! own dispatcher reaching Redis again, instead of a lease later).
 //!
-//! This module must not route calls; it never logs the Redis URL (it may hold a password).
+//! Records are sealed and checked on read (see [`record`]): a record written without
+//! `[registry] record_key`, edited, moved or replayed, or naming a server id, tunnel id or
+//! `forward_url` the rules refuse, is treated as missing, counted in
+//! `relay_dispatcher_registry_records_refused_total{reason}` and logged, once per record
+//! value (the same value read again on the next refresh is not counted or logged again).
+//!
+//! This module must not route calls; it never logs the Redis URL (it may hold a password)
+//! nor the record key.
 
+pub mod record;
+
+use crate::config::RedisTls;
 use crate::metrics::Metrics;
-use crate::registry::{Prune, Publish, Registry, ServerRecord};
+use crate::registry::{Prune, Publish, Registry};
+use record::{RecordRules, Refusal, MAX_READ_BYTES, MAX_RECORD_BYTES, MAX_SHARED_SERVERS};
 use redis::aio::MultiplexedConnection;
-use redis::AsyncConnectionConfig;
-use std::collections::HashSet;
+use redis::{AsyncConnectionConfig, IntoConnectionInfo};
+use relay_common::config::ConfigError;
+use relay_common::Secret;
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -121,6 +135,53 @@ pub struct SharedStore {
     pub health: Arc<SharedHealth>,
     pub metrics: Metrics,
     pub stop: CancellationToken,
+    /// The record key and the checks of records read back.
+    pub rules: RecordRules,
+}
+
+/// Records refused on earlier reads, by server id: a fingerprint of the refused value and
+/// the reason, so one bad record is counted and logged once, not on every refresh.
+#[derive(Default)]
+struct Refused(HashMap<String, (u64, &'static str)>);
+
+fn fingerprint(value: &str) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    value.hash(&mut h);
+    h.finish()
+}
+
+/// Records refused in one read of the shared store.
+#[derive(Default)]
+struct Pass {
+    /// Server ids refused in this read.
+    seen: HashSet<String>,
+    logged: usize,
+    /// Refusals past [`LOGGED_PER_READ`]: counted, and summed up in one log line.
+    unlogged: usize,
+}
+
+/// Refusals logged one by one per read (a flood of planted records costs one more line).
+const LOGGED_PER_READ: usize = 10;
+
+/// One record value as read: bounded in size before it is read whole.
+enum Value {
+    /// No such key (or an empty string).
+    Missing,
+    Text(String),
+    /// Refused before it is opened (too large, not text, not a string), with a
+    /// fingerprint of what was read.
+    Refused(u64, Refusal),
+}
+
+/// Record values read per round trip (`GETRANGE` each, at most [`MAX_RECORD_BYTES`] + 1
+/// bytes): what one round trip can hold in memory.
+const READ_BATCH: usize = 16;
+
+fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +190,63 @@ enum StoreError {
     Redis(#[from] redis::RedisError),
     #[error("redis did not answer within {0:?}")]
     Timeout(Duration),
+}
+
+/// The Redis client for `url`: `redis://` in plain text, `rediss://` over TLS (rustls)
+/// with `[registry.redis_tls]`; a user name and password in the URL
+/// (`rediss://relay:pw@host:6380/0`) are sent with `AUTH <user> <password>`. Reads the
+/// TLS files; errors name the key.
+///
+/// The commands sent, for an ACL: `AUTH` (with a password in the URL), `SELECT` (with a
+/// database other than 0 in the URL), then `SET` (with `PX`), `SADD`, `SREM`, `DEL`,
+/// `SMEMBERS`, `GETRANGE` and `EXISTS` on keys under the prefix.
+pub fn client(url: &Secret, tls: &RedisTls) -> Result<redis::Client, ConfigError> {
+    // The redis crate's own messages may quote the URL (and its password): say only which
+    // kind of problem it is.
+    let bad_url = |e: redis::RedisError| {
+        ConfigError::invalid(
+            "registry.url",
+            format!("not a usable Redis URL: {:?}", e.kind()),
+        )
+    };
+    let info = url.expose().into_connection_info().map_err(bad_url)?;
+    // No `CLIENT SETINFO` after connecting: the commands the relay sends are exactly the
+    // ones its documented ACL grants (see README, "Routing and the shared registry").
+    let info = info
+        .clone()
+        .set_redis_settings(info.redis_settings().clone().set_skip_set_lib_name());
+    if !url.expose().starts_with("rediss://") {
+        return redis::Client::open(info).map_err(bad_url);
+    }
+    let read = |key: &str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| {
+            ConfigError::invalid(
+                format!("registry.redis_tls.{key}"),
+                format!("cannot read {}: {e}", path.display()),
+            )
+        })
+    };
+    let root_cert = tls.ca.as_deref().map(|p| read("ca", p)).transpose()?;
+    let client_tls = match (&tls.cert, &tls.key) {
+        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+            client_cert: read("cert", cert)?,
+            client_key: read("key", key)?,
+        }),
+        _ => None,
+    };
+    redis::Client::build_with_tls(
+        info,
+        redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        },
+    )
+    .map_err(|e| {
+        ConfigError::invalid(
+            "registry.redis_tls",
+            format!("cannot set up TLS to Redis: {e}"),
+        )
+    })
 }
 
 impl SharedStore {
@@ -175,14 +293,16 @@ impl SharedStore {
             return Ok(());
         }
         let lease_ms = self.lease.as_millis().max(1) as u64;
+        let expires = unix_ms_now() + lease_ms;
         let mut pipe = redis::pipe();
         for (id, record) in items {
             match record {
                 Some(r) => {
-                    let json = serde_json::to_string(r).unwrap_or_default();
+                    let key = self.server_key(id);
+                    let sealed = self.rules.seal(&key, r, expires);
                     pipe.cmd("SET")
-                        .arg(self.server_key(id))
-                        .arg(json)
+                        .arg(key)
+                        .arg(sealed)
                         .arg("PX")
                         .arg(lease_ms)
                         .ignore();
@@ -203,25 +323,113 @@ impl SharedStore {
         self.bounded(pipe.query_async::<()>(conn)).await
     }
 
-    async fn read(&self, conn: &mut MultiplexedConnection, prune: bool) -> Result<(), StoreError> {
-        let ids: Vec<String> = self
+    /// Counts and logs a refused record, unless the same value was refused last time.
+    fn refuse(&self, refused: &mut Refused, pass: &mut Pass, id: &str, print: u64, why: &Refusal) {
+        pass.seen.insert(id.to_string());
+        let mark = (print, why.reason());
+        if refused.0.get(id) == Some(&mark) {
+            return;
+        }
+        refused.0.insert(id.to_string(), mark);
+        self.metrics
+            .registry_records_refused
+            .with_label_values(&[why.reason()])
+            .inc();
+        if pass.logged >= LOGGED_PER_READ {
+            pass.unlogged += 1;
+            return;
+        }
+        pass.logged += 1;
+        // Debug formatting escapes whatever the id holds.
+        warn!(server_id = ?id, reason = why.reason(), detail = %why,
+            "refused a shared registry record: routing ignores it");
+    }
+
+    /// The values at `keys`: each read through `GETRANGE 0 MAX_RECORD_BYTES`, so a value
+    /// over the bound is refused after reading one byte more than it (not whole), and no
+    /// more than [`MAX_READ_BYTES`] in all per read; a key that is not a string is refused
+    /// (other keys read on).
+    async fn values(
+        &self,
+        conn: &mut MultiplexedConnection,
+        keys: &[String],
+    ) -> Result<Vec<Value>, StoreError> {
+        let mut out = Vec::with_capacity(keys.len());
+        let mut total = 0usize;
+        for batch in keys.chunks(READ_BATCH) {
+            if total > MAX_READ_BYTES {
+                out.extend(batch.iter().map(|_| {
+                    Value::Refused(
+                        0,
+                        Refusal::TooLarge(format!(
+                            "the records read before it pass {MAX_READ_BYTES} bytes"
+                        )),
+                    )
+                }));
+                continue;
+            }
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            for key in batch {
+                pipe.cmd("GETRANGE").arg(key).arg(0).arg(MAX_RECORD_BYTES);
+            }
+            let got: Vec<redis::RedisResult<Vec<u8>>> =
+                self.bounded(pipe.query_async(conn)).await?;
+            for value in got {
+                out.push(match value {
+                    Ok(v) if v.is_empty() => Value::Missing,
+                    Ok(v) if v.len() > MAX_RECORD_BYTES => Value::Refused(
+                        v.len() as u64,
+                        Refusal::TooLarge(format!("over {MAX_RECORD_BYTES} bytes")),
+                    ),
+                    Ok(v) => {
+                        total += v.len();
+                        match String::from_utf8(v) {
+                            Ok(text) => Value::Text(text),
+                            Err(_) => Value::Refused(1, Refusal::Malformed("not UTF-8".into())),
+                        }
+                    }
+                    Err(e) => Value::Refused(2, Refusal::Malformed(format!("{:?}", e.kind()))),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    async fn read(
+        &self,
+        conn: &mut MultiplexedConnection,
+        prune: bool,
+        refused: &mut Refused,
+    ) -> Result<(), StoreError> {
+        let mut listed: Vec<String> = self
             .bounded(redis::cmd("SMEMBERS").arg(self.set_key()).query_async(conn))
             .await?;
+        listed.sort();
+        let mut pass = Pass::default();
+        let mut ids = Vec::with_capacity(listed.len().min(MAX_SHARED_SERVERS));
+        for id in listed {
+            if let Err(why) = self.rules.check_server_id(&id) {
+                self.refuse(refused, &mut pass, &id, 0, &why);
+            } else if ids.len() >= MAX_SHARED_SERVERS {
+                self.refuse(refused, &mut pass, &id, 0, &Refusal::TooManyServers);
+            } else {
+                ids.push(id);
+            }
+        }
         let mut records = Vec::with_capacity(ids.len());
         if !ids.is_empty() {
             let keys: Vec<String> = ids.iter().map(|id| self.server_key(id)).collect();
-            let values: Vec<Option<String>> = self
-                .bounded(redis::cmd("MGET").arg(&keys).query_async(conn))
-                .await?;
+            let values = self.values(conn, &keys).await?;
             let mut expired = Vec::new();
-            for (id, value) in ids.iter().zip(values) {
+            let now = unix_ms_now();
+            for ((id, key), value) in ids.iter().zip(&keys).zip(values) {
                 match value {
-                    None => expired.push(id.clone()),
-                    Some(json) => match serde_json::from_str::<ServerRecord>(&json) {
-                        Ok(r) if r.info.server_id == *id => records.push(r),
-                        Ok(_) | Err(_) => {
-                            warn!(server_id = %id, "ignoring an unreadable shared registry record")
-                        }
+                    Value::Missing => expired.push(id.clone()),
+                    Value::Refused(print, why) => self.refuse(refused, &mut pass, id, print, &why),
+                    Value::Text(value) => match self.rules.open(key, id, &value, now) {
+                        Ok(r) => records.push(r),
+                        Err(why) => self.refuse(refused, &mut pass, id, fingerprint(&value), &why),
                     },
                 }
             }
@@ -240,6 +448,15 @@ impl SharedStore {
                 }
             }
         }
+        // Forget refusals of records that are gone, so a bad record written again counts.
+        refused.0.retain(|id, _| pass.seen.contains(id));
+        if pass.unlogged > 0 {
+            warn!(
+                more = pass.unlogged,
+                "refused more shared registry records than are logged one by one per read \
+                 (see relay_dispatcher_registry_records_refused_total)"
+            );
+        }
         let prune = if prune {
             Prune::Missing
         } else {
@@ -253,12 +470,14 @@ impl SharedStore {
                 .collect();
             let mut left = HashSet::new();
             if !missing.is_empty() {
-                let keys: Vec<String> = missing.iter().map(|id| self.left_key(id)).collect();
-                let marks: Vec<Option<String>> = self
-                    .bounded(redis::cmd("MGET").arg(&keys).query_async(conn))
-                    .await?;
+                // EXISTS, not the values: a marker's content does not matter.
+                let mut pipe = redis::pipe();
+                for id in &missing {
+                    pipe.cmd("EXISTS").arg(self.left_key(id));
+                }
+                let marks: Vec<u64> = self.bounded(pipe.query_async(conn)).await?;
                 for (id, mark) in missing.into_iter().zip(marks) {
-                    if mark.is_some() {
+                    if mark > 0 {
                         left.insert(id);
                     }
                 }
@@ -282,6 +501,7 @@ impl SharedStore {
         // may have restarted empty): for one lease, missing records do not drop entries.
         let mut recovered_at: Option<Instant> = None;
         let mut was_down = false;
+        let mut refused = Refused::default();
         loop {
             let mut read = false;
             tokio::select! {
@@ -304,7 +524,9 @@ impl SharedStore {
             let prune = !was_down
                 && recovered_at
                     .is_none_or(|t| Instant::now().saturating_duration_since(t) >= self.lease);
-            let result = self.sync(&mut conn, &items, read, prune).await;
+            let result = self
+                .sync(&mut conn, &items, read.then_some(&mut refused), prune)
+                .await;
             match result {
                 Ok(()) => {
                     if was_down {
@@ -345,7 +567,7 @@ impl SharedStore {
         &self,
         conn: &mut Option<MultiplexedConnection>,
         items: &[Publish],
-        read: bool,
+        read: Option<&mut Refused>,
         prune: bool,
     ) -> Result<(), StoreError> {
         let c = match conn {
@@ -353,8 +575,8 @@ impl SharedStore {
             None => conn.insert(self.connect().await?),
         };
         self.write(c, items).await?;
-        if read {
-            self.read(c, prune).await?;
+        if let Some(refused) = read {
+            self.read(c, prune, refused).await?;
         }
         Ok(())
     }

@@ -1,6 +1,7 @@
 //! A `redis-server` of the test's own on a free loopback port, for the shared-registry
-//! tests: started empty, restarted empty on the same port, frozen (SIGSTOP: its sockets
-//! stay open and nothing answers) and thawed, and killed on drop.
+//! tests: started empty (in plain text, or TLS only with [`RedisServer::start_tls`]),
+//! restarted empty on the same port, frozen (SIGSTOP: its sockets stay open and nothing
+//! answers) and thawed, and killed on drop.
 //!
 //! Without the binary a test fails and says how to install it ([`require_redis`]): a test
 //! that needs Redis never passes without it. This module must not decide what a test
@@ -32,11 +33,30 @@ pub struct RedisServer {
     child: Option<Child>,
     port: u16,
     dir: PathBuf,
+    tls: Option<RedisTlsFiles>,
+}
+
+/// PEM files of a TLS-only Redis (`--port 0 --tls-port`), which asks no client certificate.
+#[derive(Clone, Debug)]
+pub struct RedisTlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// Required by redis-server's TLS setup; clients are not asked for a certificate.
+    pub ca: PathBuf,
 }
 
 impl RedisServer {
     /// Starts one (see [`require_redis`] for a clear failure without the binary).
     pub async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// Starts one that speaks TLS only; [`RedisServer::url`] is then `rediss://`.
+    pub async fn start_tls(files: RedisTlsFiles) -> Self {
+        Self::start_with(Some(files)).await
+    }
+
+    async fn start_with(tls: Option<RedisTlsFiles>) -> Self {
         // Redis cannot bind port 0: take a free port from the OS and release it.
         let port = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -48,13 +68,24 @@ impl RedisServer {
             child: None,
             port,
             dir,
+            tls,
         };
         r.restart().await;
         r
     }
 
+    /// `redis://127.0.0.1:<port>`, or `rediss://` for a TLS one.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// (Re)starts the server on its port with an empty data set.
@@ -62,8 +93,20 @@ impl RedisServer {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
         std::fs::create_dir_all(&self.dir).unwrap();
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string()])
+        let mut cmd = Command::new("redis-server");
+        match &self.tls {
+            None => cmd.args(["--port", &self.port.to_string()]),
+            Some(t) => cmd
+                .args(["--port", "0", "--tls-port", &self.port.to_string()])
+                .arg("--tls-cert-file")
+                .arg(&t.cert)
+                .arg("--tls-key-file")
+                .arg(&t.key)
+                .arg("--tls-ca-cert-file")
+                .arg(&t.ca)
+                .args(["--tls-auth-clients", "no"]),
+        };
+        let child = cmd
             .args(["--bind", "127.0.0.1"])
             .args(["--save", ""])
             .args(["--appendonly", "no"])
@@ -75,11 +118,19 @@ impl RedisServer {
             .spawn()
             .expect("spawn redis-server");
         self.child = Some(child);
-        let port = self.port;
+        let (port, tls) = (self.port, self.tls.is_some());
         crate::eventually(
-            "redis-server answers PING",
+            "redis-server answers PING (with TLS: accepts connections)",
             Duration::from_secs(10),
-            || async move { ping(port).await },
+            || async move {
+                if tls {
+                    tokio::net::TcpStream::connect(("127.0.0.1", port))
+                        .await
+                        .is_ok()
+                } else {
+                    ping(port).await
+                }
+            },
         )
         .await;
     }

@@ -588,7 +588,9 @@ async fn no_secret_appears_in_logs_metrics_debug_pages_or_answers_at_debug_level
     let (caller_key, bad_caller_key) = (secret("caller-key"), secret("bad-caller-key"));
     let (server_key, bad_server_key) = (secret("server-key"), secret("bad-server-key"));
     let (redis_pw, bad_redis_pw) = (secret("redis-pw"), secret("bad-redis-pw"));
+    let record_key = secret("registry-record-key-sealing");
     let secrets = [
+        &record_key,
         &token,
         &bad_token,
         &caller_key,
@@ -610,7 +612,7 @@ async fn no_secret_appears_in_logs_metrics_debug_pages_or_answers_at_debug_level
     let how = debug_logs();
     let registry = |pw: &str| {
         format!(
-            "backend = \"redis\"\nurl = \"redis://:{pw}@127.0.0.1:{}/0\"\n",
+            "backend = \"redis\"\nurl = \"redis://:{pw}@127.0.0.1:{}/0\"\nrecord_key = {record_key:?}\n",
             redis.port
         )
     };
@@ -714,6 +716,7 @@ async fn no_secret_appears_in_logs_metrics_debug_pages_or_answers_at_debug_level
         ("agent token as a caller key", token.as_str()),
         ("server key as a caller key", server_key.as_str()),
         ("redis password as a caller key", redis_pw.as_str()),
+        ("record key as a caller key", record_key.as_str()),
     ] {
         let a = Caller::new(d1.http, Some(key))
             .get(&format!("/relay/{TUNNEL_ID}/hello"))

@@ -1944,7 +1944,8 @@ async fn crashed_dispatcher_with_the_redis_registry_routes_again_within_the_repo
     };
     let prefix = format!("relay-test-dispatcher-crash-{}", std::process::id());
     dispatcher_crash_and_restart(format!(
-        "backend = \"redis\"\nurl = {url:?}\nkey_prefix = {prefix:?}\n"
+        "backend = \"redis\"\nurl = {url:?}\nkey_prefix = {prefix:?}\n\
+         record_key = \"test-record-key-0123456789abcdef-0123456789\"\n"
     ))
     .await;
 }

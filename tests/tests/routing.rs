@@ -7,10 +7,11 @@
 
 use relay_agent::coverage::plan::CoverageConfig;
 use relay_common::Secret;
+use relay_dispatcher::config::RedisTls;
 use relay_dispatcher::{RegistryBackend, RoutingPolicy};
 use relay_tests::client::Caller;
 use relay_tests::lb::Policy;
-use relay_tests::redis::{require_redis, RedisServer};
+use relay_tests::redis::{require_redis, RedisServer, RedisTlsFiles};
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use relay_tests::upstream::{Upstream, UpstreamHandle};
 use relay_tests::{eventually, time_until};
@@ -449,6 +450,8 @@ async fn a_server_killed_mid_load_loses_only_calls_in_progress_and_every_call_is
 const REFRESH: Duration = Duration::from_millis(200);
 const REDIS_TIMEOUT: Duration = Duration::from_millis(500);
 const LEASE: Duration = Duration::from_secs(3);
+/// `[registry] record_key` of every dispatcher in these fleets.
+const RECORD_KEY: &str = "test-record-key-0123456789abcdef-0123456789";
 /// Margin on a detection bound: polling, scheduling on a loaded 2-core machine.
 const SLACK: Duration = Duration::from_secs(1);
 
@@ -464,7 +467,8 @@ async fn any() -> TcpListener {
     TcpListener::bind("127.0.0.1:0").await.unwrap()
 }
 
-async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest {
+/// A dispatcher on the shared registry at `redis_url`, with `[registry.redis_tls]`.
+async fn start_dispatcher_on(redis_url: &str, prefix: &str, tls: RedisTls) -> DispatcherUnderTest {
     let l = relay_dispatcher::Listeners {
         http: any().await,
         registry: any().await,
@@ -485,6 +489,8 @@ async fn start_dispatcher(redis_url: &str, prefix: &str) -> DispatcherUnderTest 
             refresh_interval: REFRESH,
             redis_timeout: REDIS_TIMEOUT,
             server_key: Some(relay_common::KeyDigest::of(b"fleet-key")),
+            record_key: Some(Secret::new(RECORD_KEY)),
+            redis_tls: tls,
             ..Default::default()
         },
         ..relay_dispatcher::Config::default().insecure()
@@ -522,55 +528,62 @@ async fn start_server(id: &str, dispatcher: SocketAddr) -> TunnelServerHandle {
         .unwrap()
 }
 
-/// Two dispatchers on one Redis, ts-1 reporting to the first and ts-2 to the second, one
-/// agent dialing both servers.
+/// Two dispatchers on one Redis, ts-1 reporting to the first and ts-2 to the second, and
+/// one agent replica of the tunnel id per server, each dialing its server alone: an agent
+/// dialing both would place each stream on a server at random, and all of one pool on one server (1
+/// start in 128 with 8 streams) leaves the other without streams.
 struct Fleet {
     upstream: UpstreamHandle,
     dispatchers: Vec<DispatcherUnderTest>,
     servers: Vec<Option<TunnelServerHandle>>,
     agent_stop: CancellationToken,
-    agent: tokio::task::JoinHandle<()>,
+    agents: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Fleet {
     async fn start(redis_url: &str, prefix: &str) -> Fleet {
+        Fleet::start_on(redis_url, prefix, RedisTls::default()).await
+    }
+
+    /// With `[registry.redis_tls]` on both dispatchers.
+    async fn start_on(redis_url: &str, prefix: &str, tls: RedisTls) -> Fleet {
         let upstream = Upstream::builder().spawn().await.unwrap();
-        let d1 = start_dispatcher(redis_url, prefix).await;
-        let d2 = start_dispatcher(redis_url, prefix).await;
+        let d1 = start_dispatcher_on(redis_url, prefix, tls.clone()).await;
+        let d2 = start_dispatcher_on(redis_url, prefix, tls).await;
         let s1 = start_server("ts-1", d1.registry).await;
         let s2 = start_server("ts-2", d2.registry).await;
-        let cfg = relay_agent::Config {
-            tunnels: vec![
-                format!("http://{}", s1.agent_addr),
-                format!("http://{}", s2.agent_addr),
-            ],
-            token: Secret::new(TOKEN),
-            upstream: upstream.url(),
-            coverage: CoverageConfig {
-                enabled: false,
-                fixed_streams: 8,
-                ..CoverageConfig::default()
-            },
-            allow: vec![relay_agent::config::AllowRule {
-                name: Some("test-all".into()),
-                methods: vec!["*".into()],
-                path: "/**".into(),
-                ..Default::default()
-            }],
-            ..relay_agent::Config::default().insecure()
-        };
         let agent_stop = CancellationToken::new();
-        let admin = any().await;
-        let s = agent_stop.clone();
-        let agent = tokio::spawn(async move {
-            let _ = relay_agent::run(cfg, admin, s.cancelled_owned()).await;
-        });
+        let mut agents = Vec::new();
+        for server in [&s1, &s2] {
+            let cfg = relay_agent::Config {
+                tunnels: vec![format!("http://{}", server.agent_addr)],
+                token: Secret::new(TOKEN),
+                upstream: upstream.url(),
+                coverage: CoverageConfig {
+                    enabled: false,
+                    fixed_streams: 8,
+                    ..CoverageConfig::default()
+                },
+                allow: vec![relay_agent::config::AllowRule {
+                    name: Some("test-all".into()),
+                    methods: vec!["*".into()],
+                    path: "/**".into(),
+                    ..Default::default()
+                }],
+                ..relay_agent::Config::default().insecure()
+            };
+            let admin = any().await;
+            let s = agent_stop.clone();
+            agents.push(tokio::spawn(async move {
+                let _ = relay_agent::run(cfg, admin, s.cancelled_owned()).await;
+            }));
+        }
         Fleet {
             upstream,
             dispatchers: vec![d1, d2],
             servers: vec![Some(s1), Some(s2)],
             agent_stop,
-            agent,
+            agents,
         }
     }
 
@@ -603,7 +616,9 @@ impl Fleet {
 
     async fn shutdown(mut self) {
         self.agent_stop.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.agent).await;
+        for agent in self.agents {
+            let _ = tokio::time::timeout(Duration::from_secs(10), agent).await;
+        }
         for s in self.servers.iter_mut().filter_map(Option::take) {
             s.shutdown().await;
         }
@@ -902,6 +917,356 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
     );
     for d in 0..2 {
         fleet.wait_sees(d, &["ts-2"]).await;
+    }
+    fleet.shutdown().await;
+}
+
+// ---------------------------------------------------------------- a hostile Redis writer
+
+/// A TCP listener the test owns, counting the connections it accepts: an endpoint an
+/// attacker controls. Any call routed to it shows as a connection.
+async fn trap() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    let l = any().await;
+    let addr = l.local_addr().unwrap();
+    let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let h = hits.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            h.fetch_add(1, Ordering::SeqCst);
+            drop(s);
+        }
+    });
+    (addr, hits)
+}
+
+/// A record's content as dispatchers write it, claiming `demo` with every stream idle
+/// (`idle` = 4294967295) on a server at `forward_url`.
+fn forged_record(server_id: &str, forward_url: &str) -> serde_json::Value {
+    serde_json::json!({
+        "info": {
+            "server_id": server_id,
+            "zone": "z",
+            "forward_url": forward_url,
+            "instance_id": format!("{server_id}-1"),
+        },
+        "tunnels": [TUNNEL_ID],
+        "load": {
+            "tunnels": {TUNNEL_ID: {"idle": 4294967295u32, "busy": 0, "queued": 0, "rtt_us": 0}},
+            "calls_in_flight": 0,
+            "draining": false,
+        },
+        "dispatcher": "dispatcher@attacker",
+    })
+}
+
+async fn redis_conn(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// `relay_dispatcher_registry_records_refused_total{reason}` on dispatcher `admin`.
+async fn refused(admin: SocketAddr, reason: &str) -> f64 {
+    metric(
+        admin,
+        &format!("relay_dispatcher_registry_records_refused_total{{reason=\"{reason}\"}}"),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are_counted() {
+    require_redis(
+        "forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are_counted",
+    );
+    let redis = RedisServer::start().await;
+    let prefix = unique_prefix("forged");
+    let fleet = Fleet::start(&redis.url(), &prefix).await;
+    fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
+    fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
+    let (trap_addr, hits) = trap().await;
+    let trap_url = format!("http://{trap_addr}");
+    let conn = redis_conn(&redis.url()).await;
+    let key = |id: &str| format!("{prefix}:server:{id}");
+    let plant = |id: &'static str, value: String| {
+        let (set, list) = (key(id), format!("{prefix}:servers"));
+        let mut conn = conn.clone();
+        async move {
+            let _: () = redis::cmd("SET")
+                .arg(set)
+                .arg(value)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let _: () = redis::cmd("SADD")
+                .arg(list)
+                .arg(id)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+    };
+    // Whoever holds the record key can seal; the attacker's records below are what one
+    // without it (or with an old record) can write.
+    let sealer = relay_dispatcher::shared::record::RecordRules::new(
+        RECORD_KEY.as_bytes(),
+        Vec::new(),
+        false,
+        &["private".to_string()],
+    )
+    .unwrap();
+    let record = |id: &str, url: &str| -> relay_dispatcher::registry::ServerRecord {
+        serde_json::from_value(forged_record(id, url)).unwrap()
+    };
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    };
+
+    // 1. The issue's attack: a record by hand (plain JSON).
+    plant("evil", forged_record("evil", &trap_url).to_string()).await;
+    // 2. A sealed record edited: its forward_url swapped for the attacker's.
+    let ts1_url = format!("http://{}", fleet.servers[0].as_ref().unwrap().forward_addr);
+    let sealed = sealer.seal(
+        &key("evil-edited"),
+        &record("evil-edited", &ts1_url),
+        now_ms() + 60_000,
+    );
+    plant("evil-edited", sealed.replace(&ts1_url, &trap_url)).await;
+    // 3. A live server's real record copied under another server id.
+    let real: String = redis::cmd("GET")
+        .arg(key("ts-2"))
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    plant("evil-moved", real).await;
+    // 4. A record sealed with the key, written back after its expiry.
+    let old = sealer.seal(
+        &key("evil-replayed"),
+        &record("evil-replayed", &trap_url),
+        now_ms() - 10_000,
+    );
+    plant("evil-replayed", old).await;
+    // 5. A sealed record whose forward_url names a host outside registry.forward_hosts
+    //    (default: private addresses; a host name must be listed).
+    let outside = format!("http://localhost:{}", trap_addr.port());
+    let sealed = sealer.seal(
+        &key("evil-host"),
+        &record("evil-host", &outside),
+        now_ms() + 60_000,
+    );
+    plant("evil-host", sealed).await;
+    // 6. A value over the size bound, and a key that is not a string: refused, and the
+    //    other records are read on.
+    plant("evil-big", "v1.".to_string() + &"x".repeat(5 << 20)).await;
+    let _: () = redis::cmd("HSET")
+        .arg(key("evil-hash"))
+        .arg("f")
+        .arg("v")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SADD")
+        .arg(format!("{prefix}:servers"))
+        .arg("evil-hash")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+
+    let want = [
+        ("unsealed", 1.0),
+        ("bad_seal", 2.0),
+        ("expired", 1.0),
+        ("forward_url", 1.0),
+        ("too_large", 1.0),
+        ("malformed", 1.0),
+    ];
+    for d in &fleet.dispatchers {
+        let admin = d.admin;
+        eventually(
+            "the dispatcher refused the planted records",
+            READY,
+            || async move {
+                let mut all = true;
+                for (reason, n) in want {
+                    all &= refused(admin, reason).await >= n;
+                }
+                all
+            },
+        )
+        .await;
+    }
+    for d in 0..2 {
+        let caller = fleet.caller(d);
+        for _ in 0..20 {
+            let a = caller
+                .get(&format!("/relay/{TUNNEL_ID}/hello"))
+                .await
+                .unwrap();
+            assert_eq!(a.status, 200, "via dispatcher {d}: {}", a.text());
+        }
+    }
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        0,
+        "calls reached the address of a record planted in Redis"
+    );
+    for d in &fleet.dispatchers {
+        for id in [
+            "evil",
+            "evil-edited",
+            "evil-moved",
+            "evil-replayed",
+            "evil-host",
+            "evil-big",
+            "evil-hash",
+        ] {
+            assert!(!lists(d.admin, id).await, "{id} is in the routing table");
+        }
+        // Read again on every refresh, counted once.
+        for (reason, n) in want {
+            assert_eq!(refused(d.admin, reason).await, n, "{reason}");
+        }
+    }
+    fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
+    fleet.shutdown().await;
+}
+
+// ---------------------------------------------------------------- TLS and an ACL user
+
+/// The ACL README documents for the relay's Redis user, for key prefix `prefix`: the
+/// commands the shared registry sends, on its own keys only.
+fn relay_acl(user: &str, password: &str, prefix: &str) -> Vec<String> {
+    let rule = format!(
+        "{user} on >{password} resetkeys ~{prefix}:* resetchannels -@all +set +getrange +exists +del +sadd +srem +smembers"
+    );
+    std::iter::once("ACL".to_string())
+        .chain(std::iter::once("SETUSER".to_string()))
+        .chain(rule.split(' ').map(str::to_string))
+        .collect()
+}
+
+/// The error `/readyz` reports for the shared registry, once it reports one.
+async fn registry_error(admin: SocketAddr) -> String {
+    let why = Arc::new(std::sync::Mutex::new(String::new()));
+    eventually("readyz reports the registry's error", READY, || {
+        let why = why.clone();
+        async move {
+            let (status, body) = admin_json(admin, "/readyz").await;
+            match body["detail"]["registry"]["error"].as_str() {
+                Some(e) if status == 503 => {
+                    *why.lock().unwrap() = e.to_string();
+                    true
+                }
+                _ => false,
+            }
+        }
+    })
+    .await;
+    let why = why.lock().unwrap().clone();
+    why
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_an_acl_user_routes_and_a_wrong_password_or_an_untrusted_ca_is_a_clear_error() {
+    require_redis(
+        "rediss_with_an_acl_user_routes_and_a_wrong_password_or_an_untrusted_ca_is_a_clear_error",
+    );
+    let dir = relay_tests::procs::ScratchDir::new("rediss").unwrap();
+    let certs = relay_tests::certs::generate(&dir.path().join("good"), &["127.0.0.1"]).unwrap();
+    let other = relay_tests::certs::generate(&dir.path().join("other"), &["127.0.0.1"]).unwrap();
+    let redis = RedisServer::start_tls(RedisTlsFiles {
+        cert: certs.dispatcher.0.clone(),
+        key: certs.dispatcher.1.clone(),
+        ca: certs.ca.clone(),
+    })
+    .await;
+    let prefix = unique_prefix("rediss");
+    // The documented ACL, applied by an administrator (the default user).
+    let admin = redis::Client::build_with_tls(
+        redis.url(),
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(std::fs::read(&certs.ca).unwrap()),
+        },
+    )
+    .unwrap();
+    let mut conn = admin.get_multiplexed_async_connection().await.unwrap();
+    let acl = relay_acl("relay", "relay-pw", &prefix);
+    let mut cmd = redis::cmd(&acl[0]);
+    for a in &acl[1..] {
+        cmd.arg(a);
+    }
+    let _: () = cmd.query_async(&mut conn).await.unwrap();
+
+    let url = |password: &str| format!("rediss://relay:{password}@127.0.0.1:{}", redis.port());
+    let trusted = RedisTls {
+        ca: Some(certs.ca.clone()),
+        ..RedisTls::default()
+    };
+    let fleet = Fleet::start_on(&url("relay-pw"), &prefix, trusted.clone()).await;
+    fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
+    fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
+    for d in 0..2 {
+        let caller = fleet.caller(d);
+        for _ in 0..10 {
+            let a = caller
+                .get(&format!("/relay/{TUNNEL_ID}/hello"))
+                .await
+                .unwrap();
+            assert_eq!(a.status, 200, "via dispatcher {d}: {}", a.text());
+        }
+        assert_eq!(
+            admin_json(fleet.dispatchers[d].admin, "/readyz").await.0,
+            200
+        );
+    }
+    // The records are where the ACL lets the relay write, sealed.
+    let listed: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(format!("{prefix}:servers"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+
+    // A wrong password: Redis refuses, /readyz says so (and never shows the password).
+    let wrong = start_dispatcher_on(&url("not-the-pw"), &prefix, trusted.clone()).await;
+    let why = registry_error(wrong.admin).await;
+    eprintln!("wrong password: {why}");
+    assert!(
+        why.to_lowercase().contains("authentication failed"),
+        "{why}"
+    );
+    assert!(!why.contains("not-the-pw"), "{why}");
+    // A Redis certificate from a CA the dispatcher does not trust.
+    let untrusted = start_dispatcher_on(
+        &url("relay-pw"),
+        &prefix,
+        RedisTls {
+            ca: Some(other.ca.clone()),
+            ..RedisTls::default()
+        },
+    )
+    .await;
+    let why = registry_error(untrusted.admin).await;
+    eprintln!("untrusted CA: {why}");
+    // (Both test CAs have one name: the issuer is found and its signature does not match.)
+    assert!(why.contains("invalid peer certificate"), "{why}");
+    // No CA configured: the system's trust store, which does not hold the test CA either.
+    let system = start_dispatcher_on(&url("relay-pw"), &prefix, RedisTls::default()).await;
+    let why = registry_error(system.admin).await;
+    eprintln!("system trust store: {why}");
+    assert!(
+        why.contains("invalid peer certificate: UnknownIssuer"),
+        "{why}"
+    );
+    for d in [wrong, untrusted, system] {
+        d.stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), d.task).await;
     }
     fleet.shutdown().await;
 }
