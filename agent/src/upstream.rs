@@ -48,6 +48,9 @@ pub struct UpstreamRequest {
     /// Bound on the request body's bytes; past it the request is aborted and the call
     /// fails with `UpstreamError::BodyTooLarge`.
     pub body_limit: Option<u64>,
+    /// Send `Connection: close` so the pooled connection is not reused after this call
+    /// (a body the upstream may not have read, see `filter::Prepared::close_connection`).
+    pub close_connection: bool,
 }
 
 /// The HTTP client to one origin. Cheap to clone.
@@ -182,6 +185,7 @@ impl Upstream {
             headers: HeaderMap::new(),
             body: None,
             body_limit: None,
+            close_connection: false,
         };
         let (request, _) = self.build(req)?;
         match tokio::time::timeout(timeout, self.inner.client.request(request)).await {
@@ -227,6 +231,9 @@ impl Upstream {
         let mut headers = req.headers;
         strip_hop_by_hop(&mut headers);
         headers.insert(header::HOST, self.inner.host.clone());
+        if req.close_connection {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         let mut request = Request::new(body);
         *request.method_mut() = req.method;
         *request.uri_mut() = uri;
@@ -464,6 +471,7 @@ mod tests {
                 headers: HeaderMap::new(),
                 body: None,
                 body_limit: None,
+                close_connection: false,
             };
             let err = up
                 .send(req, Instant::now() + Duration::from_secs(1))
