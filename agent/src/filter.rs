@@ -13,8 +13,9 @@
 //! 5. the path has no dot segments (also percent-encoded, with `;params`, or hidden behind
 //!    `%2F` / `\`), no empty segment in the middle, no `%00`, no broken escape, no escape
 //!    left after decoding once (`%252e`: a server that decodes twice would see `.`), no
-//!    control character and no byte outside ASCII once decoded (so no overlong UTF-8 such
-//!    as `%c0%ae` either) (`unsafe_path`);
+//!    control character once decoded, only valid UTF-8 once decoded (no overlong form
+//!    such as `%c0%ae`) and none of the characters that fold into '.', '/' or '\'
+//!    (`unsafe_path`);
 //! 6. no header that asks the upstream to use another host, path or method
 //!    (`X-Forwarded-Host`, `X-Original-URL`, `X-HTTP-Method-Override`, ..., also spelled
 //!    with `_` for `-`: `override_header`);
@@ -25,9 +26,9 @@
 //!    spoofing headers ([`SPOOFING_HEADERS`] and any header that reads as one with `_` for
 //!    `-`) except those the rule being tried lists in `pass_headers`: rules match only
 //!    headers the upstream will receive;
-//! 9. the `[[allow]]` rules (`path`, `method`, `header`, `query`, and a body on GET, HEAD
-//!    or OPTIONS only where the rule lists the method in `body_methods`: `body`): default
-//!    deny.
+//! 9. the `[[allow]]` rules (`path`, `method`, `header`, `query`, a body on GET, HEAD
+//!    or OPTIONS only where the rule lists the method in `body_methods`: `body`, and a
+//!    non-ASCII path only where the rule sets `utf8_paths`: `unsafe_path`): default deny.
 //!
 //! The `Host` header the cloud side sends is never used: the upstream client always sets it
 //! to the configured origin. Rules match the path exactly as it is sent upstream, segment
@@ -94,6 +95,21 @@ pub struct AllowRule {
     /// call.
     #[serde(default)]
     pub body_methods: Vec<String>,
+    /// Let paths holding non-ASCII characters (valid UTF-8, percent-encoded or not) match
+    /// this rule. Default false: such a path is refused (`unsafe_path`). Bytes that are
+    /// not valid UTF-8 (overlong forms such as `%c0%ae` included) and characters that
+    /// fold into '.', '/' or '\' are refused either way.
+    #[serde(default)]
+    pub utf8_paths: bool,
+}
+
+/// What a rule needs to know about a call beyond its method, path, headers and query.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    /// A body on GET, HEAD or OPTIONS.
+    body_on_bodiless: bool,
+    /// The decoded path holds non-ASCII characters.
+    non_ascii: bool,
 }
 
 /// The per-call size limits the policy enforces itself.
@@ -302,6 +318,8 @@ struct Rule {
     query: Vec<(Vec<u8>, Vec<u8>)>,
     /// Spoofing headers (canonical names) this rule passes.
     pass: Vec<&'static str>,
+    /// Paths with non-ASCII (valid UTF-8) characters may match.
+    utf8_paths: bool,
     /// Uppercase bodiless methods on which a body is allowed.
     body_methods: Vec<String>,
 }
@@ -403,7 +421,11 @@ impl Policy {
             .iter()
             .any(|m| method.as_str().eq_ignore_ascii_case(m));
         let body_on_bodiless = bodiless && !head.end_of_stream && content_length != Some(0);
-        let rule = self.allowed(&method, &pq, &segments, &headers, body_on_bodiless)?;
+        let call = Shape {
+            body_on_bodiless,
+            non_ascii: segments.iter().any(|s| !s.is_ascii()),
+        };
+        let rule = self.allowed(&method, &pq, &segments, &headers, call)?;
         headers.remove(http::header::HOST);
         for name in SPOOFING_HEADERS {
             if !rule.pass.contains(&name) {
@@ -427,20 +449,14 @@ impl Policy {
         pq: &PathAndQuery,
         segments: &[Vec<u8>],
         headers: &HeaderMap,
-        body_on_bodiless: bool,
+        call: Shape,
     ) -> Result<&Rule, Rejection> {
         let query = pq.query().map(parse_query).unwrap_or_default();
-        // (stage reached, refusal) of the closest rule: path < method < header < query < body.
+        // (stage reached, refusal) of the closest rule:
+        // path < method < header < query < body < UTF-8 path.
         let mut closest: Option<(u8, Rejection)> = None;
         for rule in &self.rules {
-            let checked = rule.check(
-                method,
-                pq.path(),
-                segments,
-                headers,
-                &query,
-                body_on_bodiless,
-            );
+            let checked = rule.check(method, pq.path(), segments, headers, &query, call);
             let (stage, refusal) = match checked {
                 Ok(()) => return Ok(rule),
                 Err(x) => x,
@@ -586,10 +602,11 @@ impl Rule {
             query,
             pass,
             body_methods,
+            utf8_paths: r.utf8_paths,
         })
     }
 
-    /// `Err((stage, refusal))`: 0 path, 1 method, 2 header, 3 query, 4 body.
+    /// `Err((stage, refusal))`: 0 path, 1 method, 2 header, 3 query, 4 body, 5 UTF-8 path.
     fn check(
         &self,
         method: &Method,
@@ -597,7 +614,7 @@ impl Rule {
         segments: &[Vec<u8>],
         headers: &HeaderMap,
         query: &[(Vec<u8>, Vec<u8>)],
-        body_on_bodiless: bool,
+        call: Shape,
     ) -> Result<(), (u8, Rejection)> {
         if !match_path(&self.path, segments) {
             let hint = if path.contains(';') {
@@ -666,7 +683,7 @@ impl Rule {
                 ));
             }
         }
-        if body_on_bodiless
+        if call.body_on_bodiless
             && !self
                 .body_methods
                 .iter()
@@ -679,6 +696,18 @@ impl Rule {
                     format!(
                         "a request body on {} is refused (rule {:?} does not list it in body_methods)",
                         short(method.as_str()),
+                        self.label
+                    ),
+                ),
+            ));
+        }
+        if call.non_ascii && !self.utf8_paths {
+            return Err((
+                5,
+                Rejection::refused(
+                    Reason::UnsafePath,
+                    format!(
+                        "unsafe path: non-ASCII characters (rule {:?} does not set utf8_paths)",
                         self.label
                     ),
                 ),
@@ -755,10 +784,20 @@ fn path_segments(path: &str) -> Result<Vec<Vec<u8>>, Rejection> {
         if decoded.contains(&0) {
             return Err(unsafe_path("NUL byte"));
         }
-        if decoded.iter().any(|b| *b >= 0x80) {
-            return Err(unsafe_path(
-                "a byte outside ASCII (non-ASCII text and overlong UTF-8 such as %c0%ae are refused)",
-            ));
+        // Non-ASCII is allowed only as valid UTF-8 (never overlong: `%c0%ae` is '.' to a
+        // lenient decoder), and only by a rule with `utf8_paths` (see `Rule::check`).
+        match std::str::from_utf8(&decoded) {
+            Err(_) => {
+                return Err(unsafe_path(
+                    "bytes that are not valid UTF-8 (overlong UTF-8 such as %c0%ae included)",
+                ))
+            }
+            Ok(text) if text.chars().any(|c| LOOKALIKES.contains(&c)) => {
+                return Err(unsafe_path(
+                    "a character that some servers fold into '.', '/' or '\\'",
+                ))
+            }
+            Ok(_) => {}
         }
         if decoded.iter().any(|b| b.is_ascii_control()) {
             return Err(unsafe_path("a control character"));
@@ -783,6 +822,19 @@ fn path_segments(path: &str) -> Result<Vec<Vec<u8>>, Rejection> {
     }
     Ok(out)
 }
+
+/// Characters that Unicode compatibility normalization (NFKC) or lenient servers turn into
+/// '.', '/' or '\': refused even where a rule allows UTF-8 paths.
+const LOOKALIKES: [char; 8] = [
+    '\u{2024}', // one dot leader
+    '\u{FE52}', // small full stop
+    '\u{FF0E}', // fullwidth full stop
+    '\u{2215}', // division slash
+    '\u{2044}', // fraction slash
+    '\u{FF0F}', // fullwidth solidus
+    '\u{2216}', // set minus
+    '\u{FF3C}', // fullwidth reverse solidus
+];
 
 /// The head's headers as a `HeaderMap`, after the override-header check.
 fn header_map(head: &RequestHead) -> Result<HeaderMap, Rejection> {

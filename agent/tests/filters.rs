@@ -691,6 +691,9 @@ const PATH_TRICKS: &[(&str, &str)] = &[
     ("/pub/%c0%af", "unsafe_path"),
     ("/pub/%e0%80%ae", "unsafe_path"),
     ("/pub/caf%c3%a9", "unsafe_path"),
+    // Where a rule sets utf8_paths: still no overlong form and no fullwidth '.'.
+    ("/docs/%c0%ae%c0%ae/admin", "unsafe_path"),
+    ("/docs/%ef%bc%8e%ef%bc%8e/admin", "unsafe_path"),
     // Control characters decoded from the path.
     ("/pub/a%0d%0aSet-Cookie:x", "unsafe_path"),
     ("/pub/a%7f", "unsafe_path"),
@@ -706,7 +709,13 @@ async fn path_tricks_are_refused_and_never_reach_the_upstream() {
     let mut tunnel = FakeTunnel::start(10_000, true).await;
     let upstream = Naive::start().await;
     let mut cfg = filtered_config(&tunnel.url, &upstream.url, 1);
-    cfg.allow = vec![allow("/files/*.json", &["GET"]), allow("/pub/**", &["GET"])];
+    let mut docs = allow("/docs/**", &["GET"]);
+    docs.utf8_paths = true;
+    cfg.allow = vec![
+        allow("/files/*.json", &["GET"]),
+        allow("/pub/**", &["GET"]),
+        docs,
+    ];
     let (_agent, _) = start_agent(cfg).await;
     let mut conn = tunnel.next_conn().await;
 
@@ -724,6 +733,10 @@ async fn path_tricks_are_refused_and_never_reach_the_upstream() {
     assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
     let a = conn
         .call(head(100, "GET", "/files/report.json", true), vec![])
+        .await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    let a = conn
+        .call(head(101, "GET", "/docs/caf%c3%a9", true), vec![])
         .await;
     assert_eq!(a.status(), 200, "{a:?}");
 }

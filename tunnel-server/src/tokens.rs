@@ -133,8 +133,11 @@ pub struct SharedTokens {
     /// Runs once right after the next lookup: lets a test land a reload in the window
     /// between a stream's token lookup and its registration.
     #[cfg(test)]
-    after_lookup: Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>>,
+    after_lookup: Arc<std::sync::Mutex<Option<Hook>>>,
 }
+
+#[cfg(test)]
+type Hook = Box<dyn FnOnce() + Send>;
 
 impl SharedTokens {
     pub fn new(store: TokenStore) -> Self {

@@ -880,6 +880,39 @@ fn spoofing_headers_are_stripped_unless_the_rule_passes_them() {
 }
 
 #[test]
+fn utf8_paths_pass_only_where_a_rule_allows_them_and_never_overlong_or_lookalikes() {
+    let docs = AllowRule {
+        utf8_paths: true,
+        ..rule(&["GET"], "/docs/**")
+    };
+    let p = Policy::new(&[docs, rule(&["GET"], "/**")], LIMITS).unwrap();
+    let cases: &[(&str, Result<(), Option<Reason>>)] = &[
+        ("/docs/caf%C3%A9", Ok(())),
+        ("/docs/%E6%97%A5%E6%9C%AC/readme", Ok(())),
+        ("/other/caf%C3%A9", Err(Some(Reason::UnsafePath))),
+        // Overlong and broken UTF-8.
+        ("/docs/%c0%ae%c0%ae/admin", Err(Some(Reason::UnsafePath))),
+        ("/docs/%e0%80%ae", Err(Some(Reason::UnsafePath))),
+        ("/docs/%C3", Err(Some(Reason::UnsafePath))),
+        ("/docs/%ff", Err(Some(Reason::UnsafePath))),
+        // Fullwidth '.' and '/' and friends, which NFKC folds into the ASCII ones.
+        (
+            "/docs/%EF%BC%8E%EF%BC%8E/admin",
+            Err(Some(Reason::UnsafePath)),
+        ),
+        ("/docs/a%EF%BC%8Fb", Err(Some(Reason::UnsafePath))),
+        ("/docs/a%E2%88%95b", Err(Some(Reason::UnsafePath))),
+    ];
+    for (target, want) in cases {
+        assert_eq!(&outcome(&p, &head("GET", target, &[])), want, "{target}");
+    }
+    let err = p
+        .prepare(&head("GET", "/other/caf%C3%A9", &[]))
+        .unwrap_err();
+    assert!(err.message().contains("utf8_paths"), "{err:?}");
+}
+
+#[test]
 fn only_an_allowed_body_on_a_bodiless_method_closes_the_connection() {
     let mut search = rule(&["GET", "POST"], "/search");
     search.body_methods = vec!["GET".into()];
