@@ -67,8 +67,9 @@ pub struct AllowRule {
     /// Optional label used in log lines and refusal messages (default `allow[i]`).
     #[serde(default)]
     pub name: Option<String>,
-    /// Methods this rule allows, e.g. `["GET", "HEAD"]`; `"*"` allows any method.
-    /// Compared case-insensitively. Required, non-empty.
+    /// Methods this rule allows, e.g. `["GET", "HEAD"]`; `"*"` allows any method but
+    /// CONNECT and TRACE, which are always refused. Compared case-insensitively. Required,
+    /// non-empty.
     pub methods: Vec<String>,
     /// Path pattern: starts with `/`; `*` as a whole segment matches exactly one non-empty
     /// segment, `*` inside a segment matches any characters within it (`*.json`), `**` as

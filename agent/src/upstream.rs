@@ -384,12 +384,12 @@ pub(crate) fn is_hop_by_hop(name: &str) -> bool {
 
 /// Removes hop-by-hop headers, including any that `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Bytes, not `to_str`: a value with one non-ASCII byte must not hide the names in it.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim_ascii()).ok())
         .collect();
     for n in named {
         headers.remove(n);
@@ -459,6 +459,15 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("content-type"));
+        // A non-ASCII byte in Connection hides none of the names it lists.
+        let mut h = HeaderMap::new();
+        h.insert(
+            "connection",
+            HeaderValue::from_bytes(b"x-private, \xff").unwrap(),
+        );
+        h.insert("x-private", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty(), "{h:?}");
     }
 
     #[tokio::test]

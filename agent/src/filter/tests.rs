@@ -463,6 +463,16 @@ const CORPUS: &[(
     (
         "POST",
         "/api/v4/projects/7/pipeline",
+        &[
+            ("x-api-version", "2"),
+            ("connection", "x-api-version, \u{e9}"),
+        ],
+        false,
+        Err(Some(Reason::Header)),
+    ),
+    (
+        "POST",
+        "/api/v4/projects/7/pipeline",
         &[("x-api-version", "2"), ("connection", "close")],
         false,
         Ok(()),
@@ -931,6 +941,38 @@ fn only_an_allowed_body_on_a_bodiless_method_closes_the_connection() {
         .prepare(&head("HEAD", "/search", &[("content-length", "3")]))
         .map(|_| ());
     assert!(err.is_err());
+}
+
+#[test]
+fn the_new_rule_keys_parse_from_toml_with_their_defaults() {
+    #[derive(serde::Deserialize)]
+    struct File {
+        allow: Vec<AllowRule>,
+    }
+    let text = r#"
+        [[allow]]
+        methods = ["GET"]
+        path = "/search"
+        pass_headers = ["X-Forwarded-For"]
+        body_methods = ["GET"]
+        utf8_paths = true
+        [[allow]]
+        methods = ["GET"]
+        path = "/**"
+    "#;
+    let f: File = relay_common::config::parse(text, std::path::Path::new("agent.toml")).unwrap();
+    assert_eq!(f.allow[0].pass_headers, vec!["X-Forwarded-For".to_string()]);
+    assert_eq!(f.allow[0].body_methods, vec!["GET".to_string()]);
+    assert!(f.allow[0].utf8_paths);
+    assert!(f.allow[1].pass_headers.is_empty());
+    assert!(f.allow[1].body_methods.is_empty());
+    assert!(!f.allow[1].utf8_paths);
+    let p = Policy::new(&f.allow, LIMITS).unwrap();
+    let mut h = head("GET", "/search", &[("x-forwarded-for", "10.0.0.1")]);
+    h.end_of_stream = false;
+    let ok = p.prepare(&h).unwrap();
+    assert!(ok.close_connection);
+    assert!(ok.headers.contains_key("x-forwarded-for"));
 }
 
 #[test]
