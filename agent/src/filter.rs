@@ -521,6 +521,14 @@ impl Rule {
             let lower = name.to_ascii_lowercase();
             match SPOOFING_HEADERS.iter().find(|s| **s == lower) {
                 Some(s) => pass.push(*s),
+                None if OVERRIDE_HEADERS.contains(&&*dashed(&lower)) => {
+                    return Err(ConfigError::invalid(
+                        key("pass_headers"),
+                        format!(
+                            "{name:?} asks the upstream for another host, URL or method: the agent refuses it (override_header) and no rule can pass it"
+                        ),
+                    ))
+                }
                 None => {
                     return Err(ConfigError::invalid(
                         key("pass_headers"),

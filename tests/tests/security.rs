@@ -2,7 +2,9 @@
 //! reaching a tunnel id outside its `tunnels` gets 403 `forbidden`, a caller over its
 //! `max_concurrent_calls` gets 429 `too_many_calls`; each limit (header size, body size,
 //! caller concurrency, deadline, per-tunnel-id queue, streams per tunnel id) returns its
-//! error while the relay keeps serving other calls.
+//! error while the relay keeps serving other calls. Hostile calls the agent refuses whatever
+//! its rules say reach the caller as 403 `refused (<reason>)`, and client-identity headers
+//! never reach the upstream.
 
 use bytes::Bytes;
 use http::Method;

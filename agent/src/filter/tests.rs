@@ -828,6 +828,16 @@ fn bad_rules_name_their_key() {
             .to_string();
         assert!(err.contains(key), "{r:?}: {err}");
     }
+    let err = Policy::new(
+        &[AllowRule {
+            pass_headers: vec!["X-Forwarded-Host".into()],
+            ..rule(&["GET"], "/a")
+        }],
+        LIMITS,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("override_header"), "{err}");
 }
 
 /// Every spoofing header in both spellings, plus one the upstream should get.
