@@ -102,6 +102,7 @@ pub(crate) async fn run_call(
         headers: prepared.headers,
         body,
         body_limit: ctx.policy.limits().max_body_bytes,
+        close_connection: prepared.close_connection,
     };
     let mut response = match ctx.upstream.send(request, deadline).await {
         Ok(r) => r,

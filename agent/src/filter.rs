@@ -3,23 +3,51 @@
 //! the per-call size limits. `Policy::prepare` turns a wire `RequestHead` into the parts of
 //! an upstream request, or into a `Rejection` that names the reason.
 //!
+//! The cloud side is treated as hostile: a head may come from a compromised tunnel server.
 //! Order of the checks (the first that fails decides):
 //! 1. `limits.max_header_bytes` on the head as it came off the wire;
 //! 2. CR, LF or NUL anywhere in the method, target, header names or values (`injection`);
-//! 3. the target is origin-form: starts with one `/` (absolute-URI, authority-form,
+//! 3. `CONNECT` and `TRACE` in any letter case, whatever the rules say (`forbidden_method`);
+//! 4. the target is origin-form: starts with one `/` (absolute-URI, authority-form,
 //!    asterisk-form and `//host` targets are refused: `target`);
-//! 4. the path has no dot segments (also percent-encoded, with `;params`, or hidden behind
-//!    `%2F` / `\`), no empty segment in the middle, no `%00`, no broken escape (`unsafe_path`);
-//! 5. no header that asks the upstream to use another host, path or method
-//!    (`X-Forwarded-Host`, `X-Original-URL`, `X-HTTP-Method-Override`, ...: `override_header`);
-//! 6. exactly one valid `Content-Length` or one `Transfer-Encoding: chunked`, never both
-//!    (`smuggling`), and a declared length within `limits.max_body_bytes` (`body_size`);
-//! 7. the `[[allow]]` rules (`path`, `method`, `header`, `query`): default deny.
+//! 5. the path has no dot segments (also percent-encoded, with `;params`, or hidden behind
+//!    `%2F` / `\`), no empty segment in the middle, no `%00`, no broken escape, no escape
+//!    left after decoding once (`%252e`: a server that decodes twice would see `.`), no
+//!    control character once decoded, only valid UTF-8 once decoded (no overlong form
+//!    such as `%c0%ae`) and none of the characters that fold into '.', '/' or '\'
+//!    (`unsafe_path`);
+//! 6. no header that asks the upstream to use another host, path or method
+//!    (`X-Forwarded-Host`, `X-Original-URL`, `X-HTTP-Method-Override`, ..., also spelled
+//!    with `_` for `-`: `override_header`);
+//! 7. exactly one valid `Content-Length` or one `Transfer-Encoding: chunked`, never both,
+//!    and no `Connection` naming `Content-Length` (`smuggling`), and a declared length
+//!    within `limits.max_body_bytes` (`body_size`);
+//! 8. the hop-by-hop headers and every header named in `Connection` are removed, then the
+//!    spoofing headers ([`SPOOFING_HEADERS`] and any header that reads as one with `_` for
+//!    `-`) except those the rule being tried lists in `pass_headers`: rules match only
+//!    headers the upstream will receive;
+//! 9. the `[[allow]]` rules (`path`, `method`, `header`, `query`, a body on GET, HEAD
+//!    or OPTIONS only where the rule lists the method in `body_methods`: `body`, and a
+//!    non-ASCII path only where the rule sets `utf8_paths`: `unsafe_path`): default deny.
 //!
 //! The `Host` header the cloud side sends is never used: the upstream client always sets it
 //! to the configured origin. Rules match the path exactly as it is sent upstream, segment
 //! by segment after percent-decoding. Refusal messages name the rule and the header or
 //! query *name* that failed, never a value.
+//!
+//! `;` in a path: servers disagree on it (Tomcat and other servlet containers drop
+//! `;params` from each segment before routing, most others keep it as part of the name),
+//! so `/files/secret.txt;.json` is `secret.txt` to one upstream and a `.json` file to
+//! another. The agent matches it literally per segment, but a wildcard (`*`, `*.json`,
+//! `**`) never matches a segment holding a `;`: such a path is allowed only by a rule whose
+//! pattern spells that segment out, `;` included. Refusing it outright would break servers
+//! that use matrix parameters on purpose; matching it by wildcard lets a rule written for
+//! one meaning allow the other.
+//!
+//! A request body on GET, HEAD or OPTIONS is refused unless the matching rule allows it:
+//! many servers ignore such a body and would read it as the next request on a kept-alive
+//! connection. When one is allowed, `Prepared::close_connection` asks the upstream client
+//! to close the connection after the call, so nothing left on it can answer another call.
 //!
 //! Pure: no I/O, no clock, no metrics. `call.rs` counts and logs what this module decides.
 
@@ -39,8 +67,9 @@ pub struct AllowRule {
     /// Optional label used in log lines and refusal messages (default `allow[i]`).
     #[serde(default)]
     pub name: Option<String>,
-    /// Methods this rule allows, e.g. `["GET", "HEAD"]`; `"*"` allows any method.
-    /// Compared case-insensitively. Required, non-empty.
+    /// Methods this rule allows, e.g. `["GET", "HEAD"]`; `"*"` allows any method but
+    /// CONNECT and TRACE, which are always refused. Compared case-insensitively. Required,
+    /// non-empty.
     pub methods: Vec<String>,
     /// Path pattern: starts with `/`; `*` as a whole segment matches exactly one non-empty
     /// segment, `*` inside a segment matches any characters within it (`*.json`), `**` as
@@ -56,6 +85,32 @@ pub struct AllowRule {
     /// (`+` is a space). Every occurrence must match, and at least one must exist.
     #[serde(default)]
     pub query: BTreeMap<String, String>,
+    /// Spoofing headers (see [`SPOOFING_HEADERS`]) this rule lets reach the upstream, by
+    /// their `-` spelling, e.g. `["x-forwarded-for"]`. Default: none, every one is
+    /// stripped. A `_` spelling (`X_Forwarded_For`) is stripped even when listed.
+    #[serde(default)]
+    pub pass_headers: Vec<String>,
+    /// Methods among GET, HEAD and OPTIONS on which this rule allows a request body.
+    /// Default: none (such a body is refused with reason `body`). Other methods may always
+    /// carry a body. The upstream connection that carried such a body is closed after the
+    /// call.
+    #[serde(default)]
+    pub body_methods: Vec<String>,
+    /// Let paths holding non-ASCII characters (valid UTF-8, percent-encoded or not) match
+    /// this rule. Default false: such a path is refused (`unsafe_path`). Bytes that are
+    /// not valid UTF-8 (overlong forms such as `%c0%ae` included) and characters that
+    /// fold into '.', '/' or '\' are refused either way.
+    #[serde(default)]
+    pub utf8_paths: bool,
+}
+
+/// What a rule needs to know about a call beyond its method, path, headers and query.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    /// A body on GET, HEAD or OPTIONS.
+    body_on_bodiless: bool,
+    /// The decoded path holds non-ASCII characters.
+    non_ascii: bool,
 }
 
 /// The per-call size limits the policy enforces itself.
@@ -94,10 +149,14 @@ pub enum Reason {
     BodySize,
     /// The agent already carries `coverage.max_inflight` calls.
     Concurrency,
+    /// CONNECT or TRACE: refused whatever the rules say.
+    ForbiddenMethod,
+    /// A body on GET, HEAD or OPTIONS that no rule's `body_methods` allows.
+    Body,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 12] = [
+    pub const ALL: [Reason; 14] = [
         Reason::Path,
         Reason::Method,
         Reason::Header,
@@ -110,6 +169,8 @@ impl Reason {
         Reason::HeaderSize,
         Reason::BodySize,
         Reason::Concurrency,
+        Reason::ForbiddenMethod,
+        Reason::Body,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -126,6 +187,8 @@ impl Reason {
             Reason::HeaderSize => "header_size",
             Reason::BodySize => "body_size",
             Reason::Concurrency => "concurrency",
+            Reason::ForbiddenMethod => "forbidden_method",
+            Reason::Body => "body",
         }
     }
 }
@@ -176,6 +239,9 @@ pub struct Prepared {
     pub content_length: Option<u64>,
     /// Label of the rule that allowed the call.
     pub rule: String,
+    /// The call carries a body on GET, HEAD or OPTIONS (allowed by the rule's
+    /// `body_methods`): the upstream connection must not be reused after it.
+    pub close_connection: bool,
 }
 
 /// Headers that ask an upstream (or a framework or proxy in front of it) to act on
@@ -193,6 +259,49 @@ const OVERRIDE_HEADERS: [&str; 10] = [
     "x-method-override",
 ];
 
+/// Headers that tell an upstream who the client is, how it connected or which proxy to
+/// use. Stripped before the upstream unless the allowing rule lists one in `pass_headers`;
+/// a header whose name reads as one of these with `_` for `-` is always stripped (CGI-style
+/// upstreams turn both spellings into the same `HTTP_*` variable). `Proxy` is httpoxy:
+/// CGI turns it into `HTTP_PROXY`, which many HTTP clients take as their proxy.
+pub const SPOOFING_HEADERS: [&str; 8] = [
+    "x-forwarded-for",
+    "x-real-ip",
+    "true-client-ip",
+    "forwarded",
+    "x-forwarded-proto",
+    "x-forwarded-prefix",
+    "x-original-uri",
+    "proxy",
+];
+
+/// Methods whose requests carry no body on their own; one is refused unless a rule's
+/// `body_methods` allows it. (TRACE is refused always.)
+const BODILESS: [&str; 3] = ["GET", "HEAD", "OPTIONS"];
+
+/// Methods refused whatever the rules say: CONNECT would make the upstream (or a proxy
+/// before it) open a tunnel elsewhere, TRACE echoes the request's headers back.
+const FORBIDDEN_METHODS: [&str; 2] = ["CONNECT", "TRACE"];
+
+/// `name` with `_` read as `-` (header names are lowercase already).
+fn dashed(name: &str) -> std::borrow::Cow<'_, str> {
+    if name.contains('_') {
+        std::borrow::Cow::Owned(name.replace('_', "-"))
+    } else {
+        std::borrow::Cow::Borrowed(name)
+    }
+}
+
+/// The canonical spoofing header `name` stands for, if any, and whether it is spelled
+/// with an underscore.
+fn spoofing(name: &str) -> Option<(&'static str, bool)> {
+    let d = dashed(name);
+    SPOOFING_HEADERS
+        .iter()
+        .find(|s| **s == d)
+        .map(|s| (*s, name.contains('_')))
+}
+
 /// The compiled `[[allow]]` rules plus the size limits. Built once at start.
 #[derive(Clone, Debug)]
 pub struct Policy {
@@ -208,6 +317,12 @@ struct Rule {
     path: Vec<Seg>,
     headers: Vec<(HeaderName, Vec<u8>)>,
     query: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Spoofing headers (canonical names) this rule passes.
+    pass: Vec<&'static str>,
+    /// Paths with non-ASCII (valid UTF-8) characters may match.
+    utf8_paths: bool,
+    /// Uppercase bodiless methods on which a body is allowed.
+    body_methods: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -274,12 +389,24 @@ impl Policy {
                 ));
             }
         }
+        if FORBIDDEN_METHODS
+            .iter()
+            .any(|m| head.method.eq_ignore_ascii_case(m))
+        {
+            return Err(Rejection::refused(
+                Reason::ForbiddenMethod,
+                format!(
+                    "method {} is always refused by the agent (CONNECT and TRACE), whatever the [[allow]] rules say",
+                    short(&head.method.to_ascii_uppercase())
+                ),
+            ));
+        }
         let method = Method::from_bytes(head.method.as_bytes()).map_err(|_| {
             Rejection::BadRequest(format!("invalid method {:?}", short(&head.method)))
         })?;
         let pq = origin_form(&head.path_and_query)?;
         let segments = path_segments(pq.path())?;
-        let headers = header_map(head)?;
+        let mut headers = header_map(head)?;
         let content_length = framing(&headers, head.end_of_stream)?;
         if let (Some(n), Some(max)) = (content_length, self.limits.max_body_bytes) {
             if n > max {
@@ -289,16 +416,30 @@ impl Policy {
                 ));
             }
         }
-        let rule = self.allowed(&method, &pq, &segments, &headers)?;
-        let mut headers = headers;
+        // Strip first, then match: a rule sees only headers the upstream will receive.
+        strip_connection_headers(&mut headers)?;
+        let bodiless = BODILESS
+            .iter()
+            .any(|m| method.as_str().eq_ignore_ascii_case(m));
+        let body_on_bodiless = bodiless && !head.end_of_stream && content_length != Some(0);
+        let call = Shape {
+            body_on_bodiless,
+            non_ascii: segments.iter().any(|s| !s.is_ascii()),
+        };
+        let rule = self.allowed(&method, &pq, &segments, &headers, call)?;
         headers.remove(http::header::HOST);
-        headers.remove(http::header::TRANSFER_ENCODING);
+        for name in SPOOFING_HEADERS {
+            if !rule.pass.contains(&name) {
+                headers.remove(name);
+            }
+        }
         Ok(Prepared {
             method,
             path_and_query: pq,
             headers,
             content_length,
-            rule,
+            rule: rule.label.clone(),
+            close_connection: body_on_bodiless,
         })
     }
 
@@ -309,13 +450,16 @@ impl Policy {
         pq: &PathAndQuery,
         segments: &[Vec<u8>],
         headers: &HeaderMap,
-    ) -> Result<String, Rejection> {
+        call: Shape,
+    ) -> Result<&Rule, Rejection> {
         let query = pq.query().map(parse_query).unwrap_or_default();
-        // (stage reached, refusal) of the closest rule: path < method < header < query.
+        // (stage reached, refusal) of the closest rule:
+        // path < method < header < query < body < UTF-8 path.
         let mut closest: Option<(u8, Rejection)> = None;
         for rule in &self.rules {
-            let (stage, refusal) = match rule.check(method, pq.path(), segments, headers, &query) {
-                Ok(()) => return Ok(rule.label.clone()),
+            let checked = rule.check(method, pq.path(), segments, headers, &query, call);
+            let (stage, refusal) = match checked {
+                Ok(()) => return Ok(rule),
                 Err(x) => x,
             };
             if closest.as_ref().is_none_or(|(s, _)| stage > *s) {
@@ -361,11 +505,60 @@ impl Rule {
                         format!("{m:?} is not an HTTP method"),
                     ));
                 }
+                if FORBIDDEN_METHODS.contains(&up.as_str()) {
+                    return Err(ConfigError::invalid(
+                        key("methods"),
+                        format!("{up} is always refused by the agent and cannot be allowed"),
+                    ));
+                }
                 out.push(up);
             }
             Some(out)
         };
         let path = compile_path(&r.path).map_err(|m| ConfigError::invalid(key("path"), m))?;
+        let mut pass = Vec::with_capacity(r.pass_headers.len());
+        for name in &r.pass_headers {
+            let lower = name.to_ascii_lowercase();
+            match SPOOFING_HEADERS.iter().find(|s| **s == lower) {
+                Some(s) => pass.push(*s),
+                None if OVERRIDE_HEADERS.contains(&&*dashed(&lower)) => {
+                    return Err(ConfigError::invalid(
+                        key("pass_headers"),
+                        format!(
+                            "{name:?} asks the upstream for another host, URL or method: the agent refuses it (override_header) and no rule can pass it"
+                        ),
+                    ))
+                }
+                None => {
+                    return Err(ConfigError::invalid(
+                        key("pass_headers"),
+                        format!(
+                            "{name:?} is not a header the agent strips; list any of {}",
+                            SPOOFING_HEADERS.join(", ")
+                        ),
+                    ))
+                }
+            }
+        }
+        let mut body_methods = Vec::with_capacity(r.body_methods.len());
+        for m in &r.body_methods {
+            let up = m.to_ascii_uppercase();
+            if !BODILESS.contains(&up.as_str()) {
+                return Err(ConfigError::invalid(
+                    key("body_methods"),
+                    format!(
+                        "{m:?}: list GET, HEAD or OPTIONS (other methods may always carry a body; TRACE never)"
+                    ),
+                ));
+            }
+            if methods.as_ref().is_some_and(|ms| !ms.contains(&up)) {
+                return Err(ConfigError::invalid(
+                    key("body_methods"),
+                    format!("{up} is not among the rule's methods"),
+                ));
+            }
+            body_methods.push(up);
+        }
         let mut headers = Vec::with_capacity(r.headers.len());
         for (name, value) in &r.headers {
             let n = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
@@ -379,6 +572,23 @@ impl Rule {
                     key("headers"),
                     format!("{n} is set or removed by the agent and cannot be required"),
                 ));
+            }
+            match spoofing(n.as_str()) {
+                Some((_, true)) => {
+                    return Err(ConfigError::invalid(
+                        key("headers"),
+                        format!("{n} is always stripped by the agent and cannot be required"),
+                    ))
+                }
+                Some((canonical, false)) if !pass.contains(&canonical) => {
+                    return Err(ConfigError::invalid(
+                        key("headers"),
+                        format!(
+                            "{n} is stripped by the agent unless the rule lists it in pass_headers"
+                        ),
+                    ))
+                }
+                _ => {}
             }
             if HeaderValue::from_str(value).is_err() {
                 return Err(ConfigError::invalid(
@@ -399,10 +609,13 @@ impl Rule {
             path,
             headers,
             query,
+            pass,
+            body_methods,
+            utf8_paths: r.utf8_paths,
         })
     }
 
-    /// `Err((stage, refusal))`: 0 path, 1 method, 2 header, 3 query.
+    /// `Err((stage, refusal))`: 0 path, 1 method, 2 header, 3 query, 4 body, 5 UTF-8 path.
     fn check(
         &self,
         method: &Method,
@@ -410,13 +623,19 @@ impl Rule {
         segments: &[Vec<u8>],
         headers: &HeaderMap,
         query: &[(Vec<u8>, Vec<u8>)],
+        call: Shape,
     ) -> Result<(), (u8, Rejection)> {
         if !match_path(&self.path, segments) {
+            let hint = if path.contains(';') {
+                " (a segment holding ';' is matched only by a rule that spells it out, never by a wildcard)"
+            } else {
+                ""
+            };
             return Err((
                 0,
                 Rejection::refused(
                     Reason::Path,
-                    format!("no accept filter allows the path {}", short(path)),
+                    format!("no accept filter allows the path {}{hint}", short(path)),
                 ),
             ));
         }
@@ -472,6 +691,36 @@ impl Rule {
                     ),
                 ));
             }
+        }
+        if call.body_on_bodiless
+            && !self
+                .body_methods
+                .iter()
+                .any(|m| m.eq_ignore_ascii_case(method.as_str()))
+        {
+            return Err((
+                4,
+                Rejection::refused(
+                    Reason::Body,
+                    format!(
+                        "a request body on {} is refused (rule {:?} does not list it in body_methods)",
+                        short(method.as_str()),
+                        self.label
+                    ),
+                ),
+            ));
+        }
+        if call.non_ascii && !self.utf8_paths {
+            return Err((
+                5,
+                Rejection::refused(
+                    Reason::UnsafePath,
+                    format!(
+                        "unsafe path: non-ASCII characters (rule {:?} does not set utf8_paths)",
+                        self.label
+                    ),
+                ),
+            ));
         }
         Ok(())
     }
@@ -544,6 +793,32 @@ fn path_segments(path: &str) -> Result<Vec<Vec<u8>>, Rejection> {
         if decoded.contains(&0) {
             return Err(unsafe_path("NUL byte"));
         }
+        // Non-ASCII is allowed only as valid UTF-8 (never overlong: `%c0%ae` is '.' to a
+        // lenient decoder), and only by a rule with `utf8_paths` (see `Rule::check`).
+        match std::str::from_utf8(&decoded) {
+            Err(_) => {
+                return Err(unsafe_path(
+                    "bytes that are not valid UTF-8 (overlong UTF-8 such as %c0%ae included)",
+                ))
+            }
+            Ok(text) if text.chars().any(|c| LOOKALIKES.contains(&c)) => {
+                return Err(unsafe_path(
+                    "a character that some servers fold into '.', '/' or '\\'",
+                ))
+            }
+            Ok(_) => {}
+        }
+        if decoded.iter().any(|b| b.is_ascii_control()) {
+            return Err(unsafe_path("a control character"));
+        }
+        if decoded
+            .windows(3)
+            .any(|w| w[0] == b'%' && w[1].is_ascii_hexdigit() && w[2].is_ascii_hexdigit())
+        {
+            return Err(unsafe_path(
+                "double percent-encoding (%25 followed by an escape, such as %252e)",
+            ));
+        }
         // Servers differ on `%2F`, `\` and `;params`: refuse a dot segment under any of them.
         let dot = decoded.split(|b| *b == b'/' || *b == b'\\').any(|piece| {
             let name = piece.split(|b| *b == b';').next().unwrap_or(piece);
@@ -557,6 +832,19 @@ fn path_segments(path: &str) -> Result<Vec<Vec<u8>>, Rejection> {
     Ok(out)
 }
 
+/// Characters that Unicode compatibility normalization (NFKC) or lenient servers turn into
+/// '.', '/' or '\': refused even where a rule allows UTF-8 paths.
+const LOOKALIKES: [char; 8] = [
+    '\u{2024}', // one dot leader
+    '\u{FE52}', // small full stop
+    '\u{FF0E}', // fullwidth full stop
+    '\u{2215}', // division slash
+    '\u{2044}', // fraction slash
+    '\u{FF0F}', // fullwidth solidus
+    '\u{2216}', // set minus
+    '\u{FF3C}', // fullwidth reverse solidus
+];
+
 /// The head's headers as a `HeaderMap`, after the override-header check.
 fn header_map(head: &RequestHead) -> Result<HeaderMap, Rejection> {
     let mut headers = HeaderMap::with_capacity(head.headers.len());
@@ -566,7 +854,7 @@ fn header_map(head: &RequestHead) -> Result<HeaderMap, Rejection> {
         })?;
         let value = HeaderValue::from_bytes(&h.value)
             .map_err(|_| Rejection::BadRequest(format!("invalid value for header {name}")))?;
-        let overrides = OVERRIDE_HEADERS.contains(&name.as_str())
+        let overrides = OVERRIDE_HEADERS.contains(&&*dashed(name.as_str()))
             || (name == http::header::FORWARDED
                 && value
                     .as_bytes()
@@ -582,6 +870,33 @@ fn header_map(head: &RequestHead) -> Result<HeaderMap, Rejection> {
         headers.append(name, value);
     }
     Ok(headers)
+}
+
+/// Removes the hop-by-hop headers, every header `Connection` names, and the `_`
+/// spellings of the spoofing headers. A `Connection` naming `Content-Length` would
+/// change the body's framing after it was checked: refused as smuggling.
+fn strip_connection_headers(headers: &mut HeaderMap) -> Result<(), Rejection> {
+    let names_length = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .any(|n| n.trim_ascii().eq_ignore_ascii_case(b"content-length"));
+    if names_length {
+        return Err(Rejection::refused(
+            Reason::Smuggling,
+            "connection names content-length",
+        ));
+    }
+    crate::upstream::strip_hop_by_hop(headers);
+    let underscored: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| spoofing(n.as_str()).is_some_and(|(_, underscore)| underscore))
+        .cloned()
+        .collect();
+    for n in underscored {
+        headers.remove(n);
+    }
+    Ok(())
 }
 
 /// Checks message framing; returns the declared Content-Length.
@@ -648,8 +963,14 @@ fn match_path(pattern: &[Seg], segments: &[Vec<u8>]) -> bool {
         let mut next = vec![false; n + 1];
         match seg {
             Seg::Deep => {
-                if let Some(first) = reach.iter().position(|r| *r) {
-                    next[first..].iter_mut().for_each(|x| *x = true);
+                // `**` spans any run of segments, but none holding a ';' (see module docs).
+                let mut open = false;
+                for j in 0..=n {
+                    open |= reach[j];
+                    next[j] = open;
+                    if j < n && segments[j].contains(&b';') {
+                        open = false;
+                    }
                 }
             }
             _ => {
@@ -671,7 +992,8 @@ fn match_path(pattern: &[Seg], segments: &[Vec<u8>]) -> bool {
 fn segment_matches(seg: &Seg, s: &[u8]) -> bool {
     // A decoded segment holding a separator ('%2F', '\') is matched only literally or by
     // `**`: a wildcard meant for one segment never spans what a server may split.
-    let has_sep = s.iter().any(|b| *b == b'/' || *b == b'\\');
+    // Nor does a wildcard match a segment holding a ';' (see module docs).
+    let has_sep = s.iter().any(|b| matches!(*b, b'/' | b'\\' | b';'));
     match seg {
         Seg::Deep => true,
         Seg::One => !s.is_empty() && !has_sep,

@@ -48,6 +48,9 @@ pub struct UpstreamRequest {
     /// Bound on the request body's bytes; past it the request is aborted and the call
     /// fails with `UpstreamError::BodyTooLarge`.
     pub body_limit: Option<u64>,
+    /// Send `Connection: close` so the pooled connection is not reused after this call
+    /// (a body the upstream may not have read, see `filter::Prepared::close_connection`).
+    pub close_connection: bool,
 }
 
 /// The HTTP client to one origin. Cheap to clone.
@@ -182,6 +185,7 @@ impl Upstream {
             headers: HeaderMap::new(),
             body: None,
             body_limit: None,
+            close_connection: false,
         };
         let (request, _) = self.build(req)?;
         match tokio::time::timeout(timeout, self.inner.client.request(request)).await {
@@ -227,6 +231,9 @@ impl Upstream {
         let mut headers = req.headers;
         strip_hop_by_hop(&mut headers);
         headers.insert(header::HOST, self.inner.host.clone());
+        if req.close_connection {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         let mut request = Request::new(body);
         *request.method_mut() = req.method;
         *request.uri_mut() = uri;
@@ -377,12 +384,12 @@ pub(crate) fn is_hop_by_hop(name: &str) -> bool {
 
 /// Removes hop-by-hop headers, including any that `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Bytes, not `to_str`: a value with one non-ASCII byte must not hide the names in it.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim_ascii()).ok())
         .collect();
     for n in named {
         headers.remove(n);
@@ -452,6 +459,15 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("content-type"));
+        // A non-ASCII byte in Connection hides none of the names it lists.
+        let mut h = HeaderMap::new();
+        h.insert(
+            "connection",
+            HeaderValue::from_bytes(b"x-private, \xff").unwrap(),
+        );
+        h.insert("x-private", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty(), "{h:?}");
     }
 
     #[tokio::test]
@@ -464,6 +480,7 @@ mod tests {
                 headers: HeaderMap::new(),
                 body: None,
                 body_limit: None,
+                close_connection: false,
             };
             let err = up
                 .send(req, Instant::now() + Duration::from_secs(1))

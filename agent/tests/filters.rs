@@ -223,7 +223,10 @@ async fn steering_and_smuggling_attempts_are_refused_and_never_reach_the_upstrea
             "target",
         ),
         (head(2, "GET", "//evil.example/x", true), "target"),
-        (head(3, "CONNECT", "evil.example:443", true), "target"),
+        (
+            head(3, "CONNECT", "evil.example:443", true),
+            "forbidden_method",
+        ),
         (
             with_headers(
                 head(4, "GET", "/x", true),
@@ -265,6 +268,14 @@ async fn steering_and_smuggling_attempts_are_refused_and_never_reach_the_upstrea
         ),
         (head(10, "GET", "/x/../admin", true), "unsafe_path"),
         (head(11, "GET", "/x/%2e%2e/admin", true), "unsafe_path"),
+        // `X_Forwarded_Host` is `HTTP_X_FORWARDED_HOST` to a CGI-style upstream.
+        (
+            with_headers(
+                head(12, "GET", "/x", true),
+                &[("X_Forwarded_Host", "evil.example")],
+            ),
+            "override_header",
+        ),
     ];
     for (h, reason) in attempts {
         let has_body = !h.end_of_stream;
@@ -470,4 +481,444 @@ async fn a_deadline_past_the_maximum_is_capped_and_says_so() {
 
     let a = conn.call(head(2, "GET", "/x", true), vec![]).await;
     assert_eq!(a.status(), 200, "{a:?}");
+}
+
+// ------------------------------------------------- a hostile cloud side (security round 2)
+
+/// One request head as a naive upstream read it off one connection.
+#[derive(Clone, Debug)]
+struct RawSeen {
+    /// Which accepted connection (0, 1, ...) carried it.
+    conn: usize,
+    /// Request line and headers, as sent (hyper sends lowercase header names).
+    head: String,
+}
+
+/// A naive HTTP/1.1 upstream that records every request head it reads (probes excluded)
+/// and answers `200 ok`, keeping the connection open. Like many real servers it reads a
+/// body only where it expects one: a `Content-Length` on GET, HEAD or OPTIONS is ignored,
+/// so body bytes there are read as the next request on the connection. It also records
+/// which connections the agent closed.
+struct Naive {
+    url: String,
+    seen: Arc<Mutex<Vec<RawSeen>>>,
+    closed: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Naive {
+    async fn start() -> Naive {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let closed = Arc::new(Mutex::new(Vec::new()));
+        let (log, ends) = (seen.clone(), closed.clone());
+        tokio::spawn(async move {
+            let mut next = 0;
+            while let Ok((mut sock, _)) = listener.accept().await {
+                let conn = next;
+                next += 1;
+                let (log, ends) = (log.clone(), ends.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut tmp = [0u8; 4096];
+                    loop {
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                            buf.drain(..end + 4);
+                            let method = head.split(' ').next().unwrap_or("").to_string();
+                            let length = head
+                                .lines()
+                                .find_map(|l| {
+                                    let (n, v) = l.split_once(':')?;
+                                    n.eq_ignore_ascii_case("content-length")
+                                        .then(|| v.trim().parse::<usize>().ok())?
+                                })
+                                .unwrap_or(0);
+                            let reads_body = !matches!(method.as_str(), "GET" | "HEAD" | "OPTIONS");
+                            if reads_body {
+                                while buf.len() < length {
+                                    let n = sock.read(&mut tmp).await.unwrap_or(0);
+                                    if n == 0 {
+                                        break;
+                                    }
+                                    buf.extend_from_slice(&tmp[..n]);
+                                }
+                                buf.drain(..length.min(buf.len()));
+                            }
+                            if !head.contains(" /__probe ") {
+                                log.lock().unwrap().push(RawSeen { conn, head });
+                            }
+                            let ok = sock
+                                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                                .await;
+                            if ok.is_err() {
+                                break;
+                            }
+                        }
+                        let n = sock.read(&mut tmp).await.unwrap_or(0);
+                        if n == 0 {
+                            break;
+                        }
+                        buf.extend_from_slice(&tmp[..n]);
+                    }
+                    ends.lock().unwrap().push(conn);
+                });
+            }
+        });
+        Naive { url, seen, closed }
+    }
+
+    fn seen(&self) -> Vec<RawSeen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Lowercase header names of the one recorded request whose line starts with `line`.
+    fn header_names(&self, line: &str) -> Vec<String> {
+        let seen = self.seen();
+        let found: Vec<&RawSeen> = seen.iter().filter(|s| s.head.starts_with(line)).collect();
+        assert_eq!(found.len(), 1, "one {line:?} in {seen:?}");
+        found[0]
+            .head
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                l.split_once(':')
+                    .map(|(n, _)| n.trim().to_ascii_lowercase())
+            })
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn a_header_named_in_connection_is_stripped_before_the_rules_match() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = Naive::start().await;
+    let mut cfg = filtered_config(&tunnel.url, &upstream.url, 1);
+    let mut v4 = allow("/v4/**", &["GET"]);
+    v4.headers.insert("x-api-version".into(), "4".into());
+    cfg.allow = vec![v4];
+    let (_agent, _) = start_agent(cfg).await;
+    let mut conn = tunnel.next_conn().await;
+
+    // The rule asks for x-api-version: 4; the upstream would never see it.
+    for (i, connection) in ["x-api-version", "keep-alive, X-API-Version"]
+        .iter()
+        .enumerate()
+    {
+        let a = conn
+            .call(
+                with_headers(
+                    head(i as u64 + 1, "GET", "/v4/projects", true),
+                    &[("x-api-version", "4"), ("connection", connection)],
+                ),
+                vec![],
+            )
+            .await;
+        assert_refused(&a, "header");
+    }
+    let a = conn
+        .call(
+            with_headers(
+                head(3, "GET", "/v4/projects", true),
+                &[("x-api-version", "4")],
+            ),
+            vec![],
+        )
+        .await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    assert!(upstream
+        .header_names("GET /v4/projects ")
+        .contains(&"x-api-version".to_string()));
+}
+
+/// Headers that tell an upstream who the client is, how it connected or which proxy to
+/// use: (name as the cloud side spells it, value). All are stripped by default.
+const SPOOFING: &[(&str, &str)] = &[
+    ("X-Forwarded-For", "6.6.6.6"),
+    ("X-Real-IP", "6.6.6.6"),
+    ("True-Client-IP", "6.6.6.6"),
+    ("Forwarded", "for=6.6.6.6;proto=https"),
+    ("X-Forwarded-Proto", "https"),
+    ("X-Forwarded-Prefix", "/admin"),
+    ("X-Original-URI", "/admin"),
+    ("Proxy", "http://6.6.6.6:3128"),
+    // Underscore spellings: CGI-style upstreams read them as the same HTTP_* variable.
+    ("X_Forwarded_For", "6.6.6.6"),
+    ("x_real_ip", "6.6.6.6"),
+    ("True_Client_IP", "6.6.6.6"),
+    ("X_FORWARDED_PROTO", "https"),
+    ("X_Forwarded_Prefix", "/admin"),
+    ("X_Original_URI", "/admin"),
+];
+
+#[tokio::test]
+async fn spoofing_headers_are_stripped_before_the_upstream() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = Naive::start().await;
+    let (_agent, _) = start_agent(filtered_config(&tunnel.url, &upstream.url, 1)).await;
+    let mut conn = tunnel.next_conn().await;
+
+    let mut headers = SPOOFING.to_vec();
+    headers.push(("x-keep", "1"));
+    let a = conn
+        .call(with_headers(head(1, "GET", "/x", true), &headers), vec![])
+        .await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    let names = upstream.header_names("GET /x ");
+    assert!(names.contains(&"x-keep".to_string()), "{names:?}");
+    for (name, _) in SPOOFING {
+        assert!(
+            !names.contains(&name.to_ascii_lowercase()),
+            "{name} reached the upstream: {names:?}"
+        );
+    }
+    assert!(
+        !upstream.seen()[0].head.contains("6.6.6.6"),
+        "{:?}",
+        upstream.seen()
+    );
+}
+
+/// Paths that servers read differently from the agent: (allowed-by-rules-looking target,
+/// reason). The rules allow `GET /files/*.json` and `GET /pub/**`.
+const PATH_TRICKS: &[(&str, &str)] = &[
+    // Double encoding: a server (or a proxy in front of it) that decodes twice sees `..`.
+    ("/pub/%252e%252e/admin", "unsafe_path"),
+    ("/pub/%252E%252E%252Fadmin", "unsafe_path"),
+    ("/pub/a%252fb", "unsafe_path"),
+    // Overlong UTF-8 for '.' and '/', and any non-ASCII byte.
+    ("/pub/%c0%ae%c0%ae/admin", "unsafe_path"),
+    ("/pub/%c0%af", "unsafe_path"),
+    ("/pub/%e0%80%ae", "unsafe_path"),
+    ("/pub/caf%c3%a9", "unsafe_path"),
+    // Where a rule sets utf8_paths: still no overlong form and no fullwidth '.'.
+    ("/docs/%c0%ae%c0%ae/admin", "unsafe_path"),
+    ("/docs/%ef%bc%8e%ef%bc%8e/admin", "unsafe_path"),
+    // Control characters decoded from the path.
+    ("/pub/a%0d%0aSet-Cookie:x", "unsafe_path"),
+    ("/pub/a%7f", "unsafe_path"),
+    // `;` parameters: Tomcat-style servers drop them (`/files/secret.txt`), so a
+    // wildcard never matches across one.
+    ("/files/secret.txt;.json", "path"),
+    ("/files/secret.txt;x=.json", "path"),
+    ("/pub/a;jsessionid=1/b", "path"),
+];
+
+#[tokio::test]
+async fn path_tricks_are_refused_and_never_reach_the_upstream() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = Naive::start().await;
+    let mut cfg = filtered_config(&tunnel.url, &upstream.url, 1);
+    let mut docs = allow("/docs/**", &["GET"]);
+    docs.utf8_paths = true;
+    cfg.allow = vec![
+        allow("/files/*.json", &["GET"]),
+        allow("/pub/**", &["GET"]),
+        docs,
+    ];
+    let (_agent, _) = start_agent(cfg).await;
+    let mut conn = tunnel.next_conn().await;
+
+    for (i, (target, reason)) in PATH_TRICKS.iter().enumerate() {
+        let a = conn
+            .call(head(i as u64 + 1, "GET", target, true), vec![])
+            .await;
+        assert_eq!(
+            a.error_kind(),
+            Some(CallErrorKind::Refused),
+            "{target}: {a:?}"
+        );
+        assert_refused(&a, reason);
+    }
+    assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+    let a = conn
+        .call(head(100, "GET", "/files/report.json", true), vec![])
+        .await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    let a = conn
+        .call(head(101, "GET", "/docs/caf%c3%a9", true), vec![])
+        .await;
+    assert_eq!(a.status(), 200, "{a:?}");
+}
+
+#[tokio::test]
+async fn connect_and_trace_are_refused_whatever_the_rules_say() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = Naive::start().await;
+    // `filtered_config` allows any method on any path.
+    let (_agent, _) = start_agent(filtered_config(&tunnel.url, &upstream.url, 1)).await;
+    let mut conn = tunnel.next_conn().await;
+    let attempts = [
+        ("TRACE", "/x"),
+        ("trace", "/x"),
+        ("CONNECT", "/x"),
+        ("Connect", "/x"),
+        ("CONNECT", "evil.example:443"),
+    ];
+    for (i, (method, target)) in attempts.iter().enumerate() {
+        let a = conn
+            .call(head(i as u64 + 1, method, target, true), vec![])
+            .await;
+        assert_refused(&a, "forbidden_method");
+        assert!(
+            a.error.as_ref().unwrap().message.contains("always refused"),
+            "{a:?}"
+        );
+    }
+    assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+}
+
+/// A second request hidden in the body of a method whose body the naive upstream ignores.
+const SMUGGLED: &[u8] = b"GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n";
+
+#[tokio::test]
+async fn a_body_on_get_head_or_options_is_refused_by_default() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = Naive::start().await;
+    let (agent, _) = start_agent(filtered_config(&tunnel.url, &upstream.url, 1)).await;
+    let mut conn = tunnel.next_conn().await;
+    let length = SMUGGLED.len().to_string();
+    let attempts = [
+        with_headers(
+            head(1, "GET", "/x", false),
+            &[("content-length", length.as_str())],
+        ),
+        with_headers(
+            head(2, "HEAD", "/x", false),
+            &[("content-length", length.as_str())],
+        ),
+        with_headers(
+            head(3, "OPTIONS", "/x", false),
+            &[("transfer-encoding", "chunked")],
+        ),
+        // No framing header at all, but body frames follow the head.
+        head(4, "GET", "/x", false),
+    ];
+    for h in attempts {
+        let a = conn.call(h, vec![Bytes::from_static(SMUGGLED)]).await;
+        assert_refused(&a, "body");
+        assert!(
+            a.error.as_ref().unwrap().message.contains("body_methods"),
+            "names the key that allows it: {a:?}"
+        );
+    }
+    assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+    assert_eq!(
+        metric(&agent, "relay_agent_filter_refusals_total{reason=\"body\"}"),
+        4
+    );
+    // Bodiless ones pass, and so does an empty declared body.
+    let a = conn.call(head(5, "GET", "/x", true), vec![]).await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    let a = conn
+        .call(
+            with_headers(head(6, "GET", "/y", true), &[("content-length", "0")]),
+            vec![],
+        )
+        .await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    assert!(upstream
+        .seen()
+        .iter()
+        .all(|s| !s.head.contains("/smuggled")));
+}
+
+#[tokio::test]
+async fn a_rule_may_pass_a_named_spoofing_header_and_only_that_one() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = Naive::start().await;
+    let mut cfg = filtered_config(&tunnel.url, &upstream.url, 1);
+    let mut internal = allow("/internal/**", &["GET"]);
+    internal.pass_headers = vec!["X-Forwarded-For".into()];
+    cfg.allow = vec![internal, allow("/**", &["GET"])];
+    let (_agent, _) = start_agent(cfg).await;
+    let mut conn = tunnel.next_conn().await;
+
+    for (i, target) in ["/internal/a", "/other"].iter().enumerate() {
+        let a = conn
+            .call(
+                with_headers(head(i as u64 + 1, "GET", target, true), SPOOFING),
+                vec![],
+            )
+            .await;
+        assert_eq!(a.status(), 200, "{a:?}");
+    }
+    // The rule that passes it: X-Forwarded-For only, never its `_` spelling.
+    let names = upstream.header_names("GET /internal/a ");
+    assert!(names.contains(&"x-forwarded-for".to_string()), "{names:?}");
+    for (name, _) in &SPOOFING[1..] {
+        assert!(
+            !names.contains(&name.to_ascii_lowercase()),
+            "{name}: {names:?}"
+        );
+    }
+    // Another rule: none.
+    let names = upstream.header_names("GET /other ");
+    for (name, _) in SPOOFING {
+        assert!(
+            !names.contains(&name.to_ascii_lowercase()),
+            "{name}: {names:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_allowed_body_on_get_closes_the_upstream_connection_after_the_call() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = Naive::start().await;
+    let mut cfg = filtered_config(&tunnel.url, &upstream.url, 1);
+    let mut search = allow("/search", &["GET"]);
+    search.body_methods = vec!["get".into()];
+    cfg.allow = vec![search, allow("/**", &["GET"])];
+    let (_agent, _) = start_agent(cfg).await;
+    let mut conn = tunnel.next_conn().await;
+
+    // Another rule does not allow a body on GET.
+    let length = SMUGGLED.len().to_string();
+    let a = conn
+        .call(
+            with_headers(
+                head(1, "GET", "/other", false),
+                &[("content-length", length.as_str())],
+            ),
+            vec![Bytes::from_static(SMUGGLED)],
+        )
+        .await;
+    assert_refused(&a, "body");
+
+    let a = conn
+        .call(
+            with_headers(
+                head(2, "GET", "/search", false),
+                &[("content-length", length.as_str())],
+            ),
+            vec![Bytes::from_static(SMUGGLED)],
+        )
+        .await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    let searched = upstream
+        .seen()
+        .into_iter()
+        .find(|s| s.head.starts_with("GET /search "))
+        .expect("the upstream saw the search");
+    assert!(
+        searched.head.contains("connection: close"),
+        "{}",
+        searched.head
+    );
+    let closed = upstream.closed.clone();
+    eventually(
+        "the agent closes the connection that carried the body",
+        || closed.lock().unwrap().contains(&searched.conn),
+    )
+    .await;
+    // The next call goes out on another connection.
+    let a = conn.call(head(3, "GET", "/next", true), vec![]).await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    let next = upstream
+        .seen()
+        .into_iter()
+        .find(|s| s.head.starts_with("GET /next "))
+        .unwrap();
+    assert_ne!(next.conn, searched.conn, "{:?}", upstream.seen());
 }

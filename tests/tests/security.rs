@@ -2,7 +2,9 @@
 //! reaching a tunnel id outside its `tunnels` gets 403 `forbidden`, a caller over its
 //! `max_concurrent_calls` gets 429 `too_many_calls`; each limit (header size, body size,
 //! caller concurrency, deadline, per-tunnel-id queue, streams per tunnel id) returns its
-//! error while the relay keeps serving other calls.
+//! error while the relay keeps serving other calls. Hostile calls the agent refuses whatever
+//! its rules say reach the caller as 403 `refused (<reason>)`, and client-identity headers
+//! never reach the upstream.
 
 use bytes::Bytes;
 use http::Method;
@@ -254,6 +256,89 @@ async fn queue_and_stream_limits_of_a_tunnel_id_return_their_errors_and_serve_on
         2,
         "the calls holding streams finish: {statuses:?}"
     );
+    ok(&stack).await;
+    stack.shutdown().await;
+}
+
+/// Calls a hostile or careless cloud side may send, refused by the agent even though the
+/// harness's agent allows every method on every path: (method, path under
+/// `/relay/demo`, body, reason in the caller's 403).
+const AGENT_REFUSES: &[(&str, &str, &[u8], &str)] = &[
+    ("TRACE", "/echo", b"", "forbidden_method"),
+    (
+        "GET",
+        "/echo",
+        b"GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n",
+        "body",
+    ),
+    ("HEAD", "/echo", b"x", "body"),
+    ("OPTIONS", "/echo", b"x", "body"),
+    ("GET", "/echo/%252e%252e/admin", b"", "unsafe_path"),
+    ("GET", "/echo/%c0%ae%c0%ae/admin", b"", "unsafe_path"),
+    ("GET", "/echo/caf%C3%A9", b"", "unsafe_path"),
+    ("GET", "/echo/a%0d%0ax", b"", "unsafe_path"),
+    ("GET", "/echo/secret.txt;.json", b"", "path"),
+];
+
+/// Headers naming the client, its scheme or a proxy: the upstream never sees them.
+const SPOOFING: &[(&str, &str)] = &[
+    ("x-forwarded-for", "6.6.6.6"),
+    ("x-real-ip", "6.6.6.6"),
+    ("true-client-ip", "6.6.6.6"),
+    ("forwarded", "for=6.6.6.6"),
+    ("x-forwarded-proto", "https"),
+    ("x-forwarded-prefix", "/admin"),
+    ("x-original-uri", "/admin"),
+    ("proxy", "http://6.6.6.6:3128"),
+    ("x_forwarded_for", "6.6.6.6"),
+    ("x_real_ip", "6.6.6.6"),
+];
+
+#[tokio::test]
+async fn the_agent_refuses_hostile_calls_with_403_and_strips_spoofing_headers() {
+    let stack = Stack::builder().servers(1).start().await.unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    let caller = stack.caller();
+    let served = stack.upstream.served();
+    for (method, path, body, reason) in AGENT_REFUSES {
+        let req = caller.request(
+            Method::from_bytes(method.as_bytes()).unwrap(),
+            &format!("/relay/demo{path}"),
+            Bytes::from_static(body),
+        );
+        let a = caller.call(req).await.unwrap();
+        assert_eq!(a.status, 403, "{method} {path}: {}", a.text());
+        if *method != "HEAD" {
+            assert_eq!(a.json()["error"], "refused", "{method} {path}");
+            let message = a.json()["message"].as_str().unwrap_or_default().to_string();
+            assert!(
+                message.starts_with(&format!("agent: refused ({reason})")),
+                "{method} {path}: {message}"
+            );
+        }
+    }
+    assert_eq!(
+        stack.upstream.served(),
+        served,
+        "nothing reached the upstream"
+    );
+
+    let mut req = caller.request(Method::GET, "/relay/demo/echo", Bytes::new());
+    for (name, value) in SPOOFING {
+        req.headers_mut().insert(*name, value.parse().unwrap());
+    }
+    req.headers_mut().insert("x-keep", "1".parse().unwrap());
+    let a = caller.call(req).await.unwrap();
+    assert_eq!(a.status, 200, "{}", a.text());
+    let seen: serde_json::Value =
+        serde_json::from_str(a.headers["x-echo-headers"].to_str().unwrap()).unwrap();
+    assert_eq!(seen["x-keep"], "1", "{seen}");
+    for (name, _) in SPOOFING {
+        assert!(
+            seen.get(*name).is_none(),
+            "{name} reached the upstream: {seen}"
+        );
+    }
     ok(&stack).await;
     stack.shutdown().await;
 }

@@ -257,6 +257,14 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
                 ));
             }
         }
+        // A reload may have removed the token since the lookup and swept the hub before
+        // this stream was in it: check again now that it is (see `crate::tokens`).
+        if !self.tokens.contains(&token_hash, &tunnel_id) {
+            self.hub.remove_stream(&handle, false);
+            metrics.opens.with_label_values(&["unauthenticated"]).inc();
+            warn!(peer = ?request.remote_addr(), "agent stream refused: token revoked while the stream opened");
+            return Err(Status::unauthenticated("token revoked"));
+        }
         metrics.opens.with_label_values(&["accepted"]).inc();
         debug!(tunnel_id = %tunnel_id, stream_id = handle.id, "agent stream accepted");
         let reader = Reader {

@@ -9,6 +9,15 @@
 //! then calls back so streams of removed tokens can be closed. A file that fails to load
 //! on reload leaves the previous store in place.
 //!
+//! Revocation and new streams: `Tunnel.Connect` looks the token up, builds the stream,
+//! registers it in the hub, and then checks the token again against the live store. A
+//! reload swaps the store first and sweeps the hub second. So a stream registered before
+//! the swap is in the hub when the sweep runs (and is closed by it), and a stream
+//! registered after the swap fails the second check (and is refused): once a reload that
+//! removed a token returns, no stream of that token is left or can be added. Holding the
+//! store's lock across registration would do the same but would nest the store lock and
+//! the hub's locks in both orders.
+//!
 //! `edit` changes a store file from the command line (`relay-tunnel-server tokens ...`).
 
 pub mod edit;
@@ -121,21 +130,40 @@ impl TokenStore {
 #[derive(Clone, Default)]
 pub struct SharedTokens {
     inner: Arc<RwLock<TokenStore>>,
+    /// Runs once right after the next lookup: lets a test land a reload in the window
+    /// between a stream's token lookup and its registration.
+    #[cfg(test)]
+    after_lookup: Arc<std::sync::Mutex<Option<Hook>>>,
 }
+
+#[cfg(test)]
+type Hook = Box<dyn FnOnce() + Send>;
 
 impl SharedTokens {
     pub fn new(store: TokenStore) -> Self {
         SharedTokens {
             inner: Arc::new(RwLock::new(store)),
+            #[cfg(test)]
+            after_lookup: Arc::default(),
         }
     }
 
     /// The stored hash and tunnel id of a presented token, if any.
     pub fn lookup(&self, token: &str) -> Option<([u8; 32], String)> {
-        let store = self.inner.read().unwrap_or_else(|e| e.into_inner());
-        store
-            .lookup_entry(token)
-            .map(|(hash, id)| (hash, id.to_string()))
+        let found = {
+            let store = self.inner.read().unwrap_or_else(|e| e.into_inner());
+            store
+                .lookup_entry(token)
+                .map(|(hash, id)| (hash, id.to_string()))
+        };
+        #[cfg(test)]
+        {
+            let hook = self.after_lookup.lock().unwrap().take();
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
+        found
     }
 
     /// Whether the token hash still opens this tunnel id.
@@ -192,6 +220,9 @@ pub fn valid_tunnel_id(id: &str) -> bool {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
+
+#[cfg(test)]
+mod revocation_tests;
 
 #[cfg(test)]
 mod tests {

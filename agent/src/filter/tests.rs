@@ -111,7 +111,18 @@ const CORPUS: &[(
     ),
     ("DELETE", "/public/site/index.html", &[], false, Ok(())),
     ("GET", "/", &[], false, Ok(())),
-    ("GET", "/api/a;b/c", &[], false, Ok(())),
+    // A `;` segment is matched literally, never by a wildcard.
+    ("GET", "/api/a;b/c", &[], false, Err(Some(Reason::Path))),
+    ("GET", "/api;x", &[], false, Err(Some(Reason::Path))),
+    (
+        "GET",
+        "/reports/secret.txt;.csv?ref=main",
+        &[],
+        false,
+        Err(Some(Reason::Path)),
+    ),
+    // A literal percent sign is fine; an escape left after decoding once is not.
+    ("GET", "/api/100%25", &[], false, Ok(())),
     // Accept filters.
     ("GET", "/admin", &[], false, Err(Some(Reason::Path))),
     ("GET", "/apiary", &[], false, Err(Some(Reason::Path))),
@@ -194,7 +205,29 @@ const CORPUS: &[(
         "evil.example:443",
         &[],
         false,
-        Err(Some(Reason::Target)),
+        Err(Some(Reason::ForbiddenMethod)),
+    ),
+    // CONNECT and TRACE are refused even where a rule allows "*".
+    (
+        "TRACE",
+        "/public/site/index.html",
+        &[],
+        false,
+        Err(Some(Reason::ForbiddenMethod)),
+    ),
+    (
+        "connect",
+        "/public/site/index.html",
+        &[],
+        false,
+        Err(Some(Reason::ForbiddenMethod)),
+    ),
+    (
+        "Trace",
+        "/public/site/index.html",
+        &[],
+        false,
+        Err(Some(Reason::ForbiddenMethod)),
     ),
     ("OPTIONS", "*", &[], false, Err(Some(Reason::Target))),
     ("GET", "", &[], false, Err(Some(Reason::Target))),
@@ -253,6 +286,63 @@ const CORPUS: &[(
     ),
     ("GET", "/api/%zz", &[], false, Err(Some(Reason::UnsafePath))),
     ("GET", "/api/%2", &[], false, Err(Some(Reason::UnsafePath))),
+    // Double encoding, overlong UTF-8, non-ASCII, control characters.
+    (
+        "GET",
+        "/api/%252e%252e/admin",
+        &[],
+        false,
+        Err(Some(Reason::UnsafePath)),
+    ),
+    (
+        "GET",
+        "/api/a%252fb",
+        &[],
+        false,
+        Err(Some(Reason::UnsafePath)),
+    ),
+    (
+        "GET",
+        "/api/%c0%ae%c0%ae/admin",
+        &[],
+        false,
+        Err(Some(Reason::UnsafePath)),
+    ),
+    (
+        "GET",
+        "/api/%c0%af",
+        &[],
+        false,
+        Err(Some(Reason::UnsafePath)),
+    ),
+    (
+        "GET",
+        "/api/%e0%80%ae%e0%80%ae",
+        &[],
+        false,
+        Err(Some(Reason::UnsafePath)),
+    ),
+    (
+        "GET",
+        "/api/caf%C3%A9",
+        &[],
+        false,
+        Err(Some(Reason::UnsafePath)),
+    ),
+    (
+        "GET",
+        "/api/a%0d%0aX:1",
+        &[],
+        false,
+        Err(Some(Reason::UnsafePath)),
+    ),
+    (
+        "GET",
+        "/api/a%09",
+        &[],
+        false,
+        Err(Some(Reason::UnsafePath)),
+    ),
     // Injection.
     (
         "GET",
@@ -327,6 +417,106 @@ const CORPUS: &[(
         "/api/x",
         &[("forwarded", "for=1.2.3.4")],
         false,
+        Ok(()),
+    ),
+    // `_` spellings are the same variable to a CGI-style upstream.
+    (
+        "GET",
+        "/api/x",
+        &[("X_Forwarded_Host", "evil.example")],
+        false,
+        Err(Some(Reason::OverrideHeader)),
+    ),
+    (
+        "GET",
+        "/api/x",
+        &[("x_original_url", "/admin")],
+        false,
+        Err(Some(Reason::OverrideHeader)),
+    ),
+    // Spoofing headers are stripped, not refused.
+    (
+        "GET",
+        "/api/x",
+        &[("x-forwarded-for", "1.2.3.4"), ("X_Real_IP", "1.2.3.4")],
+        false,
+        Ok(()),
+    ),
+    // Headers named in Connection are gone before the rules match.
+    (
+        "POST",
+        "/api/v4/projects/7/pipeline",
+        &[("x-api-version", "2"), ("connection", "x-api-version")],
+        false,
+        Err(Some(Reason::Header)),
+    ),
+    (
+        "POST",
+        "/api/v4/projects/7/pipeline",
+        &[
+            ("x-api-version", "2"),
+            ("connection", "close, X-Api-Version"),
+        ],
+        false,
+        Err(Some(Reason::Header)),
+    ),
+    (
+        "POST",
+        "/api/v4/projects/7/pipeline",
+        &[
+            ("x-api-version", "2"),
+            ("connection", "x-api-version, \u{e9}"),
+        ],
+        false,
+        Err(Some(Reason::Header)),
+    ),
+    (
+        "POST",
+        "/api/v4/projects/7/pipeline",
+        &[("x-api-version", "2"), ("connection", "close")],
+        false,
+        Ok(()),
+    ),
+    (
+        "POST",
+        "/api/v4/projects/7/pipeline",
+        &[
+            ("x-api-version", "2"),
+            ("content-length", "3"),
+            ("connection", "content-length"),
+        ],
+        true,
+        Err(Some(Reason::Smuggling)),
+    ),
+    // A body on GET, HEAD or OPTIONS needs a rule's `body_methods`.
+    (
+        "GET",
+        "/api/x",
+        &[("content-length", "3")],
+        true,
+        Err(Some(Reason::Body)),
+    ),
+    (
+        "head",
+        "/api/x",
+        &[("transfer-encoding", "chunked")],
+        true,
+        Err(Some(Reason::Body)),
+    ),
+    ("GET", "/api/x", &[], true, Err(Some(Reason::Body))),
+    (
+        "OPTIONS",
+        "/public/site/index.html",
+        &[],
+        true,
+        Err(Some(Reason::Body)),
+    ),
+    ("GET", "/api/x", &[("content-length", "0")], true, Ok(())),
+    (
+        "DELETE",
+        "/public/site/index.html",
+        &[("content-length", "3")],
+        true,
         Ok(()),
     ),
     // Smuggling.
@@ -426,7 +616,13 @@ const CORPUS: &[(
         true,
         Err(Some(Reason::BodySize)),
     ),
-    ("GET", "/api/x", &[("content-length", "1000")], true, Ok(())),
+    (
+        "PUT",
+        "/public/site/index.html",
+        &[("content-length", "1000")],
+        true,
+        Ok(()),
+    ),
 ];
 
 #[test]
@@ -536,6 +732,15 @@ fn path_patterns() {
         ("/f/a b", "/f/a%20b", true),
         ("/f/x", "/f/%78", true),
         ("/**/**/**/**/x", "/a/b/c/d/e/f/g/h/i/x", true),
+        // `;` is literal text that no wildcard matches.
+        ("/f/*.json", "/f/secret.txt;.json", false),
+        ("/f/*", "/f/a;b", false),
+        ("/f/**", "/f/a;b/c", false),
+        ("/f/**", "/f/a;b", false),
+        ("/**/x", "/a;b/x", false),
+        ("/f/a;b", "/f/a;b", true),
+        ("/f/a;b/**", "/f/a;b/c/d", true),
+        ("/f/*/c", "/f/a;b/c", false),
     ];
     for (pattern, path, want) in cases {
         let segs = compile_path(pattern).unwrap();
@@ -571,6 +776,51 @@ fn bad_rules_name_their_key() {
             },
             "allow[0].headers",
         ),
+        (rule(&["GET", "TRACE"], "/a"), "allow[0].methods"),
+        (rule(&["connect"], "/a"), "allow[0].methods"),
+        (
+            AllowRule {
+                pass_headers: vec!["x-forwarded-host".into()],
+                ..rule(&["GET"], "/a")
+            },
+            "allow[0].pass_headers",
+        ),
+        (
+            AllowRule {
+                pass_headers: vec!["x_forwarded_for".into()],
+                ..rule(&["GET"], "/a")
+            },
+            "allow[0].pass_headers",
+        ),
+        (
+            AllowRule {
+                body_methods: vec!["POST".into()],
+                ..rule(&["POST"], "/a")
+            },
+            "allow[0].body_methods",
+        ),
+        (
+            AllowRule {
+                body_methods: vec!["GET".into()],
+                ..rule(&["HEAD"], "/a")
+            },
+            "allow[0].body_methods",
+        ),
+        (
+            AllowRule {
+                headers: [("x-forwarded-for".to_string(), "*".to_string())].into(),
+                ..rule(&["GET"], "/a")
+            },
+            "allow[0].headers",
+        ),
+        (
+            AllowRule {
+                headers: [("x_forwarded_for".to_string(), "*".to_string())].into(),
+                pass_headers: vec!["x-forwarded-for".into()],
+                ..rule(&["GET"], "/a")
+            },
+            "allow[0].headers",
+        ),
     ];
     for (r, key) in cases {
         let err = Policy::new(std::slice::from_ref(&r), LIMITS)
@@ -578,6 +828,161 @@ fn bad_rules_name_their_key() {
             .to_string();
         assert!(err.contains(key), "{r:?}: {err}");
     }
+    let err = Policy::new(
+        &[AllowRule {
+            pass_headers: vec!["X-Forwarded-Host".into()],
+            ..rule(&["GET"], "/a")
+        }],
+        LIMITS,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("override_header"), "{err}");
+}
+
+/// Every spoofing header in both spellings, plus one the upstream should get.
+const SPOOFING: &[(&str, &str)] = &[
+    ("X-Forwarded-For", "6.6.6.6"),
+    ("X-Real-IP", "6.6.6.6"),
+    ("True-Client-IP", "6.6.6.6"),
+    ("Forwarded", "for=6.6.6.6"),
+    ("X-Forwarded-Proto", "https"),
+    ("X-Forwarded-Prefix", "/admin"),
+    ("X-Original-URI", "/admin"),
+    ("Proxy", "http://6.6.6.6:3128"),
+    ("X_Forwarded_For", "6.6.6.6"),
+    ("X_REAL_IP", "6.6.6.6"),
+    ("true_client_ip", "6.6.6.6"),
+    ("X_Forwarded_Proto", "https"),
+    ("X_Forwarded_Prefix", "/admin"),
+    ("X_Original_URI", "/admin"),
+    ("x-keep", "1"),
+];
+
+#[test]
+fn spoofing_headers_are_stripped_unless_the_rule_passes_them() {
+    let mut internal = rule(&["GET"], "/internal/**");
+    internal.pass_headers = vec!["x-forwarded-for".into(), "Proxy".into()];
+    internal
+        .headers
+        .insert("x-forwarded-for".into(), "10.*".into());
+    let p = Policy::new(&[internal, rule(&["GET"], "/**")], LIMITS).unwrap();
+    let names = |target: &str, extra: &[(&str, &str)]| {
+        let mut headers = SPOOFING.to_vec();
+        headers.extend_from_slice(extra);
+        let ok = p.prepare(&head("GET", target, &headers)).unwrap();
+        let mut names: Vec<String> = ok.headers.keys().map(|k| k.to_string()).collect();
+        names.sort();
+        (ok.rule, names)
+    };
+    assert_eq!(
+        names("/other", &[]),
+        ("allow[1]".to_string(), vec!["x-keep".to_string()])
+    );
+    // The rule requires x-forwarded-for 10.*: the 6.6.6.6 one fails it, so the call
+    // falls to the other rule, which strips it.
+    assert_eq!(
+        names("/internal/a", &[]),
+        ("allow[1]".to_string(), vec!["x-keep".to_string()])
+    );
+    let p2 = Policy::new(
+        &[AllowRule {
+            pass_headers: vec!["x-forwarded-for".into(), "proxy".into()],
+            ..rule(&["GET"], "/internal/**")
+        }],
+        LIMITS,
+    )
+    .unwrap();
+    let ok = p2.prepare(&head("GET", "/internal/a", SPOOFING)).unwrap();
+    let mut kept: Vec<&str> = ok.headers.keys().map(|k| k.as_str()).collect();
+    kept.sort();
+    assert_eq!(kept, vec!["proxy", "x-forwarded-for", "x-keep"]);
+}
+
+#[test]
+fn utf8_paths_pass_only_where_a_rule_allows_them_and_never_overlong_or_lookalikes() {
+    let docs = AllowRule {
+        utf8_paths: true,
+        ..rule(&["GET"], "/docs/**")
+    };
+    let p = Policy::new(&[docs, rule(&["GET"], "/**")], LIMITS).unwrap();
+    let cases: &[(&str, Result<(), Option<Reason>>)] = &[
+        ("/docs/caf%C3%A9", Ok(())),
+        ("/docs/%E6%97%A5%E6%9C%AC/readme", Ok(())),
+        ("/other/caf%C3%A9", Err(Some(Reason::UnsafePath))),
+        // Overlong and broken UTF-8.
+        ("/docs/%c0%ae%c0%ae/admin", Err(Some(Reason::UnsafePath))),
+        ("/docs/%e0%80%ae", Err(Some(Reason::UnsafePath))),
+        ("/docs/%C3", Err(Some(Reason::UnsafePath))),
+        ("/docs/%ff", Err(Some(Reason::UnsafePath))),
+        // Fullwidth '.' and '/' and friends, which NFKC folds into the ASCII ones.
+        (
+            "/docs/%EF%BC%8E%EF%BC%8E/admin",
+            Err(Some(Reason::UnsafePath)),
+        ),
+        ("/docs/a%EF%BC%8Fb", Err(Some(Reason::UnsafePath))),
+        ("/docs/a%E2%88%95b", Err(Some(Reason::UnsafePath))),
+    ];
+    for (target, want) in cases {
+        assert_eq!(&outcome(&p, &head("GET", target, &[])), want, "{target}");
+    }
+    let err = p
+        .prepare(&head("GET", "/other/caf%C3%A9", &[]))
+        .unwrap_err();
+    assert!(err.message().contains("utf8_paths"), "{err:?}");
+}
+
+#[test]
+fn only_an_allowed_body_on_a_bodiless_method_closes_the_connection() {
+    let mut search = rule(&["GET", "POST"], "/search");
+    search.body_methods = vec!["GET".into()];
+    let p = Policy::new(&[search], LIMITS).unwrap();
+    let call = |method: &str, eos: bool, headers: &[(&str, &str)]| {
+        let mut h = head(method, "/search", headers);
+        h.end_of_stream = eos;
+        p.prepare(&h).map(|ok| ok.close_connection)
+    };
+    assert_eq!(call("GET", false, &[("content-length", "3")]), Ok(true));
+    assert_eq!(call("GET", false, &[]), Ok(true));
+    assert_eq!(call("GET", true, &[]), Ok(false));
+    assert_eq!(call("GET", true, &[("content-length", "0")]), Ok(false));
+    assert_eq!(call("POST", false, &[("content-length", "3")]), Ok(false));
+    let err = p
+        .prepare(&head("HEAD", "/search", &[("content-length", "3")]))
+        .map(|_| ());
+    assert!(err.is_err());
+}
+
+#[test]
+fn the_new_rule_keys_parse_from_toml_with_their_defaults() {
+    #[derive(serde::Deserialize)]
+    struct File {
+        allow: Vec<AllowRule>,
+    }
+    let text = r#"
+        [[allow]]
+        methods = ["GET"]
+        path = "/search"
+        pass_headers = ["X-Forwarded-For"]
+        body_methods = ["GET"]
+        utf8_paths = true
+        [[allow]]
+        methods = ["GET"]
+        path = "/**"
+    "#;
+    let f: File = relay_common::config::parse(text, std::path::Path::new("agent.toml")).unwrap();
+    assert_eq!(f.allow[0].pass_headers, vec!["X-Forwarded-For".to_string()]);
+    assert_eq!(f.allow[0].body_methods, vec!["GET".to_string()]);
+    assert!(f.allow[0].utf8_paths);
+    assert!(f.allow[1].pass_headers.is_empty());
+    assert!(f.allow[1].body_methods.is_empty());
+    assert!(!f.allow[1].utf8_paths);
+    let p = Policy::new(&f.allow, LIMITS).unwrap();
+    let mut h = head("GET", "/search", &[("x-forwarded-for", "10.0.0.1")]);
+    h.end_of_stream = false;
+    let ok = p.prepare(&h).unwrap();
+    assert!(ok.close_connection);
+    assert!(ok.headers.contains_key("x-forwarded-for"));
 }
 
 #[test]
@@ -611,6 +1016,10 @@ fn tricky() -> impl Strategy<Value = String> {
         Just("api".to_string()),
         Just(";".to_string()),
         Just("\\".to_string()),
+        Just("%25".to_string()),
+        Just("%c0%ae".to_string()),
+        Just("%C3%A9".to_string()),
+        Just("%0a".to_string()),
         "[ -~]{0,6}",
         "\\PC{0,3}",
     ]
@@ -629,6 +1038,10 @@ fn header() -> impl Strategy<Value = Header> {
         Just("connection".to_string()),
         Just("x-api-version".to_string()),
         Just("Content-Length".to_string()),
+        Just("x-forwarded-for".to_string()),
+        Just("X_Forwarded_For".to_string()),
+        Just("proxy".to_string()),
+        Just("keep-alive".to_string()),
         "[a-zA-Z0-9 :\r\n-]{0,12}",
     ];
     let value = prop_oneof![
@@ -636,6 +1049,8 @@ fn header() -> impl Strategy<Value = Header> {
         Just(b"0".to_vec()),
         Just(b"12".to_vec()),
         Just(b"2".to_vec()),
+        Just(b"x-api-version".to_vec()),
+        Just(b"close, content-length".to_vec()),
         prop::collection::vec(any::<u8>(), 0..12),
     ];
     (name, value).prop_map(|(name, value)| Header { name, value })
@@ -647,6 +1062,8 @@ fn request_head() -> impl Strategy<Value = RequestHead> {
         Just("POST".to_string()),
         Just("get".to_string()),
         Just("CONNECT".to_string()),
+        Just("TRACE".to_string()),
+        Just("HEAD".to_string()),
         "[ -~\r\n]{0,8}",
     ];
     let target = prop_oneof![
@@ -692,6 +1109,14 @@ proptest! {
                 prop_assert!(!path.split('/').any(|s| s == ".." || s == "."), "{path}");
                 prop_assert!(ok.headers.get_all("content-length").iter().count() <= 1);
                 prop_assert!(!ok.headers.contains_key("x-forwarded-host"));
+                for name in ok.headers.keys() {
+                    let n = name.as_str();
+                    prop_assert!(!crate::upstream::is_hop_by_hop(n), "{n}");
+                    prop_assert!(spoofing(n).is_none(), "{n}");
+                }
+                prop_assert!(!ok.method.as_str().eq_ignore_ascii_case("TRACE"));
+                prop_assert!(!ok.method.as_str().eq_ignore_ascii_case("CONNECT"));
+                prop_assert!(path.is_ascii(), "{path}");
                 let up = upstream();
                 let req = UpstreamRequest {
                     method: ok.method,
@@ -699,6 +1124,7 @@ proptest! {
                     headers: ok.headers,
                     body: None,
                     body_limit: None,
+                    close_connection: false,
                 };
                 let built = up.build_for_test(req);
                 prop_assert!(built.is_ok(), "{:?}", built.err());
@@ -722,6 +1148,9 @@ proptest! {
             let encodings = h.headers.iter().filter(|x| x.name.eq_ignore_ascii_case("transfer-encoding")).count();
             prop_assert!(lengths + encodings <= 1);
             prop_assert!(ok.content_length.is_none_or(|n| n <= 1000));
+            let bodiless = ["GET", "HEAD", "OPTIONS"].iter().any(|m| h.method.eq_ignore_ascii_case(m));
+            prop_assert!(!bodiless || h.end_of_stream || ok.content_length == Some(0), "{h:?}");
+            prop_assert!(!ok.close_connection);
         }
     }
 
