@@ -39,7 +39,8 @@ wants() { case " $TARGETS " in *" $1 "*) return 0;; *) return 1;; esac; }
 RATHOLE=$RATHOLE_ROOT/bin/rathole
 if wants rathole && [ ! -x "$RATHOLE" ]; then
   echo "installing rathole into $RATHOLE_ROOT (once)"
-  cargo install -q --locked rathole --root "$RATHOLE_ROOT"
+  # Not --locked: rathole 0.5.0's lock file pins a `time` that newer compilers refuse.
+  cargo install -q rathole --version 0.5.0 --root "$RATHOLE_ROOT"
 fi
 if [ -z "${BIN_DIR:-}" ]; then
   cargo build --release --bins -q

@@ -44,6 +44,12 @@ impl Server {
             heartbeat: Duration::from_secs(30),
             heartbeat_misses: 3,
             tracker: tokio_util::task::TaskTracker::new(),
+            listener: relay_common::listen::ListenerGuard::new(
+                "agent",
+                relay_common::listen::ListenerLimits::default(),
+                relay_common::listen::ListenerMetrics::register(&prometheus::Registry::new())
+                    .unwrap(),
+            ),
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
