@@ -55,6 +55,7 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::Method;
 use relay_common::config::ConfigError;
+use relay_common::glob::matches as glob;
 use relay_proto::RequestHead;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -1000,29 +1001,6 @@ fn segment_matches(seg: &Seg, s: &[u8]) -> bool {
         Seg::Glob(p) if p.contains(&b'*') => !has_sep && glob(p, s),
         Seg::Glob(p) => p.as_slice() == s,
     }
-}
-
-/// `*` matches any run of bytes; everything else is literal. Linear-time two-pointer
-/// wildcard match (backtracks only to the last `*`).
-fn glob(p: &[u8], s: &[u8]) -> bool {
-    let (mut pi, mut si) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while si < s.len() {
-        if pi < p.len() && p[pi] == b'*' {
-            star = Some((pi, si));
-            pi += 1;
-        } else if pi < p.len() && p[pi] == s[si] {
-            pi += 1;
-            si += 1;
-        } else if let Some((sp, ss)) = star {
-            pi = sp + 1;
-            si = ss + 1;
-            star = Some((sp, ss + 1));
-        } else {
-            return false;
-        }
-    }
-    p[pi..].iter().all(|b| *b == b'*')
 }
 
 /// Query pairs, percent-decoded (`+` as space); undecodable pairs are kept raw so they
