@@ -15,5 +15,6 @@ pub mod secret;
 pub mod shutdown;
 pub mod telemetry;
 pub mod tls;
+pub mod tunnel_id;
 
 pub use secret::{KeyDigest, Secret};

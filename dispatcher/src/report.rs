@@ -28,14 +28,7 @@ use tracing::{error, info, warn};
 /// How long a new report stream may take to send its `ServerIntro`.
 const INTRO_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Tunnel id syntax: `[A-Za-z0-9._-]{1,128}`.
-pub fn valid_tunnel_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
+pub use relay_common::tunnel_id::is_valid as valid_tunnel_id;
 
 /// The service tunnel servers report to.
 pub struct ReportService {
@@ -373,20 +366,5 @@ impl relay_proto::registry_server::Registry for ReportService {
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tunnel_id_syntax() {
-        assert!(valid_tunnel_id("acme-scm.v2_x"));
-        assert!(valid_tunnel_id(&"a".repeat(128)));
-        assert!(!valid_tunnel_id(&"a".repeat(129)));
-        assert!(!valid_tunnel_id(""));
-        assert!(!valid_tunnel_id("a/b"));
-        assert!(!valid_tunnel_id("a%20"));
     }
 }

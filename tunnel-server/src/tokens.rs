@@ -212,14 +212,7 @@ impl relay_common::tls::Reload for TokenReloader {
     }
 }
 
-/// Tunnel ids are readable names: 1-128 of `A-Z a-z 0-9 . _ -`.
-pub fn valid_tunnel_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
+pub use relay_common::tunnel_id::is_valid as valid_tunnel_id;
 
 #[cfg(test)]
 mod revocation_tests;
