@@ -34,6 +34,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     tls: Option<RedisTlsFiles>,
+    /// `--requirepass`, when set.
+    password: Option<String>,
 }
 
 /// PEM files of a TLS-only Redis (`--port 0 --tls-port`), which asks no client certificate.
@@ -56,7 +58,16 @@ impl RedisServer {
         Self::start_with(Some(files)).await
     }
 
+    /// Starts one that requires `password` (`AUTH`); the URL then carries it.
+    pub async fn start_with_password(password: &str) -> Self {
+        Self::start_as(None, Some(password.to_string())).await
+    }
+
     async fn start_with(tls: Option<RedisTlsFiles>) -> Self {
+        Self::start_as(tls, None).await
+    }
+
+    async fn start_as(tls: Option<RedisTlsFiles>, password: Option<String>) -> Self {
         // Redis cannot bind port 0: take a free port from the OS and release it.
         let port = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -69,6 +80,7 @@ impl RedisServer {
             port,
             dir,
             tls,
+            password,
         };
         r.restart().await;
         r
@@ -81,7 +93,10 @@ impl RedisServer {
         } else {
             "redis"
         };
-        format!("{scheme}://127.0.0.1:{}", self.port)
+        match &self.password {
+            Some(pw) => format!("{scheme}://:{pw}@127.0.0.1:{}", self.port),
+            None => format!("{scheme}://127.0.0.1:{}", self.port),
+        }
     }
 
     pub fn port(&self) -> u16 {
@@ -106,6 +121,9 @@ impl RedisServer {
                 .arg(&t.ca)
                 .args(["--tls-auth-clients", "no"]),
         };
+        if let Some(pw) = &self.password {
+            cmd.args(["--requirepass", pw]);
+        }
         let child = cmd
             .args(["--bind", "127.0.0.1"])
             .args(["--save", ""])
@@ -118,9 +136,10 @@ impl RedisServer {
             .spawn()
             .expect("spawn redis-server");
         self.child = Some(child);
-        let (port, tls) = (self.port, self.tls.is_some());
+        // With TLS or a password a bare PING gets no PONG: a connection is enough.
+        let (port, tls) = (self.port, self.tls.is_some() || self.password.is_some());
         crate::eventually(
-            "redis-server answers PING (with TLS: accepts connections)",
+            "redis-server answers PING (with TLS or a password: accepts connections)",
             Duration::from_secs(10),
             || async move {
                 if tls {

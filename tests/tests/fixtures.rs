@@ -3,7 +3,6 @@
 //! deadline.
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -23,22 +22,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
+use relay_tests::eventually;
+
 type TestBody = BoxBody<Bytes, Infallible>;
 
 const DEADLINE: Duration = Duration::from_secs(10);
-
-/// Polls `cond` until it holds or the deadline passes.
-async fn eventually<F, Fut>(what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + DEADLINE;
-    while !cond().await {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 /// A gRPC-like HTTP/2 backend: answers every request at once with headers
 /// `x-backend: {idx}`, echoes each request body frame as it arrives, and ends with
@@ -231,7 +219,7 @@ async fn bidi_stream_flows_both_ways_and_trailers_pass() {
     assert_eq!(trailers["x-backend"], "1");
     assert!(rx.frame().await.is_none());
     drop(rx);
-    eventually("stream closed on backend 1", || async {
+    eventually("stream closed on backend 1", DEADLINE, || async {
         lb.open_streams() == vec![0, 0]
     })
     .await;
@@ -395,11 +383,14 @@ async fn dropping_the_handle_stops_the_proxy() {
     let client = h2_client(addr).await;
     assert_eq!(unary(&client, addr, "x").await.status, StatusCode::OK);
     drop(lb);
-    eventually("listener closed", || async {
+    eventually("listener closed", DEADLINE, || async {
         TcpStream::connect(addr).await.is_err()
     })
     .await;
-    eventually("connection closed", || async { client.is_closed() }).await;
+    eventually("connection closed", DEADLINE, || async {
+        client.is_closed()
+    })
+    .await;
 }
 
 // ---- upstream ----
@@ -443,7 +434,7 @@ async fn upstream_bytes_returns_exactly_n_bytes_in_pattern() {
         assert_eq!(i, n);
     }
     let expected = 7;
-    eventually("all served", || async { up.served() == expected }).await;
+    eventually("all served", DEADLINE, || async { up.served() == expected }).await;
     assert_eq!((up.in_flight(), up.cancelled()), (0, 0));
 }
 
@@ -494,7 +485,7 @@ async fn upstream_echo_streams_over_h2c_without_buffering() {
     }
     drop(tx);
     while rx.frame().await.is_some() {}
-    eventually("served", || async { up.served() == 1 }).await;
+    eventually("served", DEADLINE, || async { up.served() == 1 }).await;
 }
 
 #[tokio::test]
@@ -522,7 +513,7 @@ async fn upstream_routes_answer_as_documented() {
         .await
         .expect("response");
     assert_eq!(res.status(), StatusCode::METHOD_NOT_ALLOWED);
-    eventually("all served", || async { up.served() == 8 }).await;
+    eventually("all served", DEADLINE, || async { up.served() == 8 }).await;
     assert_eq!(up.in_flight(), 0);
 }
 
@@ -552,7 +543,7 @@ async fn upstream_counts_a_client_that_leaves_mid_response() {
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(up.in_flight(), 1);
     drop(res);
-    eventually("cancel counted", || async {
+    eventually("cancel counted", DEADLINE, || async {
         up.cancelled() == 1 && up.in_flight() == 0
     })
     .await;
@@ -564,7 +555,7 @@ async fn upstream_stops_when_the_handle_drops() {
     let up = Upstream::builder().spawn().await.expect("spawn");
     let addr = up.addr;
     drop(up);
-    eventually("listener closed", || async {
+    eventually("listener closed", DEADLINE, || async {
         TcpStream::connect(addr).await.is_err()
     })
     .await;

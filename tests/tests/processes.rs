@@ -25,9 +25,10 @@ use relay_tests::certs::generate;
 use relay_tests::client::Caller;
 use relay_tests::eventually;
 use relay_tests::procs::{
-    free_addr, metric, scrape, wait_http, write_token_store, AgentOpts, AgentProc, DispatcherOpts,
+    metric, scrape, wait_http, write_token_store, AgentOpts, AgentProc, DispatcherOpts,
     DispatcherProc, Proc, ScratchDir, Spawn, TunnelServerOpts, TunnelServerProc,
 };
+use relay_tests::redis::{require_redis, RedisServer};
 use relay_tests::stack::{CALLER_KEY, TOKEN, TUNNEL_ID};
 use relay_tests::upstream::{pattern_byte, Upstream, UpstreamHandle};
 use std::net::SocketAddr;
@@ -488,57 +489,6 @@ async fn sighup_to_a_process_with_nothing_to_reload_leaves_it_serving() {
 // ---------------------------------------------------------------------------------------
 // Secrets at debug level
 
-/// A `redis-server` child with a password, on a free loopback port.
-struct RedisProc {
-    _proc: Proc,
-    port: u16,
-}
-
-impl RedisProc {
-    async fn start(dir: &Path, password: &str) -> RedisProc {
-        let port = free_addr().unwrap().port();
-        let data = dir.join("redis");
-        std::fs::create_dir_all(&data).unwrap();
-        let args: Vec<String> = [
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--requirepass",
-            password,
-            "--dir",
-            &data.display().to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let proc = Proc::spawn(
-            "redis-server",
-            Path::new("redis-server"),
-            &args,
-            &[],
-            dir.join("redis.log"),
-        )
-        .unwrap_or_else(|e| {
-            panic!(
-                "{e:#}: redis-server is needed: install the Debian package \
-                 (`apt-get install redis-server`; .ci/run does)"
-            )
-        });
-        eventually("redis-server accepts connections", READY, || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        })
-        .await;
-        RedisProc { _proc: proc, port }
-    }
-}
-
 fn debug_logs() -> Spawn {
     Spawn {
         env: vec![
@@ -607,13 +557,14 @@ async fn no_secret_appears_in_logs_metrics_debug_pages_or_answers_at_debug_level
         ScratchDir::new("secrets-a").unwrap(),
         ScratchDir::new("secrets-b").unwrap(),
     );
-    let redis = RedisProc::start(dir.path(), &redis_pw).await;
+    require_redis("no_secret_appears_in_logs");
+    let redis = RedisServer::start_with_password(&redis_pw).await;
     let upstream = Upstream::builder().spawn().await.unwrap();
     let how = debug_logs();
     let registry = |pw: &str| {
         format!(
             "backend = \"redis\"\nurl = \"redis://:{pw}@127.0.0.1:{}/0\"\nrecord_key = {record_key:?}\n",
-            redis.port
+            redis.port()
         )
     };
     // One dispatcher with the right Redis password, one with a wrong one.
