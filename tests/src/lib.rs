@@ -8,6 +8,7 @@ pub mod fleet;
 pub mod haproxy;
 pub mod lb;
 pub mod ledger;
+pub mod load;
 pub mod metrics;
 pub mod procs;
 pub mod promql;

@@ -31,6 +31,7 @@ use relay_tests::lb::Policy;
 use relay_tests::ledger::{
     agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops,
 };
+use relay_tests::load::{Ledger, Load, LoadSpec};
 use relay_tests::metrics::value;
 use relay_tests::procs::{
     metric, scrape, series, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
@@ -42,8 +43,8 @@ use relay_tests::time_until;
 use relay_tests::upstream::{Upstream, UpstreamHandle};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
@@ -60,196 +61,9 @@ const DETECT_SLACK: Duration = Duration::from_secs(2);
 // ---------------------------------------------------------------------------------------
 // Load and the client-side ledger
 
-#[derive(Clone)]
-struct LoadSpec {
-    workers: usize,
-    /// Upstream path after `/relay/{tunnel}` (e.g. `/slow/100`).
-    path: String,
-    /// The call's deadline (`x-relay-timeout-ms`).
-    timeout_ms: u64,
-    /// Every n-th call of a worker, the caller leaves after `cancel_after`.
-    cancel_every: Option<u64>,
-    cancel_after: Duration,
-}
-
-impl LoadSpec {
-    fn new(workers: usize, path: &str, timeout_ms: u64) -> Self {
-        LoadSpec {
-            workers,
-            path: path.into(),
-            timeout_ms,
-            cancel_every: None,
-            cancel_after: Duration::ZERO,
-        }
-    }
-}
-
-#[derive(Default)]
-struct Tally {
-    sent: AtomicU64,
-    answered: AtomicU64,
-    ok: AtomicU64,
-    caller_cancelled: AtomicU64,
-    /// Answers other than 200 and caller cancels, by "status code" or "transport ...".
-    failures: Mutex<BTreeMap<String, u64>>,
-    /// Longest time to an answer, ms.
-    slowest_ms: AtomicU64,
-}
-
-impl Tally {
-    fn failed(&self) -> u64 {
-        self.failures.lock().unwrap().values().sum()
-    }
-
-    fn failures(&self) -> BTreeMap<String, u64> {
-        self.failures.lock().unwrap().clone()
-    }
-
-    fn sent(&self) -> u64 {
-        self.sent.load(Ordering::SeqCst)
-    }
-
-    fn summary(&self) -> String {
-        format!(
-            "sent {} answered {} ok {} caller-cancelled {} failed {:?} slowest {} ms",
-            self.sent(),
-            self.answered.load(Ordering::SeqCst),
-            self.ok.load(Ordering::SeqCst),
-            self.caller_cancelled.load(Ordering::SeqCst),
-            self.failures(),
-            self.slowest_ms.load(Ordering::SeqCst)
-        )
-    }
-}
-
-/// One call through the front; records its single answer in `tally`.
-async fn one_call(
-    caller: &Caller,
-    path: &str,
-    timeout_ms: u64,
-    leave: Option<Duration>,
-    tally: &Tally,
-) {
-    tally.sent.fetch_add(1, Ordering::SeqCst);
-    let mut req = caller.request(Method::GET, path, Bytes::new());
-    req.headers_mut().insert(
-        "x-relay-timeout-ms",
-        timeout_ms.to_string().parse().unwrap(),
-    );
-    let started = Instant::now();
-    let answer = match leave {
-        Some(after) => tokio::time::timeout(after, caller.call(req)).await.ok(),
-        None => Some(caller.call(req).await),
-    };
-    let took = started.elapsed().as_millis() as u64;
-    tally.slowest_ms.fetch_max(took, Ordering::SeqCst);
-    let key = match answer {
-        None => {
-            tally.caller_cancelled.fetch_add(1, Ordering::SeqCst);
-            None
-        }
-        Some(Ok(a)) if a.status == 200 => {
-            tally.ok.fetch_add(1, Ordering::SeqCst);
-            None
-        }
-        Some(Ok(a)) => {
-            let code = a.json()["error"].as_str().unwrap_or("?").to_string();
-            let retry = if a.status == 503 && !a.headers.contains_key("retry-after") {
-                " WITHOUT retry-after"
-            } else {
-                ""
-            };
-            Some(format!("{} {code}{retry}", a.status.as_u16()))
-        }
-        Some(Err(e)) => Some(format!("transport {e}")),
-    };
-    if let Some(k) = key {
-        *tally.failures.lock().unwrap().entry(k).or_default() += 1;
-    }
-    tally.answered.fetch_add(1, Ordering::SeqCst);
-}
-
-struct Load {
-    stop: Arc<AtomicBool>,
-    workers: Vec<tokio::task::JoinHandle<()>>,
-    tally: Arc<Tally>,
-    timeout_ms: u64,
-}
-
+/// The tests' load generator through `front` with the harness caller key.
 fn start_load(front: SocketAddr, spec: LoadSpec) -> Load {
-    let stop = Arc::new(AtomicBool::new(false));
-    let tally = Arc::new(Tally::default());
-    let caller = Caller::new(front, Some(CALLER_KEY));
-    let workers = (0..spec.workers)
-        .map(|w| {
-            let (stop, tally, caller, spec) =
-                (stop.clone(), tally.clone(), caller.clone(), spec.clone());
-            tokio::spawn(async move {
-                let mut i = 0u64;
-                while !stop.load(Ordering::SeqCst) {
-                    i += 1;
-                    let leave = spec
-                        .cancel_every
-                        .filter(|n| i.is_multiple_of(*n))
-                        .map(|_| spec.cancel_after);
-                    let path = format!("/relay/{TUNNEL_ID}{}?w={w}&i={i}", spec.path);
-                    one_call(&caller, &path, spec.timeout_ms, leave, &tally).await;
-                }
-            })
-        })
-        .collect();
-    Load {
-        stop,
-        workers,
-        tally,
-        timeout_ms: spec.timeout_ms,
-    }
-}
-
-impl Load {
-    /// Stops the workers after their current call; fails if a call hangs.
-    async fn stop(self) -> Arc<Tally> {
-        self.stop.store(true, Ordering::SeqCst);
-        let bound = Duration::from_millis(self.timeout_ms) + Duration::from_secs(10);
-        for w in self.workers {
-            tokio::time::timeout(bound, w)
-                .await
-                .unwrap_or_else(|_| panic!("a call hung past its deadline + 10 s"))
-                .unwrap();
-        }
-        let t = self.tally;
-        assert_eq!(
-            t.sent(),
-            t.answered.load(Ordering::SeqCst),
-            "every call sent gets exactly one answer: {}",
-            t.summary()
-        );
-        assert!(
-            t.slowest_ms.load(Ordering::SeqCst) <= self.timeout_ms + 3000,
-            "an answer came long after the call's deadline: {}",
-            t.summary()
-        );
-        t
-    }
-
-    fn tally(&self) -> &Tally {
-        &self.tally
-    }
-
-    /// Waits until `n` more calls than now have been answered 200: the load is flowing
-    /// (before a fault), or flows again (after one). Fails after `READY`.
-    async fn flowing(&self, n: u64) {
-        let from = self.tally.ok.load(Ordering::SeqCst);
-        let t = time_until(READY, || async {
-            self.tally.ok.load(Ordering::SeqCst) >= from + n
-        })
-        .await;
-        assert!(
-            t.is_some(),
-            "{n} calls were not answered within {READY:?}: {}",
-            self.tally.summary()
-        );
-    }
+    relay_tests::load::start(Caller::new(front, Some(CALLER_KEY)), spec)
 }
 
 /// Polls `check` until it returns Ok, or panics with its last error after `within`.
@@ -649,8 +463,11 @@ fn crash_answers(k: &str) -> bool {
 async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
     let mut fleet = Fleet::start(3, HEARTBEAT, Duration::ZERO).await;
     let base = fleet.base().await;
-    let load = start_load(fleet.front(), LoadSpec::new(8, "/slow/100", 5000));
-    load.flowing(40).await; // steady state before the fault
+    let load = start_load(
+        fleet.front(),
+        LoadSpec::new(8, format!("/relay/{TUNNEL_ID}/slow/100"), 5000),
+    );
+    load.flowing(40, READY).await; // steady state before the fault
     let victim = fleet.busiest().await;
     let before = fleet.agent_servers().await;
     let s = fleet.servers[victim].take().unwrap();
@@ -666,13 +483,10 @@ async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
             dispatcher_servers(fleet.dispatcher.admin).await == 2.0
         })
     );
-    let failed_at_kill = load.tally().failed();
+    let failed_at_kill = load.ledger().failed();
     // Calls keep succeeding on the other servers.
-    let ok_before = load.tally().ok.load(Ordering::SeqCst);
-    let ok_after = time_until(READY, || async {
-        load.tally().ok.load(Ordering::SeqCst) >= ok_before + 50
-    })
-    .await;
+    let ok_before = load.ledger().ok();
+    let ok_after = time_until(READY, || async { load.ledger().ok() >= ok_before + 50 }).await;
     fleet.restart(victim).await;
     fleet.wait_covered(3).await;
     let tally = load.stop().await;
@@ -880,7 +694,7 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
     let queued = rig.other_streams.min(home_streams);
     let calls = home_streams + queued;
     let reached_before = rig.reached();
-    let tally = Arc::new(Tally::default());
+    let tally = Arc::new(Ledger::default());
     let mut tasks = Vec::new();
     for _ in 0..calls {
         let (c, tally) = (
@@ -888,14 +702,9 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
             tally.clone(),
         );
         tasks.push(tokio::spawn(async move {
-            one_call(
-                &c,
-                &format!("/relay/{TUNNEL_ID}/slow/2000"),
-                20_000,
-                None,
-                &tally,
-            )
-            .await
+            tally
+                .call(&c, &format!("/relay/{TUNNEL_ID}/slow/2000"), 20_000, None)
+                .await
         }));
     }
     rig.wait_queued(queued).await;
@@ -908,11 +717,7 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
         "SIGKILL {home} with {home_streams} calls in progress and {queued} queued: {}; retries {retries}",
         tally.summary()
     );
-    assert_eq!(
-        tally.answered.load(Ordering::SeqCst),
-        calls,
-        "every call answered"
-    );
+    assert_eq!(tally.answered(), calls, "every call answered");
     for (k, n) in tally.failures() {
         assert!(
             k.starts_with("502 stream_lost"),
@@ -926,7 +731,7 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
         tally.summary()
     );
     assert!(
-        tally.ok.load(Ordering::SeqCst) >= queued,
+        tally.ok() >= queued,
         "every queued call succeeded on the other server: {}",
         tally.summary()
     );
@@ -1046,8 +851,11 @@ async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dea
     // Heartbeat 1 s: the agent drops a stream after 3 s without a frame.
     let fleet = Fleet::start(2, HEARTBEAT, Duration::ZERO).await;
     let base = fleet.base().await;
-    let load = start_load(fleet.front(), LoadSpec::new(4, "/slow/50", 3000));
-    load.flowing(40).await;
+    let load = start_load(
+        fleet.front(),
+        LoadSpec::new(4, format!("/relay/{TUNNEL_ID}/slow/50"), 3000),
+    );
+    load.flowing(40, READY).await;
     let victim = fleet.busiest().await;
     let before = fleet.agent_servers().await;
     let expiries = |t: &str| metric(t, "relay_dispatcher_lease_expiries_total", &[]);
@@ -1067,24 +875,14 @@ async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dea
         })
     );
     // Once both noticed, calls succeed again.
-    let probes = Tally::default();
+    let probes = Ledger::default();
     let c = Caller::new(fleet.front(), Some(CALLER_KEY));
     for _ in 0..10 {
-        one_call(
-            &c,
-            &format!("/relay/{TUNNEL_ID}/hello"),
-            3000,
-            None,
-            &probes,
-        )
-        .await;
+        probes
+            .call(&c, &format!("/relay/{TUNNEL_ID}/hello"), 3000, None)
+            .await;
     }
-    assert_eq!(
-        probes.ok.load(Ordering::SeqCst),
-        10,
-        "after detection: {}",
-        probes.summary()
-    );
+    assert_eq!(probes.ok(), 10, "after detection: {}", probes.summary());
     fleet.servers[victim]
         .as_ref()
         .unwrap()
@@ -1140,8 +938,11 @@ async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dea
 async fn sigterm_drains_a_tunnel_server_process_without_failing_a_call() {
     let mut fleet = Fleet::start(2, Duration::from_secs(1), Duration::ZERO).await;
     let base = fleet.base().await;
-    let load = start_load(fleet.front(), LoadSpec::new(6, "/slow/200", 10_000));
-    load.flowing(24).await;
+    let load = start_load(
+        fleet.front(),
+        LoadSpec::new(6, format!("/relay/{TUNNEL_ID}/slow/200"), 10_000),
+    );
+    load.flowing(24, READY).await;
     let victim = fleet.busiest().await;
     let s = fleet.servers[victim].take().unwrap();
     let mut proc = s.proc;
@@ -1151,7 +952,7 @@ async fn sigterm_drains_a_tunnel_server_process_without_failing_a_call() {
     let took = started.elapsed();
     let log = proc.log();
     // The load goes on on the remaining server.
-    load.flowing(12).await;
+    load.flowing(12, READY).await;
     let tally = load.stop().await;
     eprintln!(
         "SIGTERM: exited {status} after {took:?}; {}",
@@ -1185,8 +986,11 @@ async fn rolling_restart_of_every_tunnel_server_under_steady_load_fails_no_call(
         .unwrap();
     stack.wait_routable(READY).await.unwrap();
     let base = dispatcher_base(stack.dispatcher_admin).await;
-    let load = start_load(stack.http, LoadSpec::new(8, "/slow/100", 10_000));
-    load.flowing(40).await;
+    let load = start_load(
+        stack.http,
+        LoadSpec::new(8, format!("/relay/{TUNNEL_ID}/slow/100"), 10_000),
+    );
+    load.flowing(40, READY).await;
     let mut back = Vec::new();
     for i in 0..3 {
         // As an operator would: wait until the fleet is whole (every server reporting),
@@ -1202,9 +1006,9 @@ async fn rolling_restart_of_every_tunnel_server_under_steady_load_fails_no_call(
         let s = stack.take_server(i).unwrap();
         s.shutdown().await;
         stack.start_server(i).await.unwrap();
-        load.flowing(40).await;
+        load.flowing(40, READY).await;
     }
-    load.flowing(20).await;
+    load.flowing(20, READY).await;
     let tally = load.stop().await;
     eprintln!(
         "rolling restart: fleet whole again before each step after {back:?}; {}",
@@ -1216,7 +1020,7 @@ async fn rolling_restart_of_every_tunnel_server_under_steady_load_fails_no_call(
         "failed calls in a rolling restart: {}",
         tally.summary()
     );
-    assert!(tally.ok.load(Ordering::SeqCst) > 50, "{}", tally.summary());
+    assert!(tally.ok() > 50, "{}", tally.summary());
     settle("accounting after a rolling restart", QUIET, || {
         stack_accounted(&stack, tally.sent(), base)
     })
@@ -1229,22 +1033,20 @@ async fn agent_restart_routes_again_within_a_bound_and_calls_between_get_503_wit
     let mut stack = Stack::builder().servers(2).start().await.unwrap();
     stack.wait_routable(READY).await.unwrap();
     let base = dispatcher_base(stack.dispatcher_admin).await;
-    let load = start_load(stack.http, LoadSpec::new(4, "/slow/50", 5000));
-    load.flowing(30).await;
+    let load = start_load(
+        stack.http,
+        LoadSpec::new(4, format!("/relay/{TUNNEL_ID}/slow/50"), 5000),
+    );
+    load.flowing(30, READY).await;
     let agent = stack.take_agent(0).unwrap();
     agent.shutdown().await; // streams retire; calls in flight finish first
                             // With no agent, calls are answered at once with 503 and Retry-After, not held.
-    let probes = Tally::default();
+    let probes = Ledger::default();
     let caller = stack.caller();
     let gone = time_until(READY, || async {
-        one_call(
-            &caller,
-            &format!("/relay/{TUNNEL_ID}/hello"),
-            5000,
-            None,
-            &probes,
-        )
-        .await;
+        probes
+            .call(&caller, &format!("/relay/{TUNNEL_ID}/hello"), 5000, None)
+            .await;
         probes.failures().contains_key("503 tunnel_unavailable")
     })
     .await;
@@ -1255,14 +1057,9 @@ async fn agent_restart_routes_again_within_a_bound_and_calls_between_get_503_wit
     );
     for _ in 0..5 {
         let t = Instant::now();
-        one_call(
-            &caller,
-            &format!("/relay/{TUNNEL_ID}/hello"),
-            5000,
-            None,
-            &probes,
-        )
-        .await;
+        probes
+            .call(&caller, &format!("/relay/{TUNNEL_ID}/hello"), 5000, None)
+            .await;
         assert!(
             t.elapsed() < Duration::from_secs(1),
             "a call without an agent was held {:?}",
@@ -1272,18 +1069,13 @@ async fn agent_restart_routes_again_within_a_bound_and_calls_between_get_503_wit
     stack.respawn_agent(0).await.unwrap();
     let restarted = Instant::now();
     let routable = time_until(READY, || async {
-        one_call(
-            &caller,
-            &format!("/relay/{TUNNEL_ID}/hello"),
-            5000,
-            None,
-            &probes,
-        )
-        .await;
-        probes.ok.load(Ordering::SeqCst) > 0
+        probes
+            .call(&caller, &format!("/relay/{TUNNEL_ID}/hello"), 5000, None)
+            .await;
+        probes.ok() > 0
     })
     .await;
-    load.flowing(8).await;
+    load.flowing(8, READY).await;
     let tally = load.stop().await;
     eprintln!(
         "agent restart: tunnel id routable again {routable:?} after the agent started ({:?} since); load {}; probes {}",
@@ -1319,11 +1111,11 @@ async fn upstream_failure_and_callers_leaving_each_get_one_outcome() {
     let mut stack = Stack::builder().servers(2).start().await.unwrap();
     stack.wait_routable(READY).await.unwrap();
     let base = dispatcher_base(stack.dispatcher_admin).await;
-    let mut spec = LoadSpec::new(6, "/slow/100", 5000);
+    let mut spec = LoadSpec::new(6, format!("/relay/{TUNNEL_ID}/slow/100"), 5000);
     spec.cancel_every = Some(4);
     spec.cancel_after = Duration::from_millis(40);
     let load = start_load(stack.http, spec);
-    load.flowing(30).await;
+    load.flowing(30, READY).await;
     // The upstream goes away (its port refuses connections), then comes back on it.
     let addr: SocketAddr = stack
         .upstream
@@ -1336,7 +1128,7 @@ async fn upstream_failure_and_callers_leaving_each_get_one_outcome() {
     let cancelled_before = old.cancelled();
     old.shutdown().await;
     let unreachable = time_until(READY, || async {
-        load.tally()
+        load.ledger()
             .failures()
             .keys()
             .any(|k| k.starts_with("502 upstream_unreachable"))
@@ -1346,11 +1138,8 @@ async fn upstream_failure_and_callers_leaving_each_get_one_outcome() {
         .spawn_on(TcpListener::bind(addr).await.unwrap())
         .unwrap();
     let _stand_in = std::mem::replace(&mut stack.upstream, back);
-    let ok_before = load.tally().ok.load(Ordering::SeqCst);
-    let recovered = time_until(READY, || async {
-        load.tally().ok.load(Ordering::SeqCst) > ok_before + 20
-    })
-    .await;
+    let ok_before = load.ledger().ok();
+    let recovered = time_until(READY, || async { load.ledger().ok() > ok_before + 20 }).await;
     let tally = load.stop().await;
     eprintln!(
         "upstream down and back, callers leaving: {}; upstream saw {} cancels before the outage",
@@ -1367,7 +1156,7 @@ async fn upstream_failure_and_callers_leaving_each_get_one_outcome() {
         "calls did not recover: {}",
         tally.summary()
     );
-    assert!(tally.caller_cancelled.load(Ordering::SeqCst) > 0);
+    assert!(tally.caller_cancelled() > 0);
     for (k, n) in tally.failures() {
         assert!(
             k.starts_with("502 upstream_unreachable") || k.starts_with("502 upstream_error"),
@@ -1403,19 +1192,19 @@ async fn load_balancer_dropping_every_stream_leaves_no_call_unanswered() {
         .unwrap();
     stack.wait_routable(READY).await.unwrap();
     let base = dispatcher_base(stack.dispatcher_admin).await;
-    let load = start_load(stack.http, LoadSpec::new(8, "/slow/100", 5000));
-    load.flowing(40).await;
+    let load = start_load(
+        stack.http,
+        LoadSpec::new(8, format!("/relay/{TUNNEL_ID}/slow/100"), 5000),
+    );
+    load.flowing(40, READY).await;
     // The load balancer restarts: every stream through it is reset at once.
     let lb = stack.lb.as_ref().unwrap();
     for i in 0..3 {
         lb.reset_backend(i);
     }
     let reset = Instant::now();
-    let ok_before = load.tally().ok.load(Ordering::SeqCst);
-    let recovered = time_until(READY, || async {
-        load.tally().ok.load(Ordering::SeqCst) > ok_before + 50
-    })
-    .await;
+    let ok_before = load.ledger().ok();
+    let recovered = time_until(READY, || async { load.ledger().ok() > ok_before + 50 }).await;
     let tally = load.stop().await;
     eprintln!(
         "load balancer reset: calls flowing again after {recovered:?} ({:?}); {}",
@@ -1527,8 +1316,11 @@ async fn silently_dropped_connection_is_found_by_heartbeat_on_both_ends() {
         .unwrap();
     stack.wait_routable(READY).await.unwrap();
     let base = dispatcher_base(stack.dispatcher_admin).await;
-    let load = start_load(stack.http, LoadSpec::new(2, "/slow/50", 4000));
-    load.flowing(16).await;
+    let load = start_load(
+        stack.http,
+        LoadSpec::new(2, format!("/relay/{TUNNEL_ID}/slow/50"), 4000),
+    );
+    load.flowing(16, READY).await;
     let server = stack.servers[0].as_ref().unwrap();
     let closes = |reason: &str| {
         value(
@@ -1550,11 +1342,8 @@ async fn silently_dropped_connection_is_found_by_heartbeat_on_both_ends() {
     })
     .await;
     // Agent side: calls flow again on fresh streams over a new connection.
-    let ok_before = load.tally().ok.load(Ordering::SeqCst);
-    let flowing = time_until(QUIET, || async {
-        load.tally().ok.load(Ordering::SeqCst) > ok_before + 20
-    })
-    .await;
+    let ok_before = load.ledger().ok();
+    let flowing = time_until(QUIET, || async { load.ledger().ok() > ok_before + 20 }).await;
     let tally = load.stop().await;
     eprintln!(
         "silent drop (heartbeat 1s, {before} streams): server dropped them after {server_found:?}, calls flowing again after {flowing:?}; {}",
@@ -1672,8 +1461,11 @@ async fn killed_agent_process_fails_only_its_calls_in_progress_frees_its_streams
     let mut fleet = Fleet::start(2, HEARTBEAT, Duration::ZERO).await;
     let base = fleet.base().await;
     let workers = 6;
-    let load = start_load(fleet.front(), LoadSpec::new(workers, "/slow/200", 5000));
-    load.flowing(4 * workers as u64).await; // steady state before the fault
+    let load = start_load(
+        fleet.front(),
+        LoadSpec::new(workers, format!("/relay/{TUNNEL_ID}/slow/200"), 5000),
+    );
+    load.flowing(4 * workers as u64, READY).await; // steady state before the fault
     let held = fleet.server_streams_total().await;
     assert!(
         held.is_some_and(|n| n > 0.0),
@@ -1688,7 +1480,7 @@ async fn killed_agent_process_fails_only_its_calls_in_progress_frees_its_streams
     // Callers are told at once that no agent is there (the tally marks a 503 without
     // Retry-After as such).
     let told = time_until(READY, || async {
-        load.tally()
+        load.ledger()
             .failures()
             .keys()
             .any(|k| k.starts_with("503 tunnel_unavailable"))
@@ -1696,11 +1488,8 @@ async fn killed_agent_process_fails_only_its_calls_in_progress_frees_its_streams
     .await;
     fleet.restart_agent().await;
     let restarted = Instant::now();
-    let ok_before = load.tally().ok.load(Ordering::SeqCst);
-    let routable = time_until(READY, || async {
-        load.tally().ok.load(Ordering::SeqCst) > ok_before + 20
-    })
-    .await;
+    let ok_before = load.ledger().ok();
+    let routable = time_until(READY, || async { load.ledger().ok() > ok_before + 20 }).await;
     let tally = load.stop().await;
     eprintln!(
         "agent SIGKILL ({held:?} streams on the servers): freed after {freed:?}, callers told \
@@ -1776,7 +1565,10 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
     o.agent_backoff = (Duration::from_millis(200), Duration::from_secs(30));
     let mut fleet = Fleet::start_with(o).await;
     let workers = 8;
-    let load = start_load(fleet.front(), LoadSpec::new(workers, "/slow/100", 10_000));
+    let load = start_load(
+        fleet.front(),
+        LoadSpec::new(workers, format!("/relay/{TUNNEL_ID}/slow/100"), 10_000),
+    );
     // Steady state before the fault: every server holds streams and is covered.
     let all: Vec<String> = fleet
         .servers
@@ -1806,7 +1598,7 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
     // grow while HAProxy still places opens on the dead server.
     let more = start_load(
         fleet.front(),
-        LoadSpec::new(2 * workers, "/slow/100", 10_000),
+        LoadSpec::new(2 * workers, format!("/relay/{TUNNEL_ID}/slow/100"), 10_000),
     );
     let first = time_until(QUIET, || fleet.agent_covers(&healthy, Some(&id), 0)).await;
     // The load grows again just as the opens HAProxy placed on the dead server come back
@@ -1816,15 +1608,18 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
     // Slow calls (1 s), so that they are all in flight at once: the agent must hold a
     // stream for each of them on the servers left.
     let slow = 6 * workers;
-    let burst = start_load(fleet.front(), LoadSpec::new(slow, "/slow/1000", 10_000));
+    let burst = start_load(
+        fleet.front(),
+        LoadSpec::new(slow, format!("/relay/{TUNNEL_ID}/slow/1000"), 10_000),
+    );
     let second = time_until(QUIET, || {
         fleet.agent_covers(&healthy, Some(&id), (slow * 9 / 10) as u64)
     })
     .await;
     let after = fleet.agent_servers().await;
-    let ok_before = burst.tally().ok.load(Ordering::SeqCst);
+    let ok_before = burst.ledger().ok();
     let flowing = time_until(READY, || async {
-        burst.tally().ok.load(Ordering::SeqCst) >= ok_before + slow as u64
+        burst.ledger().ok() >= ok_before + slow as u64
     })
     .await;
     let burst = burst.stop().await;
@@ -1971,7 +1766,10 @@ async fn soak(total: Duration, period: Duration) {
     );
     let mut fleet = Fleet::start_with(o).await;
     let base = fleet.base().await;
-    let load = start_load(fleet.front(), LoadSpec::new(6, "/slow/20", 5000));
+    let load = start_load(
+        fleet.front(),
+        LoadSpec::new(6, format!("/relay/{TUNNEL_ID}/slow/20"), 5000),
+    );
     let rss = |f: &Fleet| {
         let read = |p: &relay_tests::procs::Proc| p.rss_kib().unwrap_or_else(|e| panic!("{e:#}"));
         let ts1 = f.servers[0].as_ref().expect("ts-1 runs through the soak");
@@ -2012,7 +1810,7 @@ async fn soak(total: Duration, period: Duration) {
             started.elapsed().as_secs_f64(),
             if n % 2 == 1 { "kill" } else { "drain" },
             i + 1,
-            load.tally().summary()
+            load.ledger().summary()
         );
         tokio::time::sleep(period / 2).await;
     }

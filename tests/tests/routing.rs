@@ -11,13 +11,14 @@ use relay_dispatcher::config::RedisTls;
 use relay_dispatcher::{RegistryBackend, RoutingPolicy};
 use relay_tests::client::Caller;
 use relay_tests::lb::Policy;
+use relay_tests::load::{self, Load, LoadSpec};
 use relay_tests::redis::{require_redis, RedisServer, RedisTlsFiles};
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use relay_tests::upstream::{Upstream, UpstreamHandle};
 use relay_tests::{eventually, time_until};
 use relay_tunnel_server::{TokenStore, TunnelServerHandle};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -61,99 +62,45 @@ fn figure(server: &serde_json::Value, key: &str) -> u64 {
     server["load"][key].as_u64().unwrap_or(0)
 }
 
-// ---------------------------------------------------------------- load driver
+// ---------------------------------------------------------------- load
 
+/// What loads of the tests' generator (`relay_tests::load`) saw, added up.
 #[derive(Debug, Default, Clone)]
 struct Outcome {
     sent: u64,
     answered: u64,
     ok: u64,
-    /// Error code -> count.
+    /// Error code (or transport error) -> count.
     errors: std::collections::BTreeMap<String, u64>,
-    /// (sent at, HTTP status, error code) per call.
+    /// (sent at, HTTP status (0: none), error code) per call.
     calls: Vec<(Instant, u16, String)>,
     /// Longest time to an answer.
     slowest: Duration,
 }
 
-/// `workers` callers each send `path` back to back until `stop`.
-async fn drive(
-    caller: Caller,
-    workers: usize,
-    path: String,
-    timeout_ms: u64,
-    stop: Arc<AtomicBool>,
-) -> Outcome {
-    let mut tasks = Vec::new();
-    for _ in 0..workers {
-        let (caller, path, stop) = (caller.clone(), path.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut out = Outcome::default();
-            while !stop.load(Ordering::SeqCst) {
-                let mut req = caller.request(http::Method::GET, &path, bytes::Bytes::new());
-                req.headers_mut().insert(
-                    "x-relay-timeout-ms",
-                    timeout_ms.to_string().parse().unwrap(),
-                );
-                let at = Instant::now();
-                out.sent += 1;
-                let answer = caller.call(req).await;
-                out.slowest = out.slowest.max(at.elapsed());
-                match answer {
-                    Ok(a) => {
-                        out.answered += 1;
-                        let code = if a.status == 200 {
-                            out.ok += 1;
-                            String::new()
-                        } else {
-                            let code = a.json()["error"].as_str().unwrap_or("?").to_string();
-                            *out.errors.entry(code.clone()).or_default() += 1;
-                            code
-                        };
-                        out.calls.push((at, a.status.as_u16(), code));
-                    }
-                    Err(e) => out.calls.push((at, 0, format!("no answer: {e}"))),
-                }
-            }
-            out
-        }));
-    }
-    let mut total = Outcome::default();
-    for t in tasks {
-        let o = t.await.unwrap();
-        total.sent += o.sent;
-        total.answered += o.answered;
-        total.ok += o.ok;
-        for (k, v) in o.errors {
-            *total.errors.entry(k).or_default() += v;
-        }
-        total.calls.extend(o.calls);
-        total.slowest = total.slowest.max(o.slowest);
-    }
-    total
+/// Starts `workers` callers sending `path` through each of `callers`.
+fn start_all(callers: Vec<Caller>, workers: usize, path: &str, timeout_ms: u64) -> Vec<Load> {
+    callers
+        .into_iter()
+        .map(|c| load::start(c, LoadSpec::new(workers, path, timeout_ms)))
+        .collect()
 }
 
-/// Runs `workers` callers through each of `dispatchers` until `stop`; their outcomes added up.
-async fn drive_all(
-    callers: Vec<Caller>,
-    workers: usize,
-    path: String,
-    stop: Arc<AtomicBool>,
-) -> Outcome {
-    let loads: Vec<_> = callers
-        .into_iter()
-        .map(|c| tokio::spawn(drive(c, workers, path.clone(), 5000, stop.clone())))
-        .collect();
+/// Stops `loads` (each call answered once, in time) and adds up what they saw.
+async fn stop_all(loads: Vec<Load>) -> Outcome {
     let mut total = Outcome::default();
     for l in loads {
-        let o = l.await.unwrap();
-        total.sent += o.sent;
-        total.answered += o.answered;
-        total.ok += o.ok;
-        for (k, v) in o.errors {
-            *total.errors.entry(k).or_default() += v;
+        let ledger = l.stop().await;
+        total.sent += ledger.sent();
+        total.answered += ledger.answered();
+        total.ok += ledger.ok();
+        total.slowest = total.slowest.max(ledger.slowest());
+        for c in ledger.calls() {
+            if c.status != 200 {
+                *total.errors.entry(c.code.clone()).or_default() += 1;
+            }
+            total.calls.push((c.sent_at, c.status, c.code));
         }
-        total.slowest = total.slowest.max(o.slowest);
     }
     total
 }
@@ -309,17 +256,15 @@ async fn zone_skew_run(policy: RoutingPolicy) -> SkewRun {
         .unwrap_or_default();
 
     let before = queue_waits(&stack);
-    let stop = Arc::new(AtomicBool::new(false));
-    let load = tokio::spawn(drive(
-        stack.caller(),
+    let loads = start_all(
+        vec![stack.caller()],
         SKEW_WORKERS,
-        format!("/relay/{TUNNEL_ID}/slow/50"),
+        &format!("/relay/{TUNNEL_ID}/slow/50"),
         400,
-        stop.clone(),
-    ));
+    );
+    // The measurement window: a fixed span of load.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    stop.store(true, Ordering::SeqCst);
-    let outcome = load.await.unwrap();
+    let outcome = stop_all(loads).await;
     let after = queue_waits(&stack);
     let waits = queue_wait_delta(&before, &after, 0.0243);
     stack.shutdown().await;
@@ -403,20 +348,18 @@ async fn a_server_killed_mid_load_loses_only_calls_in_progress_and_every_call_is
         .find(|i| stack.server_id(*i) == Some(home.as_str()))
         .expect("home is one of the servers");
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let load = tokio::spawn(drive(
-        stack.caller(),
+    let loads = start_all(
+        vec![stack.caller()],
         6,
-        format!("/relay/{TUNNEL_ID}/slow/300"),
+        &format!("/relay/{TUNNEL_ID}/slow/300"),
         10_000,
-        stop.clone(),
-    ));
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    );
+    loads[0].flowing(12, READY).await;
     let killed_at = Instant::now();
     assert!(stack.kill_server(victim));
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    stop.store(true, Ordering::SeqCst);
-    let outcome = load.await.unwrap();
+    // Calls sent after the kill, to the servers left (at most 6 were in flight at it).
+    loads[0].flowing(18, READY).await;
+    let outcome = stop_all(loads).await;
     let retries = metric(stack.dispatcher_admin, "relay_dispatcher_retries_total").await;
     eprintln!(
         "killed {home}: calls {} answered {} ok {} errors {:?}; dispatcher retries {retries}",
@@ -713,18 +656,12 @@ async fn redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers() {
         assert_eq!(admin_json(d.admin, "/readyz").await.0, 200);
     }
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let loads: Vec<_> = (0..2)
-        .map(|d| {
-            tokio::spawn(drive(
-                fleet.caller(d),
-                2,
-                format!("/relay/{TUNNEL_ID}/slow/20"),
-                5000,
-                stop.clone(),
-            ))
-        })
-        .collect();
+    let loads = start_all(
+        (0..2).map(|d| fleet.caller(d)).collect(),
+        2,
+        &format!("/relay/{TUNNEL_ID}/slow/20"),
+        5000,
+    );
 
     redis.stop();
     let stopped_at = Instant::now();
@@ -756,18 +693,10 @@ async fn redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers() {
     // The shared table is rebuilt in the fresh Redis.
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, Ordering::SeqCst);
-    let mut total = Outcome::default();
-    for l in loads {
-        let o = l.await.unwrap();
-        total.sent += o.sent;
-        total.answered += o.answered;
-        total.ok += o.ok;
-        for (k, v) in o.errors {
-            *total.errors.entry(k).or_default() += v;
-        }
+    for l in &loads {
+        l.flowing(5, READY).await;
     }
+    let total = stop_all(loads).await;
     eprintln!(
         "redis outage: degraded seen after {degraded_after:?}, recovered {recovered_after:?} after restart; \
          calls {} ok {} errors {:?}",
@@ -814,26 +743,26 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
     let path = format!("/relay/{TUNNEL_ID}/slow/20");
 
     // Before: the same load with Redis answering, for comparison.
-    let stop = Arc::new(AtomicBool::new(false));
-    let before = tokio::spawn(drive_all(callers(), 2, path.clone(), stop.clone()));
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, Ordering::SeqCst);
-    let before = before.await.unwrap();
+    let before = start_all(callers(), 2, &path, 5000);
+    for l in &before {
+        l.flowing(10, READY).await;
+    }
+    let before = stop_all(before).await;
 
     // Frozen: connections to Redis stay open and nothing answers (unlike a killed Redis,
     // which refuses at once). Calls must not wait on it.
-    let stop = Arc::new(AtomicBool::new(false));
-    let during = tokio::spawn(drive_all(callers(), 2, path.clone(), stop.clone()));
+    let during = start_all(callers(), 2, &path, 5000);
     redis.freeze();
     let (a0, a1) = (fleet.dispatchers[0].admin, fleet.dispatchers[1].admin);
     let (d0, d1) = tokio::join!(
         time_until(READY, || degraded(a0)),
         time_until(READY, || degraded(a1))
     );
-    // Keep calling a while longer on the last known table.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, Ordering::SeqCst);
-    let during = during.await.unwrap();
+    // Calls go on on the last known table.
+    for l in &during {
+        l.flowing(10, READY).await;
+    }
+    let during = stop_all(during).await;
     eprintln!(
         "redis frozen: degraded after {d0:?} / {d1:?}; calls before: {} ok {} slowest {:?}; \
          during: {} ok {} errors {:?} slowest {:?}",
@@ -878,8 +807,7 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
     // Calls go on through the crash, the thaw and the rewrite of the shared table: to the
     // live server (a call dispatcher 1 tries on the dead one first is retried, since no
     // agent saw it).
-    let stop = Arc::new(AtomicBool::new(false));
-    let after = tokio::spawn(drive_all(callers(), 2, path.clone(), stop.clone()));
+    let after = start_all(callers(), 2, &path, 5000);
     // Redis answers again within the crashed server's lease, after the records of the
     // live servers expired (frozen longer than the lease in all).
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -895,8 +823,7 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
     }
     // Past the grace after the outage, both still route to the live server.
     tokio::time::sleep(LEASE).await;
-    stop.store(true, Ordering::SeqCst);
-    let after = after.await.unwrap();
+    let after = stop_all(after).await;
     eprintln!(
         "ts-1 crashed during the freeze: dispatcher 1 dropped it {dropped:?} after the crash; \
          calls from the crash on: {} ok {} errors {:?} slowest {:?}",
