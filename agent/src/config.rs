@@ -75,6 +75,10 @@ pub struct Config {
     /// `[tunnel_h2]`: HTTP/2 limits of the connections to the tunnel servers (see
     /// `relay_common::h2`; defaults `H2Limits::TUNNEL`).
     pub tunnel_h2: H2Settings,
+    /// Largest gRPC message sent to or accepted from a tunnel server. A bigger frame from
+    /// the server ends that stream (the agent opens another); it is never decoded. Must
+    /// hold a 64 KiB body chunk plus its head.
+    pub max_frame_bytes: usize,
 }
 
 /// `[upstream_check]`.
@@ -102,6 +106,9 @@ pub struct LimitsConfig {
     /// Content-Length above it is refused before the upstream is contacted; a streamed
     /// body that passes it aborts the upstream request.
     pub max_body_bytes: Option<u64>,
+    /// Most headers one request head may carry (a peer-supplied count: checked before
+    /// anything is sized by it). A head with more is refused.
+    pub max_headers: usize,
 }
 
 impl Default for LimitsConfig {
@@ -109,6 +116,7 @@ impl Default for LimitsConfig {
         LimitsConfig {
             max_header_bytes: 64 * 1024,
             max_body_bytes: None,
+            max_headers: relay_proto::DEFAULT_MAX_HEADERS,
         }
     }
 }
@@ -148,6 +156,7 @@ impl Default for Config {
             tls: DialerTls::default(),
             reload_interval: Duration::from_secs(5),
             tunnel_h2: H2Settings::default(),
+            max_frame_bytes: relay_proto::DEFAULT_MAX_FRAME_BYTES,
         }
     }
 }
@@ -260,6 +269,21 @@ impl Config {
             return Err(ConfigError::invalid(
                 "limits.max_header_bytes",
                 "must be at least 256",
+            ));
+        }
+        if self.limits.max_headers == 0 {
+            return Err(ConfigError::invalid(
+                "limits.max_headers",
+                "must be at least 1",
+            ));
+        }
+        if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
+            return Err(ConfigError::invalid(
+                "max_frame_bytes",
+                format!(
+                    "must be at least {} (two body chunks)",
+                    2 * relay_proto::MAX_CHUNK
+                ),
             ));
         }
         self.policy()?;
