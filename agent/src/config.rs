@@ -95,6 +95,10 @@ pub struct UpstreamCheckConfig {
     pub timeout: Duration,
 }
 
+/// Largest `limits.max_headers` accepted: a request's headers become one `HeaderMap`,
+/// which holds at most 32768 entries (and panics when sized past 24576).
+pub const MAX_HEADERS_BOUND: usize = 16_384;
+
 /// `[limits]`. The concurrent-call cap is `coverage.max_inflight`.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
@@ -271,10 +275,10 @@ impl Config {
                 "must be at least 256",
             ));
         }
-        if self.limits.max_headers == 0 {
+        if !(1..=MAX_HEADERS_BOUND).contains(&self.limits.max_headers) {
             return Err(ConfigError::invalid(
                 "limits.max_headers",
-                "must be at least 1",
+                format!("must be between 1 and {MAX_HEADERS_BOUND}"),
             ));
         }
         if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
@@ -735,6 +739,23 @@ mod tests {
                     ..valid()
                 },
                 "`limits.max_header_bytes`",
+            ),
+            (
+                Config {
+                    limits: LimitsConfig {
+                        max_headers: 30_000,
+                        ..Default::default()
+                    },
+                    ..valid()
+                },
+                "`limits.max_headers`",
+            ),
+            (
+                Config {
+                    max_frame_bytes: 1000,
+                    ..valid()
+                },
+                "`max_frame_bytes`",
             ),
             (
                 Config {

@@ -776,6 +776,45 @@ mod tests {
     }
 
     #[test]
+    fn peer_limits_parse_with_their_defaults_and_are_checked() {
+        let cfg: Config = relay_common::config::parse(
+            r#"
+            body_idle_timeout = "2s"
+            max_response_headers = 100
+            [[callers]]
+            name = "shared"
+            key = "k"
+            tunnels = ["*"]
+            max_concurrent_calls_per_tunnel = 8
+            "#,
+            Path::new("d.toml"),
+        )
+        .unwrap();
+        assert_eq!(cfg.body_idle_timeout, Duration::from_secs(2));
+        assert_eq!(cfg.max_response_headers, 100);
+        assert_eq!(cfg.max_response_header_bytes, 64 * 1024);
+        assert_eq!(cfg.callers[0].max_concurrent_calls_per_tunnel, Some(8));
+        let d = Config::default();
+        assert_eq!(
+            (d.max_response_headers, d.body_idle_timeout),
+            (256, Duration::from_secs(60))
+        );
+        let bad = |f: &dyn Fn(&mut Config)| {
+            let mut c = cfg.clone().insecure();
+            f(&mut c);
+            c.validate().unwrap_err().to_string()
+        };
+        assert!(bad(&|c| c.max_response_headers = 0).contains("max_response_headers"));
+        assert!(bad(&|c| c.max_response_header_bytes = 10).contains("max_response_header_bytes"));
+        assert!(bad(&|c| c.body_idle_timeout = Duration::ZERO).contains("body_idle_timeout"));
+        let e = bad(&|c| c.callers[0].max_concurrent_calls_per_tunnel = Some(0));
+        assert!(
+            e.contains("callers[0].max_concurrent_calls_per_tunnel"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn routing_and_registry_sections_parse_and_are_checked() {
         let cfg: Config = relay_common::config::parse(
             r#"

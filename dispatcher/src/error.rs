@@ -282,6 +282,24 @@ mod tests {
         assert!(Failure::from_forward_error(&e(ForwardErrorKind::Draining)).1);
         assert!(Failure::from_forward_error(&e(ForwardErrorKind::UnknownTunnel)).1);
         assert!(!Failure::from_forward_error(&e(ForwardErrorKind::StreamLost)).1);
+        let bad = ForwardError {
+            kind: ForwardErrorKind::BadResponse as i32,
+            message: "head of 9999 headers".into(),
+            call_error: 0,
+        };
+        let (f, retry) = Failure::from_forward_error(&bad);
+        assert_eq!(
+            (f.code.status().as_u16(), f.code.as_str(), retry),
+            (502, "bad_response", false)
+        );
+        let hostile = agent(CallErrorKind::UpstreamUnreachable);
+        let hostile = ForwardError {
+            message: format!("a\nb\x1b[31m{}", "x".repeat(5000)),
+            ..hostile
+        };
+        let msg = Failure::from_forward_error(&hostile).0.message;
+        assert!(msg.starts_with("agent: a\\nb\\u{1b}[31m"), "{msg}");
+        assert!(msg.chars().count() < 600 && !msg.chars().any(char::is_control));
         let odd = ForwardError {
             kind: 99,
             message: String::new(),
