@@ -10,7 +10,6 @@
 use bytes::Bytes;
 use http::Method;
 use http_body_util::BodyExt;
-use relay_common::Secret;
 use relay_dispatcher::CallerConfig;
 use relay_proto::agent_frame::Kind as Out;
 use relay_proto::{BodyChunk, CallError, CallErrorKind, Header, RequestHead, ResponseHead};
@@ -261,7 +260,7 @@ async fn stalled_and_trickled_response_bodies_are_cut_and_free_the_callers_slot(
             c.body_idle_timeout = Duration::from_millis(600);
             c.callers = vec![CallerConfig {
                 max_concurrent_calls: 1,
-                ..CallerConfig::allow_all("one", Secret::new(CALLER_KEY))
+                ..CallerConfig::allow_all("one", CALLER_KEY)
             }];
         })
         .start()
@@ -495,7 +494,7 @@ async fn one_tenant_cannot_take_every_slot_of_a_shared_key() {
             c.callers = vec![CallerConfig {
                 max_concurrent_calls: 4,
                 max_concurrent_calls_per_tunnel: Some(2),
-                ..CallerConfig::allow_all("shared", Secret::new(CALLER_KEY))
+                ..CallerConfig::allow_all("shared", CALLER_KEY)
             }];
         })
         .start()
