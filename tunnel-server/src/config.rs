@@ -391,6 +391,28 @@ mod tests {
     }
 
     #[test]
+    fn response_head_limits_have_defaults_and_are_checked() {
+        let c: Config = relay_common::config::parse(
+            "max_response_headers = 64\n[agent_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n[dispatcher_tls]\ninsecure = true\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert_eq!(
+            (c.max_response_headers, c.max_response_header_bytes),
+            (64, 64 * 1024)
+        );
+        c.validate().unwrap();
+        let mut bad = c.clone();
+        bad.max_response_headers = 0;
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("`max_response_headers`"), "{err}");
+        let mut bad = c;
+        bad.max_response_header_bytes = 100;
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("`max_response_header_bytes`"), "{err}");
+    }
+
+    #[test]
     fn every_hop_needs_tls_or_an_explicit_insecure() {
         let err = Config::default().validate().unwrap_err().to_string();
         assert!(
