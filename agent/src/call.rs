@@ -40,6 +40,8 @@ pub struct CallContext {
     max_inflight: u32,
     call_timeout: Duration,
     max_call_timeout: Duration,
+    /// `limits.max_headers`: headers a request head may carry.
+    max_headers: usize,
 }
 
 impl CallContext {
@@ -61,7 +63,14 @@ impl CallContext {
             max_inflight,
             call_timeout,
             max_call_timeout,
+            max_headers: relay_proto::DEFAULT_MAX_HEADERS,
         }
+    }
+
+    /// Most headers a request head may carry (`limits.max_headers`).
+    pub fn with_max_headers(mut self, max: usize) -> Self {
+        self.max_headers = max;
+        self
     }
 }
 
@@ -91,6 +100,18 @@ pub(crate) async fn run_call(
     let capped = asked > ctx.max_call_timeout;
     let deadline = Instant::now() + asked.min(ctx.max_call_timeout);
 
+    // Before anything reads the headers: nothing is sized by a count over the limit.
+    if head.headers.len() > ctx.max_headers {
+        let refusal = Rejection::Refused {
+            reason: Reason::HeaderSize,
+            message: format!(
+                "request head of {} headers exceeds the agent's limits.max_headers ({})",
+                head.headers.len(),
+                ctx.max_headers
+            ),
+        };
+        return reject(&ctx, &out, &head, refusal).await;
+    }
     let prepared = match ctx.policy.prepare(&head) {
         Ok(p) => p,
         Err(r) => return reject(&ctx, &out, &head, r).await,

@@ -440,7 +440,7 @@ async fn tunnel(
         },
         tls.cloned(),
     ) {
-        Ok(d) => d,
+        Ok(d) => d.with_max_frame_bytes(config.max_frame_bytes),
         Err(e) => {
             report.push("token", url, Outcome::Fail, e.to_string());
             return;

@@ -75,6 +75,10 @@ pub struct Config {
     /// `[tunnel_h2]`: HTTP/2 limits of the connections to the tunnel servers (see
     /// `relay_common::h2`; defaults `H2Limits::TUNNEL`).
     pub tunnel_h2: H2Settings,
+    /// Largest gRPC message sent to or accepted from a tunnel server. A bigger frame from
+    /// the server ends that stream (the agent opens another); it is never decoded. Must
+    /// hold a 64 KiB body chunk plus its head.
+    pub max_frame_bytes: usize,
 }
 
 /// `[upstream_check]`.
@@ -91,6 +95,10 @@ pub struct UpstreamCheckConfig {
     pub timeout: Duration,
 }
 
+/// Largest `limits.max_headers` accepted: a request's headers become one `HeaderMap`,
+/// which holds at most 32768 entries (and panics when sized past 24576).
+pub const MAX_HEADERS_BOUND: usize = 16_384;
+
 /// `[limits]`. The concurrent-call cap is `coverage.max_inflight`.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
@@ -102,6 +110,9 @@ pub struct LimitsConfig {
     /// Content-Length above it is refused before the upstream is contacted; a streamed
     /// body that passes it aborts the upstream request.
     pub max_body_bytes: Option<u64>,
+    /// Most headers one request head may carry (a peer-supplied count: checked before
+    /// anything is sized by it). A head with more is refused.
+    pub max_headers: usize,
 }
 
 impl Default for LimitsConfig {
@@ -109,6 +120,7 @@ impl Default for LimitsConfig {
         LimitsConfig {
             max_header_bytes: 64 * 1024,
             max_body_bytes: None,
+            max_headers: relay_proto::DEFAULT_MAX_HEADERS,
         }
     }
 }
@@ -148,6 +160,7 @@ impl Default for Config {
             tls: DialerTls::default(),
             reload_interval: Duration::from_secs(5),
             tunnel_h2: H2Settings::default(),
+            max_frame_bytes: relay_proto::DEFAULT_MAX_FRAME_BYTES,
         }
     }
 }
@@ -260,6 +273,21 @@ impl Config {
             return Err(ConfigError::invalid(
                 "limits.max_header_bytes",
                 "must be at least 256",
+            ));
+        }
+        if !(1..=MAX_HEADERS_BOUND).contains(&self.limits.max_headers) {
+            return Err(ConfigError::invalid(
+                "limits.max_headers",
+                format!("must be between 1 and {MAX_HEADERS_BOUND}"),
+            ));
+        }
+        if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
+            return Err(ConfigError::invalid(
+                "max_frame_bytes",
+                format!(
+                    "must be at least {} (two body chunks)",
+                    2 * relay_proto::MAX_CHUNK
+                ),
             ));
         }
         self.policy()?;
@@ -711,6 +739,23 @@ mod tests {
                     ..valid()
                 },
                 "`limits.max_header_bytes`",
+            ),
+            (
+                Config {
+                    limits: LimitsConfig {
+                        max_headers: 30_000,
+                        ..Default::default()
+                    },
+                    ..valid()
+                },
+                "`limits.max_headers`",
+            ),
+            (
+                Config {
+                    max_frame_bytes: 1000,
+                    ..valid()
+                },
+                "`max_frame_bytes`",
             ),
             (
                 Config {

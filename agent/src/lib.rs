@@ -122,7 +122,8 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         config.connect_timeout,
         config.tunnel_h2()?,
         tls.clone(),
-    )?;
+    )?
+    .with_max_frame_bytes(config.max_frame_bytes);
     let policy = config.policy()?;
     if policy.rule_count() == 0 {
         tracing::warn!(
@@ -137,7 +138,8 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         config.coverage.max_inflight,
         config.call_timeout,
         config.max_call_timeout,
-    );
+    )
+    .with_max_headers(config.limits.max_headers);
     let ctx = StreamContext {
         dialer,
         calls: Arc::new(calls),

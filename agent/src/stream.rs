@@ -55,6 +55,8 @@ pub struct Dialer {
     tls: Option<relay_common::tls::TlsClient>,
     connect_timeout: Duration,
     h2: relay_common::h2::H2Limits,
+    /// `max_frame_bytes`: the largest message sent to or decoded from a tunnel server.
+    max_frame_bytes: usize,
     /// Per endpoint URI: the cached channel and its generation (see [`Dialer::evict`]).
     channels: Mutex<HashMap<String, (u64, Channel)>>,
     next_generation: std::sync::atomic::AtomicU64,
@@ -78,6 +80,12 @@ impl std::fmt::Debug for Dialer {
 }
 
 impl Dialer {
+    /// The largest gRPC message a stream sends or decodes (`max_frame_bytes`).
+    pub fn with_max_frame_bytes(mut self, max: usize) -> Self {
+        self.max_frame_bytes = max;
+        self
+    }
+
     pub fn new(
         endpoints: &[String],
         token: &Secret,
@@ -108,6 +116,7 @@ impl Dialer {
             tls,
             connect_timeout,
             h2,
+            max_frame_bytes: relay_proto::DEFAULT_MAX_FRAME_BYTES,
             channels: Mutex::new(HashMap::new()),
             next_generation: std::sync::atomic::AtomicU64::new(1),
         })
@@ -345,7 +354,11 @@ pub(crate) async fn open(
         AGENT_FEATURES,
         tonic::metadata::MetadataValue::from_static("fleet"),
     );
+    // A server's frame over the limit ends the stream before it is decoded: a hostile
+    // server cannot make the agent allocate for a huge head.
     let response = TunnelClient::new(channel)
+        .max_decoding_message_size(dialer.max_frame_bytes)
+        .max_encoding_message_size(dialer.max_frame_bytes)
         .connect(request)
         .await
         .map_err(|s| {
@@ -586,6 +599,13 @@ impl Session {
                     body_rx,
                     self.out.clone(),
                 )));
+            }
+            In::RequestBody(chunk) if chunk.data.len() > relay_proto::MAX_CHUNK => {
+                return Err(CloseReason::Malformed(format!(
+                    "request body chunk of {} bytes, over {}",
+                    chunk.data.len(),
+                    relay_proto::MAX_CHUNK
+                )))
             }
             In::RequestBody(chunk) => match self.call.as_mut() {
                 Some(call) if call.id == chunk.call_id => {

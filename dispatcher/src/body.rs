@@ -24,7 +24,12 @@
 //!   the tunnel server's `BodyChunk` frames, polled one by one as the caller reads. Any
 //!   failure after the head is a body error, so hyper aborts the response (HTTP/1: the
 //!   connection closes before the end; h2: RST_STREAM) and the caller never mistakes a
-//!   truncated body for a complete one.
+//!   truncated body for a complete one. The body is bounded in time ([`BodyTimers`]): by
+//!   the call's deadline (which covers the whole call, body included) and by
+//!   `body_idle_timeout` between two frames, so a peer that trickles a byte now and then
+//!   cannot hold the call and its caller's concurrency slots forever. Either cut counts
+//!   as its own outcome (`deadline_exceeded`, `body_idle_timeout`). A body chunk over
+//!   `MAX_CHUNK` from the tunnel server cuts the body too.
 //! - [`CallGuard`] records each call's outcome and duration exactly once, whether it ends
 //!   normally, with an error, or by the caller going away (dropped = `cancelled`).
 
@@ -36,6 +41,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
 use relay_proto::{BodyChunk, ForwardRequest, ForwardResponse, MAX_CHUNK};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{ready, Context, Poll, Waker};
@@ -259,6 +265,23 @@ impl futures::Stream for AttemptStream {
 pub const OUTCOME_OK: &str = "ok";
 pub const OUTCOME_ABORTED: &str = "aborted";
 pub const OUTCOME_CANCELLED: &str = "cancelled";
+/// The response body stalled past `body_idle_timeout` and was cut.
+pub const OUTCOME_BODY_IDLE_TIMEOUT: &str = "body_idle_timeout";
+
+/// The time bounds of a response body after its head: the call's deadline, and the
+/// longest silence between two frames (`body_idle_timeout`).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyTimers {
+    pub deadline: Instant,
+    pub idle: std::time::Duration,
+}
+
+impl BodyTimers {
+    /// When the body is cut if no frame comes before, counting from `now`.
+    fn next(&self, now: Instant) -> Instant {
+        (now + self.idle).min(self.deadline)
+    }
+}
 
 /// Records one call's outcome and duration once; dropping it unrecorded means the caller
 /// went away (`cancelled`).
@@ -270,6 +293,8 @@ pub struct CallGuard {
     server_id: Option<Arc<str>>,
     /// The caller's concurrency slot, given back when the call ends.
     permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The caller's slot for the call's tunnel id, given back when the call ends.
+    tunnel_slot: Option<crate::front::TunnelSlot>,
 }
 
 impl CallGuard {
@@ -281,7 +306,13 @@ impl CallGuard {
             recorded: false,
             server_id: None,
             permit: None,
+            tunnel_slot: None,
         }
+    }
+
+    /// Holds the caller's slot for the call's tunnel id until the call ends.
+    pub fn hold_tunnel(&mut self, slot: crate::front::TunnelSlot) {
+        self.tunnel_slot = Some(slot);
     }
 
     /// Holds the caller's concurrency slot until the call ends.
@@ -300,6 +331,7 @@ impl CallGuard {
         }
         self.recorded = true;
         self.permit = None;
+        self.tunnel_slot = None;
         self.metrics.calls_in_flight.dec();
         self.metrics.calls.with_label_values(&[outcome]).inc();
         let server = self.server_id.as_deref().unwrap_or("none");
@@ -332,6 +364,9 @@ struct Streamed {
     /// The body's last chunk was seen; what is left is the RPC's end (its trailers).
     ended: bool,
     done: bool,
+    timers: BodyTimers,
+    /// Fires at `timers.next` after the last frame: the body is cut.
+    timer: Pin<Box<tokio::time::Sleep>>,
 }
 
 /// A body that came whole inside the response head; the RPC's end still has to be read.
@@ -339,6 +374,8 @@ struct Small {
     data: Option<Bytes>,
     len: u64,
     stream: Option<Streaming<ForwardResponse>>,
+    /// Bound on waiting for the RPC's end after the body (`RPC_END_WAIT`).
+    end_wait: Pin<Box<tokio::time::Sleep>>,
 }
 
 enum Inner {
@@ -361,12 +398,13 @@ impl RelayBody {
         RelayBody(Inner::Full(None))
     }
 
-    /// The tunnel server's body frames after its `ResponseHead`.
+    /// The tunnel server's body frames after its `ResponseHead`, bounded by `timers`.
     pub fn stream(
         stream: Streaming<ForwardResponse>,
         request: RequestBody,
         guard: CallGuard,
         call_id: u64,
+        timers: BodyTimers,
     ) -> Self {
         RelayBody(Inner::Stream(Box::new(Streamed {
             stream,
@@ -375,6 +413,8 @@ impl RelayBody {
             call_id,
             ended: false,
             done: false,
+            timers,
+            timer: Box::pin(tokio::time::sleep_until(timers.next(Instant::now()))),
         })))
     }
 
@@ -386,6 +426,7 @@ impl RelayBody {
             data: (!data.is_empty()).then_some(data),
             len,
             stream: Some(stream),
+            end_wait: Box::pin(tokio::time::sleep(RPC_END_WAIT)),
         })))
     }
 }
@@ -417,10 +458,42 @@ pub const RPC_END_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Streamed {
     fn abort(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.abort_as(OUTCOME_ABORTED, why)
+    }
+
+    fn abort_as(
+        &mut self,
+        outcome: &'static str,
+        why: String,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.done = true;
-        tracing::warn!(call_id = self.call_id, reason = %why, "response aborted after its head");
-        self.guard.finish(OUTCOME_ABORTED);
+        tracing::warn!(call_id = self.call_id, outcome, reason = %why, "response aborted after its head");
+        self.guard.finish(outcome);
         Poll::Ready(Some(Err(Box::new(BodyAborted(why)))))
+    }
+
+    /// The body's time is up (the timer fired): cut it, naming which bound it passed.
+    fn time_up(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if Instant::now() >= self.timers.deadline {
+            self.abort_as(
+                crate::error::ErrorCode::DeadlineExceeded.as_str(),
+                "the call's deadline passed before the response body's end".into(),
+            )
+        } else {
+            self.abort_as(
+                OUTCOME_BODY_IDLE_TIMEOUT,
+                format!(
+                    "no response body frame for {} ms (body_idle_timeout)",
+                    self.timers.idle.as_millis()
+                ),
+            )
+        }
+    }
+
+    /// A frame arrived: the idle bound starts again.
+    fn progress(&mut self) {
+        let next = self.timers.next(Instant::now());
+        self.timer.as_mut().reset(next);
     }
 }
 
@@ -439,7 +512,11 @@ impl Body for RelayBody {
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 if let Some(stream) = small.stream.as_mut() {
-                    ready!(poll_rpc_end(stream, cx));
+                    if poll_rpc_end(stream, cx).is_pending()
+                        && small.end_wait.as_mut().poll(cx).is_pending()
+                    {
+                        return Poll::Pending;
+                    }
                     small.stream = None;
                 }
                 return Poll::Ready(None);
@@ -450,7 +527,12 @@ impl Body for RelayBody {
             return Poll::Ready(None);
         }
         if st.ended {
-            ready!(poll_rpc_end(&mut st.stream, cx));
+            // The body is whole; a server that never ends the RPC only loses its trailers.
+            if poll_rpc_end(&mut st.stream, cx).is_pending()
+                && st.timer.as_mut().poll(cx).is_pending()
+            {
+                return Poll::Pending;
+            }
             st.done = true;
             return Poll::Ready(None);
         }
@@ -458,13 +540,27 @@ impl Body for RelayBody {
             return st.abort(why);
         }
         loop {
-            let kind = match ready!(st.stream.poll_next_unpin(cx)) {
+            let next = match st.stream.poll_next_unpin(cx) {
+                Poll::Ready(next) => next,
+                Poll::Pending => {
+                    ready!(st.timer.as_mut().poll(cx));
+                    return st.time_up();
+                }
+            };
+            st.progress();
+            let kind = match next {
                 Some(Ok(ForwardResponse { kind: Some(kind) })) => kind,
                 Some(Ok(ForwardResponse { kind: None })) => {
                     return st.abort("tunnel server sent an empty frame".into())
                 }
                 Some(Err(status)) => {
-                    return st.abort(format!("tunnel server call failed: {}", status.message()))
+                    return st.abort(format!(
+                        "tunnel server call failed: {}",
+                        relay_proto::escape_message(
+                            status.message(),
+                            relay_proto::MAX_PEER_MESSAGE
+                        )
+                    ))
                 }
                 None => {
                     return st.abort("tunnel server ended the call before the body's end".into())
@@ -472,6 +568,12 @@ impl Body for RelayBody {
             };
             match kind {
                 RespKind::Body(chunk) => {
+                    if chunk.data.len() > MAX_CHUNK {
+                        return st.abort(format!(
+                            "tunnel server sent a body chunk of {} bytes, over {MAX_CHUNK}",
+                            chunk.data.len()
+                        ));
+                    }
                     if chunk.end {
                         st.ended = true;
                         st.guard.finish(OUTCOME_OK);
@@ -480,7 +582,11 @@ impl Body for RelayBody {
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from(chunk.data)))));
                     }
                     if chunk.end {
-                        ready!(poll_rpc_end(&mut st.stream, cx));
+                        if poll_rpc_end(&mut st.stream, cx).is_pending()
+                            && st.timer.as_mut().poll(cx).is_pending()
+                        {
+                            return Poll::Pending;
+                        }
                         st.done = true;
                         return Poll::Ready(None);
                     }

@@ -40,6 +40,17 @@ pub struct Config {
     /// Largest gRPC message on the registry listener and on `Forward.Call` to tunnel
     /// servers; a bigger frame ends that call or stream with RESOURCE_EXHAUSTED.
     pub max_frame_bytes: usize,
+    /// Most headers a response head from a tunnel server may carry; a head with more is
+    /// answered with 502 `bad_response` instead of being passed on.
+    pub max_response_headers: usize,
+    /// Largest response head from a tunnel server, counted as every header's name and
+    /// value plus 4 bytes; a bigger one gets 502 `bad_response`.
+    pub max_response_header_bytes: usize,
+    /// Longest silence between two body frames of a response whose head went out; past it
+    /// the body is cut (HTTP/1: the connection closes; h2: RST_STREAM) and the call counts
+    /// as `body_idle_timeout`. The call's deadline bounds the whole response as well.
+    #[serde(with = "humantime_serde")]
+    pub body_idle_timeout: Duration,
     /// `[tls]`: TLS of the HTTP front (ALPN h2 and http/1.1; `client_ca` for client
     /// certificates), or `insecure = true` for plain HTTP/1.1 and h2c.
     pub tls: ListenerTls,
@@ -262,6 +273,12 @@ pub struct CallerConfig {
     /// Calls of this caller in flight at once; one more gets 429 `too_many_calls`.
     #[serde(default = "default_max_concurrent_calls")]
     pub max_concurrent_calls: usize,
+    /// Calls of this caller in flight at once to any one tunnel id; one more gets 429
+    /// `too_many_calls`. Unset: only `max_concurrent_calls` applies. Set it on a key that
+    /// several tenants (tunnel ids) share, so one tenant's slow calls cannot take every
+    /// slot of the key.
+    #[serde(default)]
+    pub max_concurrent_calls_per_tunnel: Option<usize>,
 }
 
 /// Default of `callers[].max_concurrent_calls`.
@@ -280,6 +297,7 @@ impl CallerConfig {
             key_sha256: None,
             tunnels: vec!["*".into()],
             max_concurrent_calls: DEFAULT_MAX_CONCURRENT_CALLS,
+            max_concurrent_calls_per_tunnel: None,
         }
     }
 
@@ -321,6 +339,9 @@ impl Default for Config {
             max_header_bytes: 64 * 1024,
             max_request_body_bytes: None,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            max_response_headers: relay_proto::DEFAULT_MAX_HEADERS,
+            max_response_header_bytes: relay_proto::DEFAULT_MAX_HEAD_BYTES,
+            body_idle_timeout: Duration::from_secs(60),
             tls: ListenerTls::default(),
             registry_tls: ListenerTls::default(),
             forward_tls: DialerTls::default(),
@@ -422,6 +443,32 @@ impl Config {
                     2 * relay_proto::MAX_CHUNK
                 ),
             ));
+        }
+        if self.max_response_headers == 0 {
+            return Err(ConfigError::invalid(
+                "max_response_headers",
+                "must be at least 1",
+            ));
+        }
+        if self.max_response_header_bytes < 1024 {
+            return Err(ConfigError::invalid(
+                "max_response_header_bytes",
+                "must be at least 1024",
+            ));
+        }
+        if self.body_idle_timeout < Duration::from_millis(10) {
+            return Err(ConfigError::invalid(
+                "body_idle_timeout",
+                "must be at least 10ms",
+            ));
+        }
+        for (i, c) in self.callers.iter().enumerate() {
+            if c.max_concurrent_calls_per_tunnel == Some(0) {
+                return Err(ConfigError::invalid(
+                    format!("callers[{i}].max_concurrent_calls_per_tunnel"),
+                    "must be at least 1 when set",
+                ));
+            }
         }
         if self.max_request_body_bytes == Some(0) {
             return Err(ConfigError::invalid(
@@ -726,6 +773,45 @@ mod tests {
             .contains("max_call_timeout"));
         let cfg = Config::default().insecure();
         assert!(cfg.validate().unwrap_err().to_string().contains("callers"));
+    }
+
+    #[test]
+    fn peer_limits_parse_with_their_defaults_and_are_checked() {
+        let cfg: Config = relay_common::config::parse(
+            r#"
+            body_idle_timeout = "2s"
+            max_response_headers = 100
+            [[callers]]
+            name = "shared"
+            key = "k"
+            tunnels = ["*"]
+            max_concurrent_calls_per_tunnel = 8
+            "#,
+            Path::new("d.toml"),
+        )
+        .unwrap();
+        assert_eq!(cfg.body_idle_timeout, Duration::from_secs(2));
+        assert_eq!(cfg.max_response_headers, 100);
+        assert_eq!(cfg.max_response_header_bytes, 64 * 1024);
+        assert_eq!(cfg.callers[0].max_concurrent_calls_per_tunnel, Some(8));
+        let d = Config::default();
+        assert_eq!(
+            (d.max_response_headers, d.body_idle_timeout),
+            (256, Duration::from_secs(60))
+        );
+        let bad = |f: &dyn Fn(&mut Config)| {
+            let mut c = cfg.clone().insecure();
+            f(&mut c);
+            c.validate().unwrap_err().to_string()
+        };
+        assert!(bad(&|c| c.max_response_headers = 0).contains("max_response_headers"));
+        assert!(bad(&|c| c.max_response_header_bytes = 10).contains("max_response_header_bytes"));
+        assert!(bad(&|c| c.body_idle_timeout = Duration::ZERO).contains("body_idle_timeout"));
+        let e = bad(&|c| c.callers[0].max_concurrent_calls_per_tunnel = Some(0));
+        assert!(
+            e.contains("callers[0].max_concurrent_calls_per_tunnel"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -46,11 +46,15 @@ pub enum ErrorCode {
     StreamLost,
     TunnelServerUnreachable,
     DeadlineExceeded,
+    /// The response broke a limit or a rule of the relay: a head over
+    /// `max_response_headers` / `max_response_header_bytes` (here or at the tunnel
+    /// server), or a redirect into another tunnel id.
+    BadResponse,
 }
 
 impl ErrorCode {
     /// Every code, for exporting each `outcome` label from the start.
-    pub const ALL: [ErrorCode; 16] = [
+    pub const ALL: [ErrorCode; 17] = [
         ErrorCode::Unauthorized,
         ErrorCode::Forbidden,
         ErrorCode::TooManyCalls,
@@ -67,6 +71,7 @@ impl ErrorCode {
         ErrorCode::StreamLost,
         ErrorCode::TunnelServerUnreachable,
         ErrorCode::DeadlineExceeded,
+        ErrorCode::BadResponse,
     ];
 
     /// The `error` field of the JSON body and the `outcome` metric label.
@@ -88,6 +93,7 @@ impl ErrorCode {
             ErrorCode::StreamLost => "stream_lost",
             ErrorCode::TunnelServerUnreachable => "tunnel_server_unreachable",
             ErrorCode::DeadlineExceeded => "deadline_exceeded",
+            ErrorCode::BadResponse => "bad_response",
         }
     }
 
@@ -105,7 +111,8 @@ impl ErrorCode {
             ErrorCode::UpstreamUnreachable
             | ErrorCode::UpstreamError
             | ErrorCode::StreamLost
-            | ErrorCode::TunnelServerUnreachable => StatusCode::BAD_GATEWAY,
+            | ErrorCode::TunnelServerUnreachable
+            | ErrorCode::BadResponse => StatusCode::BAD_GATEWAY,
             ErrorCode::UpstreamTimeout | ErrorCode::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -127,12 +134,13 @@ impl Failure {
     }
 
     /// Maps a tunnel server's `ForwardError`. The bool says whether the call never reached
-    /// an agent and may be retried on another server.
+    /// an agent and may be retried on another server. The peer's message is escaped and
+    /// cut ([`relay_proto::escape_message`]) before it reaches a log line or the caller.
     pub fn from_forward_error(e: &ForwardError) -> (Self, bool) {
         let msg = if e.message.is_empty() {
-            "no detail"
+            "no detail".to_string()
         } else {
-            e.message.as_str()
+            relay_proto::escape_message(&e.message, relay_proto::MAX_PEER_MESSAGE)
         };
         match ForwardErrorKind::try_from(e.kind).unwrap_or(ForwardErrorKind::Unspecified) {
             ForwardErrorKind::UnknownTunnel => (
@@ -179,6 +187,10 @@ impl Failure {
                 };
                 (Failure::new(code, format!("agent: {msg}")), false)
             }
+            ForwardErrorKind::BadResponse => (
+                Failure::new(ErrorCode::BadResponse, format!("tunnel server: {msg}")),
+                false,
+            ),
             ForwardErrorKind::Unspecified => (
                 Failure::new(
                     ErrorCode::UpstreamError,
@@ -270,6 +282,24 @@ mod tests {
         assert!(Failure::from_forward_error(&e(ForwardErrorKind::Draining)).1);
         assert!(Failure::from_forward_error(&e(ForwardErrorKind::UnknownTunnel)).1);
         assert!(!Failure::from_forward_error(&e(ForwardErrorKind::StreamLost)).1);
+        let bad = ForwardError {
+            kind: ForwardErrorKind::BadResponse as i32,
+            message: "head of 9999 headers".into(),
+            call_error: 0,
+        };
+        let (f, retry) = Failure::from_forward_error(&bad);
+        assert_eq!(
+            (f.code.status().as_u16(), f.code.as_str(), retry),
+            (502, "bad_response", false)
+        );
+        let hostile = agent(CallErrorKind::UpstreamUnreachable);
+        let hostile = ForwardError {
+            message: format!("a\nb\x1b[31m{}", "x".repeat(5000)),
+            ..hostile
+        };
+        let msg = Failure::from_forward_error(&hostile).0.message;
+        assert!(msg.starts_with("agent: a\\nb\\u{1b}[31m"), "{msg}");
+        assert!(msg.chars().count() < 600 && !msg.chars().any(char::is_control));
         let odd = ForwardError {
             kind: 99,
             message: String::new(),

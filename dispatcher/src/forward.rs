@@ -295,7 +295,9 @@ impl Forwarder {
                 } else {
                     Retry::Never
                 };
-                return Err((unreachable(status.message().to_string()), retry));
+                let why =
+                    relay_proto::escape_message(status.message(), relay_proto::MAX_PEER_MESSAGE);
+                return Err((unreachable(why), retry));
             }
         };
         let mut stream = response.into_inner();
@@ -344,7 +346,13 @@ impl Forwarder {
                 Err(status) => {
                     return Err(lost(
                         stage == Stage::Queued,
-                        format!("went away ({})", status.message()),
+                        format!(
+                            "went away ({})",
+                            relay_proto::escape_message(
+                                status.message(),
+                                relay_proto::MAX_PEER_MESSAGE
+                            )
+                        ),
                     ))
                 }
             };
@@ -383,7 +391,10 @@ impl Forwarder {
                     let go = ProceedRequest {
                         reservation: r.reservation,
                     };
-                    if let Err(status) = ForwardClient::new(channel.clone()).proceed(go).await {
+                    let mut proceed = ForwardClient::new(channel.clone())
+                        .max_decoding_message_size(self.max_frame_bytes)
+                        .max_encoding_message_size(self.max_frame_bytes);
+                    if let Err(status) = proceed.proceed(go).await {
                         // The call's own stream tells how it ended.
                         debug!(call_id = plan.call_id, server_id = %route.server_id, %status, "proceed failed");
                     }

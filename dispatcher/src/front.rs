@@ -5,8 +5,26 @@
 //! choice of servers to try, and turning the tunnel server's answer (or a [`Failure`]) into
 //! the caller's response. It must not buffer bodies (see `body`) and must never log or
 //! forward the caller key.
+//!
+//! What comes back from a tunnel server is a peer's word, checked before it reaches the
+//! caller:
+//! - a response head over `max_response_headers` or `max_response_header_bytes` gets 502
+//!   `bad_response` (checked on lengths only, before any header is parsed);
+//! - a `Location` that sends a redirect-following backend to another tunnel id on this
+//!   front (`/relay/<other id>/...`, relative or absolute with this front's host; see
+//!   `headers::redirect_into_other_tunnel`) gets 502 `bad_response` rather than being
+//!   rewritten: a rewrite would have to guess where the upstream meant to send the caller,
+//!   while a refusal tells the caller plainly, and the backend never resends its key and
+//!   body into another tenant's tunnel;
+//! - the body is bounded in time by the call's deadline and by `body_idle_timeout`
+//!   between two frames (see `body`).
+//!
+//! Concurrency: a caller holds at most `max_concurrent_calls` calls in flight, and with
+//! `max_concurrent_calls_per_tunnel` at most that many to any one tunnel id, so one
+//! tenant's slow calls cannot take every slot of a key several tenants share. Both answer
+//! 429 `too_many_calls`; the slots are given back when the call ends (its body included).
 
-use crate::body::{CallGuard, CallerBody, RelayBody, RequestBody, OUTCOME_OK};
+use crate::body::{BodyTimers, CallGuard, CallerBody, RelayBody, RequestBody, OUTCOME_OK};
 use crate::config::{CallerConfig, Config, MIN_HEADER_BYTES};
 use crate::error::{ErrorCode, Failure};
 use crate::forward::{CallPlan, Forwarder};
@@ -40,6 +58,48 @@ use tracing::{debug, info, warn, Instrument};
 struct Caller {
     config: CallerConfig,
     slots: Arc<Semaphore>,
+    /// Calls in flight per tunnel id, when `max_concurrent_calls_per_tunnel` is set.
+    per_tunnel: Option<Arc<TunnelSlots>>,
+}
+
+/// Calls in flight of one caller per tunnel id. An entry lives while its count is above
+/// zero, so the table holds at most `max_concurrent_calls` entries.
+#[derive(Default)]
+pub struct TunnelSlots {
+    counts: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+impl TunnelSlots {
+    fn try_take(self: &Arc<Self>, tunnel_id: &str, max: usize) -> Option<TunnelSlot> {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let n = counts.entry(tunnel_id.to_string()).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(TunnelSlot {
+            slots: self.clone(),
+            tunnel_id: tunnel_id.to_string(),
+        })
+    }
+}
+
+/// One call's place among its caller's calls to one tunnel id; given back on drop.
+pub struct TunnelSlot {
+    slots: Arc<TunnelSlots>,
+    tunnel_id: String,
+}
+
+impl Drop for TunnelSlot {
+    fn drop(&mut self) {
+        let mut counts = self.slots.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = counts.get_mut(&self.tunnel_id) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.tunnel_id);
+            }
+        }
+    }
 }
 
 /// The request-handling half of the front, shared by all connections.
@@ -49,6 +109,9 @@ pub struct Front {
     call_timeout: Duration,
     max_call_timeout: Duration,
     max_header_bytes: usize,
+    max_response_headers: usize,
+    max_response_header_bytes: usize,
+    body_idle_timeout: Duration,
     routes: Arc<Registry>,
     forwarder: Forwarder,
     metrics: Metrics,
@@ -63,6 +126,8 @@ struct Accepted<'a> {
     timeout: Duration,
     /// The caller's concurrency slot for this call (moved into the call's guard).
     permit: Option<OwnedSemaphorePermit>,
+    /// The caller's slot for this tunnel id, with `max_concurrent_calls_per_tunnel`.
+    tunnel_slot: Option<TunnelSlot>,
 }
 
 impl Front {
@@ -79,12 +144,16 @@ impl Front {
                 .map(|c| Caller {
                     config: c.clone(),
                     slots: Arc::new(Semaphore::new(c.max_concurrent_calls)),
+                    per_tunnel: c.max_concurrent_calls_per_tunnel.map(|_| Arc::default()),
                 })
                 .collect(),
             max_request_body_bytes: config.max_request_body_bytes,
             call_timeout: config.call_timeout,
             max_call_timeout: config.max_call_timeout,
             max_header_bytes: config.max_header_bytes,
+            max_response_headers: config.max_response_headers,
+            max_response_header_bytes: config.max_response_header_bytes,
+            body_idle_timeout: config.body_idle_timeout,
             routes,
             forwarder,
             metrics,
@@ -209,12 +278,32 @@ impl Front {
             info!(caller = %caller.config.name, %tunnel_id, "call refused: caller at max_concurrent_calls");
             return Err((f, Some(tunnel_id)));
         };
+        let tunnel_slot = match (
+            &caller.per_tunnel,
+            caller.config.max_concurrent_calls_per_tunnel,
+        ) {
+            (Some(slots), Some(max)) => match slots.try_take(&tunnel_id, max) {
+                Some(slot) => Some(slot),
+                None => {
+                    let f = Failure::new(
+                        ErrorCode::TooManyCalls,
+                        format!(
+                            "this caller has {max} calls in flight to this tunnel id, its max_concurrent_calls_per_tunnel"
+                        ),
+                    );
+                    info!(caller = %caller.config.name, %tunnel_id, "call refused: caller at max_concurrent_calls_per_tunnel");
+                    return Err((f, Some(tunnel_id)));
+                }
+            },
+            _ => None,
+        };
         Ok(Accepted {
             caller: &caller.config.name,
             tunnel_id,
             path_and_query,
             timeout,
             permit: Some(permit),
+            tunnel_slot,
         })
     }
 
@@ -251,6 +340,9 @@ impl Front {
         };
         if let Some(permit) = accepted.permit.take() {
             guard.hold(permit);
+        }
+        if let Some(slot) = accepted.tunnel_slot.take() {
+            guard.hold_tunnel(slot);
         }
         let span = tracing::info_span!("call", call_id, tunnel_id = %accepted.tunnel_id, caller = %accepted.caller);
         self.relay(call_id, start, guard, parts, body, accepted)
@@ -329,9 +421,61 @@ impl Front {
                 return self.fail(guard, &f, Some(&tunnel_id));
             }
         };
+        if let Some(why) = relay_proto::check_head(
+            &answer.head.headers,
+            self.max_response_headers,
+            self.max_response_header_bytes,
+        ) {
+            let f = Failure::new(
+                ErrorCode::BadResponse,
+                format!(
+                    "the response head has {why} (max_response_headers / max_response_header_bytes)"
+                ),
+            );
+            warn!(code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
+            return self.fail_after_head(guard, answer, &f, &tunnel_id);
+        }
+        if answer.head.body.len() > relay_proto::MAX_CHUNK
+            || (!answer.head.end_of_stream && !answer.head.body.is_empty())
+        {
+            let f = Failure::new(
+                ErrorCode::BadResponse,
+                "the response head carries a body over 64 KiB or before the response's end",
+            );
+            warn!(code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
+            return self.fail_after_head(guard, answer, &f, &tunnel_id);
+        }
         let (headers, invalid) = headers::response_from_wire(&answer.head.headers);
         if invalid > 0 {
             warn!(invalid, server_id = %answer.server_id, "dropped invalid response headers");
+        }
+        let host = parts.uri.authority().map(|a| a.as_str()).or_else(|| {
+            parts
+                .headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+        });
+        let other = headers
+            .get_all(http::header::LOCATION)
+            .iter()
+            .find_map(|l| {
+                headers::redirect_into_other_tunnel(
+                    l.as_bytes(),
+                    parts.uri.path(),
+                    host,
+                    &tunnel_id,
+                )
+            });
+        if let Some(other) = other {
+            let f = Failure::new(
+                ErrorCode::BadResponse,
+                format!(
+                    "the upstream redirected into tunnel id {:?}, another tunnel on this relay; refused so that the caller's key and body never go there",
+                    relay_proto::escape_message(&other, 128)
+                ),
+            );
+            warn!(code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
+            return self.fail_after_head(guard, answer, &f, &tunnel_id);
         }
         debug!(server_id = %answer.server_id, status = status.as_u16(), "response head");
         let body = if answer.head.end_of_stream {
@@ -342,12 +486,41 @@ impl Front {
                 answer.stream,
             )
         } else {
-            RelayBody::stream(answer.stream, request_body, guard, call_id)
+            RelayBody::stream(
+                answer.stream,
+                request_body,
+                guard,
+                call_id,
+                BodyTimers {
+                    deadline: plan.deadline,
+                    idle: self.body_idle_timeout,
+                },
+            )
         };
         let mut resp = Response::new(body);
         *resp.status_mut() = status;
         *resp.headers_mut() = headers;
         resp
+    }
+}
+
+impl Front {
+    /// The tunnel server's answer is refused after its head arrived: the caller gets
+    /// `failure`. A response that ended with its head has its RPC read to the end in the
+    /// background (see `body::poll_rpc_end`); one with a body to come is cancelled, like a
+    /// call whose caller went away, so the agent stops sending it.
+    fn fail_after_head(
+        &self,
+        guard: CallGuard,
+        answer: crate::forward::Answer,
+        failure: &Failure,
+        tunnel_id: &str,
+    ) -> Response<RelayBody> {
+        if answer.head.end_of_stream {
+            let mut stream = answer.stream;
+            tokio::spawn(async move { crate::body::finish_rpc(&mut stream).await });
+        }
+        self.fail(guard, failure, Some(tunnel_id))
     }
 }
 

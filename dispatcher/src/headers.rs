@@ -52,9 +52,14 @@ pub fn request_to_wire(headers: &HeaderMap) -> Vec<Header> {
 }
 
 /// The agent's response headers as they go to the caller. Headers that are not valid HTTP
-/// are skipped and counted in the returned number.
+/// are skipped and counted in the returned number, and so are those past what a
+/// `HeaderMap` can hold.
+///
+/// The caller checks the head against `max_response_headers` first; even so nothing here
+/// is sized by the peer's count (`HeaderMap::with_capacity` panics past 32768 entries),
+/// and `try_append` never panics.
 pub fn response_from_wire(wire: &[Header]) -> (HeaderMap, usize) {
-    let mut map = HeaderMap::with_capacity(wire.len());
+    let mut map = HeaderMap::new();
     let mut invalid = 0;
     for h in wire {
         match (
@@ -62,13 +67,15 @@ pub fn response_from_wire(wire: &[Header]) -> (HeaderMap, usize) {
             HeaderValue::from_bytes(&h.value),
         ) {
             (Ok(name), Ok(value)) => {
-                map.append(name, value);
+                if map.try_append(name, value).is_err() {
+                    invalid += 1;
+                }
             }
             _ => invalid += 1,
         }
     }
     let tokens = connection_tokens(&map);
-    let mut out = HeaderMap::with_capacity(map.len());
+    let mut out = HeaderMap::new();
     let mut last: Option<HeaderName> = None;
     for (name, value) in map {
         // `HeaderMap`'s owning iterator yields the name only for the first of repeated values.
@@ -76,12 +83,119 @@ pub fn response_from_wire(wire: &[Header]) -> (HeaderMap, usize) {
             last = Some(name);
         }
         if let Some(name) = &last {
-            if keep(name, &tokens, false) {
-                out.append(name.clone(), value);
+            if keep(name, &tokens, false) && out.try_append(name.clone(), value).is_err() {
+                invalid += 1;
             }
         }
     }
     (out, invalid)
+}
+
+/// The tunnel id a response's `Location` sends its follower to on this front, when that is
+/// not `tunnel_id`: a backend that follows redirects would resend its caller key and body
+/// into another tenant's tunnel, so the front refuses such a response (502
+/// `bad_response`).
+///
+/// `location` is resolved the way a browser or an HTTP client library resolves it against
+/// the request (`request_path` on `request_host`): tabs and newlines dropped, `\` read as
+/// `/`, absolute (`http(s)://host/...`, compared with the request's host name, port
+/// ignored), scheme-relative (`//host/...`), absolute-path and relative references
+/// (`../other/x`), dot segments removed (`%2e` counts as a dot), and the tunnel id segment
+/// percent-decoded. Locations on other hosts, other schemes and paths outside `/relay/`
+/// pass unchanged.
+pub fn redirect_into_other_tunnel(
+    location: &[u8],
+    request_path: &str,
+    request_host: Option<&str>,
+    tunnel_id: &str,
+) -> Option<String> {
+    let raw: String = String::from_utf8_lossy(location)
+        .trim()
+        .chars()
+        .filter(|c| !matches!(c, '\t' | '\n' | '\r'))
+        .map(|c| if c == '\\' { '/' } else { c })
+        .collect();
+    let mut rest = raw.as_str();
+    if let Some(colon) = scheme_end(rest) {
+        let scheme = rest[..colon].to_ascii_lowercase();
+        if scheme != "http" && scheme != "https" {
+            return None;
+        }
+        rest = &rest[colon + 1..];
+    }
+    let path = if let Some(after) = rest.strip_prefix("//") {
+        let end = after.find(['/', '?', '#']).unwrap_or(after.len());
+        let authority = &after[..end];
+        let host = authority.rsplit('@').next().unwrap_or(authority);
+        if !same_host(host, request_host?) {
+            return None;
+        }
+        after[end..].to_string()
+    } else if rest.starts_with('/') {
+        rest.to_string()
+    } else {
+        // Relative to the request path's directory.
+        let dir = &request_path[..request_path.rfind('/').map_or(0, |i| i + 1)];
+        format!("{dir}{rest}")
+    };
+    let path = &path[..path.find(['?', '#']).unwrap_or(path.len())];
+    let mut segments: Vec<&str> = Vec::new();
+    for seg in path.split('/').skip(1) {
+        match seg.to_ascii_lowercase().replace("%2e", ".").as_str() {
+            "." => {}
+            ".." => {
+                segments.pop();
+            }
+            _ => segments.push(seg),
+        }
+    }
+    if segments.first() != Some(&"relay") {
+        return None;
+    }
+    let id = percent_decode(segments.get(1)?);
+    (id != tunnel_id).then_some(id)
+}
+
+/// Where a URL's scheme ends (the `:`), if it starts with one.
+fn scheme_end(s: &str) -> Option<usize> {
+    let colon = s.find(':')?;
+    let scheme = &s[..colon];
+    let mut chars = scheme.chars();
+    (chars.next()?.is_ascii_alphabetic()
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+    .then_some(colon)
+}
+
+/// Whether two `host[:port]` name one host (ports ignored, case-insensitive).
+fn same_host(a: &str, b: &str) -> bool {
+    fn name(h: &str) -> &str {
+        if let Some(v6) = h.strip_prefix('[') {
+            return v6.split(']').next().unwrap_or(v6);
+        }
+        h.rsplit_once(':').map_or(h, |(n, _)| n)
+    }
+    name(a)
+        .trim_end_matches('.')
+        .eq_ignore_ascii_case(name(b).trim_end_matches('.'))
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Bytes of a request head as counted against `max_header_bytes`.
@@ -134,6 +248,61 @@ mod tests {
                 ("x-bin".to_string(), b"v".to_vec())
             ]
         );
+    }
+
+    /// Hostile `Location` values a tunnel's upstream may answer a call to
+    /// `/relay/demo/app/page` on `relay.example:8443` with, and the other tunnel id each
+    /// one leads a redirect-following backend into (`None`: it stays in `demo` or leaves
+    /// this front).
+    const REDIRECTS: &[(&str, Option<&str>)] = &[
+        ("/relay/other/x", Some("other")),
+        ("/relay/other", Some("other")),
+        ("https://relay.example:8443/relay/other/x", Some("other")),
+        ("http://RELAY.EXAMPLE/relay/other/x?q=1", Some("other")),
+        ("//relay.example/relay/other/x", Some("other")),
+        ("https://user@relay.example/relay/other/", Some("other")),
+        ("../../other/x", Some("other")),
+        ("../../../relay/other/x", Some("other")),
+        ("/relay/demo/../other/x", Some("other")),
+        ("/relay/demo/%2e%2e/other/x", Some("other")),
+        ("/relay/demo/%2E%2E/other/x", Some("other")),
+        ("\\relay\\other\\x", Some("other")),
+        ("/rel\tay/other/x", Some("other")),
+        ("/relay/%6fther/x", Some("other")),
+        ("https:/relay/other/x", Some("other")),
+        ("  /relay/other/x  ", Some("other")),
+        ("/relay/demo/next", None),
+        ("next", None),
+        ("../other-page", None),
+        ("/login", None),
+        ("https://elsewhere.example/relay/other/x", None),
+        ("//elsewhere.example/relay/other/x", None),
+        ("mailto:x@relay.example", None),
+        ("/relayother/x", None),
+        ("", None),
+    ];
+
+    #[test]
+    fn redirects_into_another_tunnel_id_on_this_front_are_found() {
+        for (location, want) in REDIRECTS {
+            let got = redirect_into_other_tunnel(
+                location.as_bytes(),
+                "/relay/demo/app/page",
+                Some("relay.example:8443"),
+                "demo",
+            );
+            assert_eq!(got.as_deref(), *want, "Location: {location:?}");
+        }
+    }
+
+    #[test]
+    fn response_past_what_a_header_map_holds_is_cut_not_a_panic() {
+        let wire: Vec<Header> = (0..40_000)
+            .map(|i| Header::new(format!("x-{i}"), ""))
+            .collect();
+        let (h, invalid) = response_from_wire(&wire);
+        assert_eq!(h.len() + invalid, 40_000);
+        assert!(invalid > 0);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! Labels carry outcomes and server ids only: never a caller key, token or tunnel secret.
 
-use crate::body::{OUTCOME_ABORTED, OUTCOME_CANCELLED, OUTCOME_OK};
+use crate::body::{OUTCOME_ABORTED, OUTCOME_BODY_IDLE_TIMEOUT, OUTCOME_CANCELLED, OUTCOME_OK};
 use crate::error::ErrorCode;
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
@@ -183,9 +183,14 @@ impl Metrics {
         // Export every fixed label value from the start: a counter that first appears
         // already above zero loses that first step in `rate()`, so an alert on
         // `no_capacity` or `stream_lost` would miss the first burst.
-        let outcomes = [OUTCOME_OK, OUTCOME_ABORTED, OUTCOME_CANCELLED]
-            .into_iter()
-            .chain(ErrorCode::ALL.iter().map(|c| c.as_str()));
+        let outcomes = [
+            OUTCOME_OK,
+            OUTCOME_ABORTED,
+            OUTCOME_CANCELLED,
+            OUTCOME_BODY_IDLE_TIMEOUT,
+        ]
+        .into_iter()
+        .chain(ErrorCode::ALL.iter().map(|c| c.as_str()));
         for o in outcomes {
             calls.with_label_values(&[o]);
         }

@@ -18,6 +18,68 @@ pub const MAX_CHUNK: usize = 64 * 1024;
 /// generous room for heads.
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;
 
+/// Default largest number of headers in one head a peer sends (`max_response_headers` at
+/// the tunnel server and the dispatcher, `limits.max_headers` at the agent).
+pub const DEFAULT_MAX_HEADERS: usize = 256;
+
+/// Default largest head a peer sends, in bytes as [`head_bytes`] counts them
+/// (`max_response_header_bytes` at the tunnel server and the dispatcher).
+pub const DEFAULT_MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// Longest peer-supplied error message kept, in characters, after [`escape_message`].
+pub const MAX_PEER_MESSAGE: usize = 512;
+
+/// Bytes of a head's headers as the limits count them: every name and value plus 4 (the
+/// `: ` and CRLF they take on HTTP/1), so an empty header still costs 4 bytes.
+pub fn head_bytes(headers: &[Header]) -> usize {
+    headers
+        .iter()
+        .map(|h| h.name.len() + h.value.len() + 4)
+        .fold(0, usize::saturating_add)
+}
+
+/// Why a head from a peer is refused, when it breaks `max_headers` or `max_bytes`. The
+/// check reads only lengths: it allocates nothing, whatever the head holds.
+pub fn check_head(headers: &[Header], max_headers: usize, max_bytes: usize) -> Option<String> {
+    if headers.len() > max_headers {
+        return Some(format!(
+            "{} headers, over the limit of {max_headers}",
+            headers.len()
+        ));
+    }
+    let bytes = head_bytes(headers);
+    (bytes > max_bytes).then(|| format!("{bytes} bytes of headers, over the limit of {max_bytes}"))
+}
+
+/// A peer-supplied message made safe for a log line and a caller's JSON: control
+/// characters (newlines, ESC of ANSI sequences, DEL, C1) are written as escapes (`\n`,
+/// `\u{1b}`) and the result is cut to `max` characters, ending in `…` when cut.
+pub fn escape_message(msg: &str, max: usize) -> String {
+    let mut out = String::with_capacity(msg.len().min(max));
+    let mut count = 0usize;
+    for c in msg.chars() {
+        let piece: std::borrow::Cow<'_, str> = match c {
+            '\n' => "\\n".into(),
+            '\r' => "\\r".into(),
+            '\t' => "\\t".into(),
+            c if c.is_control() => format!("\\u{{{:x}}}", c as u32).into(),
+            // Bidirectional overrides can reorder what a reader of the log sees.
+            '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' => {
+                format!("\\u{{{:x}}}", c as u32).into()
+            }
+            c => c.to_string().into(),
+        };
+        let n = piece.chars().count();
+        if count + n > max {
+            out.push('…');
+            return out;
+        }
+        count += n;
+        out.push_str(&piece);
+    }
+    out
+}
+
 pub mod v1 {
     #![allow(missing_docs)]
     tonic::include_proto!("relay.v1");
@@ -69,5 +131,42 @@ impl ForwardResponse {
 impl ServerReport {
     pub fn of(kind: server_report::Kind) -> Self {
         ServerReport { kind: Some(kind) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_over_a_limit_are_named_without_allocating_for_them() {
+        let empty = vec![Header::new("", ""); 24_577];
+        let why = check_head(&empty, 256, 64 * 1024).unwrap();
+        assert!(why.contains("24577 headers"), "{why}");
+        let big = vec![Header::new("x-big", vec![b'a'; 70_000])];
+        let why = check_head(&big, 256, 64 * 1024).unwrap();
+        assert!(why.contains("70009 bytes"), "{why}");
+        assert_eq!(check_head(&[Header::new("a", "b")], 1, 6), None);
+    }
+
+    #[test]
+    fn messages_lose_their_control_characters_and_are_cut() {
+        let cases = [
+            ("plain", "plain"),
+            ("two\nlines", "two\\nlines"),
+            ("\x1b[31mred\x1b[0m", "\\u{1b}[31mred\\u{1b}[0m"),
+            ("nul\0 del\x7f", "nul\\u{0} del\\u{7f}"),
+            ("cr\r tab\t", "cr\\r tab\\t"),
+            ("rtl\u{202e}x", "rtl\\u{202e}x"),
+            ("ünïcode", "ünïcode"),
+        ];
+        for (input, want) in cases {
+            assert_eq!(escape_message(input, 100), want, "{input:?}");
+        }
+        let long = "a".repeat(1000);
+        let cut = escape_message(&long, 10);
+        assert_eq!(cut, format!("{}…", "a".repeat(10)));
+        // An escape is never split.
+        assert_eq!(escape_message("aaaa\n", 5), "aaaa…");
     }
 }

@@ -6,6 +6,7 @@ pub mod certs;
 pub mod client;
 pub mod fleet;
 pub mod haproxy;
+pub mod hostile;
 pub mod lb;
 pub mod ledger;
 pub mod load;

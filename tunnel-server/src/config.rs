@@ -71,6 +71,13 @@ pub struct Config {
     /// report stream). A bigger frame ends that stream with RESOURCE_EXHAUSTED; other
     /// streams keep serving. Must hold a 64 KiB body chunk plus its head.
     pub max_frame_bytes: usize,
+    /// Most headers an agent's response head may carry; a head with more ends the call
+    /// with a 502 `bad_response` at the dispatcher and closes the agent's stream with
+    /// RESOURCE_EXHAUSTED.
+    pub max_response_headers: usize,
+    /// Largest agent response head, counted as every header's name and value plus 4
+    /// bytes; a bigger one is refused like `max_response_headers`.
+    pub max_response_header_bytes: usize,
     /// `[agent_tls]`: TLS of the agent listener (`cert`, `key`; `client_ca` with
     /// `client_cert_optional` to accept agent certificates too), or `insecure = true`.
     pub agent_tls: ListenerTls,
@@ -130,6 +137,8 @@ impl Default for Config {
             report_interval: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(30),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            max_response_headers: relay_proto::DEFAULT_MAX_HEADERS,
+            max_response_header_bytes: relay_proto::DEFAULT_MAX_HEAD_BYTES,
             agent_tls: ListenerTls::default(),
             forward_tls: ListenerTls::default(),
             dispatcher_tls: DialerTls::default(),
@@ -232,6 +241,18 @@ impl Config {
                     "must be at least {} (two body chunks)",
                     2 * relay_proto::MAX_CHUNK
                 ),
+            ));
+        }
+        if self.max_response_headers == 0 {
+            return Err(ConfigError::invalid(
+                "max_response_headers",
+                "must be at least 1",
+            ));
+        }
+        if self.max_response_header_bytes < 1024 {
+            return Err(ConfigError::invalid(
+                "max_response_header_bytes",
+                "must be at least 1024",
             ));
         }
         if self.reload_interval < Duration::from_millis(10) {
@@ -367,6 +388,28 @@ mod tests {
                 "{file}"
             );
         }
+    }
+
+    #[test]
+    fn response_head_limits_have_defaults_and_are_checked() {
+        let c: Config = relay_common::config::parse(
+            "max_response_headers = 64\n[agent_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n[dispatcher_tls]\ninsecure = true\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert_eq!(
+            (c.max_response_headers, c.max_response_header_bytes),
+            (64, 64 * 1024)
+        );
+        c.validate().unwrap();
+        let mut bad = c.clone();
+        bad.max_response_headers = 0;
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("`max_response_headers`"), "{err}");
+        let mut bad = c;
+        bad.max_response_header_bytes = 100;
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("`max_response_header_bytes`"), "{err}");
     }
 
     #[test]

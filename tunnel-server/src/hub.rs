@@ -49,6 +49,10 @@ pub struct Hub {
 pub struct Limits {
     pub max_queue_per_tunnel: usize,
     pub max_streams_per_token: usize,
+    /// `max_response_headers`: headers an agent's response head may carry.
+    pub max_response_headers: usize,
+    /// `max_response_header_bytes`: bytes an agent's response head may carry.
+    pub max_response_header_bytes: usize,
 }
 
 pub struct Tunnel {

@@ -161,6 +161,8 @@ pub async fn start(
         Limits {
             max_queue_per_tunnel: config.max_queue_per_tunnel,
             max_streams_per_token: config.max_streams_per_token,
+            max_response_headers: config.max_response_headers,
+            max_response_header_bytes: config.max_response_header_bytes,
         },
         metrics,
     ));
@@ -321,6 +323,7 @@ pub async fn start(
             key: config.dispatcher_key.clone(),
             tls: dispatcher_tls.clone(),
             h2: dispatcher_h2,
+            max_frame_bytes: config.max_frame_bytes,
             stop: stop_reports.clone(),
         };
         tasks.push(tokio::spawn(reporter.run()));

@@ -6,7 +6,7 @@ use prometheus::{
 };
 
 /// Every `outcome` of `relay_tunnel_calls_total`.
-pub const CALL_OUTCOMES: [&str; 7] = [
+pub const CALL_OUTCOMES: [&str; 8] = [
     "ok",
     "agent_error",
     "cancelled",
@@ -14,6 +14,7 @@ pub const CALL_OUTCOMES: [&str; 7] = [
     "no_capacity",
     "unknown_tunnel",
     "bad_request",
+    "bad_response",
 ];
 
 /// Every `result` of `relay_tunnel_stream_opens_total`.

@@ -56,6 +56,8 @@ pub struct Reporter {
     pub tls: Option<relay_common::tls::TlsClient>,
     /// HTTP/2 limits of the report connection (`[dispatcher_h2]`).
     pub h2: relay_common::h2::H2Limits,
+    /// `max_frame_bytes`: the largest message sent to or accepted from the dispatcher.
+    pub max_frame_bytes: usize,
     pub stop: CancellationToken,
 }
 
@@ -107,7 +109,9 @@ impl Reporter {
             None => endpoint.connect().await,
         }
         .map_err(|e| format!("{e}: {}", source_chain(&e)))?;
-        let mut client = RegistryClient::new(channel);
+        let mut client = RegistryClient::new(channel)
+            .max_decoding_message_size(self.max_frame_bytes)
+            .max_encoding_message_size(self.max_frame_bytes);
         let _watch = AbortOnDrop(tokio::spawn(watch(
             client.clone(),
             self.hub.clone(),

@@ -272,6 +272,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             handle: handle.clone(),
             heartbeat: self.heartbeat,
             misses: self.heartbeat_misses,
+            last_words: Mutex::new(None),
         };
         self.tracker.spawn(reader.run(request.into_inner()));
         // After a close, the RPC ends with the status a revocation left, if any.
@@ -291,6 +292,9 @@ struct Reader {
     handle: Arc<StreamHandle>,
     heartbeat: Duration,
     misses: u32,
+    /// How the call on the stream ends when the stream closes on a protocol error that
+    /// named it (instead of STREAM_LOST), with its outcome label.
+    last_words: Mutex<Option<(ForwardResponse, &'static str)>>,
 }
 
 /// Why a stream ended, for the log and the metric.
@@ -389,12 +393,13 @@ impl Reader {
                 }
                 _ => "the agent stream carrying the call ended before the call did",
             };
-            self.finish(
-                slot,
-                Some(ForwardResponse::error(ForwardErrorKind::StreamLost, msg)),
-                "stream_lost",
-            )
-            .await;
+            let (last, outcome) = lock(&self.last_words).take().unwrap_or_else(|| {
+                (
+                    ForwardResponse::error(ForwardErrorKind::StreamLost, msg),
+                    "stream_lost",
+                )
+            });
+            self.finish(slot, Some(last), outcome).await;
         }
         self.hub.remove_stream(&self.handle, was_busy);
         // A protocol error ends the RPC through the error status queued above; cutting the
@@ -465,6 +470,14 @@ impl Reader {
                         "a response head carries a body only when it ends the response, and at most 64 KiB",
                     ));
                 }
+                let limits = &self.hub.limits;
+                if let Some(why) = relay_proto::check_head(
+                    &head.headers,
+                    limits.max_response_headers,
+                    limits.max_response_header_bytes,
+                ) {
+                    return Err(self.refuse_response(call_id, why).await);
+                }
                 let frame = ForwardResponse::of(forward_response::Kind::Head(head));
                 if end {
                     self.end_call(frame, "ok").await;
@@ -504,15 +517,36 @@ impl Reader {
                 } else {
                     "agent_error"
                 };
+                // The agent's words go into the dispatcher's logs and the caller's JSON:
+                // escaped and cut here, once.
                 let frame = ForwardResponse::of(forward_response::Kind::Error(ForwardError {
                     kind: ForwardErrorKind::Agent as i32,
-                    message: err.message,
+                    message: relay_proto::escape_message(
+                        &err.message,
+                        relay_proto::MAX_PEER_MESSAGE,
+                    ),
                     call_error: err.kind,
                 }));
                 self.end_call(frame, outcome).await;
                 Ok(())
             }
         }
+    }
+
+    /// The agent's response head broke `max_response_headers` or
+    /// `max_response_header_bytes`: the returned status closes the agent's stream, and the
+    /// call on it ends (in the reader's last word, like any call on a closing stream) with
+    /// BAD_RESPONSE, the caller's 502. A peer that sends such heads takes no further call
+    /// on that stream.
+    async fn refuse_response(&self, call_id: u64, why: String) -> Status {
+        let why = format!("the agent's response head has {why}");
+        warn!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, call_id, reason = %why, "response head refused");
+        let error = ForwardResponse::error(
+            ForwardErrorKind::BadResponse,
+            format!("{why} (the tunnel server's max_response_headers / max_response_header_bytes)"),
+        );
+        *lock(&self.last_words) = Some((error, "bad_response"));
+        Status::resource_exhausted(why)
     }
 
     /// The sender toward the caller of the call on this stream, after checking the frame

@@ -31,6 +31,8 @@ impl Server {
             Limits {
                 max_queue_per_tunnel: 16,
                 max_streams_per_token: 16,
+                max_response_headers: relay_proto::DEFAULT_MAX_HEADERS,
+                max_response_header_bytes: relay_proto::DEFAULT_MAX_HEAD_BYTES,
             },
             ServerMetrics::register(&registry).unwrap(),
         ));

@@ -1,0 +1,115 @@
+//! A hostile cloud side against the agent's request-head and frame limits, over real
+//! sockets: the fake tunnel server sends over-count and oversized request heads and
+//! oversized body chunks. Nothing is sized by a peer-supplied count, nothing panics, the
+//! caller side gets a clear REFUSED (or the stream closes for frames no agent should
+//! decode), and a fresh stream serves the next call.
+
+mod common;
+
+use common::*;
+
+/// Hostile request heads: (what, headers, `limits.max_header_bytes`). Each has more than
+/// the default `limits.max_headers` (256) headers; the byte limit is raised where the
+/// count alone would otherwise pass it.
+fn hostile_heads() -> Vec<(&'static str, Vec<Header>, usize)> {
+    vec![
+        (
+            "257 small headers",
+            vec![Header::new("x-a", "1"); 257],
+            64 * 1024,
+        ),
+        // `HeaderMap::with_capacity` panics from 24577 entries on: once sized by this count.
+        (
+            "24577 empty-valued headers",
+            vec![Header::new("x-a", ""); 24_577],
+            1024 * 1024,
+        ),
+        (
+            "40000 empty-valued headers",
+            vec![Header::new("x-a", ""); 40_000],
+            1024 * 1024,
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_heads_over_max_headers_are_refused_and_the_stream_serves_on() {
+    let upstream = hyper_upstream().await;
+    for (what, headers, max_bytes) in hostile_heads() {
+        let mut tunnel = FakeTunnel::start(10_000, true).await;
+        let mut cfg = config(&tunnel.url, &upstream, 1);
+        cfg.limits.max_header_bytes = max_bytes;
+        let (_agent, _) = start_agent(cfg).await;
+        let mut conn = tunnel.next_conn().await;
+        let mut h = head(1, "GET", "/hello", true);
+        h.headers = headers;
+        let a = conn.call(h, vec![]).await;
+        assert_eq!(
+            a.error_kind(),
+            Some(CallErrorKind::Refused),
+            "{what}: {a:?}"
+        );
+        let msg = &a.error.as_ref().unwrap().message;
+        assert!(
+            msg.starts_with("refused (header_size)") && msg.contains("limits.max_headers (256)"),
+            "{what}: {msg}"
+        );
+        let a = conn.call(head(2, "GET", "/hello", true), vec![]).await;
+        assert_eq!(a.status(), 200, "{what}: the same stream serves on: {a:?}");
+    }
+}
+
+/// Frames no agent should take in: (what, frames after a bodyless or bodied head). Each
+/// ends the stream (never a decoded 2 MiB head, never a body chunk over 64 KiB passed
+/// upstream); the agent opens a new stream that serves.
+fn hostile_frames() -> Vec<(&'static str, Vec<ServerFrame>)> {
+    let huge = RequestHead {
+        headers: vec![Header::new("x-big", vec![b'a'; 2 * 1024 * 1024])],
+        ..head(1, "GET", "/hello", true)
+    };
+    let chunk = BodyChunk {
+        call_id: 1,
+        data: vec![b'b'; relay_proto::MAX_CHUNK + 1],
+        end: true,
+    };
+    vec![
+        (
+            "a 2 MiB request head (over max_frame_bytes)",
+            vec![ServerFrame::of(In::RequestHead(huge))],
+        ),
+        (
+            "a request body chunk over 64 KiB",
+            vec![
+                ServerFrame::of(In::RequestHead(head(1, "POST", "/echo", false))),
+                ServerFrame::of(In::RequestBody(chunk)),
+            ],
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_frames_from_the_server_end_the_stream_and_a_new_one_serves() {
+    let upstream = hyper_upstream().await;
+    for (what, frames) in hostile_frames() {
+        let mut tunnel = FakeTunnel::start(10_000, true).await;
+        let (_agent, _) = start_agent(config(&tunnel.url, &upstream, 1)).await;
+        let mut conn = tunnel.next_conn().await;
+        for f in frames {
+            // The agent may already have closed the stream on an earlier frame.
+            let _ = conn.tx.send(Ok(f)).await;
+        }
+        // Whatever the agent said before it noticed, the stream ends without a complete
+        // answer to the hostile call.
+        loop {
+            match conn.next().await {
+                None => break,
+                Some(Out::ResponseBody(b)) => assert!(!b.end, "{what}: answered in full"),
+                Some(Out::CallError(e)) => panic!("{what}: decoded and answered: {e:?}"),
+                Some(_) => {}
+            }
+        }
+        let mut fresh = tunnel.next_conn().await;
+        let a = fresh.call(head(7, "GET", "/hello", true), vec![]).await;
+        assert_eq!(a.status(), 200, "{what}: a new stream serves: {a:?}");
+    }
+}

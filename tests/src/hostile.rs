@@ -1,0 +1,166 @@
+//! A hostile agent: a token holder that speaks `Tunnel.Connect` by hand, so a test can send
+//! a tunnel server whatever frames it likes (over-count or oversized response heads,
+//! trickled bodies, error messages with control characters) and watch what the relay does.
+//!
+//! It answers heartbeats (so its stream stays confirmed and routable), acknowledges a
+//! `Cancel` like any agent (a CallError CANCELLED, after which frames the test still sends
+//! for that call are dropped), and hands the test every `RequestHead` it is given;
+//! everything else the test sends itself.
+
+use relay_proto::agent_frame::Kind as Out;
+use relay_proto::server_frame::Kind as In;
+use relay_proto::tunnel_client::TunnelClient;
+use relay_proto::{AgentFrame, CallError, CallErrorKind, Pong, RequestHead, ServerFrame};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+/// How a hostile agent's stream ended: `Some(Ok(()))` when the server closed it with OK,
+/// `Some(Err(status))` with an error status, `None` while it is open.
+pub type Ended = Option<Result<(), tonic::Status>>;
+
+/// The outbound half: the frames, and the calls the server cancelled. One lock covers
+/// both, so no frame of a call goes out after its CANCELLED acknowledgement.
+struct Outbound {
+    frames: mpsc::UnboundedSender<AgentFrame>,
+    cancelled: HashSet<u64>,
+}
+
+/// Sends frames on a hostile agent's stream.
+#[derive(Clone)]
+pub struct Sender(Arc<Mutex<Outbound>>);
+
+impl Sender {
+    /// Sends one frame; an error once the stream is gone or its call was cancelled.
+    pub async fn send(&self, kind: Out) -> anyhow::Result<()> {
+        let call_id = match &kind {
+            Out::ResponseHead(h) => Some(h.call_id),
+            Out::ResponseBody(b) => Some(b.call_id),
+            Out::CallError(e) => Some(e.call_id),
+            _ => None,
+        };
+        let out = self.0.lock().unwrap();
+        if call_id.is_some_and(|id| out.cancelled.contains(&id)) {
+            anyhow::bail!("the call was cancelled");
+        }
+        out.frames
+            .send(AgentFrame::of(kind))
+            .map_err(|_| anyhow::anyhow!("the stream is closed"))
+    }
+
+    fn cancel(&self, call_id: u64) {
+        let mut out = self.0.lock().unwrap();
+        if out.cancelled.insert(call_id) {
+            let ack = Out::CallError(CallError {
+                call_id,
+                kind: CallErrorKind::Cancelled as i32,
+                message: "cancelled".into(),
+            });
+            let _ = out.frames.send(AgentFrame::of(ack));
+        }
+    }
+}
+
+pub struct HostileAgent {
+    out: Sender,
+    calls: mpsc::UnboundedReceiver<RequestHead>,
+    ended: watch::Receiver<Ended>,
+    /// The stream's reader; dropping the agent stops it, which ends the stream.
+    reader: tokio::task::JoinHandle<()>,
+    /// The tunnel id the server's hello named.
+    pub tunnel_id: String,
+}
+
+impl Drop for HostileAgent {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl HostileAgent {
+    /// Opens one stream to the tunnel server at `url` (`http://host:port`) with `token`.
+    pub async fn open(url: &str, token: &str) -> anyhow::Result<Self> {
+        let channel = tonic::transport::Endpoint::from_shared(url.to_string())?
+            .connect()
+            .await?;
+        // No limit on what this agent sends: the server's limits are under test.
+        let mut client = TunnelClient::new(channel)
+            .max_encoding_message_size(usize::MAX)
+            .max_decoding_message_size(64 * 1024 * 1024);
+        let (frames, rx) = mpsc::unbounded_channel();
+        let out = Sender(Arc::new(Mutex::new(Outbound {
+            frames,
+            cancelled: HashSet::new(),
+        })));
+        let mut req = tonic::Request::new(UnboundedReceiverStream::new(rx));
+        req.metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse()?);
+        let mut inbound = client.connect(req).await?.into_inner();
+        let tunnel_id = match inbound.message().await? {
+            Some(ServerFrame {
+                kind: Some(In::Hello(h)),
+            }) => h.tunnel_id,
+            other => anyhow::bail!("no hello: {other:?}"),
+        };
+        let (calls_tx, calls) = mpsc::unbounded_channel();
+        let (ended_tx, ended) = watch::channel(None);
+        let pongs = out.clone();
+        let reader = tokio::spawn(async move {
+            let end = loop {
+                match inbound.message().await {
+                    Ok(Some(ServerFrame { kind: Some(kind) })) => match kind {
+                        In::Ping(p) => {
+                            let _ = pongs.send(Out::Pong(Pong { seq: p.seq })).await;
+                        }
+                        In::Cancel(c) => pongs.cancel(c.call_id),
+                        In::RequestHead(head) => {
+                            let _ = calls_tx.send(head);
+                        }
+                        _ => {}
+                    },
+                    Ok(Some(_)) => {}
+                    Ok(None) => break Ok(()),
+                    Err(status) => break Err(status),
+                }
+            };
+            let _ = ended_tx.send(Some(end));
+        });
+        Ok(HostileAgent {
+            out,
+            calls,
+            ended,
+            reader,
+            tunnel_id,
+        })
+    }
+
+    /// The next call the server hands this agent, waiting up to `within`.
+    pub async fn next_call(&mut self, within: Duration) -> anyhow::Result<RequestHead> {
+        match tokio::time::timeout(within, self.calls.recv()).await {
+            Ok(Some(head)) => Ok(head),
+            Ok(None) => anyhow::bail!("the stream ended before a call came"),
+            Err(_) => anyhow::bail!("no call within {within:?}"),
+        }
+    }
+
+    /// Sends one frame; an error once the stream is gone.
+    pub async fn send(&self, kind: Out) -> anyhow::Result<()> {
+        self.sender().send(kind).await
+    }
+
+    /// A handle that sends frames on this stream, for a task of its own.
+    pub fn sender(&self) -> Sender {
+        self.out.clone()
+    }
+
+    /// How the stream ended, waiting up to `within` for it to end.
+    pub async fn ended(&mut self, within: Duration) -> anyhow::Result<Result<(), tonic::Status>> {
+        let end = tokio::time::timeout(within, self.ended.wait_for(|e| e.is_some()))
+            .await
+            .map_err(|_| anyhow::anyhow!("the stream did not end within {within:?}"))?
+            .map_err(|_| anyhow::anyhow!("the reader went away"))?;
+        Ok(end.clone().expect("waited for Some"))
+    }
+}

@@ -1,0 +1,554 @@
+//! A hostile agent (any token holder) against the tunnel server and the dispatcher, end to
+//! end: over-count and oversized response heads, response bodies that stall or trickle,
+//! redirects into another tenant's tunnel, and error messages carrying control characters.
+//! Each hostile input is a row of a table; for each the caller gets one clear answer, no
+//! process panics, and the relay keeps serving.
+//!
+//! Also the per (caller key, tunnel id) concurrency limit, which keeps one tenant from
+//! taking every slot of a key that several tenants share.
+
+use bytes::Bytes;
+use http::Method;
+use http_body_util::BodyExt;
+use relay_dispatcher::CallerConfig;
+use relay_proto::agent_frame::Kind as Out;
+use relay_proto::{BodyChunk, CallError, CallErrorKind, Header, RequestHead, ResponseHead};
+use relay_tests::client::{Answer, Caller};
+use relay_tests::hostile::HostileAgent;
+use relay_tests::procs::{metric, scrape};
+use relay_tests::stack::{agent_identity, Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn agent_url(stack: &Stack) -> String {
+    let server = stack.servers[0].as_ref().expect("server 0 runs");
+    format!("http://{}", server.agent_addr)
+}
+
+/// Sends `req` through the front until the hostile agent is handed the call (calls sent
+/// while its stream is not yet routable get 503 and are sent again). Returns the caller's
+/// pending answer and the head the agent got.
+async fn call_via(
+    caller: &Caller,
+    agent: &mut HostileAgent,
+    method: Method,
+    path: &str,
+    timeout_ms: Option<u64>,
+) -> (JoinHandle<anyhow::Result<Answer>>, RequestHead) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut req = caller.request(method.clone(), path, Bytes::new());
+        if let Some(ms) = timeout_ms {
+            req.headers_mut()
+                .insert("x-relay-timeout-ms", ms.to_string().parse().unwrap());
+        }
+        let c = caller.clone();
+        let mut answer = tokio::spawn(async move { c.call(req).await });
+        tokio::select! {
+            head = agent.next_call(WAIT) => return (answer, head.expect("the agent gets the call")),
+            a = &mut answer => {
+                let a = a.unwrap().unwrap();
+                assert_eq!(a.status, 503, "before the stream is routable: {}", a.text());
+                assert!(Instant::now() < deadline, "the hostile agent's stream never became routable");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
+async fn answered(answer: JoinHandle<anyhow::Result<Answer>>) -> Answer {
+    tokio::time::timeout(WAIT, answer)
+        .await
+        .expect("the caller is answered in time")
+        .unwrap()
+        .expect("the caller gets an HTTP answer (no dispatcher task panicked)")
+}
+
+fn head(call_id: u64, status: u32, headers: Vec<Header>, end: bool) -> Out {
+    Out::ResponseHead(ResponseHead {
+        call_id,
+        status,
+        headers,
+        end_of_stream: end,
+        body: Vec::new(),
+    })
+}
+
+/// Hostile response heads: (what, headers). Each is over the default
+/// `max_response_headers` (256) or `max_response_header_bytes` (64 KiB), and under the
+/// default `max_frame_bytes` (1 MiB) so that it reaches the head checks.
+fn hostile_heads() -> Vec<(&'static str, Vec<Header>)> {
+    vec![
+        // `HeaderMap::with_capacity(24577)` panics: the count once sized an allocation.
+        ("24577 empty headers", vec![Header::new("", ""); 24_577]),
+        ("40000 valid headers", vec![Header::new("x-a", "1"); 40_000]),
+        ("257 small headers", vec![Header::new("x-a", "1"); 257]),
+        (
+            "one 900 KiB header",
+            vec![Header::new("x-big", vec![b'a'; 900 * 1024])],
+        ),
+        (
+            "200 headers of 400 bytes",
+            vec![Header::new("x-b", vec![b'b'; 400]); 200],
+        ),
+    ]
+}
+
+/// Every hostile head is refused at the tunnel server: the caller gets one 502
+/// `bad_response` naming the limit, the agent's stream ends with RESOURCE_EXHAUSTED, and
+/// the tunnel server counts one `bad_response` per call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_response_heads_are_refused_at_the_tunnel_server_with_one_502() {
+    let stack = Stack::builder()
+        .servers(1)
+        .without_agent()
+        .start()
+        .await
+        .unwrap();
+    let caller = stack.caller();
+    let cases = hostile_heads();
+    for (what, headers) in &cases {
+        let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+        let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
+        agent
+            .send(head(req.call_id, 200, headers.clone(), true))
+            .await
+            .unwrap();
+        let a = answered(answer).await;
+        assert_eq!(a.status, 502, "{what}: {}", a.text());
+        assert_eq!(a.json()["error"], "bad_response", "{what}: {}", a.text());
+        let message = a.json()["message"].as_str().unwrap_or_default().to_string();
+        assert!(message.contains("max_response_header"), "{what}: {message}");
+        let end = agent.ended(WAIT).await.unwrap();
+        let status = end.expect_err("the stream ends with an error status");
+        assert_eq!(
+            status.code(),
+            tonic::Code::ResourceExhausted,
+            "{what}: {status}"
+        );
+    }
+    let server = stack.servers[0].as_ref().unwrap();
+    let text = scrape(server.admin_addr).await.unwrap();
+    assert_eq!(
+        metric(
+            &text,
+            "relay_tunnel_calls_total",
+            &[("outcome", "bad_response")]
+        ),
+        cases.len() as f64,
+        "one outcome per call"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "relay_tunnel_calls_total",
+            &[("outcome", "stream_lost")]
+        ),
+        0.0
+    );
+    stack.shutdown().await;
+}
+
+/// A tunnel server that passes hostile heads on (here: one configured with very large
+/// limits) still cannot hurt the dispatcher: the caller gets one 502 `bad_response`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dispatcher_refuses_oversized_response_heads_a_tunnel_server_passes_on() {
+    let stack = Stack::builder()
+        .servers(1)
+        .without_agent()
+        .tunnel_config(|c| {
+            c.max_response_headers = 1_000_000;
+            c.max_response_header_bytes = 16 * 1024 * 1024;
+        })
+        .start()
+        .await
+        .unwrap();
+    let caller = stack.caller();
+    let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+    let cases = hostile_heads();
+    for (what, headers) in &cases {
+        let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
+        agent
+            .send(head(req.call_id, 200, headers.clone(), true))
+            .await
+            .unwrap();
+        let a = answered(answer).await;
+        assert_eq!(a.status, 502, "{what}: {}", a.text());
+        assert_eq!(a.json()["error"], "bad_response", "{what}: {}", a.text());
+        assert!(
+            a.text().contains("max_response_header"),
+            "{what}: {}",
+            a.text()
+        );
+    }
+    // The same stream serves a well-formed answer next.
+    let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
+    agent
+        .send(head(req.call_id, 204, vec![Header::new("x-ok", "1")], true))
+        .await
+        .unwrap();
+    assert_eq!(answered(answer).await.status, 204);
+    let text = scrape(stack.dispatcher_admin).await.unwrap();
+    assert_eq!(
+        metric(
+            &text,
+            "relay_dispatcher_calls_total",
+            &[("outcome", "bad_response")]
+        ),
+        cases.len() as f64
+    );
+    drop(agent);
+    stack.shutdown().await;
+}
+
+/// Reads a streamed answer: the status, and how the body ended (`Err` with the error when
+/// it was cut).
+async fn stream_answer(
+    caller: &Caller,
+    agent: &mut HostileAgent,
+    path: &str,
+    timeout_ms: u64,
+    feed: impl FnOnce(u64) -> JoinHandle<()>,
+) -> (u16, Result<Bytes, String>, Duration) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut req = caller.request(Method::GET, path, Bytes::new());
+        req.headers_mut().insert(
+            "x-relay-timeout-ms",
+            timeout_ms.to_string().parse().unwrap(),
+        );
+        let c = caller.clone();
+        let mut sent = tokio::spawn(async move { c.send(req).await });
+        let call = tokio::select! {
+            head = agent.next_call(WAIT) => head.unwrap(),
+            r = &mut sent => {
+                let resp = r.unwrap().unwrap();
+                assert_eq!(resp.status(), 503);
+                assert!(Instant::now() < deadline, "never routable");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        let started = Instant::now();
+        let feeder = feed(call.call_id);
+        let resp = sent.await.unwrap().unwrap();
+        let status = resp.status().as_u16();
+        let body = tokio::time::timeout(WAIT, resp.into_body().collect())
+            .await
+            .expect("the body ends (complete or cut) in time")
+            .map(|b| b.to_bytes())
+            .map_err(|e| e.to_string());
+        let took = started.elapsed();
+        feeder.abort();
+        return (status, body, took);
+    }
+}
+
+/// A response whose head went out is bounded in time: a body that stalls is cut after
+/// `body_idle_timeout`, one that trickles a byte now and then is cut at the call's
+/// deadline; each cut counts as its own outcome and gives the caller's slot back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_and_trickled_response_bodies_are_cut_and_free_the_callers_slot() {
+    let stack = Stack::builder()
+        .servers(1)
+        .without_agent()
+        .dispatcher_config(|c| {
+            c.body_idle_timeout = Duration::from_millis(600);
+            c.callers = vec![CallerConfig {
+                max_concurrent_calls: 1,
+                ..CallerConfig::allow_all("one", CALLER_KEY)
+            }];
+        })
+        .start()
+        .await
+        .unwrap();
+    let caller = stack.caller();
+    let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+    // (what, deadline asked for, seconds between body bytes (None: one byte, then
+    // silence), outcome counted)
+    let cases: [(&str, u64, Option<u64>, &str); 2] = [
+        ("stall after one byte", 60_000, None, "body_idle_timeout"),
+        ("a byte every 200 ms", 2_000, Some(200), "deadline_exceeded"),
+    ];
+    for (what, timeout_ms, every, _) in cases {
+        let out = agent.sender();
+        let (status, body, took) = stream_answer(
+            &caller,
+            &mut agent,
+            "/relay/demo/x",
+            timeout_ms,
+            |call_id| {
+                tokio::spawn(async move {
+                    let _ = out.send(head(call_id, 200, vec![], false)).await;
+                    loop {
+                        let byte = Out::ResponseBody(BodyChunk {
+                            call_id,
+                            data: b"x".to_vec(),
+                            end: false,
+                        });
+                        if out.send(byte).await.is_err() {
+                            return;
+                        }
+                        match every {
+                            Some(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+                            None => return,
+                        }
+                    }
+                })
+            },
+        )
+        .await;
+        assert_eq!(status, 200, "{what}");
+        assert!(
+            body.is_err(),
+            "{what}: the body must end with an error, got {body:?}"
+        );
+        assert!(took < Duration::from_secs(10), "{what}: cut after {took:?}");
+        // The slot is free again: the next call of this one-call key reaches the agent.
+        let (answer, req) =
+            call_via(&caller, &mut agent, Method::GET, "/relay/demo/next", None).await;
+        agent
+            .send(head(req.call_id, 204, vec![], true))
+            .await
+            .unwrap();
+        assert_eq!(answered(answer).await.status, 204, "{what}");
+    }
+    let text = scrape(stack.dispatcher_admin).await.unwrap();
+    for (what, _, _, outcome) in cases {
+        assert_eq!(
+            metric(
+                &text,
+                "relay_dispatcher_calls_total",
+                &[("outcome", outcome)]
+            ),
+            1.0,
+            "{what}"
+        );
+    }
+    drop(agent);
+    stack.shutdown().await;
+}
+
+/// Hostile `Location` values for a call to `/relay/demo/app/page` and whether the front
+/// refuses the answer (a backend following it would resend its key and body into another
+/// tenant's tunnel). The full table of spellings is in the dispatcher's `headers` tests.
+const LOCATIONS: &[(&str, bool)] = &[
+    ("/relay/other/x", true),
+    ("http://{front}/relay/other/x", true),
+    ("../../other/x", true),
+    ("/relay/demo/%2e%2e/other/", true),
+    ("/relay/demo/next", false),
+    ("https://elsewhere.example/relay/other/x", false),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirects_into_another_tunnel_id_on_the_front_are_refused() {
+    let stack = Stack::builder()
+        .servers(1)
+        .without_agent()
+        .start()
+        .await
+        .unwrap();
+    let caller = stack.caller();
+    let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+    for (location, refused) in LOCATIONS {
+        let location = location.replace("{front}", &stack.http.to_string());
+        let (answer, req) = call_via(
+            &caller,
+            &mut agent,
+            Method::GET,
+            "/relay/demo/app/page",
+            None,
+        )
+        .await;
+        let headers = vec![Header::new("location", location.as_bytes())];
+        agent
+            .send(head(req.call_id, 302, headers, true))
+            .await
+            .unwrap();
+        let a = answered(answer).await;
+        if *refused {
+            assert_eq!(a.status, 502, "{location}: {}", a.text());
+            assert_eq!(a.json()["error"], "bad_response", "{location}");
+            assert!(
+                a.text().contains("\\\"other\\\""),
+                "{location}: {}",
+                a.text()
+            );
+            assert!(a.headers.get("location").is_none());
+        } else {
+            assert_eq!(a.status, 302, "{location}: {}", a.text());
+            assert_eq!(a.headers["location"], location.as_str());
+        }
+    }
+    drop(agent);
+    stack.shutdown().await;
+}
+
+/// A log sink for the test's own thread (the stack runs on it: a current-thread runtime).
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+    fn make_writer(&'a self) -> Logs {
+        self.clone()
+    }
+}
+
+/// Agent-supplied error messages: (what, message). Each reaches the caller's JSON and the
+/// dispatcher's log with its control characters escaped and its length capped.
+fn hostile_messages() -> Vec<(&'static str, String)> {
+    vec![
+        ("newline", "upstream down\nlevel=ERROR forged line".into()),
+        ("ansi", "\x1b[31mred\x1b[0m \x1b]0;title\x07".into()),
+        ("carriage return and nul", "a\rb\0c".into()),
+        ("long", "x".repeat(100_000)),
+    ]
+}
+
+#[tokio::test]
+async fn agent_error_messages_are_escaped_and_capped_in_logs_and_answers() {
+    let logs = Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let stack = Stack::builder()
+        .servers(1)
+        .without_agent()
+        .start()
+        .await
+        .unwrap();
+    let caller = stack.caller();
+    let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+    for (what, message) in hostile_messages() {
+        let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
+        agent
+            .send(Out::CallError(CallError {
+                call_id: req.call_id,
+                kind: CallErrorKind::UpstreamUnreachable as i32,
+                message: message.clone(),
+            }))
+            .await
+            .unwrap();
+        let a = answered(answer).await;
+        assert_eq!(a.status, 502, "{what}");
+        let got = a.json()["message"].as_str().unwrap_or_default().to_string();
+        assert!(
+            !got.chars().any(|c| c.is_control()),
+            "{what}: control characters reach the caller: {got:?}"
+        );
+        assert!(got.chars().count() <= 600, "{what}: {} chars", got.len());
+    }
+    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let failed: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("call failed") && l.contains("upstream_unreachable"))
+        .collect();
+    assert_eq!(failed.len(), 4, "one log line per call:\n{text}");
+    assert!(
+        failed[0].contains("upstream down\\nlevel=ERROR forged line"),
+        "{}",
+        failed[0]
+    );
+    assert!(failed[1].contains("\\u{1b}[31mred"), "{}", failed[1]);
+    assert!(!text.contains('\x1b') && !text.contains('\0') && !text.contains('\r'));
+    assert!(
+        !text.lines().any(|l| l.starts_with("level=ERROR")),
+        "a forged log line:\n{text}"
+    );
+    assert!(
+        failed[3].len() < 2_000,
+        "the long message is capped in the log"
+    );
+    drop(agent);
+    stack.shutdown().await;
+}
+
+/// One tenant's slow calls take at most `max_concurrent_calls_per_tunnel` of a shared
+/// key's slots: its next call gets 429 naming the limit while another tenant behind the
+/// same key is still served, and the slots come back when the calls end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_cannot_take_every_slot_of_a_shared_key() {
+    let stack = Stack::builder()
+        .servers(1)
+        .agents(2)
+        .dispatcher_config(|c| {
+            c.callers = vec![CallerConfig {
+                max_concurrent_calls: 4,
+                max_concurrent_calls_per_tunnel: Some(2),
+                ..CallerConfig::allow_all("shared", CALLER_KEY)
+            }];
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(WAIT).await.unwrap();
+    let other = agent_identity(1).1;
+    let caller = stack.caller();
+    relay_tests::eventually("the second tenant is routable", WAIT, || {
+        let (c, other) = (caller.clone(), other.clone());
+        async move {
+            c.get(&format!("/relay/{other}/hello"))
+                .await
+                .is_ok_and(|a| a.status == 200)
+        }
+    })
+    .await;
+    let slow: Vec<_> = (0..2)
+        .map(|_| {
+            let c = caller.clone();
+            tokio::spawn(async move { c.get(&format!("/relay/{TUNNEL_ID}/slow/3000")).await })
+        })
+        .collect();
+    let text = || async { scrape(stack.dispatcher_admin).await.unwrap() };
+    relay_tests::eventually("two slow calls in flight", WAIT, || async {
+        metric(&text().await, "relay_dispatcher_calls_in_flight", &[]) == 2.0
+    })
+    .await;
+    let refused = caller
+        .get(&format!("/relay/{TUNNEL_ID}/hello"))
+        .await
+        .unwrap();
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.json()["error"], "too_many_calls");
+    assert!(
+        refused.text().contains("max_concurrent_calls_per_tunnel"),
+        "{}",
+        refused.text()
+    );
+    assert!(refused.headers.contains_key("retry-after"));
+    let served = caller.get(&format!("/relay/{other}/hello")).await.unwrap();
+    assert_eq!(
+        served.status,
+        200,
+        "the other tenant is served: {}",
+        served.text()
+    );
+    for s in slow {
+        assert_eq!(s.await.unwrap().unwrap().status, 200);
+    }
+    let again = caller
+        .get(&format!("/relay/{TUNNEL_ID}/hello"))
+        .await
+        .unwrap();
+    assert_eq!(again.status, 200, "the slots came back: {}", again.text());
+    stack.shutdown().await;
+}
