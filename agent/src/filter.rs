@@ -848,7 +848,9 @@ const LOOKALIKES: [char; 8] = [
 
 /// The head's headers as a `HeaderMap`, after the override-header check.
 fn header_map(head: &RequestHead) -> Result<HeaderMap, Rejection> {
-    let mut headers = HeaderMap::with_capacity(head.headers.len());
+    // Not sized by the peer's count: the map grows as headers are accepted (the count is
+    // bounded by `limits.max_headers` before this runs, and growing costs little).
+    let mut headers = HeaderMap::new();
     for h in &head.headers {
         let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| {
             Rejection::BadRequest(format!("invalid header name {:?}", short(&h.name)))
