@@ -5,11 +5,10 @@
 //! It remembers which label sets it exported, by tunnel id, so a tunnel id or a server that
 //! goes takes its series with it and a rebuild of one tunnel id touches only its own series.
 
+use super::table::RouteCounts;
 use crate::metrics::Metrics;
 use crate::routing::{ServerView, TunnelStatus};
 use std::collections::{HashMap, HashSet};
-
-use super::RouteCounts;
 
 pub struct Gauges {
     metrics: Metrics,
