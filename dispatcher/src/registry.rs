@@ -16,16 +16,17 @@
 //! - [`gauges`]: the routing gauges. [`debug`]: the `/debug/routes` JSON.
 //!
 //! The call path ([`Registry::route`]) reads published plans from a sharded map and never
-//! waits on the table's lock: a load report rebuilds only the plans of the tunnel ids whose
-//! figures changed, under the writers' lock, and swaps each new plan in. A fleet of agents
+//! waits on the writers' lock (the table, the router and the gauges behind one `Mutex`): an
+//! event rebuilds only the plans of the tunnel ids it changed, under that lock, and swaps
+//! each new plan into the map. A fleet of agents
 //! connecting announces thousands of tunnel ids within seconds; rebuilding every plan on
 //! each of them once held the lock long enough to back up report streams until their
 //! leases expired. Spill shares still step for every tunnel id on the routing tick
 //! ([`Registry::tick`]). NO_CAPACITY answers from the call path are parked in a small
 //! set and handed to the router at its next rebuild.
 //!
-//! This module and its children must not do I/O; only this shell reads the clock, through
-//! `tokio::time::Instant` (and the wall clock for `/debug/routes`).
+//! Nothing here does network I/O or holds a lock across an `.await`; only this shell reads
+//! the clock, through `tokio::time::Instant` (and the wall clock for `/debug/routes`).
 
 mod debug;
 mod gauges;
