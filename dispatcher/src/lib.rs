@@ -9,7 +9,8 @@
 //! Modules: `config` (settings), `front` (HTTP), `forward` (calls to tunnel servers and
 //! retries), `body` (streaming bodies both ways), `headers` (header rules), `routing` (the
 //! pure routing decision: sticky / available, spill share, latency tiers), `registry` (the
-//! routing table and leases), `shared` (the Redis-backed shared registry), `report` (the
+//! routing table as a pure state machine, leases, and the shell that carries its changes
+//! out to the plans, gauges, shared store and forward channels), `shared` (the Redis-backed shared registry), `report` (the
 //! gRPC service feeding the table), `metrics`, `error`.
 //!
 //! The crate never buffers a whole body, never logs or forwards a caller key, and takes
@@ -136,13 +137,19 @@ pub async fn run(
         None => "dispatcher".to_string(),
     };
     let shared = config.registry.backend == RegistryBackend::Redis;
-    let routes = Arc::new(Registry::new(
-        config.routing.clone(),
-        config.registry.lease,
-        dispatcher_id,
-        shared,
-        metrics.clone(),
-    ));
+    let routes = Arc::new(
+        Registry::new(
+            config.routing.clone(),
+            config.registry.lease,
+            dispatcher_id,
+            shared,
+            metrics.clone(),
+        )
+        .with_evict({
+            let channels = channels.clone();
+            move |url| channels.evict(url)
+        }),
+    );
 
     // Shared registry (Redis): a background task; routing never waits on it.
     let background_stop = CancellationToken::new();
@@ -186,14 +193,9 @@ pub async fn run(
         _ => None,
     };
 
-    // Routing tick: steps spill shares with no report arriving and expires leases.
+    // Routing tick: expires leases and steps spill shares with no report arriving.
     {
-        let (routes, metrics, channels, stop) = (
-            routes.clone(),
-            metrics.clone(),
-            channels.clone(),
-            background_stop.clone(),
-        );
+        let (routes, stop) = (routes.clone(), background_stop.clone());
         let period = config.routing.step_interval.min(config.registry.lease / 4);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(period);
@@ -205,19 +207,6 @@ pub async fn run(
                     _ = tick.tick() => {}
                 }
                 routes.tick(tokio::time::Instant::now());
-                let expired = routes.sweep(tokio::time::Instant::now());
-                for info in &expired {
-                    metrics.lease_expiries.inc();
-                    warn!(server_id = %info.server_id, "tunnel server dropped: no report within its lease");
-                    if !routes.uses_forward_url(&info.forward_url) {
-                        channels.evict(&info.forward_url);
-                    }
-                }
-                if !expired.is_empty() {
-                    let counts = routes.counts();
-                    metrics.tunnel_servers.set(counts.servers as i64);
-                    metrics.tunnels.set(counts.tunnels as i64);
-                }
             }
         });
     }
@@ -231,7 +220,6 @@ pub async fn run(
         allowed_servers: config.registry.allowed_servers.clone(),
         server_id_in_cert: config.registry.server_id_in_cert,
         metrics: metrics.clone(),
-        channels: channels.clone(),
         stop: registry_stop.clone(),
     };
     let mut registry_task = {

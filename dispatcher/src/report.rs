@@ -12,7 +12,6 @@
 //! its client certificate does not name. Every refusal is logged with the peer address and counted; the
 //! key is never logged.
 
-use crate::forward::Channels;
 use crate::metrics::Metrics;
 use crate::registry::{LoadFigures, Registry, ServerInfo, SessionId, TunnelFigures};
 use futures::StreamExt;
@@ -41,36 +40,24 @@ pub struct ReportService {
     /// stream's client certificate.
     pub server_id_in_cert: bool,
     pub metrics: Metrics,
-    pub channels: Channels,
     /// Cancelled at shutdown: open report streams end with UNAVAILABLE.
     pub stop: CancellationToken,
 }
 
-/// Forgets the server when the report handler ends, however it ends.
+/// Forgets the server when the report handler ends, however it ends (the registry logs
+/// the departure and drops what only the server used).
 struct SessionGuard<'a> {
-    svc: &'a ReportService,
+    routes: &'a Registry,
     session: SessionId,
 }
 
 impl Drop for SessionGuard<'_> {
     fn drop(&mut self) {
-        if let Some(info) = self.svc.routes.leave(self.session) {
-            info!(server_id = %info.server_id, zone = %info.zone, "tunnel server left");
-            if !self.svc.routes.uses_forward_url(&info.forward_url) {
-                self.svc.channels.evict(&info.forward_url);
-            }
-        }
-        self.svc.update_gauges();
+        self.routes.leave(self.session);
     }
 }
 
 impl ReportService {
-    fn update_gauges(&self) {
-        let counts = self.routes.counts();
-        self.metrics.tunnel_servers.set(counts.servers as i64);
-        self.metrics.tunnels.set(counts.tunnels as i64);
-    }
-
     fn refuse(peer: &str, why: String) -> Status {
         warn!(%peer, reason = %why, "report stream refused");
         Status::invalid_argument(why)
@@ -336,8 +323,10 @@ impl relay_proto::registry_server::Registry for ReportService {
             }
         };
         info!(%peer, %server_id, %instance_id, zone = %info.zone, forward_url = %info.forward_url, "tunnel server joined");
-        let _guard = SessionGuard { svc: self, session };
-        self.update_gauges();
+        let _guard = SessionGuard {
+            routes: &self.routes,
+            session,
+        };
         loop {
             // Shutdown first: a server flooding reports must not keep the dispatcher up.
             let frame = tokio::select! {
@@ -353,7 +342,6 @@ impl relay_proto::registry_server::Registry for ReportService {
                             "superseded by a newer report stream from this server, or the lease expired",
                         ));
                     }
-                    self.update_gauges();
                 }
                 Ok(None) => return Ok(Response::new(ReportAck {})),
                 Err(status) => {

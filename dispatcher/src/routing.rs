@@ -29,7 +29,11 @@
 //!   `tier_hysteresis` (a fraction), and comes back only once it is that far inside.
 //!   Servers with no RTT yet count as tier 0 (no evidence against them).
 //! - Draining servers are never chosen while another server holds the tunnel id; they come
-//!   last in the retry order (where they answer DRAINING, which is retried).
+//!   last in the retry order (a draining server still serves calls on the streams it holds
+//!   until its agents move them; once it has none it answers UNKNOWN_TUNNEL or NO_CAPACITY).
+//!
+//! The registry owns the router and calls it from its writers only; the call path reads the
+//! [`TunnelPlan`]s the registry publishes, never the router.
 
 use crate::config::{RoutingConfig, RoutingPolicy};
 use std::collections::{HashMap, HashSet};
@@ -181,7 +185,7 @@ impl TunnelState {
     }
 }
 
-/// Every tunnel id's routing state. Owned by the registry; see the module docs.
+/// Every tunnel id's routing state. Owned by the registry's writers; see the module docs.
 #[derive(Debug)]
 pub struct Router {
     cfg: RoutingConfig,

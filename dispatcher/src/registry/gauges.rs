@@ -1,0 +1,86 @@
+//! The routing gauges (`relay_dispatcher_spill_share{tunnel_id}`,
+//! `relay_dispatcher_server_rtt_seconds` and `relay_dispatcher_server_tier{server_id,
+//! tunnel_id}`, the server and tunnel counts), set from the plans the registry rebuilds.
+//!
+//! It remembers which label sets it exported, by tunnel id, so a tunnel id or a server that
+//! goes takes its series with it and a rebuild of one tunnel id touches only its own series.
+
+use super::table::RouteCounts;
+use crate::metrics::Metrics;
+use crate::routing::{ServerView, TunnelStatus};
+use std::collections::{HashMap, HashSet};
+
+pub struct Gauges {
+    metrics: Metrics,
+    /// Exported server ids, by tunnel id.
+    exported: HashMap<String, HashSet<String>>,
+}
+
+impl Gauges {
+    pub fn new(metrics: Metrics) -> Self {
+        Gauges {
+            metrics,
+            exported: HashMap::new(),
+        }
+    }
+
+    pub fn counts(&self, counts: RouteCounts) {
+        self.metrics.tunnel_servers.set(counts.servers as i64);
+        self.metrics.tunnels.set(counts.tunnels as i64);
+    }
+
+    /// Sets one tunnel id's series from its routing `status` and the servers holding it;
+    /// removes them all when `status` is `None` (no server holds it).
+    pub fn tunnel(&mut self, tunnel_id: &str, status: Option<&TunnelStatus>, views: &[ServerView]) {
+        let m = &self.metrics;
+        let Some(status) = status.filter(|_| !views.is_empty()) else {
+            if let Some(servers) = self.exported.remove(tunnel_id) {
+                let _ = m.spill_share.remove_label_values(&[tunnel_id]);
+                for s in servers {
+                    let _ = m.server_rtt.remove_label_values(&[&s, tunnel_id]);
+                    let _ = m.server_tier.remove_label_values(&[&s, tunnel_id]);
+                }
+            }
+            return;
+        };
+        m.spill_share
+            .with_label_values(&[tunnel_id])
+            .set(status.spill_share);
+        let mut now: HashSet<String> = HashSet::with_capacity(views.len());
+        for v in views {
+            m.server_rtt
+                .with_label_values(&[&v.server_id, tunnel_id])
+                .set(f64::from(v.rtt_us) / 1e6);
+            let tier = status
+                .tiers
+                .iter()
+                .find(|(s, _)| *s == v.server_id)
+                .map(|(_, k)| *k as i64)
+                .unwrap_or(-1);
+            m.server_tier
+                .with_label_values(&[&v.server_id, tunnel_id])
+                .set(tier);
+            now.insert(v.server_id.to_string());
+        }
+        if let Some(before) = self.exported.get(tunnel_id) {
+            for s in before.difference(&now) {
+                let _ = m.server_rtt.remove_label_values(&[s, tunnel_id]);
+                let _ = m.server_tier.remove_label_values(&[s, tunnel_id]);
+            }
+        }
+        self.exported.insert(tunnel_id.to_string(), now);
+    }
+
+    /// Removes the series of every tunnel id not in `keep`.
+    pub fn retain(&mut self, keep: &HashMap<String, Vec<ServerView>>) {
+        let gone: Vec<String> = self
+            .exported
+            .keys()
+            .filter(|t| !keep.contains_key(*t))
+            .cloned()
+            .collect();
+        for tid in gone {
+            self.tunnel(&tid, None, &[]);
+        }
+    }
+}
