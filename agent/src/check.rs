@@ -447,11 +447,11 @@ async fn tunnel(
         }
     };
     let (endpoint, channel, _) = dialer.pick();
-    let sent_at = SystemTime::now();
+    let sent_at = relay_common::wall::now();
     let started = Instant::now();
     let opened =
         tokio::time::timeout(timeout, crate::stream::open(&dialer, endpoint, channel)).await;
-    let received_at = SystemTime::now();
+    let received_at = relay_common::wall::now();
     let took = started.elapsed();
     let (tx, mut inbound, hello) = match opened {
         Ok(Ok(x)) => x,

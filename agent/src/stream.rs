@@ -19,6 +19,7 @@ use crate::error::OpenError;
 use crate::metrics::{AgentMetrics, CallOutcome, OpenResult};
 use bytes::Bytes;
 use futures::future::BoxFuture;
+use parking_lot::Mutex;
 use relay_common::config::ConfigError;
 use relay_common::Secret;
 use relay_proto::agent_frame::Kind as Out;
@@ -27,7 +28,7 @@ use relay_proto::tunnel_client::TunnelClient;
 use relay_proto::{AgentFrame, CallErrorKind, GoingAway, Pong, ServerFrame, ServerHello};
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
@@ -156,7 +157,7 @@ impl Dialer {
 
     fn channel(&self, endpoint: Endpoint) -> (String, Channel, ChannelId) {
         let key = endpoint.uri().to_string();
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        let mut channels = self.channels.lock();
         let (generation, channel) = channels
             .entry(key.clone())
             .or_insert_with(|| {
@@ -184,7 +185,7 @@ impl Dialer {
     /// stream until HTTP/2 keepalive notices (tens of seconds). Streams still on the old
     /// connection keep it until they end.
     pub fn evict(&self, id: ChannelId) {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        let mut channels = self.channels.lock();
         if channels
             .get(&id.endpoint)
             .is_some_and(|(g, _)| *g == id.generation)

@@ -16,5 +16,6 @@ pub mod shutdown;
 pub mod telemetry;
 pub mod tls;
 pub mod tunnel_id;
+pub mod wall;
 
 pub use secret::{KeyDigest, Secret};

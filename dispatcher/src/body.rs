@@ -38,12 +38,13 @@ use bytes::Bytes;
 use futures::StreamExt;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
+use parking_lot::{Mutex, MutexGuard};
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
 use relay_proto::{BodyChunk, ForwardRequest, ForwardResponse, MAX_CHUNK};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::{ready, Context, Poll, Waker};
 use tokio::time::Instant;
 use tonic::codec::Streaming;
@@ -141,7 +142,7 @@ impl RequestBody {
     }
 
     fn lock(&self) -> MutexGuard<'_, Shared> {
-        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared.lock()
     }
 
     /// The request stream of forward attempt `attempt`: `head`, then the body frames.

@@ -34,6 +34,7 @@ use crate::error::{ErrorCode, Failure};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::routing::{Pick, Target};
+use parking_lot::Mutex;
 use relay_common::h2::H2Limits;
 use relay_common::tls::TlsClient;
 use relay_proto::forward_client::ForwardClient;
@@ -44,7 +45,7 @@ use relay_proto::{
     RequestHead, ResponseHead,
 };
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tonic::codec::Streaming;
@@ -122,7 +123,7 @@ impl Channels {
             }
             _ => {}
         }
-        let mut map = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.inner.lock();
         if let Some(ch) = map.get(forward_url) {
             return Ok(ch.clone());
         }
@@ -143,10 +144,7 @@ impl Channels {
 
     /// Drops the cached channel of a server that left.
     pub fn evict(&self, forward_url: &str) {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(forward_url);
+        self.inner.lock().remove(forward_url);
     }
 }
 

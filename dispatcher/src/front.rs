@@ -66,12 +66,12 @@ struct Caller {
 /// zero, so the table holds at most `max_concurrent_calls` entries.
 #[derive(Default)]
 pub struct TunnelSlots {
-    counts: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    counts: parking_lot::Mutex<std::collections::HashMap<String, usize>>,
 }
 
 impl TunnelSlots {
     fn try_take(self: &Arc<Self>, tunnel_id: &str, max: usize) -> Option<TunnelSlot> {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = self.counts.lock();
         let n = counts.entry(tunnel_id.to_string()).or_insert(0);
         if *n >= max {
             return None;
@@ -92,7 +92,7 @@ pub struct TunnelSlot {
 
 impl Drop for TunnelSlot {
     fn drop(&mut self) {
-        let mut counts = self.slots.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = self.slots.counts.lock();
         if let Some(n) = counts.get_mut(&self.tunnel_id) {
             *n -= 1;
             if *n == 0 {

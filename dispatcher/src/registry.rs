@@ -41,10 +41,11 @@ use crate::metrics::Metrics;
 use crate::routing::{Pick, Router, TunnelPlan};
 use dashmap::DashMap;
 use gauges::Gauges;
+use parking_lot::Mutex;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
+use std::time::Duration;
 use table::{Change, Event, Gone, Refused, Table};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -82,12 +83,6 @@ pub struct Registry {
     evict: Evict,
     /// The fleet's members (local and shared entries), for `Registry.Watch`.
     fleet: tokio::sync::watch::Sender<Vec<relay_proto::FleetMember>>,
-}
-
-/// Locks `m`, recovering from poisoning: a panic while holding it cannot leave the table
-/// half-updated in a way that matters more than losing routing.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Registry {
@@ -130,7 +125,7 @@ impl Registry {
 
     /// Applies `event` to the table at `now` and carries its changes out.
     fn apply(&self, now: Instant, event: Event) -> Result<Vec<Change>, Refused> {
-        let mut w = lock(&self.writers);
+        let mut w = self.writers.lock();
         let changes = w.table.apply(now, event)?;
         let mut queued = false;
         for change in &changes {
@@ -158,7 +153,7 @@ impl Registry {
                 }
                 Change::Record(id) => {
                     if let Some(outbox) = &self.outbox {
-                        lock(outbox).insert(id.clone());
+                        outbox.lock().insert(id.clone());
                         queued = true;
                     }
                 }
@@ -185,7 +180,7 @@ impl Registry {
 
     /// Hands the parked NO_CAPACITY answers to the router.
     fn take_no_capacity(&self, router: &mut Router) {
-        let parked = std::mem::take(&mut *lock(&self.no_capacity));
+        let parked = std::mem::take(&mut *self.no_capacity.lock());
         for (tid, sid) in parked {
             router.note_no_capacity(&tid, &sid);
         }
@@ -286,13 +281,13 @@ impl Registry {
     /// and growth) without a table change.
     pub fn tick(&self, now: Instant) {
         self.sweep(now);
-        let mut w = lock(&self.writers);
+        let mut w = self.writers.lock();
         self.rebuild_all(&mut w, now);
     }
 
     /// Ids of the shared entries (servers known from the shared store).
     pub fn shared_ids(&self) -> Vec<String> {
-        lock(&self.writers).table.ids(false)
+        self.writers.lock().table.ids(false)
     }
 
     /// Replaces the shared entries with `records` read from the shared store. Servers that
@@ -308,8 +303,8 @@ impl Registry {
         let Some(outbox) = &self.outbox else {
             return Vec::new();
         };
-        let ids = std::mem::take(&mut *lock(outbox));
-        let w = lock(&self.writers);
+        let ids = std::mem::take(&mut *outbox.lock());
+        let w = self.writers.lock();
         ids.into_iter()
             .map(|id| {
                 let record = w.table.local_record(&id, &self.dispatcher);
@@ -322,13 +317,13 @@ impl Registry {
     /// when the next write runs).
     pub fn restore_dirty(&self, items: Vec<Publish>) {
         if let Some(outbox) = &self.outbox {
-            lock(outbox).extend(items.into_iter().map(|(id, _)| id));
+            outbox.lock().extend(items.into_iter().map(|(id, _)| id));
         }
     }
 
     /// Current records of every local entry (rewritten after the shared store comes back).
     pub fn local_records(&self) -> Vec<Publish> {
-        let w = lock(&self.writers);
+        let w = self.writers.lock();
         w.table
             .ids(true)
             .into_iter()
@@ -349,22 +344,29 @@ impl Registry {
     /// Per-call feedback: `server_id` answered NO_CAPACITY for `tunnel_id`. Parked until
     /// the next rebuild of the plans.
     pub fn note_no_capacity(&self, tunnel_id: &str, server_id: &str) {
-        lock(&self.no_capacity).insert((tunnel_id.to_string(), server_id.to_string()));
+        self.no_capacity
+            .lock()
+            .insert((tunnel_id.to_string(), server_id.to_string()));
     }
 
     /// Whether any current server uses `forward_url` (to drop cached channels).
     pub fn uses_forward_url(&self, forward_url: &str) -> bool {
-        lock(&self.writers).table.uses_forward_url(forward_url)
+        self.writers.lock().table.uses_forward_url(forward_url)
     }
 
     pub fn counts(&self) -> RouteCounts {
-        lock(&self.writers).table.counts()
+        self.writers.lock().table.counts()
     }
 
     /// The whole table for `/debug/routes` (see [`debug`]).
     pub fn snapshot(&self) -> serde_json::Value {
-        let w = lock(&self.writers);
-        debug::routes(&w.table, &w.router, Instant::now(), SystemTime::now())
+        let w = self.writers.lock();
+        debug::routes(
+            &w.table,
+            &w.router,
+            Instant::now(),
+            relay_common::wall::now(),
+        )
     }
 }
 

@@ -41,6 +41,7 @@ pub mod record;
 use crate::config::RedisTls;
 use crate::metrics::Metrics;
 use crate::registry::{Prune, Publish, Registry};
+use parking_lot::Mutex;
 use record::{RecordRules, Refusal, MAX_READ_BYTES, MAX_RECORD_BYTES, MAX_SHARED_SERVERS};
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, IntoConnectionInfo};
@@ -48,8 +49,8 @@ use relay_common::config::ConfigError;
 use relay_common::Secret;
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
+use std::time::Duration;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -71,8 +72,8 @@ struct HealthState {
 }
 
 impl SharedHealth {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HealthState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, HealthState> {
+        self.state.lock()
     }
 
     /// `(healthy, detail)`.
@@ -178,10 +179,7 @@ enum Value {
 const READ_BATCH: usize = 16;
 
 fn unix_ms_now() -> u64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    relay_common::wall::unix_ms()
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -71,7 +71,7 @@ impl ScratchDir {
     pub fn new(prefix: &str) -> anyhow::Result<Self> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let nanos = std::time::SystemTime::now()
+        let nanos = relay_common::wall::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);

@@ -947,12 +947,7 @@ async fn forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are
     let record = |id: &str, url: &str| -> relay_dispatcher::registry::ServerRecord {
         serde_json::from_value(forged_record(id, url)).unwrap()
     };
-    let now_ms = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64
-    };
+    let now_ms = || relay_common::wall::unix_ms();
 
     // 1. The attack: a record by hand (plain JSON).
     plant("evil", forged_record("evil", &trap_url).to_string()).await;

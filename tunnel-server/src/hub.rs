@@ -18,11 +18,12 @@
 use crate::metrics::ServerMetrics;
 use crate::stream::StreamHandle;
 use dashmap::DashMap;
+use parking_lot::Mutex;
 use relay_proto::{server_frame, Drain, Fleet, FleetMember, Pressure, ServerFrame, TunnelLoad};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
@@ -181,7 +182,7 @@ impl Hub {
                         rtt: Mutex::default(),
                     })
                 });
-            let mut s = lock(&entry.slots);
+            let mut s = entry.slots.lock();
             if s.all.len() >= self.limits.max_streams_per_token {
                 return Err(AddError::Exhausted);
             }
@@ -205,7 +206,7 @@ impl Hub {
         let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
             return;
         };
-        let mut s = lock(&tunnel.slots);
+        let mut s = tunnel.slots.lock();
         if !handle.is_usable() || !s.all.iter().any(|h| h.id == handle.id) {
             return;
         }
@@ -222,7 +223,7 @@ impl Hub {
             return;
         };
         let now_empty = {
-            let mut s = lock(&tunnel.slots);
+            let mut s = tunnel.slots.lock();
             let before = s.all.len();
             s.all.retain(|h| h.id != handle.id);
             if s.all.len() == before {
@@ -247,7 +248,7 @@ impl Hub {
         if now_empty {
             let removed = self
                 .tunnels
-                .remove_if(&tunnel.id, |_, t| lock(&t.slots).all.is_empty())
+                .remove_if(&tunnel.id, |_, t| t.slots.lock().all.is_empty())
                 .is_some();
             if removed {
                 let _ = self.metrics.streams.remove_label_values(&[&tunnel.id]);
@@ -273,7 +274,7 @@ impl Hub {
         };
         let started = Instant::now();
         let mut rx = {
-            let mut s = lock(&tunnel.slots);
+            let mut s = tunnel.slots.lock();
             while let Some(h) = s.idle.pop() {
                 if h.is_usable() {
                     s.busy += 1;
@@ -328,7 +329,7 @@ impl Hub {
             handle.close();
             return;
         };
-        let mut s = lock(&tunnel.slots);
+        let mut s = tunnel.slots.lock();
         if !handle.is_usable() {
             s.busy = s.busy.saturating_sub(1);
             drop(s);
@@ -347,7 +348,7 @@ impl Hub {
         let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
             return false;
         };
-        let mut s = lock(&tunnel.slots);
+        let mut s = tunnel.slots.lock();
         let before = s.idle.len();
         s.idle.retain(|h| h.id != handle.id);
         let was_idle = s.idle.len() != before;
@@ -363,7 +364,7 @@ impl Hub {
     pub fn drain(&self, grace_ms: u32) {
         self.draining.store(true, Ordering::SeqCst);
         for t in self.tunnels.iter() {
-            let s = lock(&t.slots);
+            let s = t.slots.lock();
             for h in &s.all {
                 h.try_send(ServerFrame::of(server_frame::Kind::Drain(Drain {
                     grace_ms,
@@ -379,7 +380,7 @@ impl Hub {
     pub fn revoke(&self, still_valid: impl Fn(&[u8; 32], &str) -> bool) -> usize {
         let mut doomed = Vec::new();
         for t in self.tunnels.iter() {
-            let s = lock(&t.slots);
+            let s = t.slots.lock();
             doomed.extend(
                 s.all
                     .iter()
@@ -397,7 +398,7 @@ impl Hub {
     /// agent stream that asked for fleet news gets it.
     pub fn set_fleet(&self, dispatcher: &str, members: Vec<FleetMember>) {
         let frame = {
-            let mut f = lock(&self.fleet);
+            let mut f = self.fleet.lock();
             f.by_dispatcher.insert(dispatcher.to_string(), members);
             let mut merged: Vec<FleetMember> = Vec::new();
             for m in f.by_dispatcher.values().flatten() {
@@ -419,7 +420,7 @@ impl Hub {
             ServerFrame::of(server_frame::Kind::Fleet(Fleet { members: merged }))
         };
         for t in self.tunnels.iter() {
-            let s = lock(&t.slots);
+            let s = t.slots.lock();
             for h in s.all.iter().filter(|h| h.wants_fleet) {
                 h.try_send(frame.clone());
             }
@@ -428,7 +429,7 @@ impl Hub {
 
     /// The fleet frame for a new stream, if any dispatcher told one.
     pub fn fleet_frame(&self) -> Option<ServerFrame> {
-        let f = lock(&self.fleet);
+        let f = self.fleet.lock();
         (!f.merged.is_empty()).then(|| {
             ServerFrame::of(server_frame::Kind::Fleet(Fleet {
                 members: f.merged.clone(),
@@ -439,7 +440,7 @@ impl Hub {
     /// Closes every stream (the last step of shutdown).
     pub fn close_all(&self) {
         for t in self.tunnels.iter() {
-            let s = lock(&t.slots);
+            let s = t.slots.lock();
             for h in &s.all {
                 h.close();
             }
@@ -449,7 +450,7 @@ impl Hub {
     /// Streams of the tunnel id that can take a call now (confirmed, idle, usable).
     pub fn idle_streams(&self, tunnel_id: &str) -> usize {
         self.tunnels.get(tunnel_id).map_or(0, |t| {
-            lock(&t.slots).idle.iter().filter(|h| h.is_usable()).count()
+            t.slots.lock().idle.iter().filter(|h| h.is_usable()).count()
         })
     }
 
@@ -466,7 +467,7 @@ impl Hub {
     /// One round-trip sample (ping -> pong on an idle stream) of the tunnel id.
     pub fn observe_rtt(&self, tunnel_id: &str, sample: std::time::Duration) {
         if let Some(t) = self.tunnels.get(tunnel_id) {
-            lock(&t.rtt).observe(sample.as_secs_f64() * 1e6);
+            t.rtt.lock().observe(sample.as_secs_f64() * 1e6);
         }
     }
 
@@ -476,8 +477,8 @@ impl Hub {
         self.tunnels
             .iter()
             .map(|t| {
-                let rtt_us = lock(&t.rtt).micros();
-                let mut s = lock(&t.slots);
+                let rtt_us = t.rtt.lock().micros();
+                let mut s = t.slots.lock();
                 let queued = s.queued();
                 TunnelLoad {
                     tunnel_id: t.id.clone(),
@@ -496,7 +497,7 @@ impl Hub {
     pub fn send_pressure(&self) {
         let now = Instant::now();
         for t in self.tunnels.iter() {
-            let mut s = lock(&t.slots);
+            let mut s = t.slots.lock();
             let queued = s.queued();
             self.metrics
                 .queued
@@ -529,11 +530,6 @@ fn hand_to_waiter(s: &mut Slots, mut handle: Arc<StreamHandle>) -> Option<Arc<St
         }
     }
     Some(handle)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // A panic elsewhere never leaves these short sections half-done; keep serving.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

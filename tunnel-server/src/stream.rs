@@ -14,13 +14,14 @@
 
 use crate::hub::{AddError, Hub};
 use futures::StreamExt;
+use parking_lot::Mutex;
 use relay_proto::{
     agent_frame, forward_response, server_frame, AgentFrame, CallErrorKind, ForwardError,
     ForwardErrorKind, ForwardResponse, Ping, ServerFrame, ServerHello,
 };
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, MissedTickBehavior};
@@ -85,12 +86,12 @@ impl StreamHandle {
     /// Ends the stream because its token was removed from the store: the agent sees
     /// UNAUTHENTICATED "token revoked".
     pub fn revoke(&self) {
-        *lock(&self.end_status) = Some(Status::unauthenticated("token revoked"));
+        *self.end_status.lock() = Some(Status::unauthenticated("token revoked"));
         self.close();
     }
 
     fn revoked(&self) -> bool {
-        lock(&self.end_status).is_some()
+        self.end_status.lock().is_some()
     }
 
     /// Queues a frame if there is room; control frames only.
@@ -110,7 +111,7 @@ impl StreamHandle {
     /// slot back if the stream's reader ended meanwhile (the stream died between acquire
     /// and now): nobody would end the call, so the caller must take another stream.
     pub fn begin_call(&self, slot: CallSlot) -> Result<(), CallSlot> {
-        let mut call = lock(&self.call);
+        let mut call = self.call.lock();
         if self.ended.load(Ordering::SeqCst) {
             return Err(slot);
         }
@@ -119,12 +120,12 @@ impl StreamHandle {
     }
 
     fn take_call(&self) -> Option<CallSlot> {
-        lock(&self.call).take()
+        self.call.lock().take()
     }
 
     /// The reader's last word: no call may begin from now on; returns the one in flight.
     fn end_and_take_call(&self) -> Option<CallSlot> {
-        let mut call = lock(&self.call);
+        let mut call = self.call.lock();
         self.ended.store(true, Ordering::SeqCst);
         call.take()
     }
@@ -222,9 +223,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             protocol_version: relay_proto::PROTOCOL_VERSION,
             instance_id: self.hub.instance_id.clone(),
             direct_url: self.direct_url.clone(),
-            unix_time_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
+            unix_time_ms: relay_common::wall::unix_ms(),
         };
         // The hello goes first, then the fleet; the stream takes calls once the agent
         // confirms it (see `Hub::confirm`).
@@ -280,7 +279,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
         let stream = ReceiverStream::new(out_rx)
             .take_until(handle.close.clone().cancelled_owned())
             .chain(
-                futures::stream::once(async move { lock(&end_status).clone() })
+                futures::stream::once(async move { end_status.lock().clone() })
                     .filter_map(|s| std::future::ready(s.map(Err))),
             );
         Ok(Response::new(Box::pin(stream)))
@@ -393,7 +392,7 @@ impl Reader {
                 }
                 _ => "the agent stream carrying the call ended before the call did",
             };
-            let (last, outcome) = lock(&self.last_words).take().unwrap_or_else(|| {
+            let (last, outcome) = self.last_words.lock().take().unwrap_or_else(|| {
                 (
                     ForwardResponse::error(ForwardErrorKind::StreamLost, msg),
                     "stream_lost",
@@ -410,7 +409,7 @@ impl Reader {
     }
 
     fn idle(&self) -> bool {
-        lock(&self.handle.call).is_none()
+        self.handle.call.lock().is_none()
     }
 
     /// Sends the next heartbeat ping; times it when the stream is idle.
@@ -448,7 +447,7 @@ impl Reader {
             Kind::Pong(_) => Ok(()),
             Kind::GoingAway(_) => {
                 self.handle.retiring.store(true, Ordering::SeqCst);
-                if lock(&self.handle.call).is_none() {
+                if self.handle.call.lock().is_none() {
                     self.hub.retire(&self.handle);
                 }
                 Ok(())
@@ -545,7 +544,7 @@ impl Reader {
             ForwardErrorKind::BadResponse,
             format!("{why} (the tunnel server's max_response_headers / max_response_header_bytes)"),
         );
-        *lock(&self.last_words) = Some((error, "bad_response"));
+        *self.last_words.lock() = Some((error, "bad_response"));
         Status::resource_exhausted(why)
     }
 
@@ -556,7 +555,7 @@ impl Reader {
         call_id: u64,
         check: impl FnOnce(&mut CallSlot) -> Result<(), Status>,
     ) -> Result<mpsc::Sender<Result<ForwardResponse, Status>>, Status> {
-        let mut guard = lock(&self.handle.call);
+        let mut guard = self.handle.call.lock();
         match guard.as_mut() {
             Some(slot) if slot.call_id == call_id => {
                 check(slot)?;
@@ -604,8 +603,4 @@ impl Reader {
             "call ended"
         );
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }

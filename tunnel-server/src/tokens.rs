@@ -22,11 +22,12 @@
 
 pub mod edit;
 
+use parking_lot::RwLock;
 use relay_common::config::ConfigError;
 use relay_common::secret::{ct_eq, sha256_hex};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -133,7 +134,7 @@ pub struct SharedTokens {
     /// Runs once right after the next lookup: lets a test land a reload in the window
     /// between a stream's token lookup and its registration.
     #[cfg(test)]
-    after_lookup: Arc<std::sync::Mutex<Option<Hook>>>,
+    after_lookup: Arc<parking_lot::Mutex<Option<Hook>>>,
 }
 
 #[cfg(test)]
@@ -151,14 +152,14 @@ impl SharedTokens {
     /// The stored hash and tunnel id of a presented token, if any.
     pub fn lookup(&self, token: &str) -> Option<([u8; 32], String)> {
         let found = {
-            let store = self.inner.read().unwrap_or_else(|e| e.into_inner());
+            let store = self.inner.read();
             store
                 .lookup_entry(token)
                 .map(|(hash, id)| (hash, id.to_string()))
         };
         #[cfg(test)]
         {
-            let hook = self.after_lookup.lock().unwrap().take();
+            let hook = self.after_lookup.lock().take();
             if let Some(hook) = hook {
                 hook();
             }
@@ -168,17 +169,17 @@ impl SharedTokens {
 
     /// Whether the token hash still opens this tunnel id.
     pub fn contains(&self, hash: &[u8; 32], tunnel_id: &str) -> bool {
-        let store = self.inner.read().unwrap_or_else(|e| e.into_inner());
+        let store = self.inner.read();
         store.contains(hash, tunnel_id)
     }
 
     /// Replaces the store (new streams see it at once).
     pub fn replace(&self, store: TokenStore) {
-        *self.inner.write().unwrap_or_else(|e| e.into_inner()) = store;
+        *self.inner.write() = store;
     }
 
     pub fn len(&self) -> usize {
-        self.inner.read().unwrap_or_else(|e| e.into_inner()).len()
+        self.inner.read().len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -309,7 +309,7 @@ async fn a_departed_server_is_counted_and_its_unused_channel_evicted_once() {
     )
     .with_evict({
         let evicted = evicted.clone();
-        move |url| evicted.lock().unwrap().push(url.to_string())
+        move |url| evicted.lock().push(url.to_string())
     });
     let a = r.join(info("a")).unwrap();
     let b = r.join(info("b")).unwrap();
@@ -326,7 +326,7 @@ async fn a_departed_server_is_counted_and_its_unused_channel_evicted_once() {
     assert_eq!(metrics.tunnels.get(), 1);
     // b leaves: c still uses its URL, so the channel stays.
     assert_eq!(r.leave(b), Some(info("b")));
-    assert!(evicted.lock().unwrap().is_empty());
+    assert!(evicted.lock().is_empty());
     assert_eq!(r.leave(b), None, "a server leaves once");
     assert_eq!(metrics.tunnel_servers.get(), 2);
     // a stops reporting: the tick expires it, counts it and evicts its channel.
@@ -335,7 +335,7 @@ async fn a_departed_server_is_counted_and_its_unused_channel_evicted_once() {
         r.load(c, load(&[("demo", 1)], false));
         r.tick(Instant::now());
     }
-    assert_eq!(*evicted.lock().unwrap(), ["http://a"]);
+    assert_eq!(*evicted.lock(), ["http://a"]);
     assert_eq!(metrics.lease_expiries.get(), 1);
     assert_eq!(metrics.tunnel_servers.get(), 1);
     assert_eq!(ids(&r, "demo"), ["c"]);
@@ -363,7 +363,7 @@ fn the_call_path_does_not_wait_for_the_writers() {
     let a = r.join(info("a")).unwrap();
     r.tunnel_up(a, "demo");
     // A writer holds the table (a rebuild in progress): routing goes on.
-    let held = r.writers.lock().unwrap();
+    let held = r.writers.lock();
     let (tx, rx) = std::sync::mpsc::channel();
     let caller = {
         let r = r.clone();

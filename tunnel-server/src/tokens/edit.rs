@@ -127,7 +127,7 @@ pub fn add(path: &Path, tunnel_id: &str) -> Result<Added, EditError> {
         let note = format!(
             "{trailing}{}\n# {tunnel_id}: added {} by `relay-tunnel-server tokens add`\n",
             if existed { "" } else { NEW_STORE_HEADER },
-            humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+            humantime::format_rfc3339_seconds(relay_common::wall::now())
         );
         let mut table = Table::new();
         table.insert("tunnel_id", toml_edit::value(tunnel_id));

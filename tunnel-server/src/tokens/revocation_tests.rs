@@ -126,7 +126,7 @@ async fn a_reload_between_lookup_and_registration_leaves_no_stream_of_the_revoke
     let (hub, tokens) = (s.hub.clone(), s.tokens.clone());
     let closed = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
     let seen = closed.clone();
-    *s.tokens.after_lookup.lock().unwrap() = Some(Box::new(move || {
+    *s.tokens.after_lookup.lock() = Some(Box::new(move || {
         let n = Server::reload(&hub, &tokens, TokenStore::default());
         seen.store(n, std::sync::atomic::Ordering::SeqCst);
     }));
@@ -148,7 +148,7 @@ async fn a_reload_between_lookup_and_registration_leaves_no_stream_of_the_revoke
 async fn a_reload_that_keeps_the_token_leaves_a_stream_opened_across_it_alone() {
     let s = Server::start(TokenStore::single("acme-token", "acme")).await;
     let (hub, tokens) = (s.hub.clone(), s.tokens.clone());
-    *s.tokens.after_lookup.lock().unwrap() = Some(Box::new(move || {
+    *s.tokens.after_lookup.lock() = Some(Box::new(move || {
         let mut store = TokenStore::single("acme-token", "acme");
         store.add("beta-token", "beta");
         Server::reload(&hub, &tokens, store);
