@@ -13,7 +13,7 @@
 
 use crate::error::UpstreamError;
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, StatusCode, Uri};
 use http_body::{Body as _, Frame};
@@ -364,39 +364,14 @@ impl http_body::Body for LimitedBody {
     }
 }
 
-/// Headers that describe one connection, not the message: never forwarded.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
-/// True for a header that `strip_hop_by_hop` always removes.
+/// True for a header that `strip_hop_by_hop` always removes (`relay_common::hop`).
 pub(crate) fn is_hop_by_hop(name: &str) -> bool {
-    HOP_BY_HOP.contains(&name)
+    relay_common::hop::is_hop_by_hop(name)
 }
 
-/// Removes hop-by-hop headers, including any that `Connection` names.
+/// Removes hop-by-hop headers, including any that `Connection` names (`relay_common::hop`).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Bytes, not `to_str`: a value with one non-ASCII byte must not hide the names in it.
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim_ascii()).ok())
-        .collect();
-    for n in named {
-        headers.remove(n);
-    }
-    for n in HOP_BY_HOP {
-        headers.remove(n);
-    }
+    relay_common::hop::strip(headers);
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

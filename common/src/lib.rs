@@ -10,6 +10,7 @@ pub mod config;
 pub mod devcerts;
 pub mod glob;
 pub mod h2;
+pub mod hop;
 pub mod listen;
 pub mod secret;
 pub mod shutdown;

@@ -1,8 +1,7 @@
 //! Header translation between HTTP and the wire's `Header` list, in both directions.
 //!
-//! Hop-by-hop headers (RFC 9110 7.6.1: `connection`, `keep-alive`, `proxy-*`, `te`,
-//! `trailer`, `transfer-encoding`, `upgrade` and every header named in `Connection`) never
-//! cross the dispatcher. The caller's `authorization` and the dispatcher's own
+//! Hop-by-hop headers (`relay_common::hop`: RFC 9110 7.6.1, `proxy-*` and every header
+//! named in `Connection`) never cross the dispatcher. The caller's `authorization` and the dispatcher's own
 //! `x-relay-timeout-ms` are dropped from requests: the caller key must never reach the
 //! customer's upstream. Everything else is kept byte for byte, repeated headers included.
 //!
@@ -14,36 +13,17 @@ use relay_proto::Header;
 /// Header a caller uses to set its call's deadline, in milliseconds.
 pub const TIMEOUT_HEADER: &str = "x-relay-timeout-ms";
 
-fn is_hop_by_hop(name: &str) -> bool {
-    matches!(
-        name,
-        "connection" | "keep-alive" | "te" | "trailer" | "transfer-encoding" | "upgrade"
-    ) || name.starts_with("proxy-")
-}
-
-/// Lowercased names listed in the `Connection` headers.
-fn connection_tokens(headers: &HeaderMap) -> Vec<String> {
-    headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|t| t.trim().to_ascii_lowercase())
-        .filter(|t| !t.is_empty())
-        .collect()
-}
-
-fn keep(name: &HeaderName, tokens: &[String], request: bool) -> bool {
-    let n = name.as_str();
-    if is_hop_by_hop(n) || tokens.iter().any(|t| t == n) {
+fn keep(name: &HeaderName, named: &[HeaderName], request: bool) -> bool {
+    if relay_common::hop::drops(name, named) {
         return false;
     }
+    let n = name.as_str();
     !(request && (n == "authorization" || n == TIMEOUT_HEADER))
 }
 
 /// The caller's request headers as they go to the tunnel server.
 pub fn request_to_wire(headers: &HeaderMap) -> Vec<Header> {
-    let tokens = connection_tokens(headers);
+    let tokens = relay_common::hop::connection_named(headers);
     headers
         .iter()
         .filter(|(name, _)| keep(name, &tokens, true))
@@ -74,7 +54,7 @@ pub fn response_from_wire(wire: &[Header]) -> (HeaderMap, usize) {
             _ => invalid += 1,
         }
     }
-    let tokens = connection_tokens(&map);
+    let tokens = relay_common::hop::connection_named(&map);
     let mut out = HeaderMap::new();
     let mut last: Option<HeaderName> = None;
     for (name, value) in map {
