@@ -566,7 +566,7 @@ impl Rule {
                 ConfigError::invalid(key("headers"), format!("{name:?} is not a header name"))
             })?;
             if n == http::header::HOST
-                || crate::upstream::is_hop_by_hop(n.as_str())
+                || relay_common::hop::is_hop_by_hop(n.as_str())
                 || n == http::header::CONTENT_LENGTH
             {
                 return Err(ConfigError::invalid(
@@ -890,7 +890,7 @@ fn strip_connection_headers(headers: &mut HeaderMap) -> Result<(), Rejection> {
             "connection names content-length",
         ));
     }
-    crate::upstream::strip_hop_by_hop(headers);
+    relay_common::hop::strip(headers);
     let underscored: Vec<HeaderName> = headers
         .keys()
         .filter(|n| spoofing(n.as_str()).is_some_and(|(_, underscore)| underscore))

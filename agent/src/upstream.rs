@@ -364,11 +364,6 @@ impl http_body::Body for LimitedBody {
     }
 }
 
-/// True for a header that `strip_hop_by_hop` always removes (`relay_common::hop`).
-pub(crate) fn is_hop_by_hop(name: &str) -> bool {
-    relay_common::hop::is_hop_by_hop(name)
-}
-
 /// Removes hop-by-hop headers, including any that `Connection` names (`relay_common::hop`).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     relay_common::hop::strip(headers);

@@ -1100,7 +1100,7 @@ proptest! {
                 prop_assert!(!ok.headers.contains_key("x-forwarded-host"));
                 for name in ok.headers.keys() {
                     let n = name.as_str();
-                    prop_assert!(!crate::upstream::is_hop_by_hop(n), "{n}");
+                    prop_assert!(!relay_common::hop::is_hop_by_hop(n), "{n}");
                     prop_assert!(spoofing(n).is_none(), "{n}");
                 }
                 prop_assert!(!ok.method.as_str().eq_ignore_ascii_case("TRACE"));
