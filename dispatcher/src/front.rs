@@ -26,7 +26,7 @@
 
 use crate::body::{BodyTimers, CallGuard, CallerBody, RelayBody, RequestBody, OUTCOME_OK};
 use crate::config::{CallerConfig, Config, MIN_HEADER_BYTES};
-use crate::error::{ErrorCode, Failure};
+use crate::error::{ErrorCode, Failure, RequestBodyError};
 use crate::forward::{CallPlan, Forwarder};
 use crate::headers::{self, TIMEOUT_HEADER};
 use crate::metrics::Metrics;
@@ -308,10 +308,10 @@ impl Front {
     }
 
     /// Reading the caller's body failed: over `max_request_body_bytes`, or broken.
-    fn body_failure(&self, why: String) -> Failure {
-        match self.max_request_body_bytes {
-            Some(max) if why.contains(LIMIT_ERROR) => body_too_large(max),
-            _ => Failure::new(ErrorCode::BadRequest, why),
+    fn body_failure(&self, why: RequestBodyError) -> Failure {
+        match (why, self.max_request_body_bytes) {
+            (RequestBodyError::TooLarge, Some(max)) => body_too_large(max),
+            (why, _) => Failure::new(ErrorCode::BadRequest, why.to_string()),
         }
     }
 
@@ -523,9 +523,6 @@ impl Front {
         self.fail(guard, failure, Some(tunnel_id))
     }
 }
-
-/// What `http_body_util::Limited` says when a body passes its limit.
-const LIMIT_ERROR: &str = "length limit exceeded";
 
 fn body_too_large(max: u64) -> Failure {
     Failure::new(

@@ -300,8 +300,10 @@ pub async fn run(
             channels,
             metrics: metrics.clone(),
             registry: routes.clone(),
-            policy: config.routing.policy,
-            retry_idempotent: config.routing.retry_idempotent,
+            rules: forward::RetryRules {
+                policy: config.routing.policy,
+                retry_idempotent: config.routing.retry_idempotent,
+            },
             max_attempts: config.routing.max_attempts as usize,
             max_frame_bytes: config.max_frame_bytes,
             replay_limit: body::replay_limit(config.forward_h2()?.stream_window_bytes),
