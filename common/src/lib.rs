@@ -9,6 +9,7 @@ pub mod config;
 #[cfg(any(test, feature = "dev-certs"))]
 pub mod devcerts;
 pub mod glob;
+pub mod grpc;
 pub mod h2;
 pub mod hop;
 pub mod listen;

@@ -38,6 +38,7 @@ use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::routing::{Pick, Target};
 use parking_lot::Mutex;
+use relay_common::grpc::GrpcClient;
 use relay_common::h2::H2Limits;
 use relay_common::tls::TlsClient;
 use relay_proto::forward_client::ForwardClient;
@@ -51,7 +52,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tonic::codec::Streaming;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tracing::{debug, info};
 
 /// The configured half of the retry decision; the failure's half is its [`Retry`].
@@ -100,8 +101,7 @@ pub fn idempotent(method: &str) -> bool {
 #[derive(Clone)]
 pub struct Channels {
     inner: Arc<Mutex<HashMap<String, Channel>>>,
-    tls: Option<TlsClient>,
-    h2: H2Limits,
+    client: GrpcClient,
 }
 
 impl Default for Channels {
@@ -110,26 +110,29 @@ impl Default for Channels {
     }
 }
 
+/// How long dialing a tunnel server may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Channels {
     /// `tls`: the client config for tunnel servers; `None` dials plain h2c. `h2`: the
-    /// connections' HTTP/2 limits (`[forward_h2]`).
+    /// connections' HTTP/2 limits (`[forward_h2]`); the stream window bounds what one call
+    /// buffers while its caller reads slowly.
     pub fn new(tls: Option<TlsClient>, h2: H2Limits) -> Self {
         Channels {
             inner: Arc::default(),
-            tls,
-            h2,
+            client: GrpcClient::new(h2, CONNECT_TIMEOUT, tls),
         }
     }
 
     pub fn get(&self, forward_url: &str) -> Result<Channel, String> {
         let https = forward_url.starts_with("https://");
-        match (&self.tls, https) {
-            (Some(_), false) => {
+        match (self.client.is_tls(), https) {
+            (true, false) => {
                 return Err(format!(
                     "forward_url {forward_url} is plain text but this dispatcher dials tunnel servers over TLS ([forward_tls])"
                 ))
             }
-            (None, true) => {
+            (false, true) => {
                 return Err(format!(
                     "forward_url {forward_url} is https:// but [forward_tls] says insecure = true"
                 ))
@@ -140,17 +143,11 @@ impl Channels {
         if let Some(ch) = map.get(forward_url) {
             return Ok(ch.clone());
         }
-        // The stream window bounds what one call buffers while its caller reads slowly.
-        let endpoint = self.h2.tonic_endpoint(
-            Endpoint::from_shared(forward_url.to_string())
-                .map_err(|e| e.to_string())?
-                .connect_timeout(Duration::from_secs(5))
-                .tcp_nodelay(true),
-        );
-        let channel = match &self.tls {
-            Some(tls) => endpoint.connect_with_connector_lazy(tls.tonic_connector()),
-            None => endpoint.connect_lazy(),
-        };
+        let endpoint = self
+            .client
+            .endpoint(forward_url)
+            .map_err(|e| e.to_string())?;
+        let channel = self.client.lazy(endpoint);
         map.insert(forward_url.to_string(), channel.clone());
         Ok(channel)
     }

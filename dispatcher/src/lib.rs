@@ -235,8 +235,7 @@ pub async fn run(
         let h2 = config.registry_h2()?;
         tokio::spawn(async move {
             up.store(true, Ordering::SeqCst);
-            let result = h2
-                .tonic_server(tonic::transport::Server::builder())
+            let result = relay_common::grpc::server(&h2)
                 .add_service(
                     relay_proto::registry_server::RegistryServer::new(report)
                         .max_decoding_message_size(max_frame)

@@ -21,7 +21,6 @@ pub use tokens::{SharedTokens, TokenStore};
 use hub::{Hub, Limits};
 use metrics::ServerMetrics;
 use relay_common::config::ConfigError;
-use relay_common::h2::H2Limits;
 use relay_common::listen::{self, ListenerGuard, ListenerLimits, ListenerMetrics};
 use relay_common::tls::{self, TlsClient, TlsError, TlsServer};
 use relay_proto::{forward_server::ForwardServer, tunnel_server::TunnelServer, ServerIntro};
@@ -226,7 +225,9 @@ pub async fn start(
         .max_encoding_message_size(config.max_frame_bytes);
     let stop = stop_serving.clone();
     tasks.push(tokio::spawn(async move {
-        let r = grpc_server(agent_h2)
+        // An agent multiplexes up to its `max_streams` tunnel streams on one connection,
+        // a load balancer those of many agents: `[agent_h2]` sizes for that.
+        let r = relay_common::grpc::server(&agent_h2)
             .add_service(tunnel)
             .serve_with_incoming_shutdown(
                 listen::incoming(listeners.agent, agent_tls, agent_guard, stop.clone()),
@@ -256,7 +257,8 @@ pub async fn start(
         .max_encoding_message_size(config.max_frame_bytes);
     let stop = stop_serving.clone();
     tasks.push(tokio::spawn(async move {
-        let r = grpc_server(forward_h2)
+        // A dispatcher sends all its calls to this server on one connection.
+        let r = relay_common::grpc::server(&forward_h2)
             .add_service(forward)
             .serve_with_incoming_shutdown(
                 listen::incoming(
@@ -321,8 +323,11 @@ pub async fn start(
             intro: intro.clone(),
             interval: config.report_interval,
             key: config.dispatcher_key.clone(),
-            tls: dispatcher_tls.clone(),
-            h2: dispatcher_h2,
+            client: relay_common::grpc::GrpcClient::new(
+                dispatcher_h2,
+                report::CONNECT_TIMEOUT,
+                dispatcher_tls.clone(),
+            ),
             max_frame_bytes: config.max_frame_bytes,
             stop: stop_reports.clone(),
         };
@@ -342,13 +347,6 @@ pub async fn start(
         tasks,
         tracker,
     })
-}
-
-/// A gRPC server with the listener's HTTP/2 limits (an agent multiplexes up to its
-/// `max_streams` tunnel streams on one connection, a load balancer those of many agents;
-/// a dispatcher all its calls to this server).
-fn grpc_server(h2: H2Limits) -> tonic::transport::Server {
-    h2.tonic_server(tonic::transport::Server::builder().tcp_nodelay(true))
 }
 
 impl TunnelServerHandle {
