@@ -165,13 +165,9 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
     let stop_admin = CancellationToken::new();
     // Certificates: reloaded on SIGHUP or when their files change; new connections use
     // the new ones, established streams keep theirs.
-    tokio::spawn(relay_common::tls::watch(
-        tls.into_iter()
-            .map(|t| Arc::new(t) as Arc<dyn relay_common::tls::Reload>)
-            .collect(),
-        config.reload_interval,
-        stop_admin.clone(),
-    ));
+    relay_common::tls::Reloads::default()
+        .with(tls)
+        .spawn(config.reload_interval, stop_admin.clone());
     let checker = tokio::spawn(admin::check_upstream(
         upstream,
         config.upstream_check.clone(),

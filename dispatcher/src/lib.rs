@@ -107,22 +107,14 @@ pub async fn run(
     .filter_map(|(hop, plain)| plain.then_some(hop))
     .collect();
     tls::note_plain_text("dispatcher", &plain);
-    let mut reloadable: Vec<Arc<dyn tls::Reload>> = Vec::new();
-    reloadable.extend(
-        front_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
-    reloadable.extend(
-        registry_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
-    reloadable.extend(
-        forward_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
+    // Shared registry (Redis), routing tick, certificate reload: background tasks; routing
+    // never waits on them.
+    let background_stop = CancellationToken::new();
+    tls::Reloads::default()
+        .with(front_tls.clone())
+        .with(registry_tls.clone())
+        .with(forward_tls.clone())
+        .spawn(config.reload_interval, background_stop.clone());
     let channels = Channels::new(forward_tls, config.forward_h2()?);
 
     let addrs = (
@@ -151,14 +143,6 @@ pub async fn run(
         }),
     );
 
-    // Shared registry (Redis): a background task; routing never waits on it.
-    let background_stop = CancellationToken::new();
-    // Certificates: reloaded on SIGHUP or when their files change.
-    tokio::spawn(tls::watch(
-        reloadable,
-        config.reload_interval,
-        background_stop.clone(),
-    ));
     let health = match (&config.registry.url, shared) {
         (Some(url), true) => {
             let client = shared::client(url, &config.registry.redis_tls)?;

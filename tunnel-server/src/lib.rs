@@ -171,25 +171,13 @@ pub async fn start(
     let mut tasks = Vec::new();
 
     let tokens = SharedTokens::new(tokens);
-    let mut reloadable: Vec<Arc<dyn tls::Reload>> = Vec::new();
-    reloadable.extend(
-        agent_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
-    reloadable.extend(
-        forward_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
-    reloadable.extend(
-        dispatcher_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
+    let mut reloads = tls::Reloads::default()
+        .with(agent_tls.clone())
+        .with(forward_tls.clone())
+        .with(dispatcher_tls.clone());
     if let Some(path) = &config.token_store {
         let (revoke_hub, store) = (hub.clone(), tokens.clone());
-        reloadable.push(Arc::new(tokens::TokenReloader {
+        reloads.push(tokens::TokenReloader {
             path: path.clone(),
             tokens: tokens.clone(),
             on_change: Box::new(move || {
@@ -201,13 +189,9 @@ pub async fn start(
                     );
                 }
             }),
-        }));
+        });
     }
-    tasks.push(tokio::spawn(tls::watch(
-        reloadable,
-        config.reload_interval,
-        stop_serving.clone(),
-    )));
+    tasks.push(reloads.spawn(config.reload_interval, stop_serving.clone()));
 
     let tunnel = stream::TunnelService {
         hub: hub.clone(),
