@@ -197,3 +197,32 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         task: Some(task),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::net::TcpStream;
+    use tokio::time::Instant;
+
+    #[tokio::test]
+    async fn dropping_the_handle_stops_the_agent() {
+        // No tunnel server listens there: the agent keeps trying to open streams.
+        let config = Config {
+            tunnels: vec!["http://127.0.0.1:9".into()],
+            token: relay_common::Secret::new("t"),
+            upstream: "http://127.0.0.1:9".into(),
+            ..Config::default().insecure()
+        };
+        let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = admin.local_addr().unwrap();
+        let agent = spawn(config, admin).unwrap();
+        TcpStream::connect(addr).await.expect("admin serving");
+        drop(agent);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(addr).await.is_ok() {
+            assert!(Instant::now() < deadline, "admin still accepts connections");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}

@@ -16,6 +16,8 @@ pub enum RunError {
     Config(#[from] ConfigError),
     #[error("cannot register metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("listener address: {0}")]
+    Io(#[from] std::io::Error),
     #[error("registry listener failed: {0}")]
     Registry(#[source] tonic::transport::Error),
     #[error("[{section}]: {source}")]
