@@ -109,8 +109,8 @@ pub struct Front {
     call_timeout: Duration,
     max_call_timeout: Duration,
     max_header_bytes: usize,
-    max_response_headers: usize,
-    max_response_header_bytes: usize,
+    /// `max_response_headers` / `max_response_header_bytes`.
+    head_limits: relay_proto::HeadLimits,
     body_idle_timeout: Duration,
     routes: Arc<Registry>,
     forwarder: Forwarder,
@@ -151,8 +151,7 @@ impl Front {
             call_timeout: config.call_timeout,
             max_call_timeout: config.max_call_timeout,
             max_header_bytes: config.max_header_bytes,
-            max_response_headers: config.max_response_headers,
-            max_response_header_bytes: config.max_response_header_bytes,
+            head_limits: config.response_head_limits(),
             body_idle_timeout: config.body_idle_timeout,
             routes,
             forwarder,
@@ -421,11 +420,7 @@ impl Front {
                 return self.fail(guard, &f, Some(&tunnel_id));
             }
         };
-        if let Some(why) = relay_proto::check_head(
-            &answer.head.headers,
-            self.max_response_headers,
-            self.max_response_header_bytes,
-        ) {
+        if let Some(why) = self.head_limits.check(&answer.head.headers) {
             let f = Failure::new(
                 ErrorCode::BadResponse,
                 format!(

@@ -199,12 +199,13 @@ pub async fn start(
     let forward_addr = listeners.forward.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
     let server_id = config.effective_server_id(agent_addr);
+    let head_limits = config.response_head_limits();
     let hub = Arc::new(Hub::new(
         Limits {
             max_queue_per_tunnel: config.max_queue_per_tunnel,
             max_streams_per_token: config.max_streams_per_token,
-            max_response_headers: config.max_response_headers,
-            max_response_header_bytes: config.max_response_header_bytes,
+            max_response_headers: head_limits.max_headers,
+            max_response_header_bytes: head_limits.max_bytes,
         },
         metrics,
     ));
