@@ -16,6 +16,8 @@ pub mod listen;
 pub mod secret;
 pub mod shutdown;
 pub mod telemetry;
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
 pub mod tls;
 pub mod tunnel_id;
 pub mod wall;

@@ -420,8 +420,8 @@ pub async fn start(config: Config, listeners: Listeners) -> Result<DispatcherHan
 #[cfg(test)]
 mod tests {
     use super::*;
+    use relay_common::testing::until_refused;
     use tokio::net::TcpStream;
-    use tokio::time::Instant;
 
     async fn start_plain() -> DispatcherHandle {
         let bind = || TcpListener::bind("127.0.0.1:0");
@@ -442,20 +442,6 @@ mod tests {
         [d.http_addr, d.registry_addr, d.admin_addr]
     }
 
-    /// Polls until every address refuses connections; panics at the deadline.
-    async fn until_refused(addrs: &[SocketAddr]) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        for addr in addrs {
-            while TcpStream::connect(addr).await.is_ok() {
-                assert!(
-                    Instant::now() < deadline,
-                    "{addr} still accepts connections"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    }
-
     #[tokio::test]
     async fn dropping_the_handle_stops_the_dispatcher() {
         let dispatcher = start_plain().await;
@@ -464,7 +450,7 @@ mod tests {
             TcpStream::connect(addr).await.expect("serving");
         }
         drop(dispatcher);
-        until_refused(&addrs).await;
+        until_refused(&addrs, Duration::from_secs(10)).await;
     }
 
     #[tokio::test]
@@ -472,7 +458,7 @@ mod tests {
         let dispatcher = start_plain().await;
         let addrs = addrs(&dispatcher);
         dispatcher.shutdown().await.unwrap();
-        until_refused(&addrs).await;
+        until_refused(&addrs, Duration::from_secs(10)).await;
 
         let bind = || TcpListener::bind("127.0.0.1:0");
         let listeners = Listeners {
@@ -496,6 +482,6 @@ mod tests {
             .expect("run ends after its shutdown future")
             .unwrap()
             .unwrap();
-        until_refused(&[http]).await;
+        until_refused(&[http], Duration::from_secs(10)).await;
     }
 }

@@ -428,6 +428,7 @@ impl Drop for TunnelServerHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use relay_common::testing::until_refused;
     use tokio::net::TcpStream;
 
     async fn start_plain() -> TunnelServerHandle {
@@ -446,20 +447,6 @@ mod tests {
         start(cfg, TokenStore::default(), listeners).await.unwrap()
     }
 
-    /// Polls until every address refuses connections; panics at the deadline.
-    async fn until_refused(addrs: &[SocketAddr]) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        for addr in addrs {
-            while TcpStream::connect(addr).await.is_ok() {
-                assert!(
-                    Instant::now() < deadline,
-                    "{addr} still accepts connections"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    }
-
     #[tokio::test]
     async fn dropping_the_handle_stops_the_server() {
         let server = start_plain().await;
@@ -468,7 +455,7 @@ mod tests {
             TcpStream::connect(addr).await.expect("serving");
         }
         drop(server);
-        until_refused(&addrs).await;
+        until_refused(&addrs, Duration::from_secs(10)).await;
     }
 
     #[tokio::test]
@@ -476,10 +463,10 @@ mod tests {
         let server = start_plain().await;
         let addrs = [server.agent_addr, server.forward_addr, server.admin_addr];
         server.shutdown().await;
-        until_refused(&addrs).await;
+        until_refused(&addrs, Duration::from_secs(10)).await;
         let server = start_plain().await;
         let addrs = [server.agent_addr, server.forward_addr, server.admin_addr];
         server.abort();
-        until_refused(&addrs).await;
+        until_refused(&addrs, Duration::from_secs(10)).await;
     }
 }
