@@ -165,13 +165,9 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
     let stop_admin = CancellationToken::new();
     // Certificates: reloaded on SIGHUP or when their files change; new connections use
     // the new ones, established streams keep theirs.
-    tokio::spawn(relay_common::tls::watch(
-        tls.into_iter()
-            .map(|t| Arc::new(t) as Arc<dyn relay_common::tls::Reload>)
-            .collect(),
-        config.reload_interval,
-        stop_admin.clone(),
-    ));
+    relay_common::tls::Reloads::default()
+        .with(tls)
+        .spawn(config.reload_interval, stop_admin.clone());
     let checker = tokio::spawn(admin::check_upstream(
         upstream,
         config.upstream_check.clone(),
@@ -200,4 +196,28 @@ pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         stop,
         task: Some(task),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::net::TcpStream;
+
+    #[tokio::test]
+    async fn dropping_the_handle_stops_the_agent() {
+        // No tunnel server listens there: the agent keeps trying to open streams.
+        let config = Config {
+            tunnels: vec!["http://127.0.0.1:9".into()],
+            token: relay_common::Secret::new("t"),
+            upstream: "http://127.0.0.1:9".into(),
+            ..Config::default().insecure()
+        };
+        let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = admin.local_addr().unwrap();
+        let agent = spawn(config, admin).unwrap();
+        TcpStream::connect(addr).await.expect("admin serving");
+        drop(agent);
+        relay_common::testing::until_refused(&[addr], Duration::from_secs(10)).await;
+    }
 }

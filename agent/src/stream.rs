@@ -21,6 +21,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use relay_common::config::ConfigError;
+use relay_common::grpc::GrpcClient;
 use relay_common::Secret;
 use relay_proto::agent_frame::Kind as Out;
 use relay_proto::server_frame::Kind as In;
@@ -52,10 +53,9 @@ const RETIRE_LINGER: Duration = Duration::from_secs(10);
 pub struct Dialer {
     endpoints: Vec<Endpoint>,
     auth: MetadataValue<Ascii>,
-    /// TLS for `https://` endpoints (`[tls]`); `None` dials plain h2c.
-    tls: Option<relay_common::tls::TlsClient>,
-    connect_timeout: Duration,
-    h2: relay_common::h2::H2Limits,
+    /// How tunnel servers are dialed: TLS for `https://` endpoints (`[tls]`, `None` dials
+    /// plain h2c), `connect_timeout` and the `[tunnel_h2]` limits.
+    client: GrpcClient,
     /// `max_frame_bytes`: the largest message sent to or decoded from a tunnel server.
     max_frame_bytes: usize,
     /// Per endpoint URI: the cached channel and its generation (see [`Dialer::evict`]).
@@ -100,10 +100,15 @@ impl Dialer {
                 "at least one tunnel endpoint is required",
             ));
         }
+        // Bounded receive windows (uploads from the server): enough for throughput, small
+        // enough that buffered request bodies stay bounded across many streams. PINGs also
+        // on idle connections, so a dead server is found before the next open needs it.
+        let client = GrpcClient::new(h2, connect_timeout, tls).keepalive_while_idle();
         let endpoints = endpoints
             .iter()
             .map(|url| {
-                endpoint(url, connect_timeout, h2)
+                client
+                    .endpoint(url)
                     .map_err(|e| ConfigError::invalid("tunnels", format!("{url:?}: {e}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -114,9 +119,7 @@ impl Dialer {
         Ok(Dialer {
             endpoints,
             auth,
-            tls,
-            connect_timeout,
-            h2,
+            client,
             max_frame_bytes: relay_proto::DEFAULT_MAX_FRAME_BYTES,
             channels: Mutex::new(HashMap::new()),
             next_generation: std::sync::atomic::AtomicU64::new(1),
@@ -139,18 +142,20 @@ impl Dialer {
     /// goes over TLS verified against the agent's trust.
     fn pick_direct(&self, url: &str) -> Result<(String, Channel, ChannelId), OpenError> {
         let https = url.starts_with("https://");
-        if https != self.tls.is_some() {
+        if https != self.client.is_tls() {
             return Err(OpenError::Other(format!(
                 "direct url {url} is {} but the agent dials its tunnels {}",
                 if https { "https" } else { "plain http" },
-                if self.tls.is_some() {
+                if self.client.is_tls() {
                     "with TLS"
                 } else {
                     "without TLS"
                 },
             )));
         }
-        let e = endpoint(url, self.connect_timeout, self.h2)
+        let e = self
+            .client
+            .endpoint(url)
             .map_err(|e| OpenError::Other(format!("direct url {url}: {e}")))?;
         Ok(self.channel(e))
     }
@@ -164,11 +169,7 @@ impl Dialer {
                 let g = self
                     .next_generation
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let channel = match &self.tls {
-                    Some(tls) => endpoint.connect_with_connector_lazy(tls.tonic_connector()),
-                    None => endpoint.connect_lazy(),
-                };
-                (g, channel)
+                (g, self.client.lazy(endpoint))
             })
             .clone();
         let id = ChannelId {
@@ -193,23 +194,6 @@ impl Dialer {
             channels.remove(&id.endpoint);
         }
     }
-}
-
-/// An endpoint with the agent's dial settings. Bounded receive windows (uploads from the
-/// server): enough for throughput, small enough that buffered request bodies stay bounded
-/// across many streams.
-fn endpoint(
-    url: &str,
-    connect_timeout: Duration,
-    h2: relay_common::h2::H2Limits,
-) -> Result<Endpoint, tonic::transport::Error> {
-    Endpoint::from_shared(url.to_string()).map(|e| {
-        h2.tonic_endpoint(
-            e.connect_timeout(connect_timeout)
-                .tcp_nodelay(true)
-                .keep_alive_while_idle(true),
-        )
-    })
 }
 
 /// Request metadata listing the optional server frames this agent understands.

@@ -23,7 +23,9 @@
 //! dispatchers and tunnel servers: the peers there are the relay's own processes,
 //! authenticated by mutual TLS or a shared key, and a connection between them that dies
 //! costs every call on it. The agent listener keeps both guards, set far above what agents
-//! cause; the front keeps h2's own, since it faces callers. This module must not open connections itself.
+//! cause; the front keeps h2's own, since it faces callers. This module must not open connections itself;
+//! `grpc` applies these limits to tonic endpoints and servers, [`H2Limits::hyper_server`] to
+//! the front's hyper server.
 
 use crate::config::ConfigError;
 use serde::Deserialize;
@@ -125,30 +127,6 @@ impl H2Limits {
         reset_stream_memory: 4096,
         reset_stream_duration: Duration::from_secs(30),
     };
-
-    /// Applies the server-side limits to a tonic server.
-    pub fn tonic_server(&self, b: tonic::transport::Server) -> tonic::transport::Server {
-        b.max_concurrent_streams(Some(self.max_concurrent_streams))
-            .initial_stream_window_size(Some(self.stream_window_bytes))
-            .initial_connection_window_size(Some(self.connection_window_bytes))
-            .http2_max_header_list_size(Some(self.max_header_list_bytes))
-            .http2_keepalive_interval(Some(self.keepalive_interval))
-            .http2_keepalive_timeout(Some(self.keepalive_timeout))
-            .http2_max_pending_accept_reset_streams(Some(self.max_pending_accept_resets))
-            .http2_max_local_error_reset_streams(self.max_local_error_resets)
-    }
-
-    /// Applies the client-side limits to a tonic endpoint.
-    pub fn tonic_endpoint(&self, e: tonic::transport::Endpoint) -> tonic::transport::Endpoint {
-        e.initial_stream_window_size(Some(self.stream_window_bytes))
-            .initial_connection_window_size(Some(self.connection_window_bytes))
-            .http2_max_header_list_size(self.max_header_list_bytes)
-            .http2_keep_alive_interval(self.keepalive_interval)
-            .keep_alive_timeout(self.keepalive_timeout)
-            .http2_max_concurrent_reset_streams(self.reset_stream_memory)
-            .http2_reset_stream_duration(self.reset_stream_duration)
-            .http2_max_local_error_reset_streams(self.max_local_error_resets)
-    }
 
     /// Applies the server-side limits to the HTTP/2 half of hyper-util's auto (HTTP/1.1
     /// and HTTP/2) server builder.

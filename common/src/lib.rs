@@ -9,12 +9,15 @@ pub mod config;
 #[cfg(any(test, feature = "dev-certs"))]
 pub mod devcerts;
 pub mod glob;
+pub mod grpc;
 pub mod h2;
 pub mod hop;
 pub mod listen;
 pub mod secret;
 pub mod shutdown;
 pub mod telemetry;
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
 pub mod tls;
 pub mod tunnel_id;
 pub mod wall;

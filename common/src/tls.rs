@@ -797,6 +797,40 @@ impl DialerTls {
     }
 }
 
+/// What one process reloads from files (its certificates; the tunnel server's token store
+/// too), and the one task that reloads them: every binary wires reload through this.
+///
+/// ```ignore
+/// Reloads::default()
+///     .with(front_tls.clone())
+///     .with(forward_tls.clone())
+///     .spawn(config.reload_interval, stop.clone());
+/// ```
+#[derive(Default)]
+pub struct Reloads(Vec<Arc<dyn Reload>>);
+
+impl Reloads {
+    /// Adds an item if there is one (a hop without TLS has nothing to reload).
+    pub fn with(mut self, item: Option<impl Reload + 'static>) -> Self {
+        if let Some(item) = item {
+            self.0.push(Arc::new(item));
+        }
+        self
+    }
+
+    pub fn push(&mut self, item: impl Reload + 'static) {
+        self.0.push(Arc::new(item));
+    }
+
+    /// Spawns [`watch`] over the items: each is reloaded on SIGHUP and when one of its
+    /// files changes (checked every `poll`), until `stop`. New connections use what was
+    /// reloaded; established ones keep theirs. The SIGHUP handler is installed before
+    /// this returns.
+    pub fn spawn(self, poll: Duration, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(watch(self.0, poll, stop))
+    }
+}
+
 /// Reloads every item on SIGHUP, and when one of its files changes (checked every
 /// `poll`), until `stop`.
 ///

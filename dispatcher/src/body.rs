@@ -33,6 +33,7 @@
 //! - [`CallGuard`] records each call's outcome and duration exactly once, whether it ends
 //!   normally, with an error, or by the caller going away (dropped = `cancelled`).
 
+use crate::error::RequestBodyError;
 use crate::metrics::Metrics;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -105,7 +106,7 @@ struct Shared {
     /// How many of `replay` the owner has sent.
     cursor: usize,
     /// Set when reading the caller's body failed; the call must be aborted.
-    failed: Option<String>,
+    failed: Option<RequestBodyError>,
     /// Who to wake when `failed` is set (the call driver or the response body).
     watcher: Option<Waker>,
 }
@@ -175,7 +176,7 @@ impl RequestBody {
     }
 
     /// Ready with the reason once reading the caller's body failed.
-    pub fn poll_failed(&self, cx: &mut Context<'_>) -> Poll<String> {
+    pub fn poll_failed(&self, cx: &mut Context<'_>) -> Poll<RequestBodyError> {
         let mut s = self.lock();
         match &s.failed {
             Some(why) => Poll::Ready(why.clone()),
@@ -187,7 +188,7 @@ impl RequestBody {
     }
 
     /// Resolves once reading the caller's body failed.
-    pub async fn failed(&self) -> String {
+    pub async fn failed(&self) -> RequestBodyError {
         std::future::poll_fn(|cx| self.poll_failed(cx)).await
     }
 }
@@ -251,7 +252,7 @@ impl futures::Stream for AttemptStream {
                 Poll::Ready(Some(frame))
             }
             Err(e) => {
-                s.failed = Some(format!("reading the request body failed: {e}"));
+                s.failed = Some(RequestBodyError::of(&*e));
                 s.source = None;
                 if let Some(w) = s.watcher.take() {
                     w.wake();
@@ -538,7 +539,7 @@ impl Body for RelayBody {
             return Poll::Ready(None);
         }
         if let Poll::Ready(why) = st.request.poll_failed(cx) {
-            return st.abort(why);
+            return st.abort(why.to_string());
         }
         loop {
             let next = match st.stream.poll_next_unpin(cx) {
@@ -757,6 +758,6 @@ mod tests {
             s.next().now_or_never().is_none(),
             "the stream must not end after a body error"
         );
-        assert!(body.failed().await.contains("boom"));
+        assert_eq!(body.failed().await, RequestBodyError::Read("boom".into()));
     }
 }

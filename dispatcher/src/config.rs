@@ -8,6 +8,7 @@ use relay_common::config::ConfigError;
 use relay_common::h2::{H2Limits, H2Settings};
 use relay_common::tls::{ClientCerts, ClientTls, DialerTls, ListenerTls, ServerTls};
 use relay_common::{KeyDigest, Secret};
+use relay_proto::HeadLimits;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -339,8 +340,8 @@ impl Default for Config {
             max_header_bytes: 64 * 1024,
             max_request_body_bytes: None,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
-            max_response_headers: relay_proto::DEFAULT_MAX_HEADERS,
-            max_response_header_bytes: relay_proto::DEFAULT_MAX_HEAD_BYTES,
+            max_response_headers: HeadLimits::DEFAULT.max_headers,
+            max_response_header_bytes: HeadLimits::DEFAULT.max_bytes,
             body_idle_timeout: Duration::from_secs(60),
             tls: ListenerTls::default(),
             registry_tls: ListenerTls::default(),
@@ -400,6 +401,11 @@ impl Config {
         self.registry_h2.resolve(H2Limits::REGISTRY, "registry_h2")
     }
 
+    /// `max_response_headers` and `max_response_header_bytes` as one value.
+    pub fn response_head_limits(&self) -> HeadLimits {
+        HeadLimits::new(self.max_response_headers, self.max_response_header_bytes)
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.front_h2()?;
         self.forward_h2()?;
@@ -444,18 +450,9 @@ impl Config {
                 ),
             ));
         }
-        if self.max_response_headers == 0 {
-            return Err(ConfigError::invalid(
-                "max_response_headers",
-                "must be at least 1",
-            ));
-        }
-        if self.max_response_header_bytes < 1024 {
-            return Err(ConfigError::invalid(
-                "max_response_header_bytes",
-                "must be at least 1024",
-            ));
-        }
+        self.response_head_limits()
+            .validate()
+            .map_err(|e| ConfigError::invalid(e.key, e.message))?;
         if self.body_idle_timeout < Duration::from_millis(10) {
             return Err(ConfigError::invalid(
                 "body_idle_timeout",

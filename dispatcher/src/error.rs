@@ -1,6 +1,8 @@
-//! Errors per boundary: [`RunError`] for `run`, and [`Failure`] for a call that ends in an
-//! error response. Every call error is mapped to an HTTP status and a JSON body exactly
-//! once, here.
+//! Errors per boundary: [`RunError`] for `run`, [`Failure`] for a call that ends in an
+//! error response, [`Retry`] for what a failed forward attempt allows, and
+//! [`RequestBodyError`] for a caller body that could not be read. Every call error is
+//! mapped to an HTTP status and a JSON body exactly once, here; whether a failure may be
+//! retried is decided once, where the failure is known, and carried as a [`Retry`].
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
@@ -14,6 +16,8 @@ pub enum RunError {
     Config(#[from] ConfigError),
     #[error("cannot register metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("listener address: {0}")]
+    Io(#[from] std::io::Error),
     #[error("registry listener failed: {0}")]
     Registry(#[source] tonic::transport::Error),
     #[error("[{section}]: {source}")]
@@ -118,6 +122,72 @@ impl ErrorCode {
     }
 }
 
+/// What a failed forward attempt allows: decided once, where the failure is known, and
+/// read by `forward::RetryRules::allows`, which adds the configuration (policy,
+/// `retry_idempotent`) and the next server's idle streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// No agent saw the call.
+    Safe,
+    /// The server had no idle stream before its queue gave up; no agent saw the call.
+    NoCapacity,
+    /// The call may have reached an agent; only idempotent methods may be retried.
+    MaybeStarted,
+    /// Final (the agent answered, or the request is bad).
+    Never,
+}
+
+impl Retry {
+    /// A tunnel server's `ForwardError` kind: UNKNOWN_TUNNEL and DRAINING never reach an
+    /// agent; NO_CAPACITY neither, but is saturation; STREAM_LOST may have; the rest is
+    /// final.
+    pub fn of_forward_error(kind: ForwardErrorKind) -> Retry {
+        match kind {
+            ForwardErrorKind::UnknownTunnel | ForwardErrorKind::Draining => Retry::Safe,
+            ForwardErrorKind::NoCapacity => Retry::NoCapacity,
+            ForwardErrorKind::StreamLost => Retry::MaybeStarted,
+            ForwardErrorKind::BadRequest
+            | ForwardErrorKind::Agent
+            | ForwardErrorKind::BadResponse
+            | ForwardErrorKind::Unspecified => Retry::Never,
+        }
+    }
+
+    /// `Forward.Call` failed before any response header. The server never handed the
+    /// call to an agent when the connection was refused or reset, the server rejected the
+    /// RPC, or the connection died before the request went out (hyper cancels the requests
+    /// still waiting for it: CANCELLED). Any other status is the server's final word.
+    pub fn of_call_status(code: tonic::Code) -> Retry {
+        match code {
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => Retry::Safe,
+            _ => Retry::Never,
+        }
+    }
+}
+
+/// Why reading the caller's request body failed. Read from the body's error type (never
+/// from its message): `http_body_util::Limited` reports its limit as a
+/// [`http_body_util::LengthLimitError`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestBodyError {
+    /// The body passed `max_request_body_bytes`.
+    #[error("reading the request body failed: length limit exceeded")]
+    TooLarge,
+    /// The caller's connection broke or sent a malformed body.
+    #[error("reading the request body failed: {0}")]
+    Read(String),
+}
+
+impl RequestBodyError {
+    pub fn of(e: &(dyn std::error::Error + 'static)) -> Self {
+        if e.is::<http_body_util::LengthLimitError>() {
+            RequestBodyError::TooLarge
+        } else {
+            RequestBodyError::Read(e.to_string())
+        }
+    }
+}
+
 /// A call that ends with an error response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
@@ -133,47 +203,42 @@ impl Failure {
         }
     }
 
-    /// Maps a tunnel server's `ForwardError`. The bool says whether the call never reached
-    /// an agent and may be retried on another server. The peer's message is escaped and
-    /// cut ([`relay_proto::escape_message`]) before it reaches a log line or the caller.
-    pub fn from_forward_error(e: &ForwardError) -> (Self, bool) {
+    /// Maps a tunnel server's `ForwardError` to the caller's answer and what it allows
+    /// ([`Retry::of_forward_error`]). The peer's message is escaped and cut
+    /// ([`relay_proto::escape_message`]) before it reaches a log line or the caller.
+    pub fn from_forward_error(e: &ForwardError) -> (Self, Retry) {
+        let kind = ForwardErrorKind::try_from(e.kind).unwrap_or(ForwardErrorKind::Unspecified);
+        (
+            Self::of_forward_error(kind, e),
+            Retry::of_forward_error(kind),
+        )
+    }
+
+    fn of_forward_error(kind: ForwardErrorKind, e: &ForwardError) -> Self {
         let msg = if e.message.is_empty() {
             "no detail".to_string()
         } else {
             relay_proto::escape_message(&e.message, relay_proto::MAX_PEER_MESSAGE)
         };
-        match ForwardErrorKind::try_from(e.kind).unwrap_or(ForwardErrorKind::Unspecified) {
-            ForwardErrorKind::UnknownTunnel => (
-                Failure::new(
-                    ErrorCode::TunnelUnavailable,
-                    format!("tunnel server holds no stream: {msg}"),
-                ),
-                true,
+        match kind {
+            ForwardErrorKind::UnknownTunnel => Failure::new(
+                ErrorCode::TunnelUnavailable,
+                format!("tunnel server holds no stream: {msg}"),
             ),
-            ForwardErrorKind::Draining => (
-                Failure::new(
-                    ErrorCode::TunnelUnavailable,
-                    format!("tunnel server is draining: {msg}"),
-                ),
-                true,
+            ForwardErrorKind::Draining => Failure::new(
+                ErrorCode::TunnelUnavailable,
+                format!("tunnel server is draining: {msg}"),
             ),
-            ForwardErrorKind::NoCapacity => (
-                Failure::new(
-                    ErrorCode::NoCapacity,
-                    format!("no idle tunnel stream: {msg}"),
-                ),
-                false,
+            ForwardErrorKind::NoCapacity => Failure::new(
+                ErrorCode::NoCapacity,
+                format!("no idle tunnel stream: {msg}"),
             ),
-            ForwardErrorKind::StreamLost => (
-                Failure::new(ErrorCode::StreamLost, format!("tunnel stream lost: {msg}")),
-                false,
-            ),
-            ForwardErrorKind::BadRequest => (
-                Failure::new(
-                    ErrorCode::BadRequest,
-                    format!("tunnel server refused the request: {msg}"),
-                ),
-                false,
+            ForwardErrorKind::StreamLost => {
+                Failure::new(ErrorCode::StreamLost, format!("tunnel stream lost: {msg}"))
+            }
+            ForwardErrorKind::BadRequest => Failure::new(
+                ErrorCode::BadRequest,
+                format!("tunnel server refused the request: {msg}"),
             ),
             ForwardErrorKind::Agent => {
                 let code = match CallErrorKind::try_from(e.call_error)
@@ -185,18 +250,14 @@ impl Failure {
                     CallErrorKind::BadRequest => ErrorCode::BadRequest,
                     _ => ErrorCode::UpstreamError,
                 };
-                (Failure::new(code, format!("agent: {msg}")), false)
+                Failure::new(code, format!("agent: {msg}"))
             }
-            ForwardErrorKind::BadResponse => (
-                Failure::new(ErrorCode::BadResponse, format!("tunnel server: {msg}")),
-                false,
-            ),
-            ForwardErrorKind::Unspecified => (
-                Failure::new(
-                    ErrorCode::UpstreamError,
-                    format!("tunnel server error: {msg}"),
-                ),
-                false,
+            ForwardErrorKind::BadResponse => {
+                Failure::new(ErrorCode::BadResponse, format!("tunnel server: {msg}"))
+            }
+            ForwardErrorKind::Unspecified => Failure::new(
+                ErrorCode::UpstreamError,
+                format!("tunnel server error: {msg}"),
             ),
         }
     }
@@ -264,7 +325,7 @@ mod tests {
             let (f, retry) = Failure::from_forward_error(&e);
             assert_eq!(
                 (f.code.status().as_u16(), f.code.as_str(), retry),
-                (status, code, false)
+                (status, code, Retry::Never)
             );
             assert!(f.message.contains('m'));
         }
@@ -279,9 +340,6 @@ mod tests {
                 .code,
             ErrorCode::NoCapacity
         );
-        assert!(Failure::from_forward_error(&e(ForwardErrorKind::Draining)).1);
-        assert!(Failure::from_forward_error(&e(ForwardErrorKind::UnknownTunnel)).1);
-        assert!(!Failure::from_forward_error(&e(ForwardErrorKind::StreamLost)).1);
         let bad = ForwardError {
             kind: ForwardErrorKind::BadResponse as i32,
             message: "head of 9999 headers".into(),
@@ -290,7 +348,7 @@ mod tests {
         let (f, retry) = Failure::from_forward_error(&bad);
         assert_eq!(
             (f.code.status().as_u16(), f.code.as_str(), retry),
-            (502, "bad_response", false)
+            (502, "bad_response", Retry::Never)
         );
         let hostile = agent(CallErrorKind::UpstreamUnreachable);
         let hostile = ForwardError {
@@ -309,5 +367,68 @@ mod tests {
             Failure::from_forward_error(&odd).0.code,
             ErrorCode::UpstreamError
         );
+    }
+
+    /// The retry table: which tunnel server answers may go to another server, and the
+    /// answer the caller gets when they do not.
+    #[test]
+    fn retry_table_of_forward_errors() {
+        use ForwardErrorKind as K;
+        let cases = [
+            (K::UnknownTunnel, Retry::Safe, 503, "tunnel_unavailable"),
+            (K::Draining, Retry::Safe, 503, "tunnel_unavailable"),
+            (K::NoCapacity, Retry::NoCapacity, 503, "no_capacity"),
+            (K::StreamLost, Retry::MaybeStarted, 502, "stream_lost"),
+            (K::BadRequest, Retry::Never, 400, "bad_request"),
+            (K::Agent, Retry::Never, 502, "upstream_error"),
+            (K::BadResponse, Retry::Never, 502, "bad_response"),
+            (K::Unspecified, Retry::Never, 502, "upstream_error"),
+        ];
+        for (kind, retry, status, code) in cases {
+            let e = ForwardError {
+                kind: kind as i32,
+                message: String::new(),
+                call_error: 0,
+            };
+            let (f, r) = Failure::from_forward_error(&e);
+            assert_eq!(
+                (r, f.code.status().as_u16(), f.code.as_str()),
+                (retry, status, code),
+                "{kind:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn retry_table_of_call_statuses() {
+        use tonic::Code;
+        for code in [Code::Unavailable, Code::Unknown, Code::Cancelled] {
+            assert_eq!(Retry::of_call_status(code), Retry::Safe, "{code:?}");
+        }
+        for code in [
+            Code::InvalidArgument,
+            Code::Unauthenticated,
+            Code::PermissionDenied,
+            Code::ResourceExhausted,
+            Code::Internal,
+            Code::DeadlineExceeded,
+        ] {
+            assert_eq!(Retry::of_call_status(code), Retry::Never, "{code:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_over_its_limit_is_told_by_type_not_message() {
+        use http_body_util::{BodyExt, Full, Limited};
+        let over = Limited::new(Full::new(Bytes::from_static(b"abc")), 2)
+            .collect()
+            .await
+            .expect_err("over the limit");
+        assert_eq!(RequestBodyError::of(&*over), RequestBodyError::TooLarge);
+        let lookalike = std::io::Error::other("length limit exceeded");
+        assert!(matches!(
+            RequestBodyError::of(&lookalike),
+            RequestBodyError::Read(m) if m == "length limit exceeded"
+        ));
     }
 }

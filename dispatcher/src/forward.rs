@@ -27,42 +27,56 @@
 //! - anything the agent answered is final.
 //!
 //! Once a response head is in hand the call is never retried: the head goes to the caller.
+//!
+//! Each failure's half of the decision is made once, where the failure is known, as a
+//! [`Retry`] (`error.rs`); [`RetryRules::allows`] adds the configured half.
 
 use crate::body::RequestBody;
 use crate::config::RoutingPolicy;
-use crate::error::{ErrorCode, Failure};
+use crate::error::{ErrorCode, Failure, Retry};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::routing::{Pick, Target};
 use parking_lot::Mutex;
+use relay_common::grpc::GrpcClient;
 use relay_common::h2::H2Limits;
 use relay_common::tls::TlsClient;
 use relay_proto::forward_client::ForwardClient;
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
 use relay_proto::{
-    CallHead, ForwardErrorKind, ForwardRequest, ForwardResponse, Header, ProceedRequest,
-    RequestHead, ResponseHead,
+    CallHead, ForwardRequest, ForwardResponse, Header, ProceedRequest, RequestHead, ResponseHead,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tonic::codec::Streaming;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tracing::{debug, info};
 
-/// Whether a failed attempt may be tried again elsewhere.
+/// The configured half of the retry decision; the failure's half is its [`Retry`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Retry {
-    /// No agent saw the call.
-    Safe,
-    /// The server had no idle stream before its queue gave up; no agent saw the call.
-    NoCapacity,
-    /// The call may have reached an agent; only idempotent methods may be retried.
-    MaybeStarted,
-    /// Final (the agent answered, or the request is bad).
-    Never,
+pub struct RetryRules {
+    pub policy: RoutingPolicy,
+    /// `[routing] retry_idempotent`.
+    pub retry_idempotent: bool,
+}
+
+impl RetryRules {
+    /// Whether a call whose attempt failed with `retry` goes to `next`, the next server
+    /// the router picked (if any; the attempt count and body replay are checked by the
+    /// caller).
+    pub fn allows(&self, retry: Retry, method: &str, next: Option<&Target>) -> bool {
+        match retry {
+            Retry::Safe => true,
+            Retry::NoCapacity => {
+                self.policy == RoutingPolicy::Available && next.is_some_and(|n| n.idle > 0)
+            }
+            Retry::MaybeStarted => self.retry_idempotent && idempotent(method),
+            Retry::Never => false,
+        }
+    }
 }
 
 /// Where one forward attempt stands in the queue handshake.
@@ -87,8 +101,7 @@ pub fn idempotent(method: &str) -> bool {
 #[derive(Clone)]
 pub struct Channels {
     inner: Arc<Mutex<HashMap<String, Channel>>>,
-    tls: Option<TlsClient>,
-    h2: H2Limits,
+    client: GrpcClient,
 }
 
 impl Default for Channels {
@@ -97,26 +110,29 @@ impl Default for Channels {
     }
 }
 
+/// How long dialing a tunnel server may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Channels {
     /// `tls`: the client config for tunnel servers; `None` dials plain h2c. `h2`: the
-    /// connections' HTTP/2 limits (`[forward_h2]`).
+    /// connections' HTTP/2 limits (`[forward_h2]`); the stream window bounds what one call
+    /// buffers while its caller reads slowly.
     pub fn new(tls: Option<TlsClient>, h2: H2Limits) -> Self {
         Channels {
             inner: Arc::default(),
-            tls,
-            h2,
+            client: GrpcClient::new(h2, CONNECT_TIMEOUT, tls),
         }
     }
 
     pub fn get(&self, forward_url: &str) -> Result<Channel, String> {
         let https = forward_url.starts_with("https://");
-        match (&self.tls, https) {
-            (Some(_), false) => {
+        match (self.client.is_tls(), https) {
+            (true, false) => {
                 return Err(format!(
                     "forward_url {forward_url} is plain text but this dispatcher dials tunnel servers over TLS ([forward_tls])"
                 ))
             }
-            (None, true) => {
+            (false, true) => {
                 return Err(format!(
                     "forward_url {forward_url} is https:// but [forward_tls] says insecure = true"
                 ))
@@ -127,17 +143,11 @@ impl Channels {
         if let Some(ch) = map.get(forward_url) {
             return Ok(ch.clone());
         }
-        // The stream window bounds what one call buffers while its caller reads slowly.
-        let endpoint = self.h2.tonic_endpoint(
-            Endpoint::from_shared(forward_url.to_string())
-                .map_err(|e| e.to_string())?
-                .connect_timeout(Duration::from_secs(5))
-                .tcp_nodelay(true),
-        );
-        let channel = match &self.tls {
-            Some(tls) => endpoint.connect_with_connector_lazy(tls.tonic_connector()),
-            None => endpoint.connect_lazy(),
-        };
+        let endpoint = self
+            .client
+            .endpoint(forward_url)
+            .map_err(|e| e.to_string())?;
+        let channel = self.client.lazy(endpoint);
         map.insert(forward_url.to_string(), channel.clone());
         Ok(channel)
     }
@@ -171,8 +181,7 @@ pub struct Forwarder {
     pub metrics: Metrics,
     /// For per-call feedback (NO_CAPACITY answers) to the router.
     pub registry: Arc<Registry>,
-    pub policy: RoutingPolicy,
-    pub retry_idempotent: bool,
+    pub rules: RetryRules,
     pub max_attempts: usize,
     /// Largest gRPC message sent to or accepted from a tunnel server.
     pub max_frame_bytes: usize,
@@ -219,18 +228,13 @@ impl Forwarder {
             match self.attempt(plan, body, target, attempt as u32).await {
                 Ok(answer) => return Ok(answer),
                 Err((failure, retry)) => {
-                    let next = servers.get(attempt + 1);
-                    let may = match retry {
-                        Retry::Safe => true,
-                        Retry::NoCapacity => {
-                            self.registry
-                                .note_no_capacity(&plan.tunnel_id, &target.server_id);
-                            self.policy == RoutingPolicy::Available
-                                && next.is_some_and(|n| n.idle > 0)
-                        }
-                        Retry::MaybeStarted => self.retry_idempotent && idempotent(&plan.method),
-                        Retry::Never => false,
-                    };
+                    if retry == Retry::NoCapacity {
+                        self.registry
+                            .note_no_capacity(&plan.tunnel_id, &target.server_id);
+                    }
+                    let may = self
+                        .rules
+                        .allows(retry, &plan.method, servers.get(attempt + 1));
                     debug!(call_id = plan.call_id, server_id = %target.server_id, code = failure.code.as_str(), ?retry, may, "forward attempt failed");
                     last = failure;
                     if !may {
@@ -281,21 +285,9 @@ impl Forwarder {
         let response = match client.call(body.attempt(attempt, head)).await {
             Ok(r) => r,
             Err(status) => {
-                // Failing before any response header means the server never handed the call
-                // to an agent: connection refused/reset, the server rejected the RPC, or the
-                // connection died before the request went out (hyper cancels the requests
-                // still waiting for it: CANCELLED).
-                let retry = if matches!(
-                    status.code(),
-                    tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
-                ) {
-                    Retry::Safe
-                } else {
-                    Retry::Never
-                };
                 let why =
                     relay_proto::escape_message(status.message(), relay_proto::MAX_PEER_MESSAGE);
-                return Err((unreachable(why), retry));
+                return Err((unreachable(why), Retry::of_call_status(status.code())));
             }
         };
         let mut stream = response.into_inner();
@@ -365,15 +357,7 @@ impl Forwarder {
                     });
                 }
                 RespKind::Error(e) => {
-                    let (failure, _) = Failure::from_forward_error(&e);
-                    let retry = match ForwardErrorKind::try_from(e.kind) {
-                        Ok(ForwardErrorKind::UnknownTunnel | ForwardErrorKind::Draining) => {
-                            Retry::Safe
-                        }
-                        Ok(ForwardErrorKind::NoCapacity) => Retry::NoCapacity,
-                        Ok(ForwardErrorKind::StreamLost) => Retry::MaybeStarted,
-                        _ => Retry::Never,
-                    };
+                    let (failure, retry) = Failure::from_forward_error(&e);
                     // The server ends the RPC right after its error: read that end rather
                     // than resetting a stream the server is still closing.
                     crate::body::finish_rpc(&mut stream).await;
@@ -411,6 +395,119 @@ impl Forwarder {
                     ))
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(idle: u32) -> Target {
+        Target {
+            server_id: "s2".into(),
+            forward_url: "http://127.0.0.1:1".into(),
+            idle,
+        }
+    }
+
+    /// The retry table: each failure's [`Retry`] against the configuration, the method and
+    /// the next server the router picked.
+    #[test]
+    fn retry_table_of_rules() {
+        use RoutingPolicy::{Available, Sticky};
+        let rules = |policy, retry_idempotent| RetryRules {
+            policy,
+            retry_idempotent,
+        };
+        let (idle, busy) = (target(3), target(0));
+        let cases: [(RetryRules, Retry, &str, Option<&Target>, bool); 14] = [
+            // Never reached an agent: always to the next server.
+            (rules(Sticky, false), Retry::Safe, "POST", Some(&busy), true),
+            (rules(Available, false), Retry::Safe, "POST", None, true),
+            // NO_CAPACITY: only under `available`, only onto a server with idle streams.
+            (
+                rules(Available, false),
+                Retry::NoCapacity,
+                "POST",
+                Some(&idle),
+                true,
+            ),
+            (
+                rules(Available, false),
+                Retry::NoCapacity,
+                "POST",
+                Some(&busy),
+                false,
+            ),
+            (
+                rules(Available, false),
+                Retry::NoCapacity,
+                "POST",
+                None,
+                false,
+            ),
+            (
+                rules(Sticky, true),
+                Retry::NoCapacity,
+                "GET",
+                Some(&idle),
+                false,
+            ),
+            // May have started: idempotent methods, when configured.
+            (
+                rules(Sticky, true),
+                Retry::MaybeStarted,
+                "GET",
+                Some(&idle),
+                true,
+            ),
+            (
+                rules(Sticky, true),
+                Retry::MaybeStarted,
+                "DELETE",
+                None,
+                true,
+            ),
+            (
+                rules(Sticky, true),
+                Retry::MaybeStarted,
+                "POST",
+                Some(&idle),
+                false,
+            ),
+            (
+                rules(Sticky, true),
+                Retry::MaybeStarted,
+                "PATCH",
+                Some(&idle),
+                false,
+            ),
+            (
+                rules(Available, false),
+                Retry::MaybeStarted,
+                "GET",
+                Some(&idle),
+                false,
+            ),
+            // Final.
+            (
+                rules(Available, true),
+                Retry::Never,
+                "GET",
+                Some(&idle),
+                false,
+            ),
+            (rules(Sticky, true), Retry::Never, "PUT", Some(&idle), false),
+            (rules(Available, false), Retry::Never, "POST", None, false),
+        ];
+        for (rules, retry, method, next, want) in cases {
+            assert_eq!(
+                rules.allows(retry, method, next),
+                want,
+                "{rules:?} {retry:?} {method} next idle {:?}",
+                next.map(|n| n.idle)
+            );
         }
     }
 }

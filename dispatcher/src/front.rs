@@ -26,7 +26,7 @@
 
 use crate::body::{BodyTimers, CallGuard, CallerBody, RelayBody, RequestBody, OUTCOME_OK};
 use crate::config::{CallerConfig, Config, MIN_HEADER_BYTES};
-use crate::error::{ErrorCode, Failure};
+use crate::error::{ErrorCode, Failure, RequestBodyError};
 use crate::forward::{CallPlan, Forwarder};
 use crate::headers::{self, TIMEOUT_HEADER};
 use crate::metrics::Metrics;
@@ -109,8 +109,8 @@ pub struct Front {
     call_timeout: Duration,
     max_call_timeout: Duration,
     max_header_bytes: usize,
-    max_response_headers: usize,
-    max_response_header_bytes: usize,
+    /// `max_response_headers` / `max_response_header_bytes`.
+    head_limits: relay_proto::HeadLimits,
     body_idle_timeout: Duration,
     routes: Arc<Registry>,
     forwarder: Forwarder,
@@ -151,8 +151,7 @@ impl Front {
             call_timeout: config.call_timeout,
             max_call_timeout: config.max_call_timeout,
             max_header_bytes: config.max_header_bytes,
-            max_response_headers: config.max_response_headers,
-            max_response_header_bytes: config.max_response_header_bytes,
+            head_limits: config.response_head_limits(),
             body_idle_timeout: config.body_idle_timeout,
             routes,
             forwarder,
@@ -308,10 +307,10 @@ impl Front {
     }
 
     /// Reading the caller's body failed: over `max_request_body_bytes`, or broken.
-    fn body_failure(&self, why: String) -> Failure {
-        match self.max_request_body_bytes {
-            Some(max) if why.contains(LIMIT_ERROR) => body_too_large(max),
-            _ => Failure::new(ErrorCode::BadRequest, why),
+    fn body_failure(&self, why: RequestBodyError) -> Failure {
+        match (why, self.max_request_body_bytes) {
+            (RequestBodyError::TooLarge, Some(max)) => body_too_large(max),
+            (why, _) => Failure::new(ErrorCode::BadRequest, why.to_string()),
         }
     }
 
@@ -421,11 +420,7 @@ impl Front {
                 return self.fail(guard, &f, Some(&tunnel_id));
             }
         };
-        if let Some(why) = relay_proto::check_head(
-            &answer.head.headers,
-            self.max_response_headers,
-            self.max_response_header_bytes,
-        ) {
+        if let Some(why) = self.head_limits.check(&answer.head.headers) {
             let f = Failure::new(
                 ErrorCode::BadResponse,
                 format!(
@@ -523,9 +518,6 @@ impl Front {
         self.fail(guard, failure, Some(tunnel_id))
     }
 }
-
-/// What `http_body_util::Limited` says when a body passes its limit.
-const LIMIT_ERROR: &str = "length limit exceeded";
 
 fn body_too_large(max: u64) -> Failure {
     Failure::new(

@@ -15,6 +15,9 @@
 //!
 //! The crate never buffers a whole body, never logs or forwards a caller key, and takes
 //! already-bound listeners so tests and the one-process demo can run it on `127.0.0.1:0`.
+//! `start` returns a [`DispatcherHandle`] whose drop (or `shutdown`) drains and stops every
+//! task, as the agent's and the tunnel server's handles do; `run` serves until a shutdown
+//! future resolves.
 
 pub mod body;
 pub mod config;
@@ -41,10 +44,12 @@ use relay_common::listen::{self, ListenerGuard, ListenerLimits, ListenerMetrics}
 use relay_common::tls::{self, TlsClient, TlsServer};
 use shared::{SharedHealth, SharedStore};
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -64,12 +69,70 @@ pub struct Listeners {
 
 /// Runs the dispatcher until `shutdown` resolves, then drains: the HTTP front stops
 /// accepting and calls in flight get up to `shutdown_grace` to finish; then the registry and
-/// admin listeners stop.
+/// admin listeners stop. Returns early (with the error) if the registry listener fails.
 pub async fn run(
     config: Config,
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
+    let mut dispatcher = start(config, listeners).await?;
+    tokio::select! {
+        r = dispatcher.stopped() => return r,
+        _ = shutdown => {}
+    }
+    dispatcher.shutdown().await
+}
+
+/// A running dispatcher, shaped like the agent's and the tunnel server's handles.
+/// Dropping it stops the dispatcher: it drains in the background as `shutdown` does.
+pub struct DispatcherHandle {
+    /// The HTTP front's address.
+    pub http_addr: SocketAddr,
+    /// The registry listener's address.
+    pub registry_addr: SocketAddr,
+    /// The admin listener's address.
+    pub admin_addr: SocketAddr,
+    /// Cancelled to begin the graceful stop (by `shutdown` or on drop).
+    stop: CancellationToken,
+    /// Serves until `stop`, then drains; ends with the run's result.
+    task: Option<JoinHandle<Result<(), RunError>>>,
+}
+
+impl DispatcherHandle {
+    /// Stops the dispatcher (the HTTP front drains within `shutdown_grace`, then the
+    /// registry and admin listeners stop) and waits for the end.
+    pub async fn shutdown(mut self) -> Result<(), RunError> {
+        self.stop.cancel();
+        self.stopped().await
+    }
+
+    /// Resolves when the dispatcher has stopped: after `shutdown` or drop, or on its own
+    /// when the registry listener fails (with that error). Resolves at once once it did.
+    pub async fn stopped(&mut self) -> Result<(), RunError> {
+        let Some(task) = self.task.as_mut() else {
+            return Ok(());
+        };
+        let r = task.await;
+        self.task = None;
+        match r {
+            Ok(r) => r,
+            Err(join) => {
+                warn!(error = %join, "dispatcher task failed");
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for DispatcherHandle {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Validates `config` and starts the dispatcher on the given listeners (bound by the
+/// caller; tests pass `127.0.0.1:0`). It serves until the handle's `shutdown` or drop.
+pub async fn start(config: Config, listeners: Listeners) -> Result<DispatcherHandle, RunError> {
     config.validate()?;
     let transport = config.transport()?;
     let prometheus = prometheus::Registry::new();
@@ -107,35 +170,24 @@ pub async fn run(
     .filter_map(|(hop, plain)| plain.then_some(hop))
     .collect();
     tls::note_plain_text("dispatcher", &plain);
-    let mut reloadable: Vec<Arc<dyn tls::Reload>> = Vec::new();
-    reloadable.extend(
-        front_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
-    reloadable.extend(
-        registry_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
-    reloadable.extend(
-        forward_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
+    // Shared registry (Redis), routing tick, certificate reload: background tasks; routing
+    // never waits on them.
+    let background_stop = CancellationToken::new();
+    tls::Reloads::default()
+        .with(front_tls.clone())
+        .with(registry_tls.clone())
+        .with(forward_tls.clone())
+        .spawn(config.reload_interval, background_stop.clone());
     let channels = Channels::new(forward_tls, config.forward_h2()?);
 
-    let addrs = (
-        listeners.http.local_addr().ok(),
-        listeners.registry.local_addr().ok(),
-        listeners.admin.local_addr().ok(),
+    let (http_addr, registry_addr, admin_addr) = (
+        listeners.http.local_addr()?,
+        listeners.registry.local_addr()?,
+        listeners.admin.local_addr()?,
     );
-    info!(http = ?addrs.0, registry = ?addrs.1, admin = ?addrs.2, callers = config.callers.len(),
+    info!(http = %http_addr, registry = %registry_addr, admin = %admin_addr, callers = config.callers.len(),
         policy = ?config.routing.policy, registry_backend = ?config.registry.backend, "dispatcher starting");
-    let dispatcher_id = match addrs.1 {
-        Some(a) => format!("dispatcher@{a}"),
-        None => "dispatcher".to_string(),
-    };
+    let dispatcher_id = format!("dispatcher@{registry_addr}");
     let shared = config.registry.backend == RegistryBackend::Redis;
     let routes = Arc::new(
         Registry::new(
@@ -151,14 +203,6 @@ pub async fn run(
         }),
     );
 
-    // Shared registry (Redis): a background task; routing never waits on it.
-    let background_stop = CancellationToken::new();
-    // Certificates: reloaded on SIGHUP or when their files change.
-    tokio::spawn(tls::watch(
-        reloadable,
-        config.reload_interval,
-        background_stop.clone(),
-    ));
     let health = match (&config.registry.url, shared) {
         (Some(url), true) => {
             let client = shared::client(url, &config.registry.redis_tls)?;
@@ -235,8 +279,7 @@ pub async fn run(
         let h2 = config.registry_h2()?;
         tokio::spawn(async move {
             up.store(true, Ordering::SeqCst);
-            let result = h2
-                .tonic_server(tonic::transport::Server::builder())
+            let result = relay_common::grpc::server(&h2)
                 .add_service(
                     relay_proto::registry_server::RegistryServer::new(report)
                         .max_decoding_message_size(max_frame)
@@ -300,8 +343,10 @@ pub async fn run(
             channels,
             metrics: metrics.clone(),
             registry: routes.clone(),
-            policy: config.routing.policy,
-            retry_idempotent: config.routing.retry_idempotent,
+            rules: forward::RetryRules {
+                policy: config.routing.policy,
+                retry_idempotent: config.routing.retry_idempotent,
+            },
             max_attempts: config.routing.max_attempts as usize,
             max_frame_bytes: config.max_frame_bytes,
             replay_limit: body::replay_limit(config.forward_h2()?.stream_window_bytes),
@@ -319,43 +364,124 @@ pub async fn run(
         config.shutdown_grace,
     ));
 
-    let mut result = Ok(());
-    let mut registry_done = false;
-    tokio::pin!(shutdown);
-    tokio::select! {
-        _ = &mut shutdown => info!("dispatcher shutting down"),
-        r = &mut registry_task => {
-            registry_done = true;
-            result = match r {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(RunError::Registry(e)),
-                Err(join) => {
-                    warn!(error = %join, "registry listener task failed");
-                    Ok(())
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut result = Ok(());
+            let mut registry_done = false;
+            tokio::select! {
+                _ = stop.cancelled() => info!("dispatcher shutting down"),
+                r = &mut registry_task => {
+                    registry_done = true;
+                    result = match r {
+                        Ok(Ok(())) => Ok(()),
+                        Ok(Err(e)) => Err(RunError::Registry(e)),
+                        Err(join) => {
+                            warn!(error = %join, "registry listener task failed");
+                            Ok(())
+                        }
+                    };
+                    warn!("registry listener stopped; shutting down");
                 }
-            };
-            warn!("registry listener stopped; shutting down");
-        }
-    }
-    draining.store(true, Ordering::SeqCst);
-    front_stop.cancel();
-    if let Err(e) = front_task.await {
-        warn!(error = %e, "HTTP front task failed");
-    }
-    registry_stop.cancel();
-    if !registry_done {
-        match tokio::time::timeout(REGISTRY_STOP_GRACE, &mut registry_task).await {
-            Ok(Ok(Err(e))) => result = Err(RunError::Registry(e)),
-            Ok(_) => {}
-            Err(_) => {
-                warn!("registry listener did not stop in time");
-                registry_task.abort();
             }
+            draining.store(true, Ordering::SeqCst);
+            front_stop.cancel();
+            if let Err(e) = front_task.await {
+                warn!(error = %e, "HTTP front task failed");
+            }
+            registry_stop.cancel();
+            if !registry_done {
+                match tokio::time::timeout(REGISTRY_STOP_GRACE, &mut registry_task).await {
+                    Ok(Ok(Err(e))) => result = Err(RunError::Registry(e)),
+                    Ok(_) => {}
+                    Err(_) => {
+                        warn!("registry listener did not stop in time");
+                        registry_task.abort();
+                    }
+                }
+            }
+            background_stop.cancel();
+            admin_stop.cancel();
+            let _ = admin_task.await;
+            info!("dispatcher stopped");
+            result
         }
+    });
+    Ok(DispatcherHandle {
+        http_addr,
+        registry_addr,
+        admin_addr,
+        stop,
+        task: Some(task),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_common::testing::until_refused;
+    use tokio::net::TcpStream;
+
+    async fn start_plain() -> DispatcherHandle {
+        let bind = || TcpListener::bind("127.0.0.1:0");
+        let listeners = Listeners {
+            http: bind().await.unwrap(),
+            registry: bind().await.unwrap(),
+            admin: bind().await.unwrap(),
+        };
+        let config = Config {
+            callers: vec![CallerConfig::allow_all("ci", "k")],
+            shutdown_grace: Duration::from_secs(2),
+            ..Config::default().insecure()
+        };
+        start(config, listeners).await.unwrap()
     }
-    background_stop.cancel();
-    admin_stop.cancel();
-    let _ = admin_task.await;
-    info!("dispatcher stopped");
-    result
+
+    fn addrs(d: &DispatcherHandle) -> [SocketAddr; 3] {
+        [d.http_addr, d.registry_addr, d.admin_addr]
+    }
+
+    #[tokio::test]
+    async fn dropping_the_handle_stops_the_dispatcher() {
+        let dispatcher = start_plain().await;
+        let addrs = addrs(&dispatcher);
+        for addr in &addrs {
+            TcpStream::connect(addr).await.expect("serving");
+        }
+        drop(dispatcher);
+        until_refused(&addrs, Duration::from_secs(10)).await;
+    }
+
+    #[tokio::test]
+    async fn shutdown_stops_the_dispatcher_and_run_ends_with_its_future() {
+        let dispatcher = start_plain().await;
+        let addrs = addrs(&dispatcher);
+        dispatcher.shutdown().await.unwrap();
+        until_refused(&addrs, Duration::from_secs(10)).await;
+
+        let bind = || TcpListener::bind("127.0.0.1:0");
+        let listeners = Listeners {
+            http: bind().await.unwrap(),
+            registry: bind().await.unwrap(),
+            admin: bind().await.unwrap(),
+        };
+        let http = listeners.http.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let config = Config {
+            callers: vec![CallerConfig::allow_all("ci", "k")],
+            ..Config::default().insecure()
+        };
+        let run = tokio::spawn(run(config, listeners, async move {
+            let _ = rx.await;
+        }));
+        TcpStream::connect(http).await.expect("serving");
+        drop(tx);
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("run ends after its shutdown future")
+            .unwrap()
+            .unwrap();
+        until_refused(&[http], Duration::from_secs(10)).await;
+    }
 }

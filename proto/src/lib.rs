@@ -51,6 +51,77 @@ pub fn check_head(headers: &[Header], max_headers: usize, max_bytes: usize) -> O
     (bytes > max_bytes).then(|| format!("{bytes} bytes of headers, over the limit of {max_bytes}"))
 }
 
+/// The limits the tunnel server and the dispatcher put on a response head their peer sends
+/// (config keys `max_response_headers` and `max_response_header_bytes` in both), with
+/// their defaults and their validation written once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadLimits {
+    /// `max_response_headers`: most headers in one head.
+    pub max_headers: usize,
+    /// `max_response_header_bytes`: most bytes in one head, as [`head_bytes`] counts them.
+    pub max_bytes: usize,
+}
+
+/// A [`HeadLimits`] value out of range: the config key it came from and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InvalidHeadLimit {
+    pub key: &'static str,
+    pub message: &'static str,
+}
+
+impl std::fmt::Display for InvalidHeadLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "config key `{}`: {}", self.key, self.message)
+    }
+}
+
+impl std::error::Error for InvalidHeadLimit {}
+
+impl HeadLimits {
+    pub const DEFAULT: HeadLimits = HeadLimits {
+        max_headers: DEFAULT_MAX_HEADERS,
+        max_bytes: DEFAULT_MAX_HEAD_BYTES,
+    };
+
+    pub const fn new(max_headers: usize, max_bytes: usize) -> Self {
+        HeadLimits {
+            max_headers,
+            max_bytes,
+        }
+    }
+
+    /// Fewest bytes `max_response_header_bytes` may allow: room for an ordinary head.
+    pub const MIN_BYTES: usize = 1024;
+
+    /// Checks the values once, at start; the error names the key.
+    pub fn validate(&self) -> Result<(), InvalidHeadLimit> {
+        if self.max_headers == 0 {
+            return Err(InvalidHeadLimit {
+                key: "max_response_headers",
+                message: "must be at least 1",
+            });
+        }
+        if self.max_bytes < Self::MIN_BYTES {
+            return Err(InvalidHeadLimit {
+                key: "max_response_header_bytes",
+                message: "must be at least 1024",
+            });
+        }
+        Ok(())
+    }
+
+    /// Why `headers` break these limits, if they do ([`check_head`]).
+    pub fn check(&self, headers: &[Header]) -> Option<String> {
+        check_head(headers, self.max_headers, self.max_bytes)
+    }
+}
+
+impl Default for HeadLimits {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
 /// A peer-supplied message made safe for a log line and a caller's JSON: control
 /// characters (newlines, ESC of ANSI sequences, DEL, C1) are written as escapes (`\n`,
 /// `\u{1b}`) and the result is cut to `max` characters, ending in `…` when cut.
@@ -168,5 +239,37 @@ mod tests {
         assert_eq!(cut, format!("{}…", "a".repeat(10)));
         // An escape is never split.
         assert_eq!(escape_message("aaaa\n", 5), "aaaa…");
+    }
+
+    #[test]
+    fn head_limits_are_validated_naming_the_key() {
+        let limits = HeadLimits::new;
+        assert_eq!(HeadLimits::DEFAULT.validate(), Ok(()));
+        assert_eq!(limits(1, 1024).validate(), Ok(()));
+        assert_eq!(
+            limits(0, 64 * 1024).validate().map_err(|e| e.key),
+            Err("max_response_headers")
+        );
+        assert_eq!(
+            limits(1, 1023).validate().map_err(|e| e.key),
+            Err("max_response_header_bytes")
+        );
+        let head = |n: usize| -> Vec<Header> {
+            (0..n)
+                .map(|i| Header {
+                    name: format!("h{i}"),
+                    value: vec![b'v'; 100],
+                })
+                .collect()
+        };
+        assert_eq!(limits(2, 1024).check(&head(2)), None);
+        assert!(limits(1, 1024)
+            .check(&head(2))
+            .unwrap()
+            .contains("2 headers"));
+        assert!(limits(20, 1024)
+            .check(&head(10))
+            .unwrap()
+            .contains("bytes of headers"));
     }
 }

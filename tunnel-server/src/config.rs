@@ -6,6 +6,7 @@ use relay_common::h2::{H2Limits, H2Settings};
 use relay_common::listen::ListenerLimits;
 use relay_common::tls::{ClientCerts, ClientTls, DialerTls, ListenerTls, ServerTls};
 use relay_common::Secret;
+use relay_proto::HeadLimits;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -137,8 +138,8 @@ impl Default for Config {
             report_interval: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(30),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
-            max_response_headers: relay_proto::DEFAULT_MAX_HEADERS,
-            max_response_header_bytes: relay_proto::DEFAULT_MAX_HEAD_BYTES,
+            max_response_headers: HeadLimits::DEFAULT.max_headers,
+            max_response_header_bytes: HeadLimits::DEFAULT.max_bytes,
             agent_tls: ListenerTls::default(),
             forward_tls: ListenerTls::default(),
             dispatcher_tls: DialerTls::default(),
@@ -228,6 +229,11 @@ impl Config {
             .resolve(H2Limits::REGISTRY, "dispatcher_h2")
     }
 
+    /// `max_response_headers` and `max_response_header_bytes` as one value.
+    pub fn response_head_limits(&self) -> HeadLimits {
+        HeadLimits::new(self.max_response_headers, self.max_response_header_bytes)
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.transport()?;
         self.agent_h2()?;
@@ -243,18 +249,9 @@ impl Config {
                 ),
             ));
         }
-        if self.max_response_headers == 0 {
-            return Err(ConfigError::invalid(
-                "max_response_headers",
-                "must be at least 1",
-            ));
-        }
-        if self.max_response_header_bytes < 1024 {
-            return Err(ConfigError::invalid(
-                "max_response_header_bytes",
-                "must be at least 1024",
-            ));
-        }
+        self.response_head_limits()
+            .validate()
+            .map_err(|e| ConfigError::invalid(e.key, e.message))?;
         if self.reload_interval < Duration::from_millis(10) {
             return Err(ConfigError::invalid(
                 "reload_interval",

@@ -4,8 +4,9 @@
 //!
 //! Three listeners, each bound by the caller (tests pass `127.0.0.1:0`): the agent-facing
 //! `Tunnel.Connect` service, the dispatcher-facing `Forward.Call` service, and the admin
-//! HTTP listener. `run` serves them until its shutdown future resolves, then drains:
-//! dispatchers and agents are told, calls in flight finish within `shutdown_grace`.
+//! HTTP listener. `start` serves them and returns a [`TunnelServerHandle`] whose drop (or
+//! `shutdown`) drains: dispatchers and agents are told, calls in flight finish within
+//! `shutdown_grace`; `run` does the same until its shutdown future resolves.
 
 pub mod config;
 pub mod forward;
@@ -21,7 +22,6 @@ pub use tokens::{SharedTokens, TokenStore};
 use hub::{Hub, Limits};
 use metrics::ServerMetrics;
 use relay_common::config::ConfigError;
-use relay_common::h2::H2Limits;
 use relay_common::listen::{self, ListenerGuard, ListenerLimits, ListenerMetrics};
 use relay_common::tls::{self, TlsClient, TlsError, TlsServer};
 use relay_proto::{forward_server::ForwardServer, tunnel_server::TunnelServer, ServerIntro};
@@ -30,7 +30,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
+use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -62,8 +62,11 @@ pub enum RunError {
     },
 }
 
-/// A running tunnel server. Dropping it does not stop it; call `shutdown` (graceful) or
-/// `abort` (immediate, as a crash would).
+/// A running tunnel server, shaped like the agent's and the dispatcher's handles. Dropping
+/// it stops the server: it drains in the background as `shutdown` does (dispatchers and
+/// agents are told, calls in flight get `shutdown_grace`), then its listeners close.
+/// `shutdown` does the same and waits for the end; `abort` stops at once, as a crash
+/// would.
 pub struct TunnelServerHandle {
     pub server_id: String,
     pub agent_addr: SocketAddr,
@@ -71,11 +74,50 @@ pub struct TunnelServerHandle {
     pub admin_addr: SocketAddr,
     pub registry: prometheus::Registry,
     hub: Arc<Hub>,
+    /// Cancelled to begin the graceful stop (by `shutdown` or on drop).
+    stop: CancellationToken,
+    /// Runs the graceful stop once `stop` is cancelled.
+    stopper: Option<JoinHandle<()>>,
+    /// The server's tasks, for `abort`.
+    tasks: Vec<AbortHandle>,
+}
+
+/// What the graceful stop needs; owned by the stopper task.
+struct Stopper {
+    server_id: String,
+    hub: Arc<Hub>,
     grace: Duration,
     stop_reports: CancellationToken,
     stop_serving: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
     tracker: TaskTracker,
+}
+
+impl Stopper {
+    /// Announce draining, send Drain to agents, let calls in flight finish within the
+    /// grace period, then close every stream and stop serving.
+    async fn run(self) {
+        info!(server_id = %self.server_id, "draining");
+        self.hub
+            .drain(self.grace.as_millis().min(u32::MAX as u128) as u32);
+        // Wait until the agents have moved every stream away (they do once covered
+        // elsewhere; busy streams leave after their call) and nothing runs, or the grace.
+        let deadline = Instant::now() + self.grace;
+        while (!self.hub.is_empty() || self.hub.metrics.in_flight.get() > 0)
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.stop_reports.cancel();
+        self.hub.close_all();
+        self.stop_serving.cancel();
+        self.tracker.close();
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.tracker.wait()).await;
+        for t in self.tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        }
+        info!(server_id = %self.server_id, "stopped");
+    }
 }
 
 /// Loads the token store, serves until `shutdown` resolves, then drains and stops.
@@ -157,12 +199,13 @@ pub async fn start(
     let forward_addr = listeners.forward.local_addr()?;
     let admin_addr = listeners.admin.local_addr()?;
     let server_id = config.effective_server_id(agent_addr);
+    let head_limits = config.response_head_limits();
     let hub = Arc::new(Hub::new(
         Limits {
             max_queue_per_tunnel: config.max_queue_per_tunnel,
             max_streams_per_token: config.max_streams_per_token,
-            max_response_headers: config.max_response_headers,
-            max_response_header_bytes: config.max_response_header_bytes,
+            max_response_headers: head_limits.max_headers,
+            max_response_header_bytes: head_limits.max_bytes,
         },
         metrics,
     ));
@@ -172,25 +215,13 @@ pub async fn start(
     let mut tasks = Vec::new();
 
     let tokens = SharedTokens::new(tokens);
-    let mut reloadable: Vec<Arc<dyn tls::Reload>> = Vec::new();
-    reloadable.extend(
-        agent_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
-    reloadable.extend(
-        forward_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
-    reloadable.extend(
-        dispatcher_tls
-            .clone()
-            .map(|t| Arc::new(t) as Arc<dyn tls::Reload>),
-    );
+    let mut reloads = tls::Reloads::default()
+        .with(agent_tls.clone())
+        .with(forward_tls.clone())
+        .with(dispatcher_tls.clone());
     if let Some(path) = &config.token_store {
         let (revoke_hub, store) = (hub.clone(), tokens.clone());
-        reloadable.push(Arc::new(tokens::TokenReloader {
+        reloads.push(tokens::TokenReloader {
             path: path.clone(),
             tokens: tokens.clone(),
             on_change: Box::new(move || {
@@ -202,13 +233,9 @@ pub async fn start(
                     );
                 }
             }),
-        }));
+        });
     }
-    tasks.push(tokio::spawn(tls::watch(
-        reloadable,
-        config.reload_interval,
-        stop_serving.clone(),
-    )));
+    tasks.push(reloads.spawn(config.reload_interval, stop_serving.clone()));
 
     let tunnel = stream::TunnelService {
         hub: hub.clone(),
@@ -226,7 +253,9 @@ pub async fn start(
         .max_encoding_message_size(config.max_frame_bytes);
     let stop = stop_serving.clone();
     tasks.push(tokio::spawn(async move {
-        let r = grpc_server(agent_h2)
+        // An agent multiplexes up to its `max_streams` tunnel streams on one connection,
+        // a load balancer those of many agents: `[agent_h2]` sizes for that.
+        let r = relay_common::grpc::server(&agent_h2)
             .add_service(tunnel)
             .serve_with_incoming_shutdown(
                 listen::incoming(listeners.agent, agent_tls, agent_guard, stop.clone()),
@@ -256,7 +285,8 @@ pub async fn start(
         .max_encoding_message_size(config.max_frame_bytes);
     let stop = stop_serving.clone();
     tasks.push(tokio::spawn(async move {
-        let r = grpc_server(forward_h2)
+        // A dispatcher sends all its calls to this server on one connection.
+        let r = relay_common::grpc::server(&forward_h2)
             .add_service(forward)
             .serve_with_incoming_shutdown(
                 listen::incoming(
@@ -321,14 +351,35 @@ pub async fn start(
             intro: intro.clone(),
             interval: config.report_interval,
             key: config.dispatcher_key.clone(),
-            tls: dispatcher_tls.clone(),
-            h2: dispatcher_h2,
+            client: relay_common::grpc::GrpcClient::new(
+                dispatcher_h2,
+                report::CONNECT_TIMEOUT,
+                dispatcher_tls.clone(),
+            ),
             max_frame_bytes: config.max_frame_bytes,
             stop: stop_reports.clone(),
         };
         tasks.push(tokio::spawn(reporter.run()));
     }
     info!(%server_id, instance_id = %hub.instance_id, agent = %agent_addr, forward = %forward_addr, admin = %admin_addr, "tunnel server listening");
+    let stop = CancellationToken::new();
+    let abort_handles = tasks.iter().map(JoinHandle::abort_handle).collect();
+    let stopper = Stopper {
+        server_id: server_id.clone(),
+        hub: hub.clone(),
+        grace: config.shutdown_grace,
+        stop_reports,
+        stop_serving,
+        tasks,
+        tracker,
+    };
+    let stopper = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            stop.cancelled().await;
+            stopper.run().await;
+        }
+    });
     Ok(TunnelServerHandle {
         server_id,
         agent_addr,
@@ -336,19 +387,10 @@ pub async fn start(
         admin_addr,
         registry,
         hub,
-        grace: config.shutdown_grace,
-        stop_reports,
-        stop_serving,
-        tasks,
-        tracker,
+        stop,
+        stopper: Some(stopper),
+        tasks: abort_handles,
     })
-}
-
-/// A gRPC server with the listener's HTTP/2 limits (an agent multiplexes up to its
-/// `max_streams` tunnel streams on one connection, a load balancer those of many agents;
-/// a dispatcher all its calls to this server).
-fn grpc_server(h2: H2Limits) -> tonic::transport::Server {
-    h2.tonic_server(tonic::transport::Server::builder().tcp_nodelay(true))
 }
 
 impl TunnelServerHandle {
@@ -358,34 +400,73 @@ impl TunnelServerHandle {
 
     /// Graceful stop: announce draining, send Drain to agents, let calls in flight finish
     /// within the grace period, then close every stream and stop serving.
-    pub async fn shutdown(self) {
-        info!(server_id = %self.server_id, "draining");
-        self.hub
-            .drain(self.grace.as_millis().min(u32::MAX as u128) as u32);
-        // Wait until the agents have moved every stream away (they do once covered
-        // elsewhere; busy streams leave after their call) and nothing runs, or the grace.
-        let deadline = Instant::now() + self.grace;
-        while (!self.hub.is_empty() || self.hub.metrics.in_flight.get() > 0)
-            && Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    pub async fn shutdown(mut self) {
+        self.stop.cancel();
+        if let Some(stopper) = self.stopper.take() {
+            let _ = stopper.await;
         }
-        self.stop_reports.cancel();
-        self.hub.close_all();
-        self.stop_serving.cancel();
-        self.tracker.close();
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.tracker.wait()).await;
-        for t in self.tasks {
-            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
-        }
-        info!(server_id = %self.server_id, "stopped");
     }
 
     /// Immediate stop, as a crash would: no drain, no goodbye.
-    pub fn abort(self) {
+    pub fn abort(mut self) {
+        if let Some(stopper) = self.stopper.take() {
+            stopper.abort();
+        }
         self.hub.close_all();
         for t in &self.tasks {
             t.abort();
         }
+    }
+}
+
+impl Drop for TunnelServerHandle {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_common::testing::until_refused;
+    use tokio::net::TcpStream;
+
+    async fn start_plain() -> TunnelServerHandle {
+        let bind = || TcpListener::bind("127.0.0.1:0");
+        let listeners = Listeners {
+            agent: bind().await.unwrap(),
+            forward: bind().await.unwrap(),
+            admin: bind().await.unwrap(),
+        };
+        let cfg = Config {
+            server_id: "ts-handle".into(),
+            dispatchers: vec![],
+            ..Config::default()
+        }
+        .insecure();
+        start(cfg, TokenStore::default(), listeners).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn dropping_the_handle_stops_the_server() {
+        let server = start_plain().await;
+        let addrs = [server.agent_addr, server.forward_addr, server.admin_addr];
+        for addr in &addrs {
+            TcpStream::connect(addr).await.expect("serving");
+        }
+        drop(server);
+        until_refused(&addrs, Duration::from_secs(10)).await;
+    }
+
+    #[tokio::test]
+    async fn shutdown_and_abort_stop_the_server() {
+        let server = start_plain().await;
+        let addrs = [server.agent_addr, server.forward_addr, server.admin_addr];
+        server.shutdown().await;
+        until_refused(&addrs, Duration::from_secs(10)).await;
+        let server = start_plain().await;
+        let addrs = [server.agent_addr, server.forward_addr, server.admin_addr];
+        server.abort();
+        until_refused(&addrs, Duration::from_secs(10)).await;
     }
 }

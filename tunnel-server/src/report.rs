@@ -44,6 +44,8 @@ use tracing::{error, info, warn};
 const RETRY_INITIAL: Duration = Duration::from_millis(100);
 /// Longest wait between two reconnects (before jitter).
 const RETRY_MAX: Duration = Duration::from_secs(1);
+/// How long dialing a dispatcher may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 pub struct Reporter {
     pub hub: Arc<Hub>,
@@ -52,10 +54,9 @@ pub struct Reporter {
     pub interval: Duration,
     /// Shared secret the dispatcher expects from tunnel servers, if any.
     pub key: Option<Secret>,
-    /// TLS for `https://` dispatcher URLs (`[dispatcher_tls]`); `None` dials plain h2c.
-    pub tls: Option<relay_common::tls::TlsClient>,
-    /// HTTP/2 limits of the report connection (`[dispatcher_h2]`).
-    pub h2: relay_common::h2::H2Limits,
+    /// How the dispatcher is dialed: TLS for `https://` URLs (`[dispatcher_tls]`, `None`
+    /// dials plain h2c) and the report connection's HTTP/2 limits (`[dispatcher_h2]`).
+    pub client: relay_common::grpc::GrpcClient,
     /// `max_frame_bytes`: the largest message sent to or accepted from the dispatcher.
     pub max_frame_bytes: usize,
     pub stop: CancellationToken,
@@ -98,17 +99,15 @@ impl Reporter {
     /// once the dispatcher kept the stream open past a report tick (a refusal ends it at
     /// once).
     async fn session(&self, accepted: &mut bool) -> Result<(), String> {
-        let endpoint = self.h2.tonic_endpoint(
-            tonic::transport::Endpoint::from_shared(self.dispatcher.clone())
-                .map_err(|e| e.to_string())?
-                .connect_timeout(Duration::from_secs(3))
-                .tcp_nodelay(true),
-        );
-        let channel = match &self.tls {
-            Some(tls) => endpoint.connect_with_connector(tls.tonic_connector()).await,
-            None => endpoint.connect().await,
-        }
-        .map_err(|e| format!("{e}: {}", source_chain(&e)))?;
+        let endpoint = self
+            .client
+            .endpoint(&self.dispatcher)
+            .map_err(|e| e.to_string())?;
+        let channel = self
+            .client
+            .connect(endpoint)
+            .await
+            .map_err(|e| format!("{e}: {}", source_chain(&e)))?;
         let mut client = RegistryClient::new(channel)
             .max_decoding_message_size(self.max_frame_bytes)
             .max_encoding_message_size(self.max_frame_bytes);

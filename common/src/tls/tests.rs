@@ -342,3 +342,58 @@ async fn a_listener_pinned_to_client_names_refuses_another_certificate_of_the_sa
     );
     talk(&client("dispatcher-1"), addr).await.unwrap();
 }
+
+/// Counts its reloads; its one file is `path`.
+struct Counted {
+    path: PathBuf,
+    reloads: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Reload for Counted {
+    fn reload(&self) -> Result<(), TlsError> {
+        self.reloads
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+    fn files(&self) -> Vec<PathBuf> {
+        vec![self.path.clone()]
+    }
+    fn name(&self) -> &str {
+        "counted"
+    }
+}
+
+#[tokio::test]
+async fn reloads_follow_file_changes_until_stopped() {
+    let dir = temp_dir("reloads");
+    let path = write(&dir, "watched.pem", "one").unwrap();
+    let reloads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = || reloads.load(std::sync::atomic::Ordering::SeqCst);
+    let stop = CancellationToken::new();
+    let mut set = Reloads::default().with(None::<TlsServer>);
+    set.push(Counted {
+        path: path.clone(),
+        reloads: reloads.clone(),
+    });
+    let task = set.spawn(Duration::from_millis(10), stop.clone());
+    // Changes the file's modification time shows (set explicitly: a rewrite within the
+    // file system's timestamp granularity would not), repeated until one lands after the
+    // task took its first look.
+    let file = std::fs::File::options().write(true).open(&path).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut later = crate::wall::now();
+    while count() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no reload after the file changed"
+        );
+        later += Duration::from_secs(1);
+        file.set_modified(later).unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .expect("the reload task ends when stopped")
+        .unwrap();
+}
