@@ -14,6 +14,7 @@ pub mod h2;
 pub mod hop;
 pub mod listen;
 pub mod secret;
+pub mod server_id;
 pub mod shutdown;
 pub mod telemetry;
 #[cfg(any(test, feature = "test-util"))]

@@ -34,7 +34,7 @@
 //!   normally, with an error, or by the caller going away (dropped = `cancelled`).
 
 use crate::error::RequestBodyError;
-use crate::metrics::Metrics;
+use crate::metrics::{CallOutcome, Metrics};
 use bytes::Bytes;
 use futures::StreamExt;
 use http_body::{Body, Frame, SizeHint};
@@ -263,13 +263,6 @@ impl futures::Stream for AttemptStream {
     }
 }
 
-/// How a call ended, for the `outcome` label.
-pub const OUTCOME_OK: &str = "ok";
-pub const OUTCOME_ABORTED: &str = "aborted";
-pub const OUTCOME_CANCELLED: &str = "cancelled";
-/// The response body stalled past `body_idle_timeout` and was cut.
-pub const OUTCOME_BODY_IDLE_TIMEOUT: &str = "body_idle_timeout";
-
 /// The time bounds of a response body after its head: the call's deadline, and the
 /// longest silence between two frames (`body_idle_timeout`).
 #[derive(Debug, Clone, Copy)]
@@ -296,7 +289,7 @@ pub struct CallGuard {
     /// The caller's concurrency slot, given back when the call ends.
     permit: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The caller's slot for the call's tunnel id, given back when the call ends.
-    tunnel_slot: Option<crate::front::TunnelSlot>,
+    tunnel_slot: Option<crate::quota::TunnelSlot>,
 }
 
 impl CallGuard {
@@ -313,7 +306,7 @@ impl CallGuard {
     }
 
     /// Holds the caller's slot for the call's tunnel id until the call ends.
-    pub fn hold_tunnel(&mut self, slot: crate::front::TunnelSlot) {
+    pub fn hold_tunnel(&mut self, slot: crate::quota::TunnelSlot) {
         self.tunnel_slot = Some(slot);
     }
 
@@ -327,7 +320,7 @@ impl CallGuard {
         self.server_id = server_id;
     }
 
-    pub fn finish(&mut self, outcome: &str) {
+    pub fn finish(&mut self, outcome: CallOutcome) {
         if self.recorded {
             return;
         }
@@ -335,6 +328,7 @@ impl CallGuard {
         self.permit = None;
         self.tunnel_slot = None;
         self.metrics.calls_in_flight.dec();
+        let outcome = outcome.as_str();
         self.metrics.calls.with_label_values(&[outcome]).inc();
         let server = self.server_id.as_deref().unwrap_or("none");
         self.metrics
@@ -349,7 +343,7 @@ impl CallGuard {
 
 impl Drop for CallGuard {
     fn drop(&mut self) {
-        self.finish(OUTCOME_CANCELLED);
+        self.finish(CallOutcome::Cancelled);
     }
 }
 
@@ -460,16 +454,16 @@ pub const RPC_END_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Streamed {
     fn abort(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.abort_as(OUTCOME_ABORTED, why)
+        self.abort_as(CallOutcome::Aborted, why)
     }
 
     fn abort_as(
         &mut self,
-        outcome: &'static str,
+        outcome: CallOutcome,
         why: String,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.done = true;
-        tracing::warn!(call_id = self.call_id, outcome, reason = %why, "response aborted after its head");
+        tracing::warn!(call_id = self.call_id, outcome = outcome.as_str(), reason = %why, "response aborted after its head");
         self.guard.finish(outcome);
         Poll::Ready(Some(Err(Box::new(BodyAborted(why)))))
     }
@@ -478,12 +472,12 @@ impl Streamed {
     fn time_up(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if Instant::now() >= self.timers.deadline {
             self.abort_as(
-                crate::error::ErrorCode::DeadlineExceeded.as_str(),
+                CallOutcome::Failed(crate::error::ErrorCode::DeadlineExceeded),
                 "the call's deadline passed before the response body's end".into(),
             )
         } else {
             self.abort_as(
-                OUTCOME_BODY_IDLE_TIMEOUT,
+                CallOutcome::BodyIdleTimeout,
                 format!(
                     "no response body frame for {} ms (body_idle_timeout)",
                     self.timers.idle.as_millis()
@@ -578,7 +572,7 @@ impl Body for RelayBody {
                     }
                     if chunk.end {
                         st.ended = true;
-                        st.guard.finish(OUTCOME_OK);
+                        st.guard.finish(CallOutcome::Ok);
                     }
                     if !chunk.data.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from(chunk.data)))));

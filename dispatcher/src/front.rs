@@ -24,14 +24,14 @@
 //! tenant's slow calls cannot take every slot of a key several tenants share. Both answer
 //! 429 `too_many_calls`; the slots are given back when the call ends (its body included).
 
-use crate::body::{BodyTimers, CallGuard, CallerBody, RelayBody, RequestBody, OUTCOME_OK};
+use crate::body::{BodyTimers, CallGuard, CallerBody, RelayBody, RequestBody};
 use crate::config::{CallerConfig, Config, MIN_HEADER_BYTES};
 use crate::error::{ErrorCode, Failure, RequestBodyError};
 use crate::forward::{CallPlan, Forwarder};
 use crate::headers::{self, TIMEOUT_HEADER};
-use crate::metrics::Metrics;
+use crate::metrics::{CallOutcome, Metrics};
+use crate::quota::{TunnelSlot, TunnelSlots};
 use crate::registry::Registry;
-use crate::report::valid_tunnel_id;
 use bytes::Bytes;
 use futures::StreamExt;
 use http::{HeaderMap, Request, Response, StatusCode};
@@ -43,6 +43,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use relay_common::h2::H2Limits;
 use relay_common::listen::{self, Conn, ListenerGuard};
 use relay_common::tls::TlsServer;
+use relay_common::tunnel_id::is_valid as valid_tunnel_id;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -60,46 +61,6 @@ struct Caller {
     slots: Arc<Semaphore>,
     /// Calls in flight per tunnel id, when `max_concurrent_calls_per_tunnel` is set.
     per_tunnel: Option<Arc<TunnelSlots>>,
-}
-
-/// Calls in flight of one caller per tunnel id. An entry lives while its count is above
-/// zero, so the table holds at most `max_concurrent_calls` entries.
-#[derive(Default)]
-pub struct TunnelSlots {
-    counts: parking_lot::Mutex<std::collections::HashMap<String, usize>>,
-}
-
-impl TunnelSlots {
-    fn try_take(self: &Arc<Self>, tunnel_id: &str, max: usize) -> Option<TunnelSlot> {
-        let mut counts = self.counts.lock();
-        let n = counts.entry(tunnel_id.to_string()).or_insert(0);
-        if *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(TunnelSlot {
-            slots: self.clone(),
-            tunnel_id: tunnel_id.to_string(),
-        })
-    }
-}
-
-/// One call's place among its caller's calls to one tunnel id; given back on drop.
-pub struct TunnelSlot {
-    slots: Arc<TunnelSlots>,
-    tunnel_id: String,
-}
-
-impl Drop for TunnelSlot {
-    fn drop(&mut self) {
-        let mut counts = self.slots.counts.lock();
-        if let Some(n) = counts.get_mut(&self.tunnel_id) {
-            *n -= 1;
-            if *n == 0 {
-                counts.remove(&self.tunnel_id);
-            }
-        }
-    }
 }
 
 /// The request-handling half of the front, shared by all connections.
@@ -320,7 +281,7 @@ impl Front {
         failure: &Failure,
         tunnel_id: Option<&str>,
     ) -> Response<RelayBody> {
-        guard.finish(failure.code.as_str());
+        guard.finish(CallOutcome::Failed(failure.code));
         failure.response(tunnel_id)
     }
 
@@ -474,7 +435,7 @@ impl Front {
         }
         debug!(server_id = %answer.server_id, status = status.as_u16(), "response head");
         let body = if answer.head.end_of_stream {
-            guard.finish(OUTCOME_OK);
+            guard.finish(CallOutcome::Ok);
             // A small body may travel inside the head.
             RelayBody::small(
                 Bytes::from(std::mem::take(&mut answer.head.body)),

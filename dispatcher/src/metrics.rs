@@ -3,12 +3,53 @@
 //!
 //! Labels carry outcomes and server ids only: never a caller key, token or tunnel secret.
 
-use crate::body::{OUTCOME_ABORTED, OUTCOME_BODY_IDLE_TIMEOUT, OUTCOME_CANCELLED, OUTCOME_OK};
 use crate::error::ErrorCode;
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
 };
+
+/// How a call ended: the `outcome` label of `relay_dispatcher_calls_total` and
+/// `relay_dispatcher_calls_by_server_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// The whole response reached the caller.
+    Ok,
+    /// The response was cut after its head (the stream or the server died mid-body).
+    Aborted,
+    /// The caller went away before the call ended.
+    Cancelled,
+    /// The response body stalled past `body_idle_timeout` and was cut.
+    BodyIdleTimeout,
+    /// The call failed with the error the caller was answered with (before the head), or
+    /// whose bound cut the body (`deadline_exceeded`).
+    Failed(ErrorCode),
+}
+
+impl CallOutcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallOutcome::Ok => "ok",
+            CallOutcome::Aborted => "aborted",
+            CallOutcome::Cancelled => "cancelled",
+            CallOutcome::BodyIdleTimeout => "body_idle_timeout",
+            CallOutcome::Failed(code) => code.as_str(),
+        }
+    }
+
+    /// Every outcome, for exporting each label value at zero from the start.
+    pub fn all() -> impl Iterator<Item = CallOutcome> {
+        [
+            CallOutcome::Ok,
+            CallOutcome::Aborted,
+            CallOutcome::Cancelled,
+            CallOutcome::BodyIdleTimeout,
+        ]
+        .into_iter()
+        .chain(ErrorCode::ALL.iter().copied().map(CallOutcome::Failed))
+    }
+}
 
 /// Every `reason` of `relay_dispatcher_reports_refused_total`.
 pub const REFUSAL_REASONS: [&str; 4] = [
@@ -169,9 +210,6 @@ impl Metrics {
             &["reason"],
         )?;
         registry.register(Box::new(registry_records_refused.clone()))?;
-        for r in crate::shared::record::REFUSAL_REASONS {
-            registry_records_refused.with_label_values(&[r]);
-        }
         registry.register(Box::new(calls.clone()))?;
         registry.register(Box::new(call_duration.clone()))?;
         registry.register(Box::new(routing_decisions.clone()))?;
@@ -183,16 +221,8 @@ impl Metrics {
         // Export every fixed label value from the start: a counter that first appears
         // already above zero loses that first step in `rate()`, so an alert on
         // `no_capacity` or `stream_lost` would miss the first burst.
-        let outcomes = [
-            OUTCOME_OK,
-            OUTCOME_ABORTED,
-            OUTCOME_CANCELLED,
-            OUTCOME_BODY_IDLE_TIMEOUT,
-        ]
-        .into_iter()
-        .chain(ErrorCode::ALL.iter().map(|c| c.as_str()));
-        for o in outcomes {
-            calls.with_label_values(&[o]);
+        for o in CallOutcome::all() {
+            calls.with_label_values(&[o.as_str()]);
         }
         for r in REFUSAL_REASONS {
             reports_refused.with_label_values(&[r]);

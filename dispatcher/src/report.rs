@@ -128,14 +128,29 @@ impl ReportService {
                 intro.protocol_version,
                 relay_proto::PROTOCOL_VERSION
             );
-            warn!(%peer, server_id = %intro.server_id, reason = %why, "report stream refused");
+            warn!(%peer, server_id = ?intro.server_id, reason = %why, "report stream refused");
             return Err(Status::failed_precondition(why));
         }
-        if intro.server_id.is_empty() || intro.server_id.len() > 256 {
+        // Checked before anything of the intro is logged: ids that pass are printable.
+        if !relay_common::server_id::is_valid(&intro.server_id) {
             return Err(Self::refuse(
                 peer,
-                "ServerIntro.server_id must be 1 to 256 bytes".into(),
+                format!(
+                    "ServerIntro.server_id must be {}",
+                    relay_common::server_id::RULE
+                ),
             ));
+        }
+        for (field, value) in [("zone", &intro.zone), ("instance_id", &intro.instance_id)] {
+            if !value.is_empty() && !relay_common::server_id::is_valid(value) {
+                return Err(Self::refuse(
+                    peer,
+                    format!(
+                        "ServerIntro.{field} must be empty or {}",
+                        relay_common::server_id::RULE
+                    ),
+                ));
+            }
         }
         let url_ok = intro
             .forward_url
@@ -353,6 +368,52 @@ impl relay_proto::registry_server::Registry for ReportService {
                     )));
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_proto::ServerIntro;
+
+    fn intro(server_id: &str, zone: &str, instance_id: &str) -> Result<ServerInfo, Status> {
+        let intro = ServerIntro {
+            server_id: server_id.into(),
+            zone: zone.into(),
+            forward_url: "http://10.0.0.1:8451".into(),
+            protocol_version: relay_proto::PROTOCOL_VERSION,
+            instance_id: instance_id.into(),
+            direct_url: String::new(),
+        };
+        let frame = ServerReport {
+            kind: Some(Kind::Intro(intro)),
+        };
+        ReportService::intro("test", Ok(Some(frame)))
+    }
+
+    #[test]
+    fn an_intro_whose_names_would_forge_log_lines_is_refused_before_anything_is_logged() {
+        let info = intro("ts-1", "eu-west", "00ff00ff00ff00ff").unwrap();
+        assert_eq!((&*info.server_id, &*info.zone), ("ts-1", "eu-west"));
+        intro("ts-1", "", "").unwrap();
+        let cases = [
+            (
+                "ts-1\n2026-12-01T00:00:00Z INFO forged",
+                "local",
+                "1",
+                "server_id",
+            ),
+            ("ts\u{1b}[2J", "local", "1", "server_id"),
+            ("ts 1", "local", "1", "server_id"),
+            ("", "local", "1", "server_id"),
+            ("ts-1", "eu\rwest", "1", "zone"),
+            ("ts-1", "local", "1\u{202e}", "instance_id"),
+        ];
+        for (server_id, zone, instance_id, field) in cases {
+            let status = intro(server_id, zone, instance_id).unwrap_err();
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{server_id:?}");
+            assert!(status.message().contains(field), "{}", status.message());
         }
     }
 }

@@ -488,6 +488,12 @@ impl SharedStore {
 
     /// Runs until `stop` is cancelled.
     pub async fn run(self) {
+        // Every refusal reason at zero from the start, so a first refusal shows in `rate()`.
+        for r in record::REFUSAL_REASONS {
+            self.metrics
+                .registry_records_refused
+                .with_label_values(&[r]);
+        }
         let mut conn: Option<MultiplexedConnection> = None;
         let mut refresh = tokio::time::interval(self.refresh_interval);
         refresh.set_missed_tick_behavior(MissedTickBehavior::Skip);

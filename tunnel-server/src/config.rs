@@ -240,6 +240,17 @@ impl Config {
         self.forward_h2()?;
         self.dispatcher_h2()?;
         self.agent_limits.validate("agent_limits")?;
+        for (key, value) in [("server_id", &self.server_id), ("zone", &self.zone)] {
+            if !value.is_empty() && !relay_common::server_id::is_valid(value) {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "{value:?} is not {} (dispatchers refuse it)",
+                        relay_common::server_id::RULE
+                    ),
+                ));
+            }
+        }
         if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
             return Err(ConfigError::invalid(
                 "max_frame_bytes",
@@ -342,6 +353,32 @@ fn host_name() -> String {
 mod tests {
     use super::*;
     use std::path::Path;
+
+    #[test]
+    fn a_server_id_or_zone_a_dispatcher_would_refuse_is_a_config_error_naming_the_key() {
+        for (server_id, zone, key) in [("ts 1", "eu", "server_id"), ("ts-1", "eu\nwest", "zone")] {
+            let c = Config {
+                server_id: server_id.into(),
+                zone: zone.into(),
+                ..Config::default()
+            }
+            .insecure();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{err}");
+        }
+        let ok = Config {
+            server_id: "ts-1".into(),
+            zone: "eu-west".into(),
+            ..Config::default()
+        }
+        .insecure();
+        let err = ok
+            .validate()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(!err.contains("server_id") && !err.contains("zone"), "{err}");
+    }
 
     #[test]
     fn default_server_ids_of_replicas_on_one_port_differ() {

@@ -17,6 +17,7 @@
 //!
 //! This module does no I/O and keeps no state.
 
+use crate::hosts::{Host, HostRule};
 use crate::registry::ServerRecord;
 use ring::hmac;
 use serde::{Deserialize, Serialize};
@@ -102,103 +103,7 @@ impl Refusal {
     }
 }
 
-/// One entry of `[registry] forward_hosts`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HostRule {
-    /// IP addresses in loopback, private (RFC 1918), link-local, shared (100.64.0.0/10)
-    /// and IPv6 unique-local ranges.
-    Private,
-    /// An address range (a single address is a full-length range).
-    Net(IpAddr, u8),
-    /// A host name pattern (lowercase; `*` matches any run of characters).
-    Name(String),
-}
-
-impl HostRule {
-    /// Parses one `forward_hosts` entry; the error says what is wrong.
-    pub fn parse(s: &str) -> Result<HostRule, String> {
-        if s == "private" {
-            return Ok(HostRule::Private);
-        }
-        if let Some((ip, len)) = s.split_once('/') {
-            let ip: IpAddr = ip
-                .parse()
-                .map_err(|_| format!("{s:?}: {ip:?} is not an IP address"))?;
-            let max = if ip.is_ipv4() { 32 } else { 128 };
-            let len: u8 = len
-                .parse()
-                .ok()
-                .filter(|l| *l <= max)
-                .ok_or_else(|| format!("{s:?}: prefix length must be 0 to {max}"))?;
-            return Ok(HostRule::Net(ip, len));
-        }
-        if let Ok(ip) = s.parse::<IpAddr>() {
-            let len = if ip.is_ipv4() { 32 } else { 128 };
-            return Ok(HostRule::Net(ip, len));
-        }
-        let ok = !s.is_empty()
-            && s.len() <= 253
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'*'));
-        if !ok {
-            return Err(format!(
-                "{s:?} is not \"private\", an address range (10.0.0.0/8), an address, or a \
-                 host name pattern of [A-Za-z0-9.-] and `*`"
-            ));
-        }
-        Ok(HostRule::Name(s.to_ascii_lowercase()))
-    }
-
-    fn allows(&self, host: &Host) -> bool {
-        match (self, host) {
-            (HostRule::Private, Host::Ip(ip)) => private(*ip),
-            (HostRule::Net(net, len), Host::Ip(ip)) => in_net(*ip, *net, *len),
-            (HostRule::Name(p), Host::Name(n)) => crate::config::pattern_matches(p, n),
-            _ => false,
-        }
-    }
-}
-
-enum Host {
-    Ip(IpAddr),
-    Name(String),
-}
-
-fn private(ip: IpAddr) -> bool {
-    match ip.to_canonical() {
-        IpAddr::V4(v4) => {
-            let [a, b, ..] = v4.octets();
-            v4.is_loopback()
-                || v4.is_private()
-                || v4.is_link_local()
-                || (a == 100 && b & 0xc0 == 64)
-        }
-        IpAddr::V6(v6) => {
-            let s0 = v6.segments()[0];
-            v6.is_loopback() || s0 & 0xfe00 == 0xfc00 || s0 & 0xffc0 == 0xfe80
-        }
-    }
-}
-
-fn in_net(ip: IpAddr, net: IpAddr, len: u8) -> bool {
-    match (ip.to_canonical(), net) {
-        (IpAddr::V4(a), IpAddr::V4(n)) => {
-            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
-            u32::from(a) & mask == u32::from(n) & mask
-        }
-        (IpAddr::V6(a), IpAddr::V6(n)) => {
-            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
-            u128::from(a) & mask == u128::from(n) & mask
-        }
-        _ => false,
-    }
-}
-
-/// A server id as the shared registry accepts it: 1 to 256 bytes of printable ASCII, no
-/// spaces (host names, addresses, `:` and `-` fit; control characters and non-ASCII do not).
-pub fn valid_server_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= MAX_NAME_BYTES && id.bytes().all(|b| b.is_ascii_graphic())
-}
+pub use relay_common::server_id::is_valid as valid_server_id;
 
 #[derive(Serialize)]
 struct BodyRef<'a> {
@@ -338,7 +243,7 @@ impl RecordRules {
             .tunnels
             .iter()
             .chain(load_ids)
-            .find(|t| !crate::report::valid_tunnel_id(t))
+            .find(|t| !relay_common::tunnel_id::is_valid(t))
         {
             return Err(Refusal::TunnelId(
                 bad.chars().take(MAX_NAME_BYTES).collect(),

@@ -1,4 +1,5 @@
 use super::*;
+use crate::hosts::in_net;
 use crate::registry::{LoadFigures, ServerInfo, TunnelFigures};
 
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
