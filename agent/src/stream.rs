@@ -363,6 +363,22 @@ pub(crate) async fn open(
                     relay_proto::PROTOCOL_VERSION
                 )));
             }
+            // The hello's names reach log lines and metric labels: only printable ones.
+            let names = [
+                ("server_id", &hello.server_id, false),
+                ("zone", &hello.zone, true),
+                ("instance_id", &hello.instance_id, true),
+            ];
+            for (field, value, may_be_empty) in names {
+                let allowed =
+                    relay_common::server_id::is_valid(value) || (may_be_empty && value.is_empty());
+                if !allowed {
+                    return Err(OpenError::Other(format!(
+                        "ServerHello.{field} is not {}",
+                        relay_common::server_id::RULE
+                    )));
+                }
+            }
             Ok((tx, inbound, hello))
         }
         Ok(Some(_)) => Err(OpenError::Other(
@@ -658,7 +674,19 @@ impl Session {
                 }
             }
             In::Pressure(p) => self.emit(id, StreamEvent::Pressure(p.queued)),
-            In::Fleet(fleet) => self.emit(id, StreamEvent::Fleet(fleet.members)),
+            In::Fleet(fleet) => {
+                // Members reach plans and log lines by their names: only printable ones.
+                let members = fleet
+                    .members
+                    .into_iter()
+                    .filter(|m| {
+                        relay_common::server_id::is_valid(&m.server_id)
+                            && (m.instance_id.is_empty()
+                                || relay_common::server_id::is_valid(&m.instance_id))
+                    })
+                    .collect();
+                self.emit(id, StreamEvent::Fleet(members))
+            }
         }
         Ok(())
     }

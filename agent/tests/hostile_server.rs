@@ -113,3 +113,35 @@ async fn oversized_frames_from_the_server_end_the_stream_and_a_new_one_serves() 
         assert_eq!(a.status(), 200, "{what}: a new stream serves: {a:?}");
     }
 }
+
+/// A server id that would forge log lines (a newline, an ANSI escape, a space) ends the
+/// stream at its hello: the agent never serves on it, and a server with a printable id is
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_whose_server_id_would_forge_log_lines_ends_the_stream() {
+    let upstream = hyper_upstream().await;
+    for server_id in ["ts-1\nINFO forged line", "ts\u{1b}[2J", "ts 1", ""] {
+        let mut tunnel = FakeTunnel::start_as(server_id, 10_000, true).await;
+        let (_agent, _) = start_agent(config(&tunnel.url, &upstream, 1)).await;
+        let mut conn = tunnel.next_conn().await;
+        // The agent may have ended the stream already.
+        let _ = conn
+            .tx
+            .send(Ok(ServerFrame::of(In::RequestHead(head(
+                1, "GET", "/hello", true,
+            )))))
+            .await;
+        loop {
+            match conn.next().await {
+                None => break,
+                Some(Out::ResponseHead(h)) => panic!("{server_id:?}: served a call: {h:?}"),
+                Some(_) => {}
+            }
+        }
+    }
+    let mut tunnel = FakeTunnel::start_as("ts-1", 10_000, true).await;
+    let (_agent, _) = start_agent(config(&tunnel.url, &upstream, 1)).await;
+    let mut conn = tunnel.next_conn().await;
+    let a = conn.call(head(1, "GET", "/hello", true), vec![]).await;
+    assert_eq!(a.status(), 200, "{a:?}");
+}

@@ -158,6 +158,8 @@ pub struct Svc {
     pub rejections: Arc<Mutex<Vec<Instant>>>,
     pub heartbeat_ms: u32,
     pub next_stream: Arc<AtomicU64>,
+    /// The `server_id` of every hello.
+    pub server_id: String,
 }
 
 #[tonic::async_trait]
@@ -179,7 +181,7 @@ impl Tunnel for Svc {
         }
         let (tx, rx) = mpsc::channel(16);
         let hello = ServerHello {
-            server_id: "ts-1".into(),
+            server_id: self.server_id.clone(),
             zone: "zone-a".into(),
             stream_id: self.next_stream.fetch_add(1, Ordering::SeqCst),
             heartbeat_ms: self.heartbeat_ms,
@@ -210,6 +212,11 @@ pub struct FakeTunnel {
 
 impl FakeTunnel {
     pub async fn start(heartbeat_ms: u32, accept: bool) -> Self {
+        Self::start_as("ts-1", heartbeat_ms, accept).await
+    }
+
+    /// A fake server whose hellos carry `server_id`.
+    pub async fn start_as(server_id: &str, heartbeat_ms: u32, accept: bool) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (conns_tx, conns) = mpsc::unbounded_channel();
@@ -221,6 +228,7 @@ impl FakeTunnel {
             rejections: rejections.clone(),
             heartbeat_ms,
             next_stream: Arc::new(AtomicU64::new(1)),
+            server_id: server_id.to_string(),
         };
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(
