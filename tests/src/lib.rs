@@ -11,6 +11,7 @@ pub mod lb;
 pub mod ledger;
 pub mod load;
 pub mod metrics;
+pub mod procfleet;
 pub mod procs;
 pub mod promql;
 pub mod redis;
@@ -31,6 +32,47 @@ where
             tokio::time::Instant::now() < deadline,
             "not true within {within:?}: {what}"
         );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls `check` every 20 ms until it returns `Ok`, and returns its value; panics naming
+/// `what` and the last error if that takes longer than `within`. [`eventually`] for checks
+/// that can say what is still wrong.
+pub async fn eventually_ok<T, F, Fut>(what: &str, within: std::time::Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                panic!("not true within {within:?}: {what}: {e}")
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// Watches `check` every 20 ms for the whole `window`; panics naming `what` the first time
+/// it does not hold. For what must NOT happen: wait for the state with [`eventually`]
+/// first, then watch a window in which it must not change.
+pub async fn holds_for<F, Fut>(what: &str, window: std::time::Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = tokio::time::Instant::now() + window;
+    loop {
+        assert!(
+            check().await,
+            "no longer true within a {window:?} window: {what}"
+        );
+        if tokio::time::Instant::now() >= end {
+            return;
+        }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }

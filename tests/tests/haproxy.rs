@@ -23,6 +23,7 @@ use relay_tests::haproxy::{Backend, Haproxy};
 use relay_tests::ledger::{
     agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops,
 };
+use relay_tests::load::LoadSpec;
 use relay_tests::metrics::value;
 use relay_tests::procs::{
     free_addr, metric, scrape, series, wait_http, AgentOpts, AgentProc, DispatcherOpts,
@@ -235,24 +236,33 @@ async fn behind_haproxy_coverage_reaches_every_routed_server_and_a_restart_loses
 
     // Hard restart of HAProxy under load: every agent connection drops at once.
     let caller = Caller::new(stack.http, Some(CALLER_KEY));
-    let load = tokio::spawn(async move { burst_for(caller, Duration::from_secs(4)).await });
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let load = relay_tests::load::start(
+        caller,
+        LoadSpec::new(8, format!("/relay/{TUNNEL_ID}/hello"), 5000),
+    );
+    load.flowing(20, Duration::from_secs(20)).await; // calls flow before the fault
     let restarted = Instant::now();
     haproxy.restart().await.unwrap();
-    let (answers, n) = load.await.unwrap();
-    sent += n;
+    // The load runs on through the restart until calls are answered 200 again.
+    load.flowing(20, Duration::from_secs(20)).await;
+    let tally = load.stop().await;
+    sent += tally.sent() as usize;
+    let answers = tally.failures();
     // Routable again.
     stack.wait_routable(Duration::from_secs(20)).await.unwrap();
     let back = restarted.elapsed();
     sent += 1; // the successful probe (failed probes counted below)
-    eprintln!("haproxy restart: answers {answers:?}; routable again within {back:?}");
+    eprintln!(
+        "haproxy restart: {}; routable again within {back:?}",
+        tally.summary()
+    );
     for k in answers.keys() {
         assert!(
-            k == "200"
-                || k.starts_with("502 \"stream_lost\"")
-                || k.starts_with("503 \"tunnel_unavailable\"")
-                || k.starts_with("503 \"no_capacity\""),
-            "unexpected answer {k}: {answers:?}"
+            k.starts_with("502 stream_lost")
+                || k.starts_with("503 tunnel_unavailable")
+                || k.starts_with("503 no_capacity"),
+            "unexpected answer {k}: {}",
+            tally.summary()
         );
     }
     // Accounting: the dispatcher answered each call once (probes of wait_routable that
@@ -286,58 +296,8 @@ async fn behind_haproxy_coverage_reaches_every_routed_server_and_a_restart_loses
         }
         hops_agree(&hops)
     };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match accounted().await {
-            Ok(()) => break,
-            Err(e) if Instant::now() > deadline => panic!("accounting not settled: {e}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
+    relay_tests::eventually_ok("accounting settled", Duration::from_secs(20), accounted).await;
     stack.shutdown().await;
-}
-
-/// Sequential calls from 8 workers for `d`; answers by kind and how many were sent.
-async fn burst_for(caller: Caller, d: Duration) -> (BTreeMap<String, usize>, usize) {
-    let until = Instant::now() + d;
-    let workers = (0..8).map(|_| {
-        let caller = caller.clone();
-        tokio::spawn(async move {
-            let mut out: BTreeMap<String, usize> = BTreeMap::new();
-            let mut n = 0;
-            while Instant::now() < until {
-                n += 1;
-                let mut req = caller.request(
-                    Method::GET,
-                    &format!("/relay/{TUNNEL_ID}/hello"),
-                    Bytes::new(),
-                );
-                req.headers_mut()
-                    .insert("x-relay-timeout-ms", "5000".parse().unwrap());
-                let k = match caller.call(req).await {
-                    Ok(a) if a.status == 200 => "200".to_string(),
-                    Ok(a) => format!("{} {}", a.status.as_u16(), a.json()["error"]),
-                    Err(e) => format!("transport {e}"),
-                };
-                *out.entry(k).or_default() += 1;
-                if out.len() > 1 {
-                    // Errors come fast: do not spin.
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            }
-            (out, n)
-        })
-    });
-    let mut all = BTreeMap::new();
-    let mut total = 0;
-    for w in futures::future::join_all(workers).await {
-        let (out, n) = w.unwrap();
-        total += n;
-        for (k, v) in out {
-            *all.entry(k).or_default() += v;
-        }
-    }
-    (all, total)
 }
 
 /// Every agent stream open that reached the server's handler, by any result (accepted,

@@ -262,8 +262,9 @@ async fn zone_skew_run(policy: RoutingPolicy) -> SkewRun {
         &format!("/relay/{TUNNEL_ID}/slow/50"),
         400,
     );
-    // The measurement window: a fixed span of load.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The measurement window: a fixed number of calls answered (as many as 3 s carry on an
+    // idle machine), however long the machine takes for them.
+    loads[0].flowing(300, Duration::from_secs(60)).await;
     let outcome = stop_all(loads).await;
     let after = queue_waits(&stack);
     let waits = queue_wait_delta(&before, &after, 0.0243);
@@ -678,8 +679,11 @@ async fn redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers() {
         .await;
     }
     let degraded_after = stopped_at.elapsed();
-    // Still routing from the last known table.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Still routing from the last known table: both dispatchers answer calls with Redis
+    // down.
+    for l in &loads {
+        l.flowing(20, READY).await;
+    }
     redis.restart().await;
     let restarted_at = Instant::now();
     for d in &fleet.dispatchers {
@@ -753,6 +757,7 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
     // which refuses at once). Calls must not wait on it.
     let during = start_all(callers(), 2, &path, 5000);
     redis.freeze();
+    let frozen_at = Instant::now();
     let (a0, a1) = (fleet.dispatchers[0].admin, fleet.dispatchers[1].admin);
     let (d0, d1) = tokio::join!(
         time_until(READY, || degraded(a0)),
@@ -808,9 +813,15 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
     // live server (a call dispatcher 1 tries on the dead one first is retried, since no
     // agent saw it).
     let after = start_all(callers(), 2, &path, 5000);
-    // Redis answers again within the crashed server's lease, after the records of the
-    // live servers expired (frozen longer than the lease in all).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Redis answers again once the records of the live servers expired (frozen longer
+    // than the lease: their TTL is counted on the clock, so this waits for a time), and
+    // within the crashed server's lease.
+    tokio::time::sleep_until(frozen_at + LEASE + REFRESH).await;
+    assert!(
+        crashed.elapsed() < LEASE,
+        "staging: the thaw comes {:?} after the crash, within its lease {LEASE:?}",
+        crashed.elapsed()
+    );
     redis.thaw();
     let dropped = time_until(READY, || async { !lists(a1, "ts-1").await }).await;
     let dropped = dropped.map(|_| crashed.elapsed());
@@ -821,8 +832,14 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
         })
         .await;
     }
-    // Past the grace after the outage, both still route to the live server.
-    tokio::time::sleep(LEASE).await;
+    // A window as long as the grace after the outage: both still route to the live
+    // server, no call fails.
+    relay_tests::holds_for(
+        "calls through both dispatchers succeed past the grace",
+        LEASE,
+        || async { after.iter().all(|l| l.ledger().failed() == 0) },
+    )
+    .await;
     let after = stop_all(after).await;
     eprintln!(
         "ts-1 crashed during the freeze: dispatcher 1 dropped it {dropped:?} after the crash; \

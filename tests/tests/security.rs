@@ -218,8 +218,19 @@ async fn queue_and_stream_limits_of_a_tunnel_id_return_their_errors_and_serve_on
     // Streams per tunnel id: the agent asks for 4, the server holds 2.
     let hub = stack.servers[0].as_ref().unwrap().hub().clone();
     let streams = || hub.load().iter().map(|t| t.idle + t.busy).sum::<u32>();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(streams(), 2, "max_streams_per_token holds");
+    relay_tests::eventually(
+        "the server holds 2 streams",
+        Duration::from_secs(10),
+        || async { streams() == 2 },
+    )
+    .await;
+    // A window in which the agent keeps asking for 4: the server never holds a third.
+    relay_tests::holds_for(
+        "max_streams_per_token holds: 2 streams",
+        Duration::from_millis(500),
+        || async { streams() == 2 },
+    )
+    .await;
 
     // Queue: two slow calls take both streams, one waits in the queue, the next is
     // refused at once with 503 no_capacity.

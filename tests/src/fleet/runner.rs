@@ -65,6 +65,8 @@ pub struct RunOptions {
     pub progress: bool,
     /// Cancelled on Ctrl-C: the run stops and still reports what ran.
     pub stop: CancellationToken,
+    /// Notified as calls of the load are answered (the run is past its warm-up).
+    pub answered: Arc<tokio::sync::Notify>,
 }
 
 impl Default for RunOptions {
@@ -73,6 +75,7 @@ impl Default for RunOptions {
             mode: Mode::Embedded,
             progress: false,
             stop: CancellationToken::new(),
+            answered: Arc::default(),
         }
     }
 }
@@ -782,6 +785,7 @@ async fn drive(
     let start = Instant::now();
     let end = start + s.duration;
     let stop = opts.stop.clone();
+    let answered = opts.answered.clone();
     let bursts: Arc<Vec<BurstStat>> = Arc::new(
         s.load
             .bursts
@@ -817,12 +821,13 @@ async fn drive(
             let mut tick = tokio::time::interval(Duration::from_millis(5));
             tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
             let spawn_call = |idx: usize, permit, burst: Option<usize>| {
-                let (rec, caller, shape, ids, bursts) = (
+                let (rec, caller, shape, ids, bursts, answered) = (
                     rec.clone(),
                     caller.clone(),
                     shape.clone(),
                     ids.clone(),
                     bursts.clone(),
+                    answered.clone(),
                 );
                 let id = rec.next_id();
                 tokio::spawn(async move {
@@ -843,6 +848,7 @@ async fn drive(
                         }
                     }
                     rec.record(id, t, ms, outcome);
+                    answered.notify_one();
                 });
             };
             loop {
