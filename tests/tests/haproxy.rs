@@ -74,24 +74,29 @@ async fn stack_behind_haproxy(routed: Option<usize>) -> (Stack, Haproxy) {
             haproxy.enable(name).await.unwrap();
         }
         // Up once HAProxy's checks pass (rise 2 x inter 500ms).
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let csv = haproxy.stats_csv().await.unwrap_or_default();
-            let up = csv
-                .lines()
-                .filter(|l| l.starts_with("tunnel_servers,ts-"))
-                .filter(|l| {
-                    l.split(',')
-                        .nth(17)
-                        .is_some_and(|st| st == "UP" || st == "no check")
-                })
-                .count();
-            if up == 3 {
-                break;
-            }
-            assert!(Instant::now() < deadline, "haproxy backends not up:\n{csv}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let h = &haproxy;
+        relay_tests::eventually_ok(
+            "haproxy backends up",
+            Duration::from_secs(10),
+            || async move {
+                let csv = h.stats_csv().await.unwrap_or_default();
+                let up = csv
+                    .lines()
+                    .filter(|l| l.starts_with("tunnel_servers,ts-"))
+                    .filter(|l| {
+                        l.split(',')
+                            .nth(17)
+                            .is_some_and(|st| st == "UP" || st == "no check")
+                    })
+                    .count();
+                if up == 3 {
+                    Ok(())
+                } else {
+                    Err(csv)
+                }
+            },
+        )
+        .await;
     }
     (stack, haproxy)
 }
@@ -188,27 +193,29 @@ async fn behind_haproxy_coverage_reaches_every_routed_server_and_a_restart_loses
     assert_eq!(first.get("200").copied(), Some(200), "{first:?}");
     // Every server the dispatcher routes to (it announced the tunnel id) holds streams,
     // and the agent sees each as covered.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let (_, check) = stack.systemcheck().await.unwrap();
-        let servers = check["servers"].as_array().cloned().unwrap_or_default();
-        let all_covered = !servers.is_empty()
-            && servers
-                .iter()
-                .all(|s| s["state"] == "covered" && s["streams"].as_u64().unwrap_or(0) > 0);
-        if all_covered {
-            eprintln!(
-                "haproxy: agent coverage {}",
-                serde_json::to_string(&servers).unwrap()
-            );
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not every server covered: {check}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let st = &stack;
+    let servers = relay_tests::eventually_ok(
+        "every server covered",
+        Duration::from_secs(20),
+        || async move {
+            let (_, check) = st.systemcheck().await.unwrap();
+            let servers = check["servers"].as_array().cloned().unwrap_or_default();
+            let all_covered = !servers.is_empty()
+                && servers
+                    .iter()
+                    .all(|s| s["state"] == "covered" && s["streams"].as_u64().unwrap_or(0) > 0);
+            if all_covered {
+                Ok(servers)
+            } else {
+                Err(check.to_string())
+            }
+        },
+    )
+    .await;
+    eprintln!(
+        "haproxy: agent coverage {}",
+        serde_json::to_string(&servers).unwrap()
+    );
     let dispatcher_routes: Vec<String> = {
         let t = scrape(stack.dispatcher_admin).await.unwrap();
         t.lines()
@@ -365,20 +372,21 @@ async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server()
     .await
     .unwrap();
     let caller = Caller::new(dispatcher.http, Some(CALLER_KEY));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let up = haproxy.servers().await.unwrap_or_default();
-        let ok = matches!(caller.get(&format!("/relay/{TUNNEL_ID}/hello")).await, Ok(a) if a.status == 200);
-        if ok && up.len() == 3 && up.values().all(|(st, _)| st == "UP") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not routable behind haproxy with every server up: {up:?}\n{}",
-            haproxy.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (h, c) = (&haproxy, &caller);
+    relay_tests::eventually_ok(
+        "routable behind haproxy with every server up",
+        Duration::from_secs(30),
+        || async move {
+            let up = h.servers().await.unwrap_or_default();
+            let ok = matches!(c.get(&format!("/relay/{TUNNEL_ID}/hello")).await, Ok(a) if a.status == 200);
+            if ok && up.len() == 3 && up.values().all(|(st, _)| st == "UP") {
+                Ok(())
+            } else {
+                Err(format!("ok {ok}, servers {up:?}\n{}", h.log()))
+            }
+        },
+    )
+    .await;
     let routes = Caller::new(dispatcher.admin, None)
         .get("/debug/routes")
         .await
@@ -407,16 +415,15 @@ async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server()
         })
     };
     let admin = servers[victim].admin_addr;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while metric(
-        &scrape(admin).await.unwrap_or_default(),
-        "relay_tunnel_calls_in_flight",
-        &[],
-    ) < 1.0
-    {
-        assert!(Instant::now() < deadline, "the slow call runs on {home}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    relay_tests::eventually(
+        &format!("the slow call runs on {home}"),
+        Duration::from_secs(10),
+        || async move {
+            let t = scrape(admin).await.unwrap_or_default();
+            metric(&t, "relay_tunnel_calls_in_flight", &[]) >= 1.0
+        },
+    )
+    .await;
 
     servers[victim].proc.signal("TERM").unwrap();
     wait_http(admin, "/readyz", 503, Duration::from_secs(5))
@@ -424,18 +431,22 @@ async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server()
         .expect("a draining server's /readyz answers 503");
     // inter 2s, fall 2: down within about two checks.
     let marked = Instant::now();
-    let deadline = marked + Duration::from_secs(15);
-    loop {
-        let st = haproxy.servers().await.unwrap_or_default();
-        if st.get(&home).is_some_and(|(s, _)| s.starts_with("DOWN")) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "haproxy still places streams on draining {home}: {st:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (h, home_ref) = (&haproxy, &home);
+    relay_tests::eventually_ok(
+        "haproxy marks the draining server down",
+        Duration::from_secs(15),
+        || async move {
+            let st = h.servers().await.unwrap_or_default();
+            if st.get(home_ref).is_some_and(|(s, _)| s.starts_with("DOWN")) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "haproxy still places streams on {home_ref}: {st:?}"
+                ))
+            }
+        },
+    )
+    .await;
     eprintln!(
         "haproxy marked draining {home} down after {:?}",
         marked.elapsed()

@@ -914,6 +914,14 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
     );
     let victim = fleet.busiest().await;
     let before = fleet.agent_servers().await;
+    let failed_opens = |f: &Fleet| {
+        f.agent
+            .proc
+            .log()
+            .matches("tunnel stream open failed")
+            .count()
+    };
+    let failed_before = failed_opens(&fleet);
     let s = fleet.servers[victim].take().unwrap();
     let id = s.server_id.clone();
     let mut proc = s.proc;
@@ -932,9 +940,12 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
     );
     let first = time_until(QUIET, || fleet.agent_covers(&healthy, Some(&id), 0)).await;
     // The load grows again just as the opens HAProxy placed on the dead server come back
-    // failed, one after another: growth must go on through the load balancer, not wait
-    // behind the open backoff those failures start.
-    tokio::time::sleep(DEAD_SERVER_PLACED_FOR.saturating_sub(first.unwrap_or_default())).await;
+    // failed, one after another (3 to 7 s after the crash): growth must go on through the
+    // load balancer, not wait behind the open backoff those failures start.
+    let failing = time_until(COVERED_AFTER_CRASH, || async {
+        failed_opens(&fleet) > failed_before
+    })
+    .await;
     // Slow calls (1 s), so that they are all in flight at once: the agent must hold a
     // stream for each of them on the servers left.
     let slow = 6 * workers;
@@ -955,12 +966,11 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
     let burst = burst.stop().await;
     let more = more.stop().await;
     let tally = load.stop().await;
-    let log = fleet.agent.proc.log();
-    let failed_opens = log.matches("tunnel stream open failed").count();
+    let failed_opens = failed_opens(&fleet);
     eprintln!(
         "SIGKILL {id} behind haproxy (agent streams {before:?}): servers left covered after \
-         {first:?}, after the second step after {second:?} ({after:?}); {failed_opens} backoff \
-         steps; calls in progress at the kill: {}; started after it: {}; second step: {}",
+         {first:?}, first failed open back {failing:?} after that, after the second step \
+         after {second:?} ({after:?}); {failed_opens} backoff steps; calls in progress at the kill: {}; started after it: {}; second step: {}",
         tally.summary(),
         more.summary(),
         burst.summary()
@@ -1110,16 +1120,17 @@ async fn soak(total: Duration, period: Duration) {
         )
     };
     let agent_streams = |t: &str| metric(t, "grpc_tunnel_server_streams", &[]);
-    // Warm-up: let allocators and pools reach their working size.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Warm-up: allocators and pools reach their working size over the first calls.
+    load.flowing(1000, READY).await;
     let (d0, a0, t0) = rss(&fleet);
     let s0 = agent_streams(&fleet.agent_metrics().await);
     eprintln!("soak warm: dispatcher {d0} KiB, agent {a0} KiB, ts-1 {t0} KiB, agent streams {s0}");
     let started = Instant::now();
     let mut n = 0usize;
     let mut max_streams = s0;
+    // The soak's schedule: a fault every `period`, in the middle of it, under steady load.
     while started.elapsed() + period <= total {
-        tokio::time::sleep(period / 2).await;
+        tokio::time::sleep_until(started + period * n as u32 + period / 2).await;
         let i = 1 + (n / 2) % 2;
         let s = fleet.servers[i].take().unwrap();
         let mut proc = s.proc;
@@ -1142,18 +1153,18 @@ async fn soak(total: Duration, period: Duration) {
             i + 1,
             load.ledger().summary()
         );
-        tokio::time::sleep(period / 2).await;
+        load.flowing(20, READY).await;
     }
+    tokio::time::sleep_until(started + period * n as u32).await;
     let (d1, a1, t1) = rss(&fleet);
     // Streams grown for the last fault are retired once unused for RETIRE_SECS (and not
     // while any server is short): wait for the count to come back, under the same load.
     let bound = (s0 * 1.5).max(s0 + 4.0);
-    let mut s1 = agent_streams(&fleet.agent_metrics().await);
-    let deadline = Instant::now() + QUIET;
-    while s1 > bound && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        s1 = agent_streams(&fleet.agent_metrics().await);
-    }
+    time_until(QUIET, || async {
+        agent_streams(&fleet.agent_metrics().await) <= bound
+    })
+    .await;
+    let s1 = agent_streams(&fleet.agent_metrics().await);
     let tally = load.stop().await;
     eprintln!(
         "soak end after {:.0}s and {n} faults: dispatcher {d0} -> {d1} KiB, agent {a0} -> {a1} KiB, ts-1 {t0} -> {t1} KiB, agent streams {s0} -> {s1} (max {max_streams}); {}",
