@@ -4,6 +4,7 @@
 
 pub mod certs;
 pub mod client;
+pub mod fake_server;
 pub mod fleet;
 pub mod haproxy;
 pub mod hostile;

@@ -476,7 +476,7 @@ async fn start_server(id: &str, dispatcher: SocketAddr) -> TunnelServerHandle {
 /// one agent replica of the tunnel id per server, each dialing its server alone: an agent
 /// dialing both would place each stream on a server at random, and all of one pool on one server (1
 /// start in 128 with 8 streams) leaves the other without streams.
-struct Fleet {
+struct TwoDispatchers {
     upstream: UpstreamHandle,
     dispatchers: Vec<DispatcherUnderTest>,
     servers: Vec<Option<TunnelServerHandle>>,
@@ -484,13 +484,13 @@ struct Fleet {
     agents: Vec<tokio::task::JoinHandle<()>>,
 }
 
-impl Fleet {
-    async fn start(redis_url: &str, prefix: &str) -> Fleet {
-        Fleet::start_on(redis_url, prefix, RedisTls::default()).await
+impl TwoDispatchers {
+    async fn start(redis_url: &str, prefix: &str) -> TwoDispatchers {
+        TwoDispatchers::start_on(redis_url, prefix, RedisTls::default()).await
     }
 
     /// With `[registry.redis_tls]` on both dispatchers.
-    async fn start_on(redis_url: &str, prefix: &str, tls: RedisTls) -> Fleet {
+    async fn start_on(redis_url: &str, prefix: &str, tls: RedisTls) -> TwoDispatchers {
         let upstream = Upstream::builder().spawn().await.unwrap();
         let d1 = start_dispatcher_on(redis_url, prefix, tls.clone()).await;
         let d2 = start_dispatcher_on(redis_url, prefix, tls).await;
@@ -522,7 +522,7 @@ impl Fleet {
                 let _ = relay_agent::run(cfg, admin, s.cancelled_owned()).await;
             }));
         }
-        Fleet {
+        TwoDispatchers {
             upstream,
             dispatchers: vec![d1, d2],
             servers: vec![Some(s1), Some(s2)],
@@ -592,7 +592,7 @@ async fn two_dispatchers_sharing_redis_both_route_the_tunnel_id() {
             url
         }
     };
-    let fleet = Fleet::start(&url, &unique_prefix("share")).await;
+    let fleet = TwoDispatchers::start(&url, &unique_prefix("share")).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     let (_, routes) = admin_json(fleet.dispatchers[0].admin, "/debug/routes").await;
@@ -650,7 +650,7 @@ async fn two_dispatchers_sharing_redis_both_route_the_tunnel_id() {
 async fn redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers() {
     require_redis("redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers");
     let mut redis = RedisServer::start().await;
-    let fleet = Fleet::start(&redis.url(), &unique_prefix("outage")).await;
+    let fleet = TwoDispatchers::start(&redis.url(), &unique_prefix("outage")).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     for d in &fleet.dispatchers {
@@ -736,7 +736,7 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
         "redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_crashed_server",
     );
     let redis = RedisServer::start().await;
-    let mut fleet = Fleet::start(&redis.url(), &unique_prefix("freeze")).await;
+    let mut fleet = TwoDispatchers::start(&redis.url(), &unique_prefix("freeze")).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     for d in &fleet.dispatchers {
@@ -927,7 +927,7 @@ async fn forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are
     );
     let redis = RedisServer::start().await;
     let prefix = unique_prefix("forged");
-    let fleet = Fleet::start(&redis.url(), &prefix).await;
+    let fleet = TwoDispatchers::start(&redis.url(), &prefix).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     let (trap_addr, hits) = trap().await;
@@ -1147,7 +1147,7 @@ async fn rediss_with_an_acl_user_routes_and_a_wrong_password_or_an_untrusted_ca_
         ca: Some(certs.ca.clone()),
         ..RedisTls::default()
     };
-    let fleet = Fleet::start_on(&url("relay-pw"), &prefix, trusted.clone()).await;
+    let fleet = TwoDispatchers::start_on(&url("relay-pw"), &prefix, trusted.clone()).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     for d in 0..2 {
