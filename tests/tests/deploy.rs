@@ -294,25 +294,22 @@ fn systemd_units_are_hardened_and_pass_systemd_analyze_verify() {
 
 /// Waits until `proc`'s log contains `needle`, failing if it exits first.
 async fn wait_log(proc: &mut Proc, needle: &str, within: Duration) {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(status) = proc.try_exited() {
-            panic!(
-                "{} exited ({status}) instead of logging {needle:?}:\n{}",
-                proc.name,
-                proc.log_tail(20)
-            );
-        }
-        if proc.log().contains(needle) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} did not log {needle:?} within {within:?}:\n{}",
+    let what = format!("{} logs {needle:?}", proc.name);
+    let exited = relay_tests::eventually_ok(&what, within, || {
+        let seen = match proc.try_exited() {
+            Some(status) => Ok(Some(status)),
+            None if proc.log().contains(needle) => Ok(None),
+            None => Err(proc.log_tail(20)),
+        };
+        async move { seen }
+    })
+    .await;
+    if let Some(status) = exited {
+        panic!(
+            "{} exited ({status}) instead of logging {needle:?}:\n{}",
             proc.name,
             proc.log_tail(20)
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
