@@ -1,6 +1,13 @@
-//! relay's end-to-end harness: the whole stack on loopback (`stack`), a backend client
-//! (`client`), the stream-placing load-balancer fixture (`lb`) and simulated upstreams
-//! (`upstream`), and generated TLS sets (`certs`). The `relay-fleet` binary (demo and load tester) is built on it.
+//! relay's end-to-end harness: the whole stack on loopback (`stack`), the relay's binaries
+//! as child processes (`procs`) and as a fleet for fault tests (`procfleet`), a fake tunnel
+//! server for the dispatcher's tests (`fake_server`), a hand-driven agent (`hostile`), a
+//! backend client (`client`), the tests' load generator with its call ledger (`load`) and
+//! the per-hop accounting (`ledger`), the stream-placing load-balancer fixture (`lb`), real
+//! HAProxy and Redis fixtures (`haproxy`, `redis`), simulated upstreams (`upstream`), and
+//! generated TLS sets (`certs`). Tests wait for conditions with [`eventually`],
+//! [`eventually_ok`] or [`time_until`], and watch a window with [`holds_for`] where
+//! something must not happen. The `relay-fleet` binary (demo and load tester) is built on
+//! it.
 
 pub mod certs;
 pub mod client;
