@@ -418,28 +418,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn hop_by_hop_headers_are_stripped() {
-        let mut h = HeaderMap::new();
-        h.insert("connection", HeaderValue::from_static("close, x-private"));
-        h.insert("x-private", HeaderValue::from_static("1"));
-        h.insert("transfer-encoding", HeaderValue::from_static("chunked"));
-        h.insert("te", HeaderValue::from_static("trailers"));
-        h.insert("content-type", HeaderValue::from_static("text/plain"));
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1);
-        assert!(h.contains_key("content-type"));
-        // A non-ASCII byte in Connection hides none of the names it lists.
-        let mut h = HeaderMap::new();
-        h.insert(
-            "connection",
-            HeaderValue::from_bytes(b"x-private, \xff").unwrap(),
-        );
-        h.insert("x-private", HeaderValue::from_static("1"));
-        strip_hop_by_hop(&mut h);
-        assert!(h.is_empty(), "{h:?}");
-    }
-
     #[tokio::test]
     async fn target_not_starting_with_slash_is_a_bad_request() {
         let up = Upstream::new("http://127.0.0.1:9", Duration::from_secs(1), None).unwrap();

@@ -164,3 +164,37 @@ impl HostileAgent {
         Ok(end.clone().expect("waited for Some"))
     }
 }
+
+/// A stream opened by hand with [`open`]: the tunnel id its hello named. Dropping it
+/// closes the stream.
+pub struct Opened {
+    pub tunnel_id: String,
+    pub inbound: tonic::Streaming<ServerFrame>,
+    _out: mpsc::Sender<AgentFrame>,
+}
+
+/// `Tunnel.Connect` on a new connection with `token`, up to the hello; the refusal's
+/// status otherwise (a connection closed before an answer shows as UNAVAILABLE or an
+/// error from the transport).
+pub async fn open(url: &str, token: &str) -> Result<Opened, tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let (tx, rx) = mpsc::channel(4);
+    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let mut inbound = TunnelClient::new(channel).connect(req).await?.into_inner();
+    match inbound.message().await? {
+        Some(ServerFrame {
+            kind: Some(In::Hello(h)),
+        }) => Ok(Opened {
+            tunnel_id: h.tunnel_id,
+            inbound,
+            _out: tx,
+        }),
+        other => Err(tonic::Status::internal(format!("no hello: {other:?}"))),
+    }
+}

@@ -1,9 +1,17 @@
-//! relay's end-to-end harness: the whole stack on loopback (`stack`), a backend client
-//! (`client`), the stream-placing load-balancer fixture (`lb`) and simulated upstreams
-//! (`upstream`), and generated TLS sets (`certs`). The `relay-fleet` binary (demo and load tester) is built on it.
+//! relay's end-to-end harness: the whole stack on loopback (`stack`), the relay's binaries
+//! as child processes (`procs`) and as a fleet for fault tests (`procfleet`), a fake tunnel
+//! server for the dispatcher's tests (`fake_server`), a hand-driven agent (`hostile`), a
+//! backend client (`client`), the tests' load generator with its call ledger (`load`) and
+//! the per-hop accounting (`ledger`), the stream-placing load-balancer fixture (`lb`), real
+//! HAProxy and Redis fixtures (`haproxy`, `redis`), simulated upstreams (`upstream`), and
+//! generated TLS sets (`certs`). Tests wait for conditions with [`eventually`],
+//! [`eventually_ok`] or [`time_until`], and watch a window with [`holds_for`] where
+//! something must not happen. The `relay-fleet` binary (demo and load tester) is built on
+//! it.
 
 pub mod certs;
 pub mod client;
+pub mod fake_server;
 pub mod fleet;
 pub mod haproxy;
 pub mod hostile;
@@ -11,6 +19,7 @@ pub mod lb;
 pub mod ledger;
 pub mod load;
 pub mod metrics;
+pub mod procfleet;
 pub mod procs;
 pub mod promql;
 pub mod redis;
@@ -31,6 +40,47 @@ where
             tokio::time::Instant::now() < deadline,
             "not true within {within:?}: {what}"
         );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls `check` every 20 ms until it returns `Ok`, and returns its value; panics naming
+/// `what` and the last error if that takes longer than `within`. [`eventually`] for checks
+/// that can say what is still wrong.
+pub async fn eventually_ok<T, F, Fut>(what: &str, within: std::time::Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                panic!("not true within {within:?}: {what}: {e}")
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// Watches `check` every 20 ms for the whole `window`; panics naming `what` the first time
+/// it does not hold. For what must NOT happen: wait for the state with [`eventually`]
+/// first, then watch a window in which it must not change.
+pub async fn holds_for<F, Fut>(what: &str, window: std::time::Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = tokio::time::Instant::now() + window;
+    loop {
+        assert!(
+            check().await,
+            "no longer true within a {window:?} window: {what}"
+        );
+        if tokio::time::Instant::now() >= end {
+            return;
+        }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }

@@ -101,9 +101,11 @@ async fn run(coverage: CoverageConfig) -> Outcome {
     });
     let answers = futures::future::join_all(calls).await;
     // After the load the routed server settles as covered (coverage on).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while enabled && !states.lock().unwrap().contains("covered") && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    if enabled {
+        relay_tests::time_until(Duration::from_secs(10), || async {
+            states.lock().unwrap().contains("covered")
+        })
+        .await;
     }
     watching.store(false, std::sync::atomic::Ordering::SeqCst);
     let _ = watcher.await;

@@ -294,25 +294,22 @@ fn systemd_units_are_hardened_and_pass_systemd_analyze_verify() {
 
 /// Waits until `proc`'s log contains `needle`, failing if it exits first.
 async fn wait_log(proc: &mut Proc, needle: &str, within: Duration) {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(status) = proc.try_exited() {
-            panic!(
-                "{} exited ({status}) instead of logging {needle:?}:\n{}",
-                proc.name,
-                proc.log_tail(20)
-            );
-        }
-        if proc.log().contains(needle) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} did not log {needle:?} within {within:?}:\n{}",
+    let what = format!("{} logs {needle:?}", proc.name);
+    let exited = relay_tests::eventually_ok(&what, within, || {
+        let seen = match proc.try_exited() {
+            Some(status) => Ok(Some(status)),
+            None if proc.log().contains(needle) => Ok(None),
+            None => Err(proc.log_tail(20)),
+        };
+        async move { seen }
+    })
+    .await;
+    if let Some(status) = exited {
+        panic!(
+            "{} exited ({status}) instead of logging {needle:?}:\n{}",
             proc.name,
             proc.log_tail(20)
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -1069,15 +1066,16 @@ async fn prometheus_sees_every_series_and_fires_alerts_when_a_token_is_revoked()
     stack.drive_calls(60).await;
 
     // Every target is scraped.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let up = prometheus.query("up == 1").await;
+    let p = &prometheus;
+    relay_tests::eventually_ok("all 4 targets up", Duration::from_secs(30), || async move {
+        let up = p.query("up == 1").await;
         if up.len() == 4 {
-            break;
+            Ok(())
+        } else {
+            Err(format!("up: {up:?}"))
         }
-        assert!(Instant::now() < deadline, "not all 4 targets up: {up:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
 
     // Every series a rule or a dashboard query selects exists in Prometheus (recorded
     // series included, once the recording rules have run).
@@ -1095,24 +1093,25 @@ async fn prometheus_sees_every_series_and_fires_alerts_when_a_token_is_revoked()
                 .or_insert(format!("dashboard panel {panel:?}"));
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let mut missing = Vec::new();
-        for (sel, user) in &selectors {
-            if prometheus.query(&format!("count({sel})")).await.is_empty() {
-                missing.push(format!("{sel} (used by {user})"));
+    let selectors = &selectors;
+    relay_tests::eventually_ok(
+        "every selected series in Prometheus",
+        Duration::from_secs(30),
+        || async move {
+            let mut missing = Vec::new();
+            for (sel, user) in selectors {
+                if p.query(&format!("count({sel})")).await.is_empty() {
+                    missing.push(format!("{sel} (used by {user})"));
+                }
             }
-        }
-        if missing.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "series missing in Prometheus after 30 s:\n{}",
-            missing.join("\n")
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("missing:\n{}", missing.join("\n")))
+            }
+        },
+    )
+    .await;
     // Every dashboard query runs (the query API rejects what is not valid PromQL).
     for (_, query) in &queries {
         prometheus.query(query).await;
@@ -1134,29 +1133,32 @@ async fn prometheus_sees_every_series_and_fires_alerts_when_a_token_is_revoked()
     })
     .await;
     let expected = ["RelayAgentNoLiveStream", "RelayTokenRefused"];
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let firing = prometheus.firing().await;
-        let names: BTreeSet<&str> = firing.iter().map(|(n, _)| n.as_str()).collect();
-        if expected.iter().all(|e| names.contains(e)) {
-            let agent = firing
-                .iter()
-                .find(|(n, _)| n == "RelayAgentNoLiveStream")
-                .unwrap();
-            assert_eq!(agent.1["instance"], stack.agent.admin.to_string());
-            assert_eq!(agent.1["job"], "relay-agent");
-            let token = firing
-                .iter()
-                .find(|(n, _)| n == "RelayTokenRefused")
-                .unwrap();
-            assert_eq!(token.1["job"], "relay-tunnel-server");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "expected {expected:?} to fire within 60 s; firing: {firing:?}\nprometheus log:\n{}",
-            prometheus.proc.log_tail(20)
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let firing = relay_tests::eventually_ok(
+        "RelayAgentNoLiveStream and RelayTokenRefused fire",
+        Duration::from_secs(60),
+        || async move {
+            let firing = p.firing().await;
+            let names: BTreeSet<&str> = firing.iter().map(|(n, _)| n.as_str()).collect();
+            if expected.iter().all(|e| names.contains(e)) {
+                Ok(firing)
+            } else {
+                Err(format!(
+                    "firing: {firing:?}\nprometheus log:\n{}",
+                    p.proc.log_tail(20)
+                ))
+            }
+        },
+    )
+    .await;
+    let agent = firing
+        .iter()
+        .find(|(n, _)| n == "RelayAgentNoLiveStream")
+        .unwrap();
+    assert_eq!(agent.1["instance"], stack.agent.admin.to_string());
+    assert_eq!(agent.1["job"], "relay-agent");
+    let token = firing
+        .iter()
+        .find(|(n, _)| n == "RelayTokenRefused")
+        .unwrap();
+    assert_eq!(token.1["job"], "relay-tunnel-server");
 }

@@ -6,6 +6,7 @@
 use relay_tests::fleet::scenario::Distribution;
 use relay_tests::fleet::{run, Mode, Report, RunOptions, Scenario};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -287,11 +288,11 @@ async fn many_agents_serve_every_tunnel_id() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_run_still_reports_what_ran() {
     let stop = CancellationToken::new();
-    let s = stop.clone();
-    // Past the warm-up (agents reach their reserve first, at most 10 s) and into the 20 s
-    // of load.
+    let answered = Arc::new(tokio::sync::Notify::new());
+    // Stopped past the warm-up, once calls of the load are answered, and within its 20 s.
+    let (s, a) = (stop.clone(), answered.clone());
     tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(14)).await;
+        a.notified().await;
         s.cancel();
     });
     let scenario = builtin("uniform");
@@ -299,6 +300,7 @@ async fn a_stopped_run_still_reports_what_ran() {
         &scenario,
         RunOptions {
             stop,
+            answered,
             ..RunOptions::default()
         },
     )

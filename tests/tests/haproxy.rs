@@ -23,6 +23,7 @@ use relay_tests::haproxy::{Backend, Haproxy};
 use relay_tests::ledger::{
     agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops,
 };
+use relay_tests::load::LoadSpec;
 use relay_tests::metrics::value;
 use relay_tests::procs::{
     free_addr, metric, scrape, series, wait_http, AgentOpts, AgentProc, DispatcherOpts,
@@ -73,24 +74,29 @@ async fn stack_behind_haproxy(routed: Option<usize>) -> (Stack, Haproxy) {
             haproxy.enable(name).await.unwrap();
         }
         // Up once HAProxy's checks pass (rise 2 x inter 500ms).
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let csv = haproxy.stats_csv().await.unwrap_or_default();
-            let up = csv
-                .lines()
-                .filter(|l| l.starts_with("tunnel_servers,ts-"))
-                .filter(|l| {
-                    l.split(',')
-                        .nth(17)
-                        .is_some_and(|st| st == "UP" || st == "no check")
-                })
-                .count();
-            if up == 3 {
-                break;
-            }
-            assert!(Instant::now() < deadline, "haproxy backends not up:\n{csv}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let h = &haproxy;
+        relay_tests::eventually_ok(
+            "haproxy backends up",
+            Duration::from_secs(10),
+            || async move {
+                let csv = h.stats_csv().await.unwrap_or_default();
+                let up = csv
+                    .lines()
+                    .filter(|l| l.starts_with("tunnel_servers,ts-"))
+                    .filter(|l| {
+                        l.split(',')
+                            .nth(17)
+                            .is_some_and(|st| st == "UP" || st == "no check")
+                    })
+                    .count();
+                if up == 3 {
+                    Ok(())
+                } else {
+                    Err(csv)
+                }
+            },
+        )
+        .await;
     }
     (stack, haproxy)
 }
@@ -187,27 +193,29 @@ async fn behind_haproxy_coverage_reaches_every_routed_server_and_a_restart_loses
     assert_eq!(first.get("200").copied(), Some(200), "{first:?}");
     // Every server the dispatcher routes to (it announced the tunnel id) holds streams,
     // and the agent sees each as covered.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let (_, check) = stack.systemcheck().await.unwrap();
-        let servers = check["servers"].as_array().cloned().unwrap_or_default();
-        let all_covered = !servers.is_empty()
-            && servers
-                .iter()
-                .all(|s| s["state"] == "covered" && s["streams"].as_u64().unwrap_or(0) > 0);
-        if all_covered {
-            eprintln!(
-                "haproxy: agent coverage {}",
-                serde_json::to_string(&servers).unwrap()
-            );
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not every server covered: {check}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let st = &stack;
+    let servers = relay_tests::eventually_ok(
+        "every server covered",
+        Duration::from_secs(20),
+        || async move {
+            let (_, check) = st.systemcheck().await.unwrap();
+            let servers = check["servers"].as_array().cloned().unwrap_or_default();
+            let all_covered = !servers.is_empty()
+                && servers
+                    .iter()
+                    .all(|s| s["state"] == "covered" && s["streams"].as_u64().unwrap_or(0) > 0);
+            if all_covered {
+                Ok(servers)
+            } else {
+                Err(check.to_string())
+            }
+        },
+    )
+    .await;
+    eprintln!(
+        "haproxy: agent coverage {}",
+        serde_json::to_string(&servers).unwrap()
+    );
     let dispatcher_routes: Vec<String> = {
         let t = scrape(stack.dispatcher_admin).await.unwrap();
         t.lines()
@@ -235,24 +243,33 @@ async fn behind_haproxy_coverage_reaches_every_routed_server_and_a_restart_loses
 
     // Hard restart of HAProxy under load: every agent connection drops at once.
     let caller = Caller::new(stack.http, Some(CALLER_KEY));
-    let load = tokio::spawn(async move { burst_for(caller, Duration::from_secs(4)).await });
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let load = relay_tests::load::start(
+        caller,
+        LoadSpec::new(8, format!("/relay/{TUNNEL_ID}/hello"), 5000),
+    );
+    load.flowing(20, Duration::from_secs(20)).await; // calls flow before the fault
     let restarted = Instant::now();
     haproxy.restart().await.unwrap();
-    let (answers, n) = load.await.unwrap();
-    sent += n;
+    // The load runs on through the restart until calls are answered 200 again.
+    load.flowing(20, Duration::from_secs(20)).await;
+    let tally = load.stop().await;
+    sent += tally.sent() as usize;
+    let answers = tally.failures();
     // Routable again.
     stack.wait_routable(Duration::from_secs(20)).await.unwrap();
     let back = restarted.elapsed();
     sent += 1; // the successful probe (failed probes counted below)
-    eprintln!("haproxy restart: answers {answers:?}; routable again within {back:?}");
+    eprintln!(
+        "haproxy restart: {}; routable again within {back:?}",
+        tally.summary()
+    );
     for k in answers.keys() {
         assert!(
-            k == "200"
-                || k.starts_with("502 \"stream_lost\"")
-                || k.starts_with("503 \"tunnel_unavailable\"")
-                || k.starts_with("503 \"no_capacity\""),
-            "unexpected answer {k}: {answers:?}"
+            k.starts_with("502 stream_lost")
+                || k.starts_with("503 tunnel_unavailable")
+                || k.starts_with("503 no_capacity"),
+            "unexpected answer {k}: {}",
+            tally.summary()
         );
     }
     // Accounting: the dispatcher answered each call once (probes of wait_routable that
@@ -286,58 +303,8 @@ async fn behind_haproxy_coverage_reaches_every_routed_server_and_a_restart_loses
         }
         hops_agree(&hops)
     };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match accounted().await {
-            Ok(()) => break,
-            Err(e) if Instant::now() > deadline => panic!("accounting not settled: {e}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
+    relay_tests::eventually_ok("accounting settled", Duration::from_secs(20), accounted).await;
     stack.shutdown().await;
-}
-
-/// Sequential calls from 8 workers for `d`; answers by kind and how many were sent.
-async fn burst_for(caller: Caller, d: Duration) -> (BTreeMap<String, usize>, usize) {
-    let until = Instant::now() + d;
-    let workers = (0..8).map(|_| {
-        let caller = caller.clone();
-        tokio::spawn(async move {
-            let mut out: BTreeMap<String, usize> = BTreeMap::new();
-            let mut n = 0;
-            while Instant::now() < until {
-                n += 1;
-                let mut req = caller.request(
-                    Method::GET,
-                    &format!("/relay/{TUNNEL_ID}/hello"),
-                    Bytes::new(),
-                );
-                req.headers_mut()
-                    .insert("x-relay-timeout-ms", "5000".parse().unwrap());
-                let k = match caller.call(req).await {
-                    Ok(a) if a.status == 200 => "200".to_string(),
-                    Ok(a) => format!("{} {}", a.status.as_u16(), a.json()["error"]),
-                    Err(e) => format!("transport {e}"),
-                };
-                *out.entry(k).or_default() += 1;
-                if out.len() > 1 {
-                    // Errors come fast: do not spin.
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            }
-            (out, n)
-        })
-    });
-    let mut all = BTreeMap::new();
-    let mut total = 0;
-    for w in futures::future::join_all(workers).await {
-        let (out, n) = w.unwrap();
-        total += n;
-        for (k, v) in out {
-            *all.entry(k).or_default() += v;
-        }
-    }
-    (all, total)
 }
 
 /// Every agent stream open that reached the server's handler, by any result (accepted,
@@ -405,20 +372,21 @@ async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server()
     .await
     .unwrap();
     let caller = Caller::new(dispatcher.http, Some(CALLER_KEY));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let up = haproxy.servers().await.unwrap_or_default();
-        let ok = matches!(caller.get(&format!("/relay/{TUNNEL_ID}/hello")).await, Ok(a) if a.status == 200);
-        if ok && up.len() == 3 && up.values().all(|(st, _)| st == "UP") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not routable behind haproxy with every server up: {up:?}\n{}",
-            haproxy.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (h, c) = (&haproxy, &caller);
+    relay_tests::eventually_ok(
+        "routable behind haproxy with every server up",
+        Duration::from_secs(30),
+        || async move {
+            let up = h.servers().await.unwrap_or_default();
+            let ok = matches!(c.get(&format!("/relay/{TUNNEL_ID}/hello")).await, Ok(a) if a.status == 200);
+            if ok && up.len() == 3 && up.values().all(|(st, _)| st == "UP") {
+                Ok(())
+            } else {
+                Err(format!("ok {ok}, servers {up:?}\n{}", h.log()))
+            }
+        },
+    )
+    .await;
     let routes = Caller::new(dispatcher.admin, None)
         .get("/debug/routes")
         .await
@@ -447,16 +415,15 @@ async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server()
         })
     };
     let admin = servers[victim].admin_addr;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while metric(
-        &scrape(admin).await.unwrap_or_default(),
-        "relay_tunnel_calls_in_flight",
-        &[],
-    ) < 1.0
-    {
-        assert!(Instant::now() < deadline, "the slow call runs on {home}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    relay_tests::eventually(
+        &format!("the slow call runs on {home}"),
+        Duration::from_secs(10),
+        || async move {
+            let t = scrape(admin).await.unwrap_or_default();
+            metric(&t, "relay_tunnel_calls_in_flight", &[]) >= 1.0
+        },
+    )
+    .await;
 
     servers[victim].proc.signal("TERM").unwrap();
     wait_http(admin, "/readyz", 503, Duration::from_secs(5))
@@ -464,18 +431,22 @@ async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server()
         .expect("a draining server's /readyz answers 503");
     // inter 2s, fall 2: down within about two checks.
     let marked = Instant::now();
-    let deadline = marked + Duration::from_secs(15);
-    loop {
-        let st = haproxy.servers().await.unwrap_or_default();
-        if st.get(&home).is_some_and(|(s, _)| s.starts_with("DOWN")) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "haproxy still places streams on draining {home}: {st:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (h, home_ref) = (&haproxy, &home);
+    relay_tests::eventually_ok(
+        "haproxy marks the draining server down",
+        Duration::from_secs(15),
+        || async move {
+            let st = h.servers().await.unwrap_or_default();
+            if st.get(home_ref).is_some_and(|(s, _)| s.starts_with("DOWN")) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "haproxy still places streams on {home_ref}: {st:?}"
+                ))
+            }
+        },
+    )
+    .await;
     eprintln!(
         "haproxy marked draining {home} down after {:?}",
         marked.elapsed()

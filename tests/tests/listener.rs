@@ -4,36 +4,18 @@
 //! real agent's streams keep serving calls.
 
 use relay_common::listen::ListenerLimits;
-use relay_proto::server_frame::Kind as In;
-use relay_proto::tunnel_client::TunnelClient;
-use relay_proto::{AgentFrame, ServerFrame};
 use relay_tests::metrics::value;
 use relay_tests::stack::{Stack, TOKEN};
 use relay_tests::time_until;
 use std::time::Duration;
 use tokio::io::AsyncReadExt;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 /// `Tunnel.Connect` on a new connection with `token`: the hello's tunnel id, or the
-/// refusal (a closed connection shows as UNAVAILABLE or an error from the transport).
+/// refusal. The stream closes again at once.
 async fn open(url: &str, token: &str) -> Result<String, tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
-        .connect()
+    relay_tests::hostile::open(url, token)
         .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let (_tx, rx) = mpsc::channel::<AgentFrame>(4);
-    let mut req = tonic::Request::new(ReceiverStream::new(rx));
-    req.metadata_mut()
-        .insert("authorization", format!("Bearer {token}").parse().unwrap());
-    let mut inbound = TunnelClient::new(channel).connect(req).await?.into_inner();
-    match inbound.message().await? {
-        Some(ServerFrame {
-            kind: Some(In::Hello(h)),
-        }) => Ok(h.tunnel_id),
-        other => Err(tonic::Status::internal(format!("no hello: {other:?}"))),
-    }
+        .map(|o| o.tunnel_id)
 }
 
 fn refused(registry: &prometheus::Registry, reason: &str) -> f64 {

@@ -3,9 +3,7 @@
 //! SIGHUP, `relay-agent check` (the agent's preflight) against a real tunnel server and
 //! upstream, and the start-up noise of `relay-fleet demo` and `relay-fleet run`.
 
-use relay_proto::server_frame::Kind as In;
-use relay_proto::tunnel_client::TunnelClient;
-use relay_proto::{AgentFrame, ServerFrame};
+use relay_tests::hostile::{open, Opened};
 use relay_tests::procs::{
     binary, free_addr, metric, scrape, ScratchDir, TunnelServerOpts, TunnelServerProc,
 };
@@ -14,9 +12,6 @@ use relay_tests::upstream::Upstream;
 use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
-use tokio::sync::mpsc;
-use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
 
 /// Runs a binary to its end (off the runtime's threads) and returns what it printed.
 async fn run(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Output {
@@ -47,38 +42,6 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// An open stream on a tunnel server: the tunnel id its hello named.
-struct Opened {
-    tunnel_id: String,
-    inbound: tonic::Streaming<ServerFrame>,
-    _out: mpsc::Sender<AgentFrame>,
-}
-
-/// `Tunnel.Connect` with `token`, up to the hello; the refusal's status otherwise.
-async fn open(url: &str, token: &str) -> Result<Opened, tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
-        .connect()
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let mut client = TunnelClient::new(channel);
-    let (tx, rx) = mpsc::channel(4);
-    let mut req = tonic::Request::new(ReceiverStream::new(rx));
-    req.metadata_mut()
-        .insert("authorization", format!("Bearer {token}").parse().unwrap());
-    let mut inbound = client.connect(req).await?.into_inner();
-    match inbound.message().await? {
-        Some(ServerFrame {
-            kind: Some(In::Hello(h)),
-        }) => Ok(Opened {
-            tunnel_id: h.tunnel_id,
-            inbound,
-            _out: tx,
-        }),
-        other => Err(tonic::Status::internal(format!("no hello: {other:?}"))),
-    }
-}
-
 /// Polls `open` until `ok(result)`, up to `within`.
 async fn open_until(
     url: &str,
@@ -87,19 +50,16 @@ async fn open_until(
     what: &str,
     ok: impl Fn(&Result<Opened, tonic::Status>) -> bool,
 ) -> Result<Opened, tonic::Status> {
-    let deadline = Instant::now() + within;
-    loop {
+    let ok = &ok;
+    relay_tests::eventually_ok(what, within, || async move {
         let r = open(url, token).await;
         if ok(&r) {
-            return r;
+            Ok(r)
+        } else {
+            Err(format!("last {:?}", r.as_ref().map(|o| &o.tunnel_id)))
         }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {within:?}, last {:?}",
-            r.as_ref().map(|o| &o.tunnel_id)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await
 }
 
 fn refused(r: &Result<Opened, tonic::Status>) -> bool {

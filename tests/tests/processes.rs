@@ -467,15 +467,12 @@ async fn sighup_to_a_process_with_nothing_to_reload_leaves_it_serving() {
         &mut trio.server.proc,
         &mut trio.agent.proc,
     ] {
-        let deadline = Instant::now() + READY;
-        while !p.log().contains("SIGHUP") && p.try_exited().is_none() {
-            assert!(
-                Instant::now() < deadline,
-                "{} did not answer the SIGHUP",
-                p.name
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("{} answers the SIGHUP", p.name);
+        relay_tests::eventually(&what, READY, || {
+            let answered = p.log().contains("SIGHUP") || p.try_exited().is_some();
+            async move { answered }
+        })
+        .await;
         let exited = p.try_exited();
         assert!(exited.is_none(), "{} ended on SIGHUP: {exited:?}", p.name);
     }

@@ -26,27 +26,24 @@
 use bytes::Bytes;
 use http::Method;
 use relay_tests::client::Caller;
-use relay_tests::haproxy::{Backend, Checks, Haproxy};
+use relay_tests::haproxy::Checks;
 use relay_tests::lb::Policy;
-use relay_tests::ledger::{
-    agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops,
-};
 use relay_tests::load::{Ledger, Load, LoadSpec};
 use relay_tests::metrics::value;
-use relay_tests::procs::{
-    metric, scrape, series, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
-    TunnelServerOpts, TunnelServerProc,
+use relay_tests::procfleet::{
+    dispatcher_base, dispatcher_servers, stack_accounted, Blackhole, Fleet, FleetOpts,
+    QueuedKillRig,
 };
+use relay_tests::procs::{metric, scrape};
 use relay_tests::redis::{require_redis, RedisServer};
-use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
-use relay_tests::time_until;
-use relay_tests::upstream::{Upstream, UpstreamHandle};
+use relay_tests::stack::{Stack, CALLER_KEY, TUNNEL_ID};
+use relay_tests::upstream::Upstream;
+use relay_tests::{eventually_ok, time_until};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 const READY: Duration = Duration::from_secs(20);
@@ -64,386 +61,6 @@ const DETECT_SLACK: Duration = Duration::from_secs(2);
 /// The tests' load generator through `front` with the harness caller key.
 fn start_load(front: SocketAddr, spec: LoadSpec) -> Load {
     relay_tests::load::start(Caller::new(front, Some(CALLER_KEY)), spec)
-}
-
-/// Polls `check` until it returns Ok, or panics with its last error after `within`.
-async fn settle<F, Fut>(what: &str, within: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<(), String>>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        match check().await {
-            Ok(()) => return,
-            Err(e) if Instant::now() > deadline => {
-                panic!("{what}: not settled within {within:?}: {e}")
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Per-hop accounting
-
-/// Dispatcher calls handled so far (every outcome) and in flight, from its `/metrics`.
-/// A missing series is an error, never 0.
-async fn dispatcher_calls(admin: SocketAddr) -> Result<(f64, f64), String> {
-    let text = scrape(admin).await.map_err(|e| e.to_string())?;
-    Ok((
-        series(&text, "relay_dispatcher_calls_total", &[])?,
-        series(&text, "relay_dispatcher_calls_in_flight", &[])?,
-    ))
-}
-
-/// The accounting check on the in-process stack: `sent` calls since the dispatcher had
-/// handled `base` calls.
-async fn stack_accounted(stack: &Stack, sent: u64, base: f64) -> Result<(), String> {
-    let (calls, in_flight) = dispatcher_calls(stack.dispatcher_admin).await?;
-    if calls - base != sent as f64 || in_flight != 0.0 {
-        return Err(format!(
-            "dispatcher: {} outcomes for {sent} calls sent, {in_flight} in flight",
-            calls - base
-        ));
-    }
-    let mut hops = Hops {
-        attempts: dispatcher_attempts(
-            &scrape(stack.dispatcher_admin)
-                .await
-                .map_err(|e| e.to_string())?,
-        )?,
-        ..Hops::default()
-    };
-    // Every incarnation's registry survives in the in-process stack.
-    for (i, reg) in stack.server_registries() {
-        let text = relay_common::admin::render_metrics(&reg);
-        let id = stack
-            .server_id(i)
-            .map_or(format!("slot {i}"), str::to_string);
-        server_ledger_text(&id, &text, true, &mut hops)?;
-    }
-    for (i, reg, running) in stack.agent_registries() {
-        agent_ledger_text(
-            &format!("agent {i}"),
-            &relay_common::admin::render_metrics(&reg),
-            running,
-            &mut hops,
-        )?;
-    }
-    hops_agree(&hops)
-}
-
-async fn dispatcher_base(admin: SocketAddr) -> f64 {
-    dispatcher_calls(admin).await.unwrap().0
-}
-
-async fn dispatcher_servers(admin: SocketAddr) -> f64 {
-    match scrape(admin).await {
-        Ok(t) => metric(&t, "relay_dispatcher_tunnel_servers", &[]),
-        Err(_) => -1.0,
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// The fleet as child processes
-
-/// How a [`Fleet`] is made.
-#[derive(Clone)]
-struct FleetOpts {
-    servers: usize,
-    heartbeat: Duration,
-    upstream_latency: Duration,
-    /// The agent dials a real HAProxy with these health checks on each server's
-    /// `/readyz` (as in `examples/haproxy/haproxy.cfg`) instead of the servers themselves.
-    haproxy: Option<Checks>,
-    /// The agent's open backoff (initial, max).
-    agent_backoff: (Duration, Duration),
-    /// Appended to the agent's config file.
-    agent_extra: String,
-    dispatcher: DispatcherOpts,
-}
-
-impl FleetOpts {
-    fn new(servers: usize, heartbeat: Duration, upstream_latency: Duration) -> Self {
-        FleetOpts {
-            servers,
-            heartbeat,
-            upstream_latency,
-            haproxy: None,
-            agent_backoff: AgentOpts::default().backoff,
-            agent_extra: String::new(),
-            dispatcher: DispatcherOpts::default(),
-        }
-    }
-}
-
-struct Fleet {
-    dir: ScratchDir,
-    /// Kept alive for the fleet's life.
-    _upstream: UpstreamHandle,
-    dispatcher: DispatcherProc,
-    dispatcher_opts: DispatcherOpts,
-    servers: Vec<Option<TunnelServerProc>>,
-    opts: Vec<TunnelServerOpts>,
-    ports: Vec<(SocketAddr, SocketAddr, SocketAddr)>,
-    /// Between the agent and the servers, when asked for; kept for the fleet's life.
-    _haproxy: Option<Haproxy>,
-    agent: AgentProc,
-    agent_opts: AgentOpts,
-    /// Calls the fleet's own readiness probes sent through the dispatcher.
-    probes: AtomicU64,
-    /// Per server slot: restarted at least once (its earlier counters are gone).
-    restarted: Vec<bool>,
-    /// The agent was killed and started again (the first one's counters are gone).
-    agent_restarted: bool,
-}
-
-impl Fleet {
-    async fn start(n: usize, heartbeat: Duration, upstream_latency: Duration) -> Fleet {
-        Self::start_with(FleetOpts::new(n, heartbeat, upstream_latency)).await
-    }
-
-    async fn start_with(o: FleetOpts) -> Fleet {
-        let n = o.servers;
-        let dir = ScratchDir::new("fleet").unwrap();
-        let upstream = Upstream::builder()
-            .latency(o.upstream_latency)
-            .spawn()
-            .await
-            .unwrap();
-        let dispatcher = DispatcherProc::start(dir.path(), o.dispatcher.clone())
-            .await
-            .unwrap();
-        let mut servers = Vec::new();
-        let mut opts = Vec::new();
-        let mut ports = Vec::new();
-        for i in 0..n {
-            let so = TunnelServerOpts {
-                server_id: format!("ts-{}", i + 1),
-                zone: format!("zone-{}", i + 1),
-                dispatchers: vec![dispatcher.registry_url()],
-                heartbeat: o.heartbeat,
-                ..TunnelServerOpts::default()
-            };
-            let s = TunnelServerProc::start(dir.path(), so.clone())
-                .await
-                .unwrap();
-            ports.push(s.ports());
-            servers.push(Some(s));
-            opts.push(so);
-        }
-        let haproxy = if let Some(checks) = o.haproxy {
-            let backends = servers
-                .iter()
-                .flatten()
-                .map(|s| Backend {
-                    name: s.server_id.clone(),
-                    addr: s.agent_addr,
-                    admin: Some(s.admin_addr),
-                    weight: 1,
-                    disabled: false,
-                })
-                .collect();
-            let how = relay_tests::procs::Spawn {
-                env: Vec::new(),
-                own_process_group: false,
-            };
-            Some(
-                Haproxy::start_checked(backends, &how, checks)
-                    .await
-                    .unwrap(),
-            )
-        } else {
-            None
-        };
-        let tunnels = match &haproxy {
-            Some(h) => vec![h.url()],
-            None => servers.iter().flatten().map(|s| s.agent_url()).collect(),
-        };
-        let agent_opts = AgentOpts {
-            tunnels,
-            token: TOKEN.into(),
-            upstream: upstream.url(),
-            backoff: o.agent_backoff,
-            extra: o.agent_extra,
-        };
-        let agent = AgentProc::start(dir.path(), agent_opts.clone())
-            .await
-            .unwrap();
-        let fleet = Fleet {
-            dir,
-            _upstream: upstream,
-            dispatcher,
-            dispatcher_opts: o.dispatcher,
-            servers,
-            opts,
-            ports,
-            _haproxy: haproxy,
-            agent,
-            agent_opts,
-            probes: AtomicU64::new(0),
-            restarted: vec![false; n],
-            agent_restarted: false,
-        };
-        fleet.wait_covered(n).await;
-        fleet
-    }
-
-    fn front(&self) -> SocketAddr {
-        self.dispatcher.http
-    }
-
-    /// Waits until the dispatcher hears from `n` servers and a call answers 200. (The
-    /// agent holds streams where they landed, not necessarily on every server.)
-    async fn wait_covered(&self, n: usize) {
-        let t = time_until(READY, || async {
-            dispatcher_servers(self.dispatcher.admin).await >= n as f64
-        })
-        .await;
-        assert!(
-            t.is_some(),
-            "dispatcher hears from {} servers, not {n}",
-            dispatcher_servers(self.dispatcher.admin).await,
-        );
-        let c = Caller::new(self.front(), Some(CALLER_KEY));
-        let ok = time_until(READY, || async {
-            self.probes.fetch_add(1, Ordering::SeqCst);
-            matches!(c.get(&format!("/relay/{TUNNEL_ID}/hello")).await, Ok(a) if a.status == 200)
-        })
-        .await;
-        assert!(
-            ok.is_some(),
-            "fleet not routable:\n{}",
-            self.agent.proc.log_tail(20)
-        );
-    }
-
-    /// Index of the running server holding most of the agent's streams (the one carrying
-    /// the calls).
-    async fn busiest(&self) -> usize {
-        let streams = self.agent_servers().await;
-        (0..self.servers.len())
-            .filter(|i| self.servers[*i].is_some())
-            .max_by_key(|i| {
-                streams
-                    .get(&format!("ts-{}", i + 1))
-                    .map_or((0, 0), |s| (s.1, s.0))
-            })
-            .unwrap()
-    }
-
-    /// The agent's streams and busy streams per server id, from `/systemcheck`.
-    async fn agent_servers(&self) -> BTreeMap<String, (u64, u64)> {
-        let mut out = BTreeMap::new();
-        if let Ok(a) = Caller::new(self.agent.admin, None)
-            .get("/systemcheck")
-            .await
-        {
-            for s in a.json()["servers"].as_array().into_iter().flatten() {
-                let id = s["server_id"].as_str().unwrap_or("?").to_string();
-                let streams = s["streams"].as_u64().unwrap_or(0);
-                let busy = s["busy"].as_u64().unwrap_or(0);
-                out.insert(id, (streams, busy));
-            }
-        }
-        out
-    }
-
-    async fn agent_metrics(&self) -> String {
-        scrape(self.agent.admin).await.unwrap_or_default()
-    }
-
-    /// Streams of the demo tunnel id server `i` holds, per its own `/metrics`.
-    async fn server_streams(&self, i: usize) -> Option<f64> {
-        let s = self.servers[i].as_ref()?;
-        let t = scrape(s.admin_addr).await.ok()?;
-        Some(metric(
-            &t,
-            "relay_tunnel_streams",
-            &[("tunnel_id", TUNNEL_ID)],
-        ))
-    }
-
-    async fn restart(&mut self, i: usize) {
-        assert!(self.servers[i].is_none());
-        self.restarted[i] = true;
-        let s =
-            TunnelServerProc::start_on(self.dir.path(), self.opts[i].clone(), Some(self.ports[i]))
-                .await
-                .unwrap();
-        self.servers[i] = Some(s);
-    }
-
-    /// Starts the agent again (after it was killed), with its config.
-    async fn restart_agent(&mut self) {
-        assert!(
-            self.agent.proc.try_exited().is_some(),
-            "the agent still runs"
-        );
-        self.agent_restarted = true;
-        self.agent = AgentProc::start(self.dir.path(), self.agent_opts.clone())
-            .await
-            .unwrap();
-    }
-
-    /// Kills the dispatcher (SIGKILL), leaves it down for `down`, and starts it again on
-    /// the same ports (the servers and callers look for it there). Returns when it
-    /// answers `/healthz` again.
-    async fn crash_dispatcher(&mut self, down: Duration) {
-        let ports = self.dispatcher.ports();
-        self.dispatcher.proc.kill();
-        // The outage itself: the servers' report streams retry meanwhile.
-        tokio::time::sleep(down).await;
-        self.dispatcher =
-            DispatcherProc::start_on(self.dir.path(), self.dispatcher_opts.clone(), Some(ports))
-                .await
-                .unwrap();
-        self.probes.store(0, Ordering::SeqCst);
-    }
-
-    /// Dispatcher calls so far, less the fleet's own probes: the base of [`Fleet::accounted`].
-    async fn base(&self) -> f64 {
-        dispatcher_base(self.dispatcher.admin).await - self.probes.load(Ordering::SeqCst) as f64
-    }
-
-    /// The accounting check across the running processes: `sent` calls since [`Fleet::base`].
-    async fn accounted(&self, sent: u64, base: f64) -> Result<(), String> {
-        let (calls, in_flight) = dispatcher_calls(self.dispatcher.admin).await?;
-        let calls = calls - self.probes.load(Ordering::SeqCst) as f64;
-        if calls - base != sent as f64 || in_flight != 0.0 {
-            return Err(format!(
-                "dispatcher: {} outcomes for {sent} calls sent, {in_flight} in flight",
-                calls - base
-            ));
-        }
-        let mut hops = Hops {
-            attempts: dispatcher_attempts(
-                &scrape(self.dispatcher.admin)
-                    .await
-                    .map_err(|e| e.to_string())?,
-            )?,
-            ..Hops::default()
-        };
-        // A killed or drained process's counters are gone: only a server that ran through
-        // the whole test is read whole.
-        for (i, s) in self.servers.iter().enumerate() {
-            let Some(s) = s else { continue };
-            let t = scrape(s.admin_addr).await.map_err(|e| e.to_string())?;
-            server_ledger_text(&s.server_id, &t, !self.restarted[i], &mut hops)?;
-        }
-        if self.servers.iter().any(Option::is_none) {
-            for (i, s) in self.servers.iter().enumerate() {
-                if s.is_none() {
-                    hops.server_received
-                        .insert(self.opts[i].server_id.clone(), (0.0, false));
-                }
-            }
-        }
-        agent_ledger_text("agent", &self.agent_metrics().await, true, &mut hops)?;
-        hops.agents_partial = self.agent_restarted;
-        hops_agree(&hops)
-    }
 }
 
 /// Answers that a crash of the server carrying a call may give that call: it may have
@@ -528,167 +145,17 @@ async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
         failed_at_kill,
         tally.summary()
     );
-    settle("accounting after a SIGKILL", QUIET, || {
+    eventually_ok("accounting after a SIGKILL", QUIET, || {
         fleet.accounted(tally.sent(), base)
     })
     .await;
-}
-
-/// Two tunnel server processes behind a dispatcher with sticky routing, one agent with a
-/// fixed pool of streams on both: every call goes to the home server, so once its streams
-/// are busy the next calls wait in its queue, and killing it leaves them to be retried on
-/// the other server.
-struct QueuedKillRig {
-    _dir: ScratchDir,
-    upstream: UpstreamHandle,
-    dispatcher: DispatcherProc,
-    servers: Vec<Option<TunnelServerProc>>,
-    _agent: AgentProc,
-    /// Index of the home server in `servers`, and its id.
-    victim: usize,
-    home: String,
-    home_streams: u64,
-    other_streams: u64,
-}
-
-impl QueuedKillRig {
-    async fn start(tag: &str) -> Self {
-        let dir = ScratchDir::new(tag).unwrap();
-        let upstream = Upstream::builder().spawn().await.unwrap();
-        let dispatcher = DispatcherProc::start(
-            dir.path(),
-            DispatcherOpts {
-                call_timeout: Duration::from_secs(30),
-                extra: "[routing]\npolicy = \"sticky\"\n".into(),
-                ..DispatcherOpts::default()
-            },
-        )
-        .await
-        .unwrap();
-        let mut servers = Vec::new();
-        for i in 1..=2 {
-            let o = TunnelServerOpts {
-                server_id: format!("ts-{i}"),
-                dispatchers: vec![dispatcher.registry_url()],
-                ..TunnelServerOpts::default()
-            };
-            servers.push(Some(TunnelServerProc::start(dir.path(), o).await.unwrap()));
-        }
-        let agent = AgentProc::start(
-            dir.path(),
-            AgentOpts {
-                tunnels: servers.iter().flatten().map(|s| s.agent_url()).collect(),
-                token: TOKEN.into(),
-                upstream: upstream.url(),
-                extra: "[coverage]\nenabled = false\nfixed_streams = 8\n".into(),
-                ..AgentOpts::default()
-            },
-        )
-        .await
-        .unwrap();
-        let mut rig = QueuedKillRig {
-            _dir: dir,
-            upstream,
-            dispatcher,
-            servers,
-            _agent: agent,
-            victim: 0,
-            home: String::new(),
-            home_streams: 0,
-            other_streams: 0,
-        };
-        let ready = time_until(READY, || async {
-            let (a, b) = (rig.streams_of(0).await, rig.streams_of(1).await);
-            a.is_some_and(|a| a.0 > 0.0)
-                && b.is_some_and(|b| b.0 > 0.0)
-                && dispatcher_servers(rig.dispatcher.admin).await == 2.0
-                && matches!(
-                    Caller::new(rig.dispatcher.http, Some(CALLER_KEY)).get(&format!("/relay/{TUNNEL_ID}/hello")).await,
-                    Ok(a) if a.status == 200
-                )
-        })
-        .await;
-        assert!(ready.is_some(), "both servers hold streams and calls flow");
-        let routes = Caller::new(rig.dispatcher.admin, None)
-            .get("/debug/routes")
-            .await
-            .unwrap()
-            .json();
-        rig.home = routes["tunnels"]
-            .as_array()
-            .and_then(|t| t.iter().find(|t| t["tunnel_id"] == TUNNEL_ID))
-            .and_then(|t| t["home"].as_str())
-            .expect("a home server")
-            .to_string();
-        rig.victim = if rig.home == "ts-1" { 0 } else { 1 };
-        rig.home_streams = rig.streams_of(rig.victim).await.unwrap().0 as u64;
-        rig.other_streams = rig.streams_of(1 - rig.victim).await.unwrap().0 as u64;
-        rig
-    }
-
-    /// Server `i`'s streams and queued calls of the tunnel id; `None` once it is gone.
-    async fn streams_of(&self, i: usize) -> Option<(f64, f64)> {
-        let admin = self.servers[i].as_ref().map(|s| s.admin_addr)?;
-        let t = scrape(admin).await.ok()?;
-        Some((
-            metric(&t, "relay_tunnel_streams", &[("tunnel_id", TUNNEL_ID)]),
-            metric(&t, "relay_tunnel_calls_queued", &[("tunnel_id", TUNNEL_ID)]),
-        ))
-    }
-
-    /// Waits until `queued` calls wait in the home server's queue and the dispatcher
-    /// heard so (`Queued`).
-    async fn wait_queued(&self, queued: u64) {
-        let waiting = time_until(READY, || async {
-            let heard = metric(
-                &scrape(self.dispatcher.admin).await.unwrap_or_default(),
-                "relay_dispatcher_queued_total",
-                &[],
-            );
-            heard >= queued as f64
-                && self
-                    .streams_of(self.victim)
-                    .await
-                    .is_some_and(|(_, q)| q >= queued as f64)
-        })
-        .await;
-        assert!(
-            waiting.is_some(),
-            "{queued} calls wait in {}'s queue",
-            self.home
-        );
-    }
-
-    /// SIGKILL of the home server.
-    fn kill_home(&mut self) {
-        let mut proc = self.servers[self.victim].take().unwrap().proc;
-        proc.kill();
-    }
-
-    async fn retries(&self) -> f64 {
-        metric(
-            &scrape(self.dispatcher.admin).await.unwrap(),
-            "relay_dispatcher_retries_total",
-            &[],
-        )
-    }
-
-    /// Requests the upstream received so far (answered or cancelled).
-    fn reached(&self) -> u64 {
-        self.upstream.served() + self.upstream.cancelled()
-    }
-
-    async fn wait_upstream_quiet(&self) {
-        let quiet = time_until(QUIET, || async { self.upstream.in_flight() == 0 }).await;
-        assert!(quiet.is_some(), "the upstream goes quiet");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_once() {
     // Sticky routing sends every call to the home server; its streams are all busy with
     // slow calls, so the rest wait in its queue when the process is SIGKILLed.
-    let mut rig = QueuedKillRig::start("queued-kill").await;
+    let mut rig = QueuedKillRig::start().await;
     let (home, home_streams) = (rig.home.clone(), rig.home_streams);
     // As many calls wait as the other server can take at once.
     let queued = rig.other_streams.min(home_streams);
@@ -697,10 +164,7 @@ async fn calls_queued_on_a_killed_server_process_are_retried_elsewhere_and_run_o
     let tally = Arc::new(Ledger::default());
     let mut tasks = Vec::new();
     for _ in 0..calls {
-        let (c, tally) = (
-            Caller::new(rig.dispatcher.http, Some(CALLER_KEY)),
-            tally.clone(),
-        );
+        let (c, tally) = (rig.caller(), tally.clone());
         tasks.push(tokio::spawn(async move {
             tally
                 .call(&c, &format!("/relay/{TUNNEL_ID}/slow/2000"), 20_000, None)
@@ -760,13 +224,13 @@ async fn queued_posts_with_large_bodies_on_a_killed_server_process_succeed_elsew
     // server reads any; it must still be retried elsewhere, whole, and reach the upstream
     // once. Bodies of 1 MiB and of 4 MiB (four windows: the rest is pulled from the caller
     // after the retry).
-    let mut rig = QueuedKillRig::start("queued-post-kill").await;
+    let mut rig = QueuedKillRig::start().await;
     let home_streams = rig.home_streams;
     let reached_before = rig.reached();
     // Every stream of the home server busy with a slow call.
     let mut slow = Vec::new();
     for _ in 0..home_streams {
-        let c = Caller::new(rig.dispatcher.http, Some(CALLER_KEY));
+        let c = rig.caller();
         slow.push(tokio::spawn(async move {
             let mut req = c.request(
                 Method::GET,
@@ -778,7 +242,10 @@ async fn queued_posts_with_large_bodies_on_a_killed_server_process_succeed_elsew
             c.call(req).await.map(|a| a.status.as_u16())
         }));
     }
-    let busy = time_until(READY, || async { rig.upstream.in_flight() >= home_streams }).await;
+    let busy = time_until(READY, || async {
+        rig.fleet.upstream.in_flight() >= home_streams
+    })
+    .await;
     assert!(
         busy.is_some(),
         "{home_streams} slow calls hold the home's streams"
@@ -787,7 +254,7 @@ async fn queued_posts_with_large_bodies_on_a_killed_server_process_succeed_elsew
     let mut posts = Vec::new();
     for (i, len) in sizes.into_iter().enumerate() {
         let body = distinct_body(i as u64 + 1, len);
-        let c = Caller::new(rig.dispatcher.http, Some(CALLER_KEY));
+        let c = rig.caller();
         posts.push(tokio::spawn(async move {
             let mut req = c.request(
                 Method::POST,
@@ -915,7 +382,7 @@ async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dea
     }
     // After SIGCONT no stream stays half-dead: the thawed server and the agent agree on
     // the streams between them (the agent may have reopened some there).
-    settle("streams agree after the thaw", QUIET, || async {
+    eventually_ok("streams agree after the thaw", QUIET, || async {
         let server = fleet.server_streams(victim).await.unwrap_or(-1.0);
         let agent = fleet.agent_servers().await.get(&id).map_or(0, |s| s.0) as f64;
         if server == agent {
@@ -928,7 +395,7 @@ async fn frozen_tunnel_server_is_found_by_heartbeat_and_no_stream_stays_half_dea
     })
     .await;
     let sent = tally.sent() + probes.sent();
-    settle("accounting after a freeze", QUIET, || {
+    eventually_ok("accounting after a freeze", QUIET, || {
         fleet.accounted(sent, base)
     })
     .await;
@@ -966,7 +433,7 @@ async fn sigterm_drains_a_tunnel_server_process_without_failing_a_call() {
         "a drain failed calls: {}",
         tally.summary()
     );
-    settle("accounting after a drain", QUIET, || {
+    eventually_ok("accounting after a drain", QUIET, || {
         fleet.accounted(tally.sent(), base)
     })
     .await;
@@ -1021,7 +488,7 @@ async fn rolling_restart_of_every_tunnel_server_under_steady_load_fails_no_call(
         tally.summary()
     );
     assert!(tally.ok() > 50, "{}", tally.summary());
-    settle("accounting after a rolling restart", QUIET, || {
+    eventually_ok("accounting after a rolling restart", QUIET, || {
         stack_accounted(&stack, tally.sent(), base)
     })
     .await;
@@ -1099,7 +566,7 @@ async fn agent_restart_routes_again_within_a_bound_and_calls_between_get_503_wit
         }
     }
     let sent = tally.sent() + probes.sent();
-    settle("accounting after an agent restart", QUIET, || {
+    eventually_ok("accounting after an agent restart", QUIET, || {
         stack_accounted(&stack, sent, base)
     })
     .await;
@@ -1164,7 +631,7 @@ async fn upstream_failure_and_callers_leaving_each_get_one_outcome() {
             tally.summary()
         );
     }
-    settle(
+    eventually_ok(
         "accounting with upstream failures and cancels",
         QUIET,
         || stack_accounted(&stack, tally.sent(), base),
@@ -1223,79 +690,11 @@ async fn load_balancer_dropping_every_stream_leaves_no_call_unanswered() {
             tally.summary()
         );
     }
-    settle("accounting after a load balancer reset", QUIET, || {
+    eventually_ok("accounting after a load balancer reset", QUIET, || {
         stack_accounted(&stack, tally.sent(), base)
     })
     .await;
     stack.shutdown().await;
-}
-
-/// A TCP relay that can silently drop every connection open now: their bytes stop flowing
-/// both ways while the sockets stay open (a NAT entry or load balancer that forgot them).
-/// Connections made later pass.
-struct Blackhole {
-    addr: SocketAddr,
-    generation: Arc<AtomicU64>,
-}
-
-impl Blackhole {
-    async fn start(target: SocketAddr) -> Blackhole {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let generation = Arc::new(AtomicU64::new(0));
-        let g = generation.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = l.accept().await {
-                let born = g.load(Ordering::SeqCst);
-                let g = g.clone();
-                tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(target).await else {
-                        return;
-                    };
-                    let _ = client.set_nodelay(true);
-                    let _ = server.set_nodelay(true);
-                    let (cr, cw) = client.into_split();
-                    let (sr, sw) = server.into_split();
-                    let a = tokio::spawn(pipe(cr, sw, born, g.clone()));
-                    let b = tokio::spawn(pipe(sr, cw, born, g));
-                    let _ = tokio::join!(a, b);
-                });
-            }
-        });
-        Blackhole { addr, generation }
-    }
-
-    /// Silently drops every connection open now.
-    fn drop_open_connections(&self) {
-        self.generation.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
-async fn pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    born: u64,
-    generation: Arc<AtomicU64>,
-) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if generation.load(Ordering::SeqCst) != born {
-            // Dropped: swallow everything, never close (keep both sockets open).
-            loop {
-                if matches!(from.read(&mut buf).await, Ok(0) | Err(_)) {
-                    std::future::pending::<()>().await;
-                }
-            }
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1367,7 +766,7 @@ async fn silently_dropped_connection_is_found_by_heartbeat_on_both_ends() {
         );
     }
     // No half-dead stream: what the server holds is what the agent holds.
-    settle("server and agent agree on streams", QUIET, || async {
+    eventually_ok("server and agent agree on streams", QUIET, || async {
         let server = value(
             &server.registry,
             "relay_tunnel_streams",
@@ -1379,80 +778,11 @@ async fn silently_dropped_connection_is_found_by_heartbeat_on_both_ends() {
             .ok_or(format!("server holds {server} streams, agent {agent}"))
     })
     .await;
-    settle("accounting after a silent drop", QUIET, || {
+    eventually_ok("accounting after a silent drop", QUIET, || {
         stack_accounted(&stack, tally.sent(), base)
     })
     .await;
     stack.shutdown().await;
-}
-
-// ---------------------------------------------------------------------------------------
-// Faults as production delivers them: process crashes behind a real load balancer, an
-// agent crash, a dispatcher crash
-
-impl Fleet {
-    /// The running servers' streams of the demo tunnel id, summed (`None` while one
-    /// cannot be read).
-    async fn server_streams_total(&self) -> Option<f64> {
-        let mut total = 0.0;
-        for i in 0..self.servers.len() {
-            if self.servers[i].is_some() {
-                total += self.server_streams(i).await?;
-            }
-        }
-        Some(total)
-    }
-
-    /// Server ids reporting on their own report stream to the dispatcher (origin `local`
-    /// in `/debug/routes`), as opposed to records it read back from Redis.
-    async fn reporting_locally(&self) -> usize {
-        let Ok(a) = Caller::new(self.dispatcher.admin, None)
-            .get("/debug/routes")
-            .await
-        else {
-            return 0;
-        };
-        a.json()["servers"]
-            .as_array()
-            .map_or(0, |s| s.iter().filter(|s| s["origin"] == "local").count())
-    }
-
-    /// Whether the agent's `/systemcheck` shows every server of `ids` covered while they
-    /// carry at least `busy` calls in all (in flight and queued there), and holds nothing
-    /// on `gone`.
-    async fn agent_covers(&self, ids: &[String], gone: Option<&str>, busy: u64) -> bool {
-        let Ok(check) = Caller::new(self.agent.admin, None)
-            .get("/systemcheck")
-            .await
-        else {
-            return false;
-        };
-        let servers = check.json()["servers"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
-        let state = |id: &str| {
-            servers
-                .iter()
-                .find(|s| s["server_id"] == id)
-                .and_then(|s| s["state"].as_str().map(str::to_string))
-        };
-        let carried: u64 = servers
-            .iter()
-            .filter(|s| ids.iter().any(|i| s["server_id"] == i.as_str()))
-            .map(|s| s["busy"].as_u64().unwrap_or(0))
-            .sum();
-        gone.is_none_or(|g| state(g).is_none())
-            && ids.iter().all(|i| state(i).as_deref() == Some("covered"))
-            && carried >= busy
-    }
-
-    /// One probe call through the front: whether it answered 200.
-    async fn probe(&self) -> bool {
-        self.probes.fetch_add(1, Ordering::SeqCst);
-        let c = Caller::new(self.front(), Some(CALLER_KEY));
-        matches!(c.get(&format!("/relay/{TUNNEL_ID}/hello")).await, Ok(a) if a.status == 200)
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1530,7 +860,7 @@ async fn killed_agent_process_fails_only_its_calls_in_progress_frees_its_streams
         "more calls lost ({lost}) than were in progress: {}",
         tally.summary()
     );
-    settle("accounting after an agent SIGKILL", QUIET, || {
+    eventually_ok("accounting after an agent SIGKILL", QUIET, || {
         fleet.accounted(tally.sent(), base)
     })
     .await;
@@ -1584,6 +914,14 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
     );
     let victim = fleet.busiest().await;
     let before = fleet.agent_servers().await;
+    let failed_opens = |f: &Fleet| {
+        f.agent
+            .proc
+            .log()
+            .matches("tunnel stream open failed")
+            .count()
+    };
+    let failed_before = failed_opens(&fleet);
     let s = fleet.servers[victim].take().unwrap();
     let id = s.server_id.clone();
     let mut proc = s.proc;
@@ -1602,9 +940,12 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
     );
     let first = time_until(QUIET, || fleet.agent_covers(&healthy, Some(&id), 0)).await;
     // The load grows again just as the opens HAProxy placed on the dead server come back
-    // failed, one after another: growth must go on through the load balancer, not wait
-    // behind the open backoff those failures start.
-    tokio::time::sleep(DEAD_SERVER_PLACED_FOR.saturating_sub(first.unwrap_or_default())).await;
+    // failed, one after another (3 to 7 s after the crash): growth must go on through the
+    // load balancer, not wait behind the open backoff those failures start.
+    let failing = time_until(COVERED_AFTER_CRASH, || async {
+        failed_opens(&fleet) > failed_before
+    })
+    .await;
     // Slow calls (1 s), so that they are all in flight at once: the agent must hold a
     // stream for each of them on the servers left.
     let slow = 6 * workers;
@@ -1625,12 +966,11 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
     let burst = burst.stop().await;
     let more = more.stop().await;
     let tally = load.stop().await;
-    let log = fleet.agent.proc.log();
-    let failed_opens = log.matches("tunnel stream open failed").count();
+    let failed_opens = failed_opens(&fleet);
     eprintln!(
         "SIGKILL {id} behind haproxy (agent streams {before:?}): servers left covered after \
-         {first:?}, after the second step after {second:?} ({after:?}); {failed_opens} backoff \
-         steps; calls in progress at the kill: {}; started after it: {}; second step: {}",
+         {first:?}, first failed open back {failing:?} after that, after the second step \
+         after {second:?} ({after:?}); {failed_opens} backoff steps; calls in progress at the kill: {}; started after it: {}; second step: {}",
         tally.summary(),
         more.summary(),
         burst.summary()
@@ -1780,16 +1120,17 @@ async fn soak(total: Duration, period: Duration) {
         )
     };
     let agent_streams = |t: &str| metric(t, "grpc_tunnel_server_streams", &[]);
-    // Warm-up: let allocators and pools reach their working size.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Warm-up: allocators and pools reach their working size over the first calls.
+    load.flowing(1000, READY).await;
     let (d0, a0, t0) = rss(&fleet);
     let s0 = agent_streams(&fleet.agent_metrics().await);
     eprintln!("soak warm: dispatcher {d0} KiB, agent {a0} KiB, ts-1 {t0} KiB, agent streams {s0}");
     let started = Instant::now();
     let mut n = 0usize;
     let mut max_streams = s0;
+    // The soak's schedule: a fault every `period`, in the middle of it, under steady load.
     while started.elapsed() + period <= total {
-        tokio::time::sleep(period / 2).await;
+        tokio::time::sleep_until(started + period * n as u32 + period / 2).await;
         let i = 1 + (n / 2) % 2;
         let s = fleet.servers[i].take().unwrap();
         let mut proc = s.proc;
@@ -1812,18 +1153,18 @@ async fn soak(total: Duration, period: Duration) {
             i + 1,
             load.ledger().summary()
         );
-        tokio::time::sleep(period / 2).await;
+        load.flowing(20, READY).await;
     }
+    tokio::time::sleep_until(started + period * n as u32).await;
     let (d1, a1, t1) = rss(&fleet);
     // Streams grown for the last fault are retired once unused for RETIRE_SECS (and not
     // while any server is short): wait for the count to come back, under the same load.
     let bound = (s0 * 1.5).max(s0 + 4.0);
-    let mut s1 = agent_streams(&fleet.agent_metrics().await);
-    let deadline = Instant::now() + QUIET;
-    while s1 > bound && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        s1 = agent_streams(&fleet.agent_metrics().await);
-    }
+    time_until(QUIET, || async {
+        agent_streams(&fleet.agent_metrics().await) <= bound
+    })
+    .await;
+    let s1 = agent_streams(&fleet.agent_metrics().await);
     let tally = load.stop().await;
     eprintln!(
         "soak end after {:.0}s and {n} faults: dispatcher {d0} -> {d1} KiB, agent {a0} -> {a1} KiB, ts-1 {t0} -> {t1} KiB, agent streams {s0} -> {s1} (max {max_streams}); {}",
@@ -1854,7 +1195,7 @@ async fn soak(total: Duration, period: Duration) {
         s1 <= bound,
         "agent streams grew {s0} -> {s1} and stayed above {bound} for {QUIET:?} after the last fault"
     );
-    settle("accounting after the soak", QUIET, || {
+    eventually_ok("accounting after the soak", QUIET, || {
         fleet.accounted(tally.sent(), base)
     })
     .await;

@@ -155,6 +155,8 @@ fn queue_wait_delta(
 
 const SKEW_STREAMS: u32 = 24;
 const SKEW_WORKERS: usize = 8;
+/// How long the load of a zone-skew run is measured.
+const SKEW_WINDOW: Duration = Duration::from_secs(3);
 
 struct SkewRun {
     outcome: Outcome,
@@ -262,8 +264,9 @@ async fn zone_skew_run(policy: RoutingPolicy) -> SkewRun {
         &format!("/relay/{TUNNEL_ID}/slow/50"),
         400,
     );
-    // The measurement window: a fixed span of load.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The measurement window: the same span of load under both policies; whether calls
+    // queue in it is what the test compares (a window, not a wait for a condition).
+    tokio::time::sleep(SKEW_WINDOW).await;
     let outcome = stop_all(loads).await;
     let after = queue_waits(&stack);
     let waits = queue_wait_delta(&before, &after, 0.0243);
@@ -475,7 +478,7 @@ async fn start_server(id: &str, dispatcher: SocketAddr) -> TunnelServerHandle {
 /// one agent replica of the tunnel id per server, each dialing its server alone: an agent
 /// dialing both would place each stream on a server at random, and all of one pool on one server (1
 /// start in 128 with 8 streams) leaves the other without streams.
-struct Fleet {
+struct TwoDispatchers {
     upstream: UpstreamHandle,
     dispatchers: Vec<DispatcherUnderTest>,
     servers: Vec<Option<TunnelServerHandle>>,
@@ -483,13 +486,13 @@ struct Fleet {
     agents: Vec<tokio::task::JoinHandle<()>>,
 }
 
-impl Fleet {
-    async fn start(redis_url: &str, prefix: &str) -> Fleet {
-        Fleet::start_on(redis_url, prefix, RedisTls::default()).await
+impl TwoDispatchers {
+    async fn start(redis_url: &str, prefix: &str) -> TwoDispatchers {
+        TwoDispatchers::start_on(redis_url, prefix, RedisTls::default()).await
     }
 
     /// With `[registry.redis_tls]` on both dispatchers.
-    async fn start_on(redis_url: &str, prefix: &str, tls: RedisTls) -> Fleet {
+    async fn start_on(redis_url: &str, prefix: &str, tls: RedisTls) -> TwoDispatchers {
         let upstream = Upstream::builder().spawn().await.unwrap();
         let d1 = start_dispatcher_on(redis_url, prefix, tls.clone()).await;
         let d2 = start_dispatcher_on(redis_url, prefix, tls).await;
@@ -521,7 +524,7 @@ impl Fleet {
                 let _ = relay_agent::run(cfg, admin, s.cancelled_owned()).await;
             }));
         }
-        Fleet {
+        TwoDispatchers {
             upstream,
             dispatchers: vec![d1, d2],
             servers: vec![Some(s1), Some(s2)],
@@ -591,7 +594,7 @@ async fn two_dispatchers_sharing_redis_both_route_the_tunnel_id() {
             url
         }
     };
-    let fleet = Fleet::start(&url, &unique_prefix("share")).await;
+    let fleet = TwoDispatchers::start(&url, &unique_prefix("share")).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     let (_, routes) = admin_json(fleet.dispatchers[0].admin, "/debug/routes").await;
@@ -649,7 +652,7 @@ async fn two_dispatchers_sharing_redis_both_route_the_tunnel_id() {
 async fn redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers() {
     require_redis("redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers");
     let mut redis = RedisServer::start().await;
-    let fleet = Fleet::start(&redis.url(), &unique_prefix("outage")).await;
+    let fleet = TwoDispatchers::start(&redis.url(), &unique_prefix("outage")).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     for d in &fleet.dispatchers {
@@ -678,8 +681,11 @@ async fn redis_stopped_mid_run_keeps_calls_flowing_and_readyz_recovers() {
         .await;
     }
     let degraded_after = stopped_at.elapsed();
-    // Still routing from the last known table.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Still routing from the last known table: both dispatchers answer calls with Redis
+    // down.
+    for l in &loads {
+        l.flowing(20, READY).await;
+    }
     redis.restart().await;
     let restarted_at = Instant::now();
     for d in &fleet.dispatchers {
@@ -732,7 +738,7 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
         "redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_crashed_server",
     );
     let redis = RedisServer::start().await;
-    let mut fleet = Fleet::start(&redis.url(), &unique_prefix("freeze")).await;
+    let mut fleet = TwoDispatchers::start(&redis.url(), &unique_prefix("freeze")).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     for d in &fleet.dispatchers {
@@ -753,6 +759,7 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
     // which refuses at once). Calls must not wait on it.
     let during = start_all(callers(), 2, &path, 5000);
     redis.freeze();
+    let frozen_at = Instant::now();
     let (a0, a1) = (fleet.dispatchers[0].admin, fleet.dispatchers[1].admin);
     let (d0, d1) = tokio::join!(
         time_until(READY, || degraded(a0)),
@@ -808,9 +815,15 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
     // live server (a call dispatcher 1 tries on the dead one first is retried, since no
     // agent saw it).
     let after = start_all(callers(), 2, &path, 5000);
-    // Redis answers again within the crashed server's lease, after the records of the
-    // live servers expired (frozen longer than the lease in all).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Redis answers again once the records of the live servers expired (frozen longer
+    // than the lease: their TTL is counted on the clock, so this waits for a time), and
+    // within the crashed server's lease.
+    tokio::time::sleep_until(frozen_at + LEASE + REFRESH).await;
+    assert!(
+        crashed.elapsed() < LEASE,
+        "staging: the thaw comes {:?} after the crash, within its lease {LEASE:?}",
+        crashed.elapsed()
+    );
     redis.thaw();
     let dropped = time_until(READY, || async { !lists(a1, "ts-1").await }).await;
     let dropped = dropped.map(|_| crashed.elapsed());
@@ -821,8 +834,14 @@ async fn redis_frozen_mid_run_keeps_calls_flowing_reports_degraded_and_drops_a_c
         })
         .await;
     }
-    // Past the grace after the outage, both still route to the live server.
-    tokio::time::sleep(LEASE).await;
+    // A window as long as the grace after the outage: both still route to the live
+    // server, no call fails.
+    relay_tests::holds_for(
+        "calls through both dispatchers succeed past the grace",
+        LEASE,
+        || async { after.iter().all(|l| l.ledger().failed() == 0) },
+    )
+    .await;
     let after = stop_all(after).await;
     eprintln!(
         "ts-1 crashed during the freeze: dispatcher 1 dropped it {dropped:?} after the crash; \
@@ -910,7 +929,7 @@ async fn forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are
     );
     let redis = RedisServer::start().await;
     let prefix = unique_prefix("forged");
-    let fleet = Fleet::start(&redis.url(), &prefix).await;
+    let fleet = TwoDispatchers::start(&redis.url(), &prefix).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     let (trap_addr, hits) = trap().await;
@@ -1130,7 +1149,7 @@ async fn rediss_with_an_acl_user_routes_and_a_wrong_password_or_an_untrusted_ca_
         ca: Some(certs.ca.clone()),
         ..RedisTls::default()
     };
-    let fleet = Fleet::start_on(&url("relay-pw"), &prefix, trusted.clone()).await;
+    let fleet = TwoDispatchers::start_on(&url("relay-pw"), &prefix, trusted.clone()).await;
     fleet.wait_sees(0, &["ts-1", "ts-2"]).await;
     fleet.wait_sees(1, &["ts-1", "ts-2"]).await;
     for d in 0..2 {

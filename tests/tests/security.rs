@@ -90,15 +90,20 @@ async fn a_caller_over_its_concurrent_calls_gets_429_while_others_are_served() {
         let single = single.clone();
         tokio::spawn(async move { single.get("/relay/demo/slow/1500").await })
     };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let refused = loop {
-        let a = single.get("/relay/demo/hello").await.unwrap();
-        if a.status == 429 {
-            break a;
-        }
-        assert!(Instant::now() < deadline, "never refused: {}", a.text());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let single = &single;
+    let refused = relay_tests::eventually_ok(
+        "a second call is refused",
+        Duration::from_secs(5),
+        || async move {
+            let a = single.get("/relay/demo/hello").await.unwrap();
+            if a.status == 429 {
+                Ok(a)
+            } else {
+                Err(a.text())
+            }
+        },
+    )
+    .await;
     assert_eq!(refused.json()["error"], "too_many_calls");
     assert_eq!(refused.headers["retry-after"], "1");
     ok(&stack).await;
@@ -218,8 +223,19 @@ async fn queue_and_stream_limits_of_a_tunnel_id_return_their_errors_and_serve_on
     // Streams per tunnel id: the agent asks for 4, the server holds 2.
     let hub = stack.servers[0].as_ref().unwrap().hub().clone();
     let streams = || hub.load().iter().map(|t| t.idle + t.busy).sum::<u32>();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(streams(), 2, "max_streams_per_token holds");
+    relay_tests::eventually(
+        "the server holds 2 streams",
+        Duration::from_secs(10),
+        || async { streams() == 2 },
+    )
+    .await;
+    // A window in which the agent keeps asking for 4: the server never holds a third.
+    relay_tests::holds_for(
+        "max_streams_per_token holds: 2 streams",
+        Duration::from_millis(500),
+        || async { streams() == 2 },
+    )
+    .await;
 
     // Queue: two slow calls take both streams, one waits in the queue, the next is
     // refused at once with 503 no_capacity.
@@ -231,20 +247,20 @@ async fn queue_and_stream_limits_of_a_tunnel_id_return_their_errors_and_serve_on
             async move { c.get("/relay/demo/slow/1000").await },
         ));
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let refused = loop {
-        let a = caller.get("/relay/demo/hello").await.unwrap();
-        if a.status == 503 {
-            break a;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never refused: {} {}",
-            a.status,
-            a.text()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let c = &caller;
+    let refused = relay_tests::eventually_ok(
+        "a call past the queue is refused",
+        Duration::from_secs(5),
+        || async move {
+            let a = c.get("/relay/demo/hello").await.unwrap();
+            if a.status == 503 {
+                Ok(a)
+            } else {
+                Err(format!("{} {}", a.status, a.text()))
+            }
+        },
+    )
+    .await;
     assert_eq!(refused.json()["error"], "no_capacity");
     assert!(refused.headers.contains_key("retry-after"));
     let mut statuses: Vec<u16> = Vec::new();

@@ -16,7 +16,6 @@ use relay_tests::stack::{Stack, CALLER_KEY, TUNNEL_ID};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-use tokio::time::Instant;
 
 fn temp_dir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!(
@@ -115,18 +114,17 @@ impl HttpsConn {
 
 /// Polls until a relayed call over HTTPS answers 200.
 async fn wait_routable(tls: &TlsClient, addr: SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let last = https_get(tls, addr, &format!("/relay/{TUNNEL_ID}/hello")).await;
-        if matches!(&last, Ok((s, _)) if *s == StatusCode::OK) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not routable over TLS in time: last answer {last:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    relay_tests::eventually_ok(
+        "routable over TLS",
+        Duration::from_secs(20),
+        || async move {
+            match https_get(tls, addr, &format!("/relay/{TUNNEL_ID}/hello")).await {
+                Ok((s, _)) if s == StatusCode::OK => Ok(()),
+                last => Err(format!("last answer {last:?}")),
+            }
+        },
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -308,17 +306,13 @@ async fn a_rotated_certificate_is_used_for_new_connections_while_streams_stay_up
     std::fs::write(&set.dispatcher.1, &leaf.key_pem).unwrap();
     std::fs::write(&set.dispatcher.0, &leaf.cert_pem).unwrap();
     let rotated = client(&ca2_path);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while https_get(&rotated, stack.http, "/relay/demo/hello")
-        .await
-        .is_err()
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the new certificate was not picked up"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (r, front) = (&rotated, stack.http);
+    relay_tests::eventually(
+        "the new certificate is picked up",
+        Duration::from_secs(10),
+        || async move { https_get(r, front, "/relay/demo/hello").await.is_ok() },
+    )
+    .await;
     // New connections trusting only the old CA are refused now...
     assert!(https_get(&backend, stack.http, "/relay/demo/hello")
         .await
@@ -398,13 +392,18 @@ async fn a_server_id_its_client_certificate_does_not_name_is_refused_by_the_regi
             .is_some(),
         "ts-1 never joined"
     );
+    relay_tests::eventually(
+        "ts-2 retried and was refused again",
+        Duration::from_secs(20),
+        || async { refused().await >= 2.0 },
+    )
+    .await;
     // A window: ts-2 keeps retrying and is never admitted.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(
-        servers().await,
-        1.0,
-        "a server its certificate does not name joined"
-    );
-    assert!(refused().await >= 2.0, "ts-2 retried and was refused again");
+    relay_tests::holds_for(
+        "a server its certificate does not name stays out",
+        Duration::from_secs(2),
+        || async { servers().await == 1.0 },
+    )
+    .await;
     stack.shutdown().await;
 }

@@ -512,6 +512,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             mode: a.mode,
             progress: !a.quiet,
             stop,
+            ..RunOptions::default()
         },
     )
     .await?;

@@ -65,6 +65,8 @@ pub struct RunOptions {
     pub progress: bool,
     /// Cancelled on Ctrl-C: the run stops and still reports what ran.
     pub stop: CancellationToken,
+    /// Notified as calls of the load are answered (the run is past its warm-up).
+    pub answered: Arc<tokio::sync::Notify>,
 }
 
 impl Default for RunOptions {
@@ -73,6 +75,7 @@ impl Default for RunOptions {
             mode: Mode::Embedded,
             progress: false,
             stop: CancellationToken::new(),
+            answered: Arc::default(),
         }
     }
 }
@@ -118,7 +121,7 @@ impl Rts {
 }
 
 /// The fleet under test, as the sampler and the fault injector see it.
-enum Fleet {
+enum UnderTest {
     Embedded(Arc<tokio::sync::Mutex<Stack>>),
     External {
         agents: Arc<tokio::sync::Mutex<Vec<Option<AgentHandle>>>>,
@@ -484,7 +487,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
             let caller = stack.caller();
             let ids = stack.tunnel_ids();
             (
-                Fleet::Embedded(Arc::new(tokio::sync::Mutex::new(stack))),
+                UnderTest::Embedded(Arc::new(tokio::sync::Mutex::new(stack))),
                 caller,
                 ids,
             )
@@ -525,7 +528,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                 ids.push(id);
             }
             (
-                Fleet::External {
+                UnderTest::External {
                     agents: Arc::new(tokio::sync::Mutex::new(agents)),
                     configs,
                     upstream,
@@ -584,7 +587,7 @@ const REST_WAIT: Duration = Duration::from_secs(10);
 /// reserve, at most [`REST_WAIT`]: each scenario starts from agents at rest, as its
 /// description says, not from the first stream of each.
 async fn wait_ready(
-    fleet: &Fleet,
+    fleet: &UnderTest,
     caller: &Caller,
     ids: &[String],
     servers: usize,
@@ -641,7 +644,7 @@ async fn wait_ready(
 }
 
 /// Agents whose streams cover every one of `servers` (each covered: its reserve held).
-async fn agents_at_rest(fleet: &Fleet, servers: usize) -> (usize, usize) {
+async fn agents_at_rest(fleet: &UnderTest, servers: usize) -> (usize, usize) {
     let at_rest = |h: Option<&AgentHandle>| {
         h.is_some_and(|h| {
             let v = h.coverage().borrow().clone();
@@ -649,30 +652,30 @@ async fn agents_at_rest(fleet: &Fleet, servers: usize) -> (usize, usize) {
         })
     };
     match fleet {
-        Fleet::Embedded(stack) => {
+        UnderTest::Embedded(stack) => {
             let st = stack.lock().await;
             let n = st.agent_count();
             ((0..n).filter(|i| at_rest(st.agent(*i))).count(), n)
         }
-        Fleet::External { agents, .. } => {
+        UnderTest::External { agents, .. } => {
             let a = agents.lock().await;
             (a.iter().filter(|h| at_rest(h.as_ref())).count(), a.len())
         }
     }
 }
 
-async fn agents_landed(fleet: &Fleet) -> (usize, usize) {
+async fn agents_landed(fleet: &UnderTest) -> (usize, usize) {
     let count = |h: Option<&AgentHandle>| {
         h.map(|h| h.coverage().borrow().streams_total > 0)
             .unwrap_or(false)
     };
     match fleet {
-        Fleet::Embedded(stack) => {
+        UnderTest::Embedded(stack) => {
             let st = stack.lock().await;
             let n = st.agent_count();
             ((0..n).filter(|i| count(st.agent(*i))).count(), n)
         }
-        Fleet::External { agents, .. } => {
+        UnderTest::External { agents, .. } => {
             let a = agents.lock().await;
             (a.iter().filter(|h| count(h.as_ref())).count(), a.len())
         }
@@ -723,7 +726,7 @@ fn agent_actions(h: &AgentHandle) -> BTreeMap<String, u64> {
 /// One reading of the fleet: streams per server by state (from the agents' coverage
 /// views), calls queued on the servers, coverage actions so far.
 async fn sample_fleet(
-    fleet: &Fleet,
+    fleet: &UnderTest,
     actions: &mut ActionTotals,
 ) -> (BTreeMap<String, ServerStreams>, Option<f64>) {
     let mut servers: BTreeMap<String, ServerStreams> = BTreeMap::new();
@@ -736,7 +739,7 @@ async fn sample_fleet(
         actions.update(i, agent_actions(h));
     };
     match fleet {
-        Fleet::Embedded(stack) => {
+        UnderTest::Embedded(stack) => {
             let st = stack.lock().await;
             for i in 0..st.agent_count() {
                 if let Some(h) = st.agent(i) {
@@ -755,7 +758,7 @@ async fn sample_fleet(
             }
             (servers, Some(queued))
         }
-        Fleet::External { agents, .. } => {
+        UnderTest::External { agents, .. } => {
             let a = agents.lock().await;
             for (i, h) in a.iter().enumerate() {
                 if let Some(h) = h {
@@ -771,7 +774,7 @@ async fn sample_fleet(
 async fn drive(
     s: &Scenario,
     opts: &RunOptions,
-    fleet: &Fleet,
+    fleet: &UnderTest,
     caller: Caller,
     tunnel_ids: Vec<String>,
 ) -> Report {
@@ -782,6 +785,7 @@ async fn drive(
     let start = Instant::now();
     let end = start + s.duration;
     let stop = opts.stop.clone();
+    let answered = opts.answered.clone();
     let bursts: Arc<Vec<BurstStat>> = Arc::new(
         s.load
             .bursts
@@ -817,12 +821,13 @@ async fn drive(
             let mut tick = tokio::time::interval(Duration::from_millis(5));
             tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
             let spawn_call = |idx: usize, permit, burst: Option<usize>| {
-                let (rec, caller, shape, ids, bursts) = (
+                let (rec, caller, shape, ids, bursts, answered) = (
                     rec.clone(),
                     caller.clone(),
                     shape.clone(),
                     ids.clone(),
                     bursts.clone(),
+                    answered.clone(),
                 );
                 let id = rec.next_id();
                 tokio::spawn(async move {
@@ -843,6 +848,7 @@ async fn drive(
                         }
                     }
                     rec.record(id, t, ms, outcome);
+                    answered.notify_one();
                 });
             };
             loop {
@@ -993,7 +999,7 @@ async fn drive(
     let cpu = cpu_by_component(&threads_before, &procstat::threads());
     let process_cpu = procstat::process_cpu() - cpu_before;
     let queue_wait = match fleet {
-        Fleet::Embedded(stack) => {
+        UnderTest::Embedded(stack) => {
             let st = stack.lock().await;
             let mut h = crate::metrics::Histogram::default();
             for (_, r) in st.server_registries() {
@@ -1009,10 +1015,10 @@ async fn drive(
             }
             Some(h)
         }
-        Fleet::External { .. } => None,
+        UnderTest::External { .. } => None,
     };
     let running_servers: Vec<String> = match fleet {
-        Fleet::Embedded(stack) => stack
+        UnderTest::Embedded(stack) => stack
             .lock()
             .await
             .servers
@@ -1020,7 +1026,7 @@ async fn drive(
             .flatten()
             .map(|s| s.server_id.clone())
             .collect(),
-        Fleet::External { .. } => Vec::new(),
+        UnderTest::External { .. } => Vec::new(),
     };
     let events = events.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let inner = std::mem::take(&mut *rec.inner.lock().unwrap_or_else(|e| e.into_inner()));
@@ -1080,10 +1086,10 @@ enum FaultTarget {
     },
 }
 
-fn fault_target(fleet: &Fleet) -> FaultTarget {
+fn fault_target(fleet: &UnderTest) -> FaultTarget {
     match fleet {
-        Fleet::Embedded(s) => FaultTarget::Embedded(s.clone()),
-        Fleet::External {
+        UnderTest::Embedded(s) => FaultTarget::Embedded(s.clone()),
+        UnderTest::External {
             agents,
             configs,
             agent_rt,
@@ -1194,15 +1200,15 @@ async fn apply_fault(
 }
 
 /// Stops the fleet, bounded.
-async fn shutdown(fleet: Fleet) {
+async fn shutdown(fleet: UnderTest) {
     let work = async move {
         match fleet {
-            Fleet::Embedded(stack) => {
+            UnderTest::Embedded(stack) => {
                 if let Ok(m) = Arc::try_unwrap(stack) {
                     m.into_inner().shutdown().await;
                 }
             }
-            Fleet::External {
+            UnderTest::External {
                 agents, upstream, ..
             } => {
                 let hs: Vec<AgentHandle> = agents.lock().await.drain(..).flatten().collect();

@@ -1,13 +1,12 @@
 //! End-to-end tests of the dispatcher library: a real `run` on 127.0.0.1:0, fake tunnel
-//! servers (a tonic `Forward` service plus a `Registry.Report` client announcing them), and a
-//! hyper client acting as the backend. No sleeps: conditions are polled with a deadline.
+//! servers (`relay_tests::fake_server`: a tonic `Forward` service scripted by a typed
+//! behaviour, plus a `Registry.Report` client announcing them), and a hyper client acting
+//! as the backend. No sleeps: conditions are polled with a deadline.
 //!
-//! A fake models "the server died" as a gRPC status (`Status::unavailable`), which is not
-//! what a crash looks like on the wire; [`start_fake_resetting`] puts a fake behind a TCP
-//! proxy that resets its connections (`SO_LINGER` 0: a real TCP RST) at a chosen point of
-//! a call, so the error classification is also checked against what h2 and tonic make of
-//! a real reset (UNKNOWN "transport error" before the response headers, UNKNOWN "error
-//! reading a body" after them).
+//! Some fakes reset their connections with a real TCP RST at a chosen point of a call, so
+//! the error classification is also checked against what h2 and tonic make of a real
+//! reset (UNKNOWN "transport error" before the response headers, UNKNOWN "error reading a
+//! body" after them).
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, StatusCode};
@@ -18,29 +17,24 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use relay_dispatcher::{CallerConfig, Config, Listeners};
-use relay_proto::forward_request::Kind as ReqKind;
-use relay_proto::forward_response::Kind as RespKind;
-use relay_proto::forward_server::{Forward, ForwardServer};
-use relay_proto::registry_client::RegistryClient;
-use relay_proto::server_report::Kind as ReportKind;
-use relay_proto::{
-    BodyChunk, CallErrorKind, ForwardError, ForwardErrorKind, ForwardRequest, ForwardResponse,
-    Header, RequestHead, ResponseHead, ServerIntro, ServerReport, TunnelUp, MAX_CHUNK,
+use relay_proto::MAX_CHUNK;
+use relay_tests::eventually;
+use relay_tests::fake_server::{
+    header, intro, load_frame, report_stream, report_stream_with_key, up, Announcer, Behaviour,
+    FakeServer,
 };
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Status, Streaming};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type TestBody = BoxBody<Bytes, BoxError>;
 
 const KEY: &str = "test-caller-key";
+/// How long a condition may take to come true.
+const WAIT: Duration = Duration::from_secs(10);
 
 // ---------------------------------------------------------------- harness
 
@@ -149,10 +143,9 @@ impl Dispatcher {
         }
     }
 
-    async fn get(&self, path: &str, fake: &str) -> Answer {
+    async fn get(&self, path: &str) -> Answer {
         self.send(
             self.request(Method::GET, path, Some(KEY))
-                .header("x-fake", fake)
                 .body(empty())
                 .unwrap(),
         )
@@ -198,7 +191,8 @@ impl Dispatcher {
 
     /// Waits until `/debug/routes` lists `server_id` for `tunnel_id` (or not, when `present` is false).
     async fn wait_route(&self, tunnel_id: &str, server_id: &str, present: bool) {
-        eventually(|| async {
+        let what = format!("{server_id} listed for {tunnel_id}: {present}");
+        eventually(&what, WAIT, || async {
             let routes: serde_json::Value =
                 serde_json::from_str(&self.admin_get("/debug/routes").await).unwrap();
             let listed = routes["tunnels"].as_array().unwrap().iter().any(|t| {
@@ -223,478 +217,7 @@ impl Dispatcher {
     }
 }
 
-async fn eventually<F, Fut>(mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut tick = tokio::time::interval(Duration::from_millis(20));
-    loop {
-        tick.tick().await;
-        if check().await {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "condition not reached within 10s"
-        );
-    }
-}
-
-// ---------------------------------------------------------------- fake tunnel server
-
-#[derive(Debug, Clone)]
-struct Seen {
-    tunnel_id: String,
-    head: RequestHead,
-    chunk_sizes: Vec<usize>,
-    body_len: usize,
-    ended: bool,
-}
-
-#[derive(Clone, Default)]
-struct FakeState {
-    /// Behaviour forced for every call (else the request's `x-fake` header chooses).
-    force: Option<String>,
-    seen: Arc<Mutex<Vec<Seen>>>,
-    cancelled: Arc<AtomicUsize>,
-    /// Fired by `Forward.Proceed`.
-    proceeded: Arc<tokio::sync::Notify>,
-    /// Resets every TCP connection through the fake's proxy (see [`start_fake_resetting`]).
-    reset: Option<Arc<tokio::sync::Notify>>,
-}
-
-struct FakeForward(FakeState);
-
-fn header<'a>(head: &'a RequestHead, name: &str) -> Vec<&'a [u8]> {
-    head.headers
-        .iter()
-        .filter(|h| h.name == name)
-        .map(|h| h.value.as_slice())
-        .collect()
-}
-
-fn error_frame(kind: ForwardErrorKind, call_error: CallErrorKind, msg: &str) -> ForwardResponse {
-    ForwardResponse::of(RespKind::Error(ForwardError {
-        kind: kind as i32,
-        message: msg.into(),
-        call_error: call_error as i32,
-    }))
-}
-
-fn body_frame(data: Vec<u8>, end: bool) -> ForwardResponse {
-    ForwardResponse::of(RespKind::Body(BodyChunk {
-        call_id: 0,
-        data,
-        end,
-    }))
-}
-
-type Out = mpsc::Sender<Result<ForwardResponse, Status>>;
-
-impl FakeState {
-    /// The behaviour of a call: forced, or the request's `x-fake` header.
-    fn behaviour(&self, head: &RequestHead) -> String {
-        self.force.clone().unwrap_or_else(|| {
-            header(head, "x-fake")
-                .first()
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .unwrap_or_default()
-        })
-    }
-
-    /// The server's host dies: every connection to it is reset (TCP RST), as the
-    /// dispatcher sees a crashed machine or a killed process with unread data.
-    fn reset_connections(&self) {
-        self.reset
-            .as_ref()
-            .expect("a resetting fake (start_fake_resetting)")
-            .notify_waiters();
-    }
-
-    async fn serve_call(
-        &self,
-        tunnel_id: String,
-        head: RequestHead,
-        mut inbound: Streaming<ForwardRequest>,
-        tx: Out,
-    ) {
-        let behaviour = self.behaviour(&head);
-        let index = {
-            let mut seen = self.seen.lock().unwrap();
-            seen.push(Seen {
-                tunnel_id,
-                head: head.clone(),
-                chunk_sizes: vec![],
-                body_len: 0,
-                ended: false,
-            });
-            seen.len() - 1
-        };
-        let send = |f: ForwardResponse| {
-            let tx = tx.clone();
-            async move { tx.send(Ok(f)).await.is_ok() }
-        };
-        let response_head = |headers: Vec<Header>, end_of_stream: bool| {
-            ForwardResponse::of(RespKind::Head(ResponseHead {
-                call_id: head.call_id,
-                status: 200,
-                headers,
-                end_of_stream,
-                ..Default::default()
-            }))
-        };
-        match behaviour.as_str() {
-            "no_capacity" => {
-                send(error_frame(
-                    ForwardErrorKind::NoCapacity,
-                    CallErrorKind::Unspecified,
-                    "queue full",
-                ))
-                .await;
-            }
-            "unknown_tunnel" => {
-                send(error_frame(
-                    ForwardErrorKind::UnknownTunnel,
-                    CallErrorKind::Unspecified,
-                    "gone",
-                ))
-                .await;
-            }
-            "stream_lost" => {
-                send(error_frame(
-                    ForwardErrorKind::StreamLost,
-                    CallErrorKind::Unspecified,
-                    "agent vanished",
-                ))
-                .await;
-            }
-            "refused" => {
-                send(error_frame(
-                    ForwardErrorKind::Agent,
-                    CallErrorKind::Refused,
-                    "filter says no",
-                ))
-                .await;
-            }
-            "upstream_unreachable" => {
-                send(error_frame(
-                    ForwardErrorKind::Agent,
-                    CallErrorKind::UpstreamUnreachable,
-                    "connect refused",
-                ))
-                .await;
-            }
-            "upstream_timeout" => {
-                send(error_frame(
-                    ForwardErrorKind::Agent,
-                    CallErrorKind::UpstreamTimeout,
-                    "slow",
-                ))
-                .await;
-            }
-            "hang" => {
-                // Never answer; count the dispatcher dropping the call.
-                loop {
-                    tokio::select! {
-                        _ = tx.closed() => break,
-                        m = inbound.message() => if !matches!(m, Ok(Some(_))) { break },
-                    }
-                }
-                tx.closed().await;
-                self.cancelled.fetch_add(1, Ordering::SeqCst);
-            }
-            "queued_then_lost" => {
-                // The call waits in the queue, then the server dies.
-                send(ForwardResponse::of(RespKind::Queued(
-                    relay_proto::Queued {},
-                )))
-                .await;
-                let _ = tx.send(Err(Status::unavailable("server went away"))).await;
-            }
-            "reserved_then_lost" => {
-                // A stream is reserved; the server dies after the dispatcher's Proceed.
-                send(ForwardResponse::of(RespKind::Queued(
-                    relay_proto::Queued {},
-                )))
-                .await;
-                send(ForwardResponse::of(RespKind::Reserved(
-                    relay_proto::StreamReserved { reservation: 42 },
-                )))
-                .await;
-                self.proceeded.notified().await;
-                self.seen.lock().unwrap()[index].ended = true;
-                let _ = tx.send(Err(Status::unavailable("server went away"))).await;
-            }
-            "queued_then_hang" => {
-                // The test resets the connection once the dispatcher heard `Queued`.
-                send(ForwardResponse::of(RespKind::Queued(
-                    relay_proto::Queued {},
-                )))
-                .await;
-                tx.closed().await;
-            }
-            "proceeded_then_reset" => {
-                send(ForwardResponse::of(RespKind::Queued(
-                    relay_proto::Queued {},
-                )))
-                .await;
-                send(ForwardResponse::of(RespKind::Reserved(
-                    relay_proto::StreamReserved { reservation: 42 },
-                )))
-                .await;
-                self.proceeded.notified().await;
-                self.seen.lock().unwrap()[index].ended = true;
-                self.reset_connections();
-                tx.closed().await;
-            }
-            "head_then_hang" => {
-                // The test resets the connection once the caller has the head.
-                send(response_head(vec![], false)).await;
-                send(body_frame(vec![1; 1000], false)).await;
-                tx.closed().await;
-            }
-            "head_then_error" => {
-                send(response_head(vec![], false)).await;
-                send(body_frame(vec![1; 1000], false)).await;
-                send(error_frame(
-                    ForwardErrorKind::StreamLost,
-                    CallErrorKind::Unspecified,
-                    "cut",
-                ))
-                .await;
-            }
-            big if big.starts_with("big:") => {
-                let total: usize = big[4..].parse().unwrap();
-                send(response_head(
-                    vec![Header::new("content-type", "application/octet-stream")],
-                    false,
-                ))
-                .await;
-                let chunk = vec![0x5a_u8; MAX_CHUNK];
-                let mut left = total;
-                while left > 0 {
-                    let n = left.min(MAX_CHUNK);
-                    left -= n;
-                    if !send(body_frame(chunk[..n].to_vec(), left == 0)).await {
-                        return;
-                    }
-                }
-            }
-            _ => {
-                // Echo: report what arrived in headers, stream the request body back.
-                let headers = vec![
-                    Header::new("x-seen-method", head.method.clone()),
-                    Header::new("x-seen-path", head.path_and_query.clone()),
-                    Header::new("set-cookie", "a=1"),
-                    Header::new("set-cookie", "b=2"),
-                    Header::new("keep-alive", "timeout=5"),
-                    Header::new("connection", "x-internal"),
-                    Header::new("x-internal", "secret-ish"),
-                ];
-                send(response_head(headers, false)).await;
-                if head.end_of_stream {
-                    send(body_frame(vec![], true)).await;
-                    return;
-                }
-                loop {
-                    match inbound.message().await {
-                        Ok(Some(ForwardRequest {
-                            kind: Some(ReqKind::Body(chunk)),
-                        })) => {
-                            {
-                                let mut seen = self.seen.lock().unwrap();
-                                seen[index].chunk_sizes.push(chunk.data.len());
-                                seen[index].body_len += chunk.data.len();
-                                seen[index].ended = chunk.end;
-                            }
-                            let end = chunk.end;
-                            if !send(body_frame(chunk.data, end)).await || end {
-                                return;
-                            }
-                        }
-                        _ => return,
-                    }
-                }
-            }
-        }
-    }
-}
-
-#[tonic::async_trait]
-impl Forward for FakeForward {
-    type CallStream = ReceiverStream<Result<ForwardResponse, Status>>;
-
-    async fn proceed(
-        &self,
-        request: tonic::Request<relay_proto::ProceedRequest>,
-    ) -> Result<tonic::Response<relay_proto::ProceedReply>, Status> {
-        if request.into_inner().reservation != 42 {
-            return Err(Status::not_found("no such reservation"));
-        }
-        self.0.proceeded.notify_one();
-        Ok(tonic::Response::new(relay_proto::ProceedReply {}))
-    }
-
-    async fn call(
-        &self,
-        request: tonic::Request<Streaming<ForwardRequest>>,
-    ) -> Result<tonic::Response<Self::CallStream>, Status> {
-        let mut inbound = request.into_inner();
-        let first = inbound
-            .message()
-            .await?
-            .ok_or_else(|| Status::invalid_argument("no head"))?;
-        let Some(ReqKind::Head(call_head)) = first.kind else {
-            return Err(Status::invalid_argument("head first"));
-        };
-        let head = call_head
-            .request
-            .ok_or_else(|| Status::invalid_argument("no request"))?;
-        if self.0.behaviour(&head) == "reset_before_headers" {
-            // The call arrived; the host dies before the response headers leave.
-            self.0.seen.lock().unwrap().push(Seen {
-                tunnel_id: call_head.tunnel_id.clone(),
-                head: head.clone(),
-                chunk_sizes: vec![],
-                body_len: 0,
-                ended: false,
-            });
-            self.0.reset_connections();
-            // Nothing more leaves this server; the handler ends with its connection.
-            std::future::pending::<()>().await;
-        }
-        let (tx, rx) = mpsc::channel(4);
-        let state = self.0.clone();
-        tokio::spawn(async move {
-            state
-                .serve_call(call_head.tunnel_id, head, inbound, tx)
-                .await
-        });
-        Ok(tonic::Response::new(ReceiverStream::new(rx)))
-    }
-}
-
-struct Fake {
-    url: String,
-    state: FakeState,
-}
-
-async fn start_fake(force: Option<&str>) -> Fake {
-    start_fake_with(FakeState {
-        force: force.map(str::to_string),
-        ..Default::default()
-    })
-    .await
-}
-
-async fn start_fake_with(state: FakeState) -> Fake {
-    let listener = bind().await;
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let svc = ForwardServer::new(FakeForward(state.clone()));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-    Fake { url, state }
-}
-
-/// A fake whose URL is a TCP proxy in front of it. When a call's behaviour resets the
-/// connections, the proxy sets `SO_LINGER` 0 on every dispatcher-facing socket and closes
-/// it: the dispatcher gets a real TCP RST mid-call, not a gRPC status.
-async fn start_fake_resetting(force: &str) -> Fake {
-    let reset = Arc::new(tokio::sync::Notify::new());
-    let mut fake = start_fake_with(FakeState {
-        force: Some(force.to_string()),
-        reset: Some(reset.clone()),
-        ..Default::default()
-    })
-    .await;
-    let target: SocketAddr = fake.url.trim_start_matches("http://").parse().unwrap();
-    let proxy = bind().await;
-    fake.url = format!("http://{}", proxy.local_addr().unwrap());
-    tokio::spawn(async move {
-        while let Ok((mut client, _)) = proxy.accept().await {
-            let reset = reset.clone();
-            tokio::spawn(async move {
-                let Ok(mut server) = tokio::net::TcpStream::connect(target).await else {
-                    return;
-                };
-                let reset = reset.notified();
-                let reset = tokio::select! {
-                    // The reset first: nothing the server writes after it reaches the
-                    // dispatcher.
-                    biased;
-                    _ = reset => true,
-                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
-                };
-                if reset {
-                    client.set_zero_linger().unwrap();
-                }
-            });
-        }
-    });
-    fake
-}
-
-impl Fake {
-    /// Resets every connection through a resetting fake's proxy now.
-    fn reset(&self) {
-        self.state.reset_connections();
-    }
-
-    fn seen(&self) -> Vec<Seen> {
-        self.state.seen.lock().unwrap().clone()
-    }
-}
-
-/// A tunnel server's report stream; dropping `tx` ends it.
-struct Announcer {
-    tx: mpsc::Sender<ServerReport>,
-    result: tokio::task::JoinHandle<Result<tonic::Response<relay_proto::ReportAck>, Status>>,
-}
-
-async fn report_stream(registry: SocketAddr, first: Vec<ServerReport>) -> Announcer {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{registry}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let (tx, rx) = mpsc::channel(16);
-    for f in first {
-        tx.send(f).await.unwrap();
-    }
-    let result = tokio::spawn(async move {
-        RegistryClient::new(channel)
-            .report(ReceiverStream::new(rx))
-            .await
-    });
-    Announcer { tx, result }
-}
-
-fn intro(server_id: &str, forward_url: &str) -> ServerReport {
-    ServerReport {
-        kind: Some(ReportKind::Intro(ServerIntro {
-            server_id: server_id.into(),
-            zone: "zone-a".into(),
-            forward_url: forward_url.into(),
-            protocol_version: relay_proto::PROTOCOL_VERSION,
-            instance_id: "fake".into(),
-            direct_url: String::new(),
-        })),
-    }
-}
-
-fn up(tunnel_id: &str) -> ServerReport {
-    ServerReport {
-        kind: Some(ReportKind::TunnelUp(TunnelUp {
-            tunnel_id: tunnel_id.into(),
-        })),
-    }
-}
-
+/// Announces `server_id` serving `tunnel_id` at `forward_url` and waits until it is routable.
 async fn announce(
     d: &Dispatcher,
     server_id: &str,
@@ -715,7 +238,7 @@ async fn announce(
 #[tokio::test]
 async fn get_round_trips_with_query_and_headers_but_no_credentials_or_hop_by_hop() {
     let d = start_dispatcher().await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let _a = announce(&d, "ts-1", &fake.url, "demo").await;
 
     let req = d
@@ -795,7 +318,7 @@ async fn get_round_trips_with_query_and_headers_but_no_credentials_or_hop_by_hop
 #[tokio::test]
 async fn post_body_streams_through_in_bounded_chunks() {
     let d = start_dispatcher().await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let _a = announce(&d, "ts-1", &fake.url, "demo").await;
 
     // A streamed request body of several frames, one bigger than MAX_CHUNK.
@@ -835,12 +358,12 @@ async fn post_body_streams_through_in_bounded_chunks() {
 #[tokio::test]
 async fn a_64_mib_response_streams_to_the_caller() {
     let d = start_dispatcher().await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let _a = announce(&d, "ts-1", &fake.url, "demo").await;
     let total = 64 * 1024 * 1024;
+    fake.set(Behaviour::Big(total));
     let req = d
         .request(Method::GET, "/relay/demo/big", Some(KEY))
-        .header("x-fake", format!("big:{total}"))
         .body(empty())
         .unwrap();
     let resp = d.client.request(req).await.unwrap();
@@ -939,7 +462,7 @@ async fn bad_paths_and_tunnel_ids_are_rejected() {
 #[tokio::test]
 async fn unknown_tunnel_id_is_503_tunnel_unavailable_with_retry_after() {
     let d = start_dispatcher().await;
-    let answer = d.get("/relay/nobody-home/x", "").await;
+    let answer = d.get("/relay/nobody-home/x").await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.headers["retry-after"], "1");
     let json = answer.json();
@@ -951,27 +474,29 @@ async fn unknown_tunnel_id_is_503_tunnel_unavailable_with_retry_after() {
 #[tokio::test]
 async fn tunnel_server_and_agent_errors_map_to_http_statuses() {
     let d = start_dispatcher().await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let _a = announce(&d, "ts-1", &fake.url, "demo").await;
     let cases = [
-        ("no_capacity", 503, "no_capacity"),
-        ("refused", 403, "refused"),
-        ("upstream_unreachable", 502, "upstream_unreachable"),
-        ("upstream_timeout", 504, "upstream_timeout"),
-        ("stream_lost", 502, "stream_lost"),
-        ("unknown_tunnel", 503, "tunnel_unavailable"),
+        (Behaviour::NoCapacity, 503, "no_capacity"),
+        (Behaviour::Refused, 403, "refused"),
+        (Behaviour::UpstreamUnreachable, 502, "upstream_unreachable"),
+        (Behaviour::UpstreamTimeout, 504, "upstream_timeout"),
+        (Behaviour::StreamLost, 502, "stream_lost"),
+        (Behaviour::UnknownTunnel, 503, "tunnel_unavailable"),
     ];
     for (behaviour, status, code) in cases {
-        let answer = d.get("/relay/demo/x", behaviour).await;
-        assert_eq!(answer.status.as_u16(), status, "{behaviour}");
+        fake.set(behaviour);
+        let answer = d.get("/relay/demo/x").await;
+        assert_eq!(answer.status.as_u16(), status, "{behaviour:?}");
         let json = answer.json();
-        assert_eq!(json["error"], code, "{behaviour}");
+        assert_eq!(json["error"], code, "{behaviour:?}");
         assert_eq!(json["tunnel_id"], "demo");
         if status == 503 {
-            assert_eq!(answer.headers["retry-after"], "1", "{behaviour}");
+            assert_eq!(answer.headers["retry-after"], "1", "{behaviour:?}");
         }
     }
-    let refused = d.get("/relay/demo/x", "refused").await;
+    fake.set(Behaviour::Refused);
+    let refused = d.get("/relay/demo/x").await;
     assert!(refused.json()["message"]
         .as_str()
         .unwrap()
@@ -982,21 +507,19 @@ async fn tunnel_server_and_agent_errors_map_to_http_statuses() {
 #[tokio::test]
 async fn no_head_before_the_deadline_is_504_and_the_forward_call_is_dropped() {
     let d = start_dispatcher().await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    fake.set(Behaviour::Hang);
     let req = d
         .request(Method::GET, "/relay/demo/slow", Some(KEY))
-        .header("x-fake", "hang")
         .header("x-relay-timeout-ms", "300")
         .body(empty())
         .unwrap();
     let answer = d.send(req).await;
     assert_eq!(answer.status, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(answer.json()["error"], "deadline_exceeded");
-    let cancelled = fake.state.cancelled.clone();
-    eventually(|| {
-        let c = cancelled.clone();
-        async move { c.load(Ordering::SeqCst) == 1 }
+    eventually("the fake sees the forward call dropped", WAIT, || async {
+        fake.cancelled() == 1
     })
     .await;
     d.shutdown().await;
@@ -1005,24 +528,20 @@ async fn no_head_before_the_deadline_is_504_and_the_forward_call_is_dropped() {
 #[tokio::test]
 async fn caller_disconnect_drops_the_forward_call() {
     let d = start_dispatcher().await;
-    let fake = start_fake(Some("hang")).await;
+    let fake = FakeServer::start(Behaviour::Hang).await;
     let _a = announce(&d, "ts-1", &fake.url, "demo").await;
     let req = d
         .request(Method::GET, "/relay/demo/slow", Some(KEY))
         .body(empty())
         .unwrap();
     let pending = tokio::spawn(d.client.request(req));
-    let seen = fake.state.seen.clone();
-    eventually(|| {
-        let s = seen.clone();
-        async move { !s.lock().unwrap().is_empty() }
+    eventually("the call reaches the fake", WAIT, || async {
+        !fake.seen().is_empty()
     })
     .await;
     pending.abort();
-    let cancelled = fake.state.cancelled.clone();
-    eventually(|| {
-        let c = cancelled.clone();
-        async move { c.load(Ordering::SeqCst) == 1 }
+    eventually("the fake sees the forward call dropped", WAIT, || async {
+        fake.cancelled() == 1
     })
     .await;
     d.shutdown().await;
@@ -1031,11 +550,11 @@ async fn caller_disconnect_drops_the_forward_call() {
 #[tokio::test]
 async fn an_error_after_the_head_aborts_the_body() {
     let d = start_dispatcher().await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    fake.set(Behaviour::HeadThenError);
     let req = d
         .request(Method::GET, "/relay/demo/x", Some(KEY))
-        .header("x-fake", "head_then_error")
         .body(empty())
         .unwrap();
     // The head and the first bytes may leave in one write, so the caller sees either a cut
@@ -1063,7 +582,7 @@ async fn retries_on_another_server_when_the_newest_is_unreachable() {
     // Sticky: the most recently announced server is tried first.
     let d =
         start_dispatcher_with(|c| c.routing.policy = relay_dispatcher::RoutingPolicy::Sticky).await;
-    let good = start_fake(None).await;
+    let good = FakeServer::start(Behaviour::Echo).await;
     let _good = announce(&d, "ts-good", &good.url, "demo").await;
     let dead_url = {
         let l = bind().await;
@@ -1094,11 +613,11 @@ async fn retries_on_another_server_when_the_newest_lost_the_tunnel() {
     // Sticky: the most recently announced server is tried first.
     let d =
         start_dispatcher_with(|c| c.routing.policy = relay_dispatcher::RoutingPolicy::Sticky).await;
-    let good = start_fake(None).await;
-    let stale = start_fake(Some("unknown_tunnel")).await;
+    let good = FakeServer::start(Behaviour::Echo).await;
+    let stale = FakeServer::start(Behaviour::UnknownTunnel).await;
     let _good = announce(&d, "ts-good", &good.url, "demo").await;
     let _stale = announce(&d, "ts-stale", &stale.url, "demo").await;
-    let answer = d.get("/relay/demo/x", "").await;
+    let answer = d.get("/relay/demo/x").await;
     assert_eq!(answer.status, StatusCode::OK);
     assert_eq!((stale.seen().len(), good.seen().len()), (1, 1));
     d.shutdown().await;
@@ -1107,9 +626,9 @@ async fn retries_on_another_server_when_the_newest_lost_the_tunnel() {
 #[tokio::test]
 async fn a_report_stream_ending_removes_its_server() {
     let d = start_dispatcher().await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let a = announce(&d, "ts-1", &fake.url, "demo").await;
-    assert_eq!(d.get("/relay/demo/x", "").await.status, StatusCode::OK);
+    assert_eq!(d.get("/relay/demo/x").await.status, StatusCode::OK);
     assert_eq!(d.metric("relay_dispatcher_tunnel_servers").await, 1.0);
     let ready: serde_json::Value = serde_json::from_str(&d.admin_get("/readyz").await).unwrap();
     assert_eq!(ready["detail"]["tunnels"], 1);
@@ -1117,7 +636,7 @@ async fn a_report_stream_ending_removes_its_server() {
     drop(a.tx);
     assert!(a.result.await.unwrap().is_ok());
     d.wait_route("demo", "ts-1", false).await;
-    let answer = d.get("/relay/demo/x", "").await;
+    let answer = d.get("/relay/demo/x").await;
     assert_eq!(answer.json()["error"], "tunnel_unavailable");
     assert_eq!(d.metric("relay_dispatcher_tunnel_servers").await, 0.0);
     assert_eq!(d.metric("relay_dispatcher_tunnels").await, 0.0);
@@ -1136,7 +655,7 @@ async fn a_report_stream_without_an_intro_is_refused() {
         status.message()
     );
 
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let a = report_stream(d.registry, vec![intro("ts-1", &fake.url), up("bad id!")]).await;
     let status = a.result.await.unwrap().unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
@@ -1147,7 +666,7 @@ async fn a_report_stream_without_an_intro_is_refused() {
 #[tokio::test]
 async fn shutdown_ends_report_streams_and_returns() {
     let d = start_dispatcher().await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let a = announce(&d, "ts-1", &fake.url, "demo").await;
     d.shutdown().await;
     let status = a.result.await.unwrap().unwrap_err();
@@ -1158,7 +677,7 @@ async fn shutdown_ends_report_streams_and_returns() {
 #[tokio::test]
 async fn h2c_callers_are_served() {
     let d = start_dispatcher().await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     let _a = announce(&d, "ts-1", &fake.url, "demo").await;
     let h2: Client<HttpConnector, TestBody> = Client::builder(TokioExecutor::new())
         .http2_only(true)
@@ -1185,7 +704,7 @@ async fn h2c_callers_are_served() {
 #[tokio::test]
 async fn shutdown_lets_a_call_in_flight_finish() {
     let d = start_dispatcher().await;
-    let fake = start_fake(Some("hang")).await;
+    let fake = FakeServer::start(Behaviour::Hang).await;
     let _a = announce(&d, "ts-1", &fake.url, "demo").await;
     let req = d
         .request(Method::GET, "/relay/demo/slow", Some(KEY))
@@ -1193,10 +712,8 @@ async fn shutdown_lets_a_call_in_flight_finish() {
         .body(empty())
         .unwrap();
     let in_flight = tokio::spawn(d.client.request(req));
-    let seen = fake.state.seen.clone();
-    eventually(|| {
-        let s = seen.clone();
-        async move { !s.lock().unwrap().is_empty() }
+    eventually("the call reaches the fake", WAIT, || async {
+        !fake.seen().is_empty()
     })
     .await;
     let http = d.http;
@@ -1214,47 +731,6 @@ async fn shutdown_lets_a_call_in_flight_finish() {
 }
 
 // ---------------------------------------------------------------- routing, retries, admission
-
-fn load_frame(tunnel_id: &str, idle: u32, busy: u32, queued: u32) -> ServerReport {
-    ServerReport {
-        kind: Some(ReportKind::Load(relay_proto::LoadReport {
-            tunnels: vec![relay_proto::TunnelLoad {
-                tunnel_id: tunnel_id.into(),
-                idle,
-                busy,
-                queued,
-                rtt_us: 0,
-            }],
-            calls_in_flight: busy,
-            draining: false,
-        })),
-    }
-}
-
-/// A report stream carrying `authorization: Bearer <key>` when `key` is set.
-async fn report_stream_with_key(
-    registry: SocketAddr,
-    key: Option<&str>,
-    first: Vec<ServerReport>,
-) -> Announcer {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{registry}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let (tx, rx) = mpsc::channel(16);
-    for f in first {
-        tx.send(f).await.unwrap();
-    }
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    if let Some(k) = key {
-        request
-            .metadata_mut()
-            .insert("authorization", format!("Bearer {k}").parse().unwrap());
-    }
-    let result = tokio::spawn(async move { RegistryClient::new(channel).report(request).await });
-    Announcer { tx, result }
-}
 
 /// Announces `server_id` with load figures for `tunnel_id` and waits until it is routable.
 async fn announce_with_load(
@@ -1297,7 +773,7 @@ async fn reports_without_the_server_key_or_from_unlisted_servers_are_refused() {
         c.registry.allowed_servers = vec!["ts-1".into()];
     })
     .await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     for key in [None, Some("wrong")] {
         let a = report_stream_with_key(d.registry, key, vec![intro("ts-1", &fake.url), up("demo")])
             .await;
@@ -1327,19 +803,19 @@ async fn reports_without_the_server_key_or_from_unlisted_servers_are_refused() {
     )
     .await;
     d.wait_route("demo", "ts-1", true).await;
-    assert_eq!(d.get("/relay/demo/x", "").await.status, StatusCode::OK);
+    assert_eq!(d.get("/relay/demo/x").await.status, StatusCode::OK);
     d.shutdown().await;
 }
 
 #[tokio::test]
 async fn no_capacity_is_retried_on_a_server_reporting_idle_streams_under_available() {
     let d = start_dispatcher().await;
-    let full = start_fake(Some("no_capacity")).await;
-    let spare = start_fake(None).await;
+    let full = FakeServer::start(Behaviour::NoCapacity).await;
+    let spare = FakeServer::start(Behaviour::Echo).await;
     let _full = announce_with_load(&d, "ts-full", &full.url, "demo", 5).await;
     let _spare = announce_with_load(&d, "ts-spare", &spare.url, "demo", 1).await;
     assert_eq!(home_of(&d, "demo").await, "ts-full", "most idle streams");
-    let answer = d.get("/relay/demo/x", "").await;
+    let answer = d.get("/relay/demo/x").await;
     assert_eq!(answer.status, StatusCode::OK);
     assert_eq!((full.seen().len(), spare.seen().len()), (1, 1));
     assert_eq!(d.metric("relay_dispatcher_retries_total").await, 1.0);
@@ -1353,11 +829,11 @@ async fn no_capacity_is_retried_on_a_server_reporting_idle_streams_under_availab
     // Sticky keeps the seed behaviour: NO_CAPACITY goes back to the caller.
     let d =
         start_dispatcher_with(|c| c.routing.policy = relay_dispatcher::RoutingPolicy::Sticky).await;
-    let full = start_fake(Some("no_capacity")).await;
-    let spare = start_fake(None).await;
+    let full = FakeServer::start(Behaviour::NoCapacity).await;
+    let spare = FakeServer::start(Behaviour::Echo).await;
     let _spare = announce_with_load(&d, "ts-spare", &spare.url, "demo", 1).await;
     let _full = announce_with_load(&d, "ts-full", &full.url, "demo", 5).await;
-    let answer = d.get("/relay/demo/x", "").await;
+    let answer = d.get("/relay/demo/x").await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.json()["error"], "no_capacity");
     assert_eq!(spare.seen().len(), 0);
@@ -1368,11 +844,11 @@ async fn no_capacity_is_retried_on_a_server_reporting_idle_streams_under_availab
 async fn a_call_lost_before_its_head_is_retried_only_when_idempotent_and_enabled() {
     for retry_idempotent in [false, true] {
         let d = start_dispatcher_with(|c| c.routing.retry_idempotent = retry_idempotent).await;
-        let lossy = start_fake(Some("stream_lost")).await;
-        let good = start_fake(None).await;
+        let lossy = FakeServer::start(Behaviour::StreamLost).await;
+        let good = FakeServer::start(Behaviour::Echo).await;
         let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
         let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
-        let get = d.get("/relay/demo/x", "").await;
+        let get = d.get("/relay/demo/x").await;
         let post = d.post("/relay/demo/x", b"p").await;
         assert_eq!(
             post.status,
@@ -1393,19 +869,22 @@ async fn a_call_lost_before_its_head_is_retried_only_when_idempotent_and_enabled
 
 #[tokio::test]
 async fn a_call_lost_while_queued_is_retried_and_one_lost_after_proceed_is_not() {
-    for (behaviour, retried) in [("queued_then_lost", true), ("reserved_then_lost", false)] {
+    for (behaviour, retried) in [
+        (Behaviour::QueuedThenLost, true),
+        (Behaviour::ReservedThenLost, false),
+    ] {
         let d = start_dispatcher().await;
-        let lossy = start_fake(Some(behaviour)).await;
-        let good = start_fake(None).await;
+        let lossy = FakeServer::start(behaviour).await;
+        let good = FakeServer::start(Behaviour::Echo).await;
         let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
         let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
         assert_eq!(home_of(&d, "demo").await, "ts-lossy");
         let post = d.post("/relay/demo/x", b"payload").await;
-        assert_eq!(lossy.seen().len(), 1, "{behaviour}");
+        assert_eq!(lossy.seen().len(), 1, "{behaviour:?}");
         assert_eq!(d.metric("relay_dispatcher_queued_total").await, 1.0);
         if retried {
             // Queued, never reserved: no agent can have seen it, even a POST is retried.
-            assert_eq!(post.status, StatusCode::OK, "{behaviour}");
+            assert_eq!(post.status, StatusCode::OK, "{behaviour:?}");
             assert_eq!(post.body.unwrap(), Bytes::from_static(b"payload"));
             assert_eq!(good.seen().len(), 1);
             assert_eq!(d.metric("relay_dispatcher_retries_total").await, 1.0);
@@ -1415,7 +894,7 @@ async fn a_call_lost_while_queued_is_retried_and_one_lost_after_proceed_is_not()
                 lossy.seen()[0].ended,
                 "the fake got Proceed for its reservation"
             );
-            assert_eq!(post.status, StatusCode::BAD_GATEWAY, "{behaviour}");
+            assert_eq!(post.status, StatusCode::BAD_GATEWAY, "{behaviour:?}");
             assert_eq!(post.json()["error"], "stream_lost");
             assert_eq!(good.seen().len(), 0);
         }
@@ -1430,7 +909,7 @@ async fn a_server_that_stops_reporting_is_dropped_after_its_lease() {
         c.registry.refresh_interval = Duration::from_millis(100);
     })
     .await;
-    let fake = start_fake(None).await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
     // Announces once, then stays silent with its stream open (a hung server).
     let a = announce_with_load(&d, "ts-hung", &fake.url, "demo", 2).await;
     let started = Instant::now();
@@ -1438,7 +917,7 @@ async fn a_server_that_stops_reporting_is_dropped_after_its_lease() {
     let gone_after = started.elapsed();
     assert!(gone_after < Duration::from_secs(2), "{gone_after:?}");
     assert_eq!(d.metric("relay_dispatcher_lease_expiries_total").await, 1.0);
-    let answer = d.get("/relay/demo/x", "").await;
+    let answer = d.get("/relay/demo/x").await;
     assert_eq!(answer.json()["error"], "tunnel_unavailable");
     // Its next frame finds the session gone: the stream ends and the server must rejoin.
     a.tx.send(load_frame("demo", 2, 0, 0)).await.unwrap();
@@ -1454,24 +933,26 @@ async fn a_real_connection_reset_is_retried_only_where_no_agent_can_have_the_cal
     // whose connection is reset with a TCP RST at the given point of the call.
     for (behaviour, retried) in [
         // The call arrived, no response header left: no agent saw it.
-        ("reset_before_headers", true),
+        (Behaviour::ResetBeforeHeaders, true),
         // The call waits in the server's queue (the dispatcher heard `Queued`).
-        ("queued_then_hang", true),
+        (Behaviour::QueuedThenHang, true),
         // We sent Proceed: the call may have reached the agent.
-        ("proceeded_then_reset", false),
+        (Behaviour::ProceededThenReset, false),
     ] {
         let d = start_dispatcher().await;
-        let lossy = start_fake_resetting(behaviour).await;
-        let good = start_fake(None).await;
+        let lossy = FakeServer::start_resetting(behaviour).await;
+        let good = FakeServer::start(Behaviour::Echo).await;
         let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
         let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
         assert_eq!(home_of(&d, "demo").await, "ts-lossy");
         let post = async {
-            if behaviour == "queued_then_hang" {
+            if behaviour == Behaviour::QueuedThenHang {
                 let post = d.post("/relay/demo/x", b"payload");
                 let reset = async {
-                    eventually(|| async { d.metric("relay_dispatcher_queued_total").await == 1.0 })
-                        .await;
+                    eventually("the dispatcher hears Queued", WAIT, || async {
+                        d.metric("relay_dispatcher_queued_total").await == 1.0
+                    })
+                    .await;
                     lossy.reset();
                 };
                 tokio::join!(post, reset).0
@@ -1483,18 +964,23 @@ async fn a_real_connection_reset_is_retried_only_where_no_agent_can_have_the_cal
         assert_eq!(
             lossy.seen().len(),
             1,
-            "{behaviour}: the call reached the server"
+            "{behaviour:?}: the call reached the server"
         );
         if retried {
-            assert_eq!(post.status, StatusCode::OK, "{behaviour}: {:?}", post.body);
+            assert_eq!(
+                post.status,
+                StatusCode::OK,
+                "{behaviour:?}: {:?}",
+                post.body
+            );
             assert_eq!(post.body.unwrap(), Bytes::from_static(b"payload"));
-            assert_eq!(good.seen().len(), 1, "{behaviour}");
+            assert_eq!(good.seen().len(), 1, "{behaviour:?}");
             assert_eq!(d.metric("relay_dispatcher_retries_total").await, 1.0);
         } else {
             assert!(lossy.seen()[0].ended, "the fake got Proceed");
-            assert_eq!(post.status, StatusCode::BAD_GATEWAY, "{behaviour}");
-            assert_eq!(post.json()["error"], "stream_lost", "{behaviour}");
-            assert_eq!(good.seen().len(), 0, "{behaviour}: not retried");
+            assert_eq!(post.status, StatusCode::BAD_GATEWAY, "{behaviour:?}");
+            assert_eq!(post.json()["error"], "stream_lost", "{behaviour:?}");
+            assert_eq!(good.seen().len(), 0, "{behaviour:?}: not retried");
         }
         d.shutdown().await;
     }
@@ -1503,8 +989,8 @@ async fn a_real_connection_reset_is_retried_only_where_no_agent_can_have_the_cal
 #[tokio::test]
 async fn a_real_connection_reset_after_the_response_head_cuts_the_body_short() {
     let d = start_dispatcher().await;
-    let lossy = start_fake_resetting("head_then_hang").await;
-    let good = start_fake(None).await;
+    let lossy = FakeServer::start_resetting(Behaviour::HeadThenHang).await;
+    let good = FakeServer::start(Behaviour::Echo).await;
     let _lossy = announce_with_load(&d, "ts-lossy", &lossy.url, "demo", 5).await;
     let _good = announce_with_load(&d, "ts-good", &good.url, "demo", 1).await;
     let resp = d
@@ -1523,7 +1009,7 @@ async fn a_real_connection_reset_after_the_response_head_cuts_the_body_short() {
     let body = resp.into_body().collect().await;
     assert!(body.is_err(), "a truncated body looked complete");
     assert_eq!(good.seen().len(), 0);
-    eventually(|| async {
+    eventually("the call counted aborted", WAIT, || async {
         d.metric("relay_dispatcher_calls_total{outcome=\"aborted\"}")
             .await
             == 1.0

@@ -1,0 +1,569 @@
+//! A fake tunnel server for the dispatcher's tests: a tonic `Forward` service on
+//! 127.0.0.1:0 whose calls follow a typed script ([`Behaviour`]: echo, an error frame, a
+//! hang, a queue then a loss, a TCP reset at a chosen point, ...), and the registry side of
+//! a tunnel server ([`report_stream`]: the intro, tunnel-up and load frames a real server
+//! reports), so a test can stage what a tunnel server does without running one.
+//!
+//! A fake models "the server died" as a gRPC status (`Status::unavailable`), which is not
+//! what a crash looks like on the wire; [`FakeServer::start_resetting`] puts a fake behind a
+//! TCP proxy that resets its connections (`SO_LINGER` 0: a real TCP RST) at a chosen point
+//! of a call, so the error classification is also checked against what h2 and tonic make of
+//! a real reset.
+
+use relay_proto::forward_request::Kind as ReqKind;
+use relay_proto::forward_response::Kind as RespKind;
+use relay_proto::forward_server::{Forward, ForwardServer};
+use relay_proto::registry_client::RegistryClient;
+use relay_proto::server_report::Kind as ReportKind;
+use relay_proto::{
+    BodyChunk, CallErrorKind, ForwardError, ForwardErrorKind, ForwardRequest, ForwardResponse,
+    Header, RequestHead, ResponseHead, ServerIntro, ServerReport, TunnelUp, MAX_CHUNK,
+};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Status, Streaming};
+
+/// What the fake does with a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Behaviour {
+    /// Answers 200 with headers naming what arrived (`x-seen-method`, `x-seen-path`, two
+    /// `set-cookie`, and hop-by-hop ones the dispatcher must drop) and streams the request
+    /// body back.
+    #[default]
+    Echo,
+    /// A `NO_CAPACITY` error frame (the server's queue is full).
+    NoCapacity,
+    /// An `UNKNOWN_TUNNEL` error frame (the server lost the tunnel id).
+    UnknownTunnel,
+    /// A `STREAM_LOST` error frame before any head (the agent vanished).
+    StreamLost,
+    /// The agent refused the call (a filter), message "filter says no".
+    Refused,
+    /// The agent could not reach its upstream.
+    UpstreamUnreachable,
+    /// The agent's upstream was too slow.
+    UpstreamTimeout,
+    /// Never answers; counts the dispatcher dropping the call ([`FakeServer::cancelled`]).
+    Hang,
+    /// `Queued`, then the server goes away (`UNAVAILABLE`).
+    QueuedThenLost,
+    /// `Queued`, a reservation, and after the dispatcher's `Proceed` the server goes away.
+    ReservedThenLost,
+    /// `Queued`, then nothing: the test resets the connection ([`FakeServer::reset`]).
+    QueuedThenHang,
+    /// `Queued`, a reservation, and after `Proceed` every connection is reset.
+    ProceededThenReset,
+    /// A response head and 1000 body bytes, then nothing: the test resets the connection.
+    HeadThenHang,
+    /// A response head and 1000 body bytes, then a `STREAM_LOST` error frame.
+    HeadThenError,
+    /// A 200 with a body of this many bytes in chunks of `MAX_CHUNK`.
+    Big(usize),
+    /// The call arrives, then every connection is reset before a response header leaves.
+    ResetBeforeHeaders,
+}
+
+/// A call as the fake saw it.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub tunnel_id: String,
+    pub head: RequestHead,
+    pub chunk_sizes: Vec<usize>,
+    pub body_len: usize,
+    /// The request body ended (or, for the reservation behaviours, `Proceed` came).
+    pub ended: bool,
+}
+
+#[derive(Clone, Default)]
+struct FakeState {
+    /// The behaviour of every call from now on.
+    behaviour: Arc<Mutex<Behaviour>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    cancelled: Arc<AtomicUsize>,
+    /// Fired by `Forward.Proceed`.
+    proceeded: Arc<tokio::sync::Notify>,
+    /// Resets every TCP connection through the fake's proxy (see
+    /// [`FakeServer::start_resetting`]).
+    reset: Option<Arc<tokio::sync::Notify>>,
+}
+
+struct FakeForward(FakeState);
+
+/// The values of header `name` in `head`, in order.
+pub fn header<'a>(head: &'a RequestHead, name: &str) -> Vec<&'a [u8]> {
+    head.headers
+        .iter()
+        .filter(|h| h.name == name)
+        .map(|h| h.value.as_slice())
+        .collect()
+}
+
+fn error_frame(kind: ForwardErrorKind, call_error: CallErrorKind, msg: &str) -> ForwardResponse {
+    ForwardResponse::of(RespKind::Error(ForwardError {
+        kind: kind as i32,
+        message: msg.into(),
+        call_error: call_error as i32,
+    }))
+}
+
+fn body_frame(data: Vec<u8>, end: bool) -> ForwardResponse {
+    ForwardResponse::of(RespKind::Body(BodyChunk {
+        call_id: 0,
+        data,
+        end,
+    }))
+}
+
+type Out = mpsc::Sender<Result<ForwardResponse, Status>>;
+
+impl FakeState {
+    fn behaviour(&self) -> Behaviour {
+        *self.behaviour.lock().unwrap()
+    }
+
+    /// The server's host dies: every connection to it is reset (TCP RST), as the
+    /// dispatcher sees a crashed machine or a killed process with unread data.
+    fn reset_connections(&self) {
+        self.reset
+            .as_ref()
+            .expect("a resetting fake (FakeServer::start_resetting)")
+            .notify_waiters();
+    }
+
+    async fn serve_call(
+        &self,
+        tunnel_id: String,
+        head: RequestHead,
+        mut inbound: Streaming<ForwardRequest>,
+        tx: Out,
+    ) {
+        let behaviour = self.behaviour();
+        let index = {
+            let mut seen = self.seen.lock().unwrap();
+            seen.push(Seen {
+                tunnel_id,
+                head: head.clone(),
+                chunk_sizes: vec![],
+                body_len: 0,
+                ended: false,
+            });
+            seen.len() - 1
+        };
+        let send = |f: ForwardResponse| {
+            let tx = tx.clone();
+            async move { tx.send(Ok(f)).await.is_ok() }
+        };
+        let response_head = |headers: Vec<Header>, end_of_stream: bool| {
+            ForwardResponse::of(RespKind::Head(ResponseHead {
+                call_id: head.call_id,
+                status: 200,
+                headers,
+                end_of_stream,
+                ..Default::default()
+            }))
+        };
+        match behaviour {
+            Behaviour::NoCapacity => {
+                send(error_frame(
+                    ForwardErrorKind::NoCapacity,
+                    CallErrorKind::Unspecified,
+                    "queue full",
+                ))
+                .await;
+            }
+            Behaviour::UnknownTunnel => {
+                send(error_frame(
+                    ForwardErrorKind::UnknownTunnel,
+                    CallErrorKind::Unspecified,
+                    "gone",
+                ))
+                .await;
+            }
+            Behaviour::StreamLost => {
+                send(error_frame(
+                    ForwardErrorKind::StreamLost,
+                    CallErrorKind::Unspecified,
+                    "agent vanished",
+                ))
+                .await;
+            }
+            Behaviour::Refused => {
+                send(error_frame(
+                    ForwardErrorKind::Agent,
+                    CallErrorKind::Refused,
+                    "filter says no",
+                ))
+                .await;
+            }
+            Behaviour::UpstreamUnreachable => {
+                send(error_frame(
+                    ForwardErrorKind::Agent,
+                    CallErrorKind::UpstreamUnreachable,
+                    "connect refused",
+                ))
+                .await;
+            }
+            Behaviour::UpstreamTimeout => {
+                send(error_frame(
+                    ForwardErrorKind::Agent,
+                    CallErrorKind::UpstreamTimeout,
+                    "slow",
+                ))
+                .await;
+            }
+            Behaviour::Hang => {
+                // Never answer; count the dispatcher dropping the call.
+                loop {
+                    tokio::select! {
+                        _ = tx.closed() => break,
+                        m = inbound.message() => if !matches!(m, Ok(Some(_))) { break },
+                    }
+                }
+                tx.closed().await;
+                self.cancelled.fetch_add(1, Ordering::SeqCst);
+            }
+            Behaviour::QueuedThenLost => {
+                // The call waits in the queue, then the server dies.
+                send(ForwardResponse::of(RespKind::Queued(
+                    relay_proto::Queued {},
+                )))
+                .await;
+                let _ = tx.send(Err(Status::unavailable("server went away"))).await;
+            }
+            Behaviour::ReservedThenLost => {
+                // A stream is reserved; the server dies after the dispatcher's Proceed.
+                send(ForwardResponse::of(RespKind::Queued(
+                    relay_proto::Queued {},
+                )))
+                .await;
+                send(ForwardResponse::of(RespKind::Reserved(
+                    relay_proto::StreamReserved { reservation: 42 },
+                )))
+                .await;
+                self.proceeded.notified().await;
+                self.seen.lock().unwrap()[index].ended = true;
+                let _ = tx.send(Err(Status::unavailable("server went away"))).await;
+            }
+            Behaviour::QueuedThenHang => {
+                // The test resets the connection once the dispatcher heard `Queued`.
+                send(ForwardResponse::of(RespKind::Queued(
+                    relay_proto::Queued {},
+                )))
+                .await;
+                tx.closed().await;
+            }
+            Behaviour::ProceededThenReset => {
+                send(ForwardResponse::of(RespKind::Queued(
+                    relay_proto::Queued {},
+                )))
+                .await;
+                send(ForwardResponse::of(RespKind::Reserved(
+                    relay_proto::StreamReserved { reservation: 42 },
+                )))
+                .await;
+                self.proceeded.notified().await;
+                self.seen.lock().unwrap()[index].ended = true;
+                self.reset_connections();
+                tx.closed().await;
+            }
+            Behaviour::HeadThenHang => {
+                // The test resets the connection once the caller has the head.
+                send(response_head(vec![], false)).await;
+                send(body_frame(vec![1; 1000], false)).await;
+                tx.closed().await;
+            }
+            Behaviour::HeadThenError => {
+                send(response_head(vec![], false)).await;
+                send(body_frame(vec![1; 1000], false)).await;
+                send(error_frame(
+                    ForwardErrorKind::StreamLost,
+                    CallErrorKind::Unspecified,
+                    "cut",
+                ))
+                .await;
+            }
+            Behaviour::Big(total) => {
+                send(response_head(
+                    vec![Header::new("content-type", "application/octet-stream")],
+                    false,
+                ))
+                .await;
+                let chunk = vec![0x5a_u8; MAX_CHUNK];
+                let mut left = total;
+                while left > 0 {
+                    let n = left.min(MAX_CHUNK);
+                    left -= n;
+                    if !send(body_frame(chunk[..n].to_vec(), left == 0)).await {
+                        return;
+                    }
+                }
+            }
+            Behaviour::Echo | Behaviour::ResetBeforeHeaders => {
+                // Echo: report what arrived in headers, stream the request body back.
+                let headers = vec![
+                    Header::new("x-seen-method", head.method.clone()),
+                    Header::new("x-seen-path", head.path_and_query.clone()),
+                    Header::new("set-cookie", "a=1"),
+                    Header::new("set-cookie", "b=2"),
+                    Header::new("keep-alive", "timeout=5"),
+                    Header::new("connection", "x-internal"),
+                    Header::new("x-internal", "secret-ish"),
+                ];
+                send(response_head(headers, false)).await;
+                if head.end_of_stream {
+                    send(body_frame(vec![], true)).await;
+                    return;
+                }
+                loop {
+                    match inbound.message().await {
+                        Ok(Some(ForwardRequest {
+                            kind: Some(ReqKind::Body(chunk)),
+                        })) => {
+                            {
+                                let mut seen = self.seen.lock().unwrap();
+                                seen[index].chunk_sizes.push(chunk.data.len());
+                                seen[index].body_len += chunk.data.len();
+                                seen[index].ended = chunk.end;
+                            }
+                            let end = chunk.end;
+                            if !send(body_frame(chunk.data, end)).await || end {
+                                return;
+                            }
+                        }
+                        _ => return,
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Forward for FakeForward {
+    type CallStream = ReceiverStream<Result<ForwardResponse, Status>>;
+
+    async fn proceed(
+        &self,
+        request: tonic::Request<relay_proto::ProceedRequest>,
+    ) -> Result<tonic::Response<relay_proto::ProceedReply>, Status> {
+        if request.into_inner().reservation != 42 {
+            return Err(Status::not_found("no such reservation"));
+        }
+        self.0.proceeded.notify_one();
+        Ok(tonic::Response::new(relay_proto::ProceedReply {}))
+    }
+
+    async fn call(
+        &self,
+        request: tonic::Request<Streaming<ForwardRequest>>,
+    ) -> Result<tonic::Response<Self::CallStream>, Status> {
+        let mut inbound = request.into_inner();
+        let first = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("no head"))?;
+        let Some(ReqKind::Head(call_head)) = first.kind else {
+            return Err(Status::invalid_argument("head first"));
+        };
+        let head = call_head
+            .request
+            .ok_or_else(|| Status::invalid_argument("no request"))?;
+        if self.0.behaviour() == Behaviour::ResetBeforeHeaders {
+            // The call arrived; the host dies before the response headers leave.
+            self.0.seen.lock().unwrap().push(Seen {
+                tunnel_id: call_head.tunnel_id.clone(),
+                head: head.clone(),
+                chunk_sizes: vec![],
+                body_len: 0,
+                ended: false,
+            });
+            self.0.reset_connections();
+            // Nothing more leaves this server; the handler ends with its connection.
+            std::future::pending::<()>().await;
+        }
+        let (tx, rx) = mpsc::channel(4);
+        let state = self.0.clone();
+        tokio::spawn(async move {
+            state
+                .serve_call(call_head.tunnel_id, head, inbound, tx)
+                .await
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A running fake tunnel server; its `Forward` service is at `url`.
+pub struct FakeServer {
+    pub url: String,
+    state: FakeState,
+}
+
+async fn bind() -> TcpListener {
+    TcpListener::bind("127.0.0.1:0").await.unwrap()
+}
+
+impl FakeServer {
+    /// A fake whose calls behave as `behaviour` (until [`FakeServer::set`]).
+    pub async fn start(behaviour: Behaviour) -> FakeServer {
+        Self::start_with(FakeState {
+            behaviour: Arc::new(Mutex::new(behaviour)),
+            ..Default::default()
+        })
+        .await
+    }
+
+    async fn start_with(state: FakeState) -> FakeServer {
+        let listener = bind().await;
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let svc = ForwardServer::new(FakeForward(state.clone()));
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        FakeServer { url, state }
+    }
+
+    /// A fake whose URL is a TCP proxy in front of it. When a call's behaviour (or
+    /// [`FakeServer::reset`]) resets the connections, the proxy sets `SO_LINGER` 0 on every
+    /// dispatcher-facing socket and closes it: the dispatcher gets a real TCP RST mid-call,
+    /// not a gRPC status.
+    pub async fn start_resetting(behaviour: Behaviour) -> FakeServer {
+        let reset = Arc::new(tokio::sync::Notify::new());
+        let mut fake = Self::start_with(FakeState {
+            behaviour: Arc::new(Mutex::new(behaviour)),
+            reset: Some(reset.clone()),
+            ..Default::default()
+        })
+        .await;
+        let target: SocketAddr = fake.url.trim_start_matches("http://").parse().unwrap();
+        let proxy = bind().await;
+        fake.url = format!("http://{}", proxy.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = proxy.accept().await {
+                let reset = reset.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    let reset = reset.notified();
+                    let reset = tokio::select! {
+                        // The reset first: nothing the server writes after it reaches the
+                        // dispatcher.
+                        biased;
+                        _ = reset => true,
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
+                    };
+                    if reset {
+                        client.set_zero_linger().unwrap();
+                    }
+                });
+            }
+        });
+        fake
+    }
+
+    /// Every call from now on behaves as `behaviour`.
+    pub fn set(&self, behaviour: Behaviour) {
+        *self.state.behaviour.lock().unwrap() = behaviour;
+    }
+
+    /// Resets every connection through a resetting fake's proxy now.
+    pub fn reset(&self) {
+        self.state.reset_connections();
+    }
+
+    /// Every call that reached the fake, in order.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.state.seen.lock().unwrap().clone()
+    }
+
+    /// Calls of [`Behaviour::Hang`] the dispatcher dropped.
+    pub fn cancelled(&self) -> usize {
+        self.state.cancelled.load(Ordering::SeqCst)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The registry side: a tunnel server's report stream
+
+/// A tunnel server's report stream; dropping `tx` ends it.
+pub struct Announcer {
+    pub tx: mpsc::Sender<ServerReport>,
+    pub result: tokio::task::JoinHandle<Result<tonic::Response<relay_proto::ReportAck>, Status>>,
+}
+
+/// A report stream to the registry at `registry` that sends `first`.
+pub async fn report_stream(registry: SocketAddr, first: Vec<ServerReport>) -> Announcer {
+    report_stream_with_key(registry, None, first).await
+}
+
+/// A report stream carrying `authorization: Bearer <key>` when `key` is set.
+pub async fn report_stream_with_key(
+    registry: SocketAddr,
+    key: Option<&str>,
+    first: Vec<ServerReport>,
+) -> Announcer {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{registry}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = mpsc::channel(16);
+    for f in first {
+        tx.send(f).await.unwrap();
+    }
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    if let Some(k) = key {
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {k}").parse().unwrap());
+    }
+    let result = tokio::spawn(async move { RegistryClient::new(channel).report(request).await });
+    Announcer { tx, result }
+}
+
+/// The first frame of a report stream: server `server_id` in zone `zone-a`, forwarding at
+/// `forward_url`.
+pub fn intro(server_id: &str, forward_url: &str) -> ServerReport {
+    ServerReport {
+        kind: Some(ReportKind::Intro(ServerIntro {
+            server_id: server_id.into(),
+            zone: "zone-a".into(),
+            forward_url: forward_url.into(),
+            protocol_version: relay_proto::PROTOCOL_VERSION,
+            instance_id: "fake".into(),
+            direct_url: String::new(),
+        })),
+    }
+}
+
+/// The server holds streams of `tunnel_id`.
+pub fn up(tunnel_id: &str) -> ServerReport {
+    ServerReport {
+        kind: Some(ReportKind::TunnelUp(TunnelUp {
+            tunnel_id: tunnel_id.into(),
+        })),
+    }
+}
+
+/// A load report: `idle`, `busy` streams and `queued` calls of `tunnel_id`.
+pub fn load_frame(tunnel_id: &str, idle: u32, busy: u32, queued: u32) -> ServerReport {
+    ServerReport {
+        kind: Some(ReportKind::Load(relay_proto::LoadReport {
+            tunnels: vec![relay_proto::TunnelLoad {
+                tunnel_id: tunnel_id.into(),
+                idle,
+                busy,
+                queued,
+                rtt_us: 0,
+            }],
+            calls_in_flight: busy,
+            draining: false,
+        })),
+    }
+}
