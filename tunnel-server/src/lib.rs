@@ -7,11 +7,15 @@
 //! HTTP listener. `run` serves them until its shutdown future resolves, then drains:
 //! dispatchers and agents are told, calls in flight finish within `shutdown_grace`.
 
+pub mod call;
 pub mod config;
 pub mod forward;
+pub mod handle;
 pub mod hub;
 pub mod metrics;
+pub mod outcome;
 pub mod report;
+pub mod slots;
 pub mod stream;
 pub mod tokens;
 
