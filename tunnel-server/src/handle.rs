@@ -280,15 +280,23 @@ mod tests {
     }
 
     #[test]
-    fn a_closed_stream_hands_a_new_call_back_and_ends_the_one_on_it() {
+    fn a_closed_stream_hands_a_new_call_back() {
+        let (h, _rx) = handle();
+        h.close();
+        assert!(!h.is_usable());
+        assert!(
+            h.begin_call(slot(1).0).is_err(),
+            "no call begins on a closed stream"
+        );
+        assert!(h.end().call.is_none());
+    }
+
+    #[test]
+    fn the_readers_last_word_takes_the_call_still_on_the_stream() {
         let (h, _rx) = handle();
         let (s, mut done) = slot(1);
         h.begin_call(s).unwrap();
         h.close();
-        assert!(
-            h.begin_call(slot(2).0).is_err(),
-            "no call begins on a closed stream"
-        );
         let ending = h.end();
         assert!(!ending.revoked);
         assert_eq!(ending.call.map(|c| c.call_id), Some(1));
