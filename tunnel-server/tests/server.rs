@@ -515,8 +515,7 @@ async fn every_call_ends_with_exactly_one_outcome_and_leaves_nothing_in_flight()
     let refused = relay_proto::forward_client::ForwardClient::new(disp.clone())
         .call(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert_eq!(refused.code(), Code::InvalidArgument);
     // stream_lost: the stream dies under a call.
     let (_t, resp) = call(&disp, "acme", 5000).await;
