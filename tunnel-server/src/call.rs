@@ -148,6 +148,7 @@ pub struct Call {
 /// What the call holds while it runs on a stream; dropped (stream given back, gauge down)
 /// once its outcome is known.
 struct OnStream {
+    call_id: u64,
     _in_flight: InFlight,
     _lease: Lease,
 }
@@ -156,8 +157,9 @@ impl Call {
     /// Serves the call to its outcome, then counts, logs and answers it.
     pub async fn run(mut self, inbound: Streaming<ForwardRequest>) {
         let started = Instant::now();
-        let mut call_id = 0;
-        let (outcome, on_stream) = self.serve(inbound, started, &mut call_id).await;
+        let (outcome, on_stream) = self.serve(inbound, started).await;
+        // 0: the call never reached a stream.
+        let call_id = on_stream.as_ref().map_or(0, |s| s.call_id);
         // Counted, then the stream goes back and the call leaves the gauge, all before the
         // caller hears the answer: a caller that saw its answer sees the server at rest.
         self.hub.metrics.call(&outcome);
@@ -173,7 +175,6 @@ impl Call {
         &mut self,
         mut inbound: Streaming<ForwardRequest>,
         started: Instant,
-        id: &mut u64,
     ) -> (Outcome, Option<OnStream>) {
         let hub = self.hub.clone();
         let mut handshake = if self.handshake {
@@ -209,8 +210,8 @@ impl Call {
                 break (lease, call_id, done);
             }
         };
-        *id = call_id;
         let on_stream = OnStream {
+            call_id,
             _in_flight: InFlight::new(&hub.metrics.in_flight),
             _lease: lease,
         };
