@@ -471,6 +471,8 @@ async fn every_call_ends_with_exactly_one_outcome_and_leaves_nothing_in_flight()
         collect(waiting).await.unwrap_err(),
         ForwardErrorKind::NoCapacity as i32
     );
+    let queued: u32 = s.hub().load().iter().map(|t| t.queued).sum();
+    assert_eq!(queued, 0, "the call that gave up left the queue");
     a.answer(h.call_id, 200).await;
     assert_eq!(collect(first).await.unwrap().0, 200);
     // agent_error.
