@@ -1,13 +1,17 @@
-//! The hub: every tunnel id's streams on this server, the per-tunnel-id LIFO stack of idle
-//! streams and the bounded FIFO queue of calls waiting for one.
+//! The hub: every tunnel id's streams on this server. It is the shell around one
+//! [`Slots`] state machine per tunnel id (the idle stack, the queue, the leases; the rules
+//! are in `crate::slots`): it holds them in a `DashMap`, feeds them the facts they need
+//! (the time, whether a stream can take a call) and carries out their decisions: wakes a
+//! waiting call with its stream through a oneshot, closes streams, sends drain, fleet and
+//! pressure frames, and keeps the per tunnel id gauges and the queue-wait histogram.
 //!
-//! A call takes the **newest** idle stream, so the oldest stay unused and the agent can
-//! prune them. A released stream goes straight to the oldest waiting call if there is one.
+//! A taken stream is a [`Lease`]: dropping it gives the stream back to the tunnel it came
+//! from, so a stream goes back exactly once, however its call ended.
 //!
 //! Locking: the tunnel map is a `DashMap`; each tunnel's slots sit behind a short sync
-//! `Mutex`, never held across `.await`. Lock order is map shard, then slots: adding the
-//! first stream and removing the last one both hold the shard so a tunnel entry is never
-//! orphaned.
+//! `Mutex`, never held across `.await`. Lock order is map shard, then slots, then a
+//! stream's own state: adding the first stream and removing the last one both hold the
+//! shard so a tunnel entry is never orphaned.
 //!
 //! RTT: the hub keeps one smoothed round-trip time per tunnel id, fed by the stream readers
 //! from the heartbeat ping -> pong round trip of idle streams (see [`Rtt`]). Measuring on the
@@ -15,17 +19,19 @@
 //! agent would time, it needs no new agent frame, and the figure lives where the load report
 //! is built, so the dispatcher gets it without a second source of truth.
 
+use crate::handle::StreamHandle;
 use crate::metrics::ServerMetrics;
-use crate::stream::StreamHandle;
+use crate::slots::{Placed, Slots, Take, WaiterId};
 use dashmap::DashMap;
 use parking_lot::Mutex;
 use relay_proto::{server_frame, Drain, Fleet, FleetMember, Pressure, ServerFrame, TunnelLoad};
-use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
+
+pub use crate::slots::AddError;
 
 /// How often a standing pressure hint is sent again while calls wait.
 pub const PRESSURE_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
@@ -56,10 +62,78 @@ pub struct Limits {
     pub max_response_header_bytes: usize,
 }
 
+/// One tunnel id's streams here.
 pub struct Tunnel {
     pub id: String,
-    slots: Mutex<Slots>,
+    slots: Mutex<TunnelSlots>,
     rtt: Mutex<Rtt>,
+}
+
+type Stream = Arc<StreamHandle>;
+type TunnelSlots = Slots<Stream, oneshot::Sender<Stream>, Instant>;
+
+impl Tunnel {
+    fn new(id: &str) -> Self {
+        Tunnel {
+            id: id.to_string(),
+            slots: Mutex::default(),
+            rtt: Mutex::default(),
+        }
+    }
+
+    /// Gives a leased stream back.
+    fn release(&self, stream: Stream) {
+        let mut s = self.slots.lock();
+        let usable = stream.is_usable();
+        let placed = s.release(stream, usable);
+        carry_out(&mut s, placed);
+    }
+}
+
+/// Carries out where the slots placed a stream. A waiter that is gone (its call ended
+/// as the stream came) gives it straight back, to the next waiter or the stack.
+fn carry_out(s: &mut TunnelSlots, mut placed: Placed<Stream, oneshot::Sender<Stream>>) {
+    loop {
+        match placed {
+            Placed::Idle => return,
+            Placed::Close(h) => return h.close(),
+            Placed::Waiter(w, h) => match w.send(h) {
+                Ok(()) => return,
+                Err(h) => {
+                    let usable = h.is_usable();
+                    placed = s.release(h, usable);
+                }
+            },
+        }
+    }
+}
+
+/// A stream taken from the hub for one call (or reserved by a queued one). Dropping it
+/// gives the stream back: to the oldest waiting call, on the idle stack, or closed when it
+/// can take no call any more.
+pub struct Lease {
+    tunnel: Arc<Tunnel>,
+    stream: Stream,
+}
+
+impl Lease {
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+}
+
+impl std::ops::Deref for Lease {
+    type Target = StreamHandle;
+
+    fn deref(&self) -> &StreamHandle {
+        &self.stream
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.tunnel.release(self.stream.clone());
+    }
 }
 
 /// Smoothed round-trip time (EWMA) of one tunnel id's streams on this server.
@@ -94,38 +168,9 @@ impl Rtt {
 }
 
 #[derive(Default)]
-struct Slots {
-    /// LIFO: the newest idle stream is last.
-    idle: Vec<Arc<StreamHandle>>,
-    /// FIFO of calls waiting for a stream.
-    waiters: VecDeque<oneshot::Sender<Arc<StreamHandle>>>,
-    /// Every live stream of the tunnel id, in arrival order.
-    all: Vec<Arc<StreamHandle>>,
-    /// Streams carrying a call.
-    busy: usize,
-    /// Last queue length told to the agent as a pressure hint, and when.
-    pressure_sent: u32,
-    pressure_at: Option<Instant>,
-}
-
-impl Slots {
-    fn queued(&mut self) -> u32 {
-        self.waiters.retain(|w| !w.is_closed());
-        self.waiters.len() as u32
-    }
-}
-
-#[derive(Default)]
 struct FleetViews {
     by_dispatcher: std::collections::HashMap<String, Vec<FleetMember>>,
     merged: Vec<FleetMember>,
-}
-
-#[derive(Debug, PartialEq, Eq)]
-pub enum AddError {
-    /// The tunnel id holds `max_streams_per_token` streams here already.
-    Exhausted,
-    Draining,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -166,33 +211,23 @@ impl Hub {
 
     /// Registers a new stream. It counts toward `max_streams_per_token` at once but takes
     /// no call until the agent confirms it ([`Hub::confirm`]).
-    pub fn add_stream(&self, tunnel_id: &str, handle: Arc<StreamHandle>) -> Result<(), AddError> {
+    pub fn add_stream(&self, tunnel_id: &str, handle: Stream) -> Result<(), AddError> {
         if self.is_draining() {
             return Err(AddError::Draining);
         }
-        let first;
-        {
+        let first = {
             let entry = self
                 .tunnels
                 .entry(tunnel_id.to_string())
-                .or_insert_with(|| {
-                    Arc::new(Tunnel {
-                        id: tunnel_id.to_string(),
-                        slots: Mutex::default(),
-                        rtt: Mutex::default(),
-                    })
-                });
+                .or_insert_with(|| Arc::new(Tunnel::new(tunnel_id)));
             let mut s = entry.slots.lock();
-            if s.all.len() >= self.limits.max_streams_per_token {
-                return Err(AddError::Exhausted);
-            }
-            first = s.all.is_empty();
-            s.all.push(handle);
+            let first = s.add(handle, self.limits.max_streams_per_token)?;
             self.metrics
                 .streams
                 .with_label_values(&[tunnel_id])
-                .set(s.all.len() as i64);
-        }
+                .set(s.streams().len() as i64);
+            first
+        };
         if first {
             self.changed.notify_waiters();
         }
@@ -202,60 +237,52 @@ impl Hub {
     /// The agent confirmed the stream (its first frame after the hello): it becomes the
     /// newest idle one, or goes at once to the oldest waiting call. Until then no call is
     /// handed to it, so a stream whose agent gave up waiting for the hello can lose no call.
-    pub fn confirm(&self, handle: Arc<StreamHandle>) {
-        let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
+    pub fn confirm(&self, handle: Stream) {
+        let Some(tunnel) = self.tunnel(&handle.tunnel_id) else {
             return;
         };
-        let mut s = tunnel.slots.lock();
-        if !handle.is_usable() || !s.all.iter().any(|h| h.id == handle.id) {
+        if !handle.is_usable() {
             return;
         }
-        if let Some(h) = hand_to_waiter(&mut s, handle) {
-            s.idle.push(h);
-        } else {
-            s.busy += 1;
+        let mut s = tunnel.slots.lock();
+        if let Some(placed) = s.confirm(handle) {
+            carry_out(&mut s, placed);
         }
     }
 
-    /// Removes a stream that ended. `was_busy`: it carried a call when it ended.
-    pub fn remove_stream(&self, handle: &StreamHandle, was_busy: bool) {
-        let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
+    /// Removes a stream that ended. A call holding it gives it back when it ends.
+    pub fn remove_stream(&self, handle: &Stream) {
+        let Some(tunnel) = self.tunnel(&handle.tunnel_id) else {
             return;
         };
-        let now_empty = {
+        let removed = {
             let mut s = tunnel.slots.lock();
-            let before = s.all.len();
-            s.all.retain(|h| h.id != handle.id);
-            if s.all.len() == before {
-                return;
+            let removed = s.remove(handle);
+            if removed.known {
+                self.metrics
+                    .streams
+                    .with_label_values(&[&tunnel.id])
+                    .set(s.streams().len() as i64);
             }
-            s.idle.retain(|h| h.id != handle.id);
-            if was_busy {
-                s.busy = s.busy.saturating_sub(1);
-            }
-            self.metrics
-                .streams
-                .with_label_values(&[&tunnel.id])
-                .set(s.all.len() as i64);
-            if s.all.is_empty() {
-                // Calls waiting here learn at once that the tunnel id left this server.
-                s.waiters.clear();
-                true
-            } else {
-                false
-            }
+            removed
         };
-        if now_empty {
-            let removed = self
+        // Calls waiting here learn at once that the tunnel id left this server (their
+        // senders drop with `removed`).
+        if removed.last {
+            let gone = self
                 .tunnels
-                .remove_if(&tunnel.id, |_, t| t.slots.lock().all.is_empty())
+                .remove_if(&tunnel.id, |_, t| t.slots.lock().is_empty())
                 .is_some();
-            if removed {
+            if gone {
                 let _ = self.metrics.streams.remove_label_values(&[&tunnel.id]);
                 let _ = self.metrics.queued.remove_label_values(&[&tunnel.id]);
                 self.changed.notify_waiters();
             }
         }
+    }
+
+    fn tunnel(&self, tunnel_id: &str) -> Option<Arc<Tunnel>> {
+        self.tunnels.get(tunnel_id).map(|t| t.clone())
     }
 
     /// Takes the newest idle stream of the tunnel id, or waits in its queue until one frees,
@@ -265,94 +292,68 @@ impl Hub {
         tunnel_id: &str,
         deadline: Instant,
         cancelled: impl Future<Output = ()>,
-    ) -> Result<Arc<StreamHandle>, AcquireError> {
+    ) -> Result<Lease, AcquireError> {
         // A draining server keeps serving calls on the streams it still holds: agents
         // move their streams away as soon as they are covered elsewhere (make before
         // break), and the dispatcher sends calls here only when no other server can.
-        let Some(tunnel) = self.tunnels.get(tunnel_id).map(|t| t.clone()) else {
+        let Some(tunnel) = self.tunnel(tunnel_id) else {
             return Err(AcquireError::UnknownTunnel);
         };
         let started = Instant::now();
-        let mut rx = {
-            let mut s = tunnel.slots.lock();
-            while let Some(h) = s.idle.pop() {
-                if h.is_usable() {
-                    s.busy += 1;
-                    self.metrics.queue_wait.observe(0.0);
-                    return Ok(h);
-                }
+        let mut rx = None;
+        let taken = tunnel.slots.lock().take(
+            self.limits.max_queue_per_tunnel,
+            |h| h.is_usable(),
+            || {
+                let (tx, r) = oneshot::channel();
+                rx = Some(r);
+                tx
+            },
+        );
+        let waiter = match taken {
+            Take::Stream(stream) => {
+                self.metrics.queue_wait.observe(0.0);
+                return Ok(Lease { tunnel, stream });
             }
-            if s.all.is_empty() {
-                return Err(AcquireError::UnknownTunnel);
-            }
-            if s.queued() as usize >= self.limits.max_queue_per_tunnel {
+            Take::Unknown => return Err(AcquireError::UnknownTunnel),
+            Take::QueueFull => {
                 return Err(AcquireError::NoCapacity(
                     "the tunnel id's queue on this server is full",
-                ));
+                ))
             }
-            let (tx, rx) = oneshot::channel();
-            s.waiters.push_back(tx);
-            rx
+            Take::Queued(id) => id,
+        };
+        let mut waiting = Waiting {
+            tunnel,
+            id: waiter,
+            rx: rx.expect("a queued call has a receiver"),
+            served: false,
         };
         let outcome = tokio::select! {
-            r = &mut rx => match r {
-                Ok(h) => Ok(h),
+            r = &mut waiting.rx => match r {
+                Ok(stream) => {
+                    waiting.served = true;
+                    Ok(Lease { tunnel: waiting.tunnel.clone(), stream })
+                }
                 Err(_) => Err(AcquireError::UnknownTunnel),
             },
             _ = tokio::time::sleep_until(deadline) => Err(AcquireError::NoCapacity("no stream of the tunnel id became free before the deadline")),
             _ = cancelled => Err(AcquireError::Cancelled),
         };
-        let outcome = match outcome {
-            Ok(h) => Ok(h),
-            Err(e) => {
-                // A stream may have been handed over just as we gave up: take it back.
-                rx.close();
-                match rx.try_recv() {
-                    Ok(h) => {
-                        self.release(h);
-                        Err(e)
-                    }
-                    Err(_) => Err(e),
-                }
-            }
-        };
+        drop(waiting);
         self.metrics
             .queue_wait
             .observe(started.elapsed().as_secs_f64());
         outcome
     }
 
-    /// A stream finished its call: hand it to the oldest waiting call, or push it on the
-    /// idle stack (or close it if it is retiring).
-    pub fn release(&self, handle: Arc<StreamHandle>) {
-        let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
-            handle.close();
-            return;
-        };
-        let mut s = tunnel.slots.lock();
-        if !handle.is_usable() {
-            s.busy = s.busy.saturating_sub(1);
-            drop(s);
-            handle.close();
-            return;
-        }
-        if let Some(h) = hand_to_waiter(&mut s, handle) {
-            s.busy = s.busy.saturating_sub(1);
-            s.idle.push(h);
-        }
-    }
-
     /// The agent retires a stream: take it off the idle stack and close it now if it is
-    /// idle; a busy one closes when its call ends. Returns true when closed now.
-    pub fn retire(&self, handle: &Arc<StreamHandle>) -> bool {
-        let Some(tunnel) = self.tunnels.get(&*handle.tunnel_id).map(|t| t.clone()) else {
+    /// idle; a busy one closes when its call gives it back. Returns true when closed now.
+    pub fn retire(&self, handle: &Stream) -> bool {
+        let Some(tunnel) = self.tunnel(&handle.tunnel_id) else {
             return false;
         };
-        let mut s = tunnel.slots.lock();
-        let before = s.idle.len();
-        s.idle.retain(|h| h.id != handle.id);
-        let was_idle = s.idle.len() != before;
-        drop(s);
+        let was_idle = tunnel.slots.lock().retire(handle);
         if was_idle {
             handle.close();
         }
@@ -364,8 +365,8 @@ impl Hub {
     pub fn drain(&self, grace_ms: u32) {
         self.draining.store(true, Ordering::SeqCst);
         for t in self.tunnels.iter() {
-            let s = t.slots.lock();
-            for h in &s.all {
+            let mut s = t.slots.lock();
+            for h in s.drain() {
                 h.try_send(ServerFrame::of(server_frame::Kind::Drain(Drain {
                     grace_ms,
                 })));
@@ -382,7 +383,7 @@ impl Hub {
         for t in self.tunnels.iter() {
             let s = t.slots.lock();
             doomed.extend(
-                s.all
+                s.streams()
                     .iter()
                     .filter(|h| !still_valid(&h.token_hash, &h.tunnel_id))
                     .cloned(),
@@ -421,7 +422,7 @@ impl Hub {
         };
         for t in self.tunnels.iter() {
             let s = t.slots.lock();
-            for h in s.all.iter().filter(|h| h.wants_fleet) {
+            for h in s.streams().iter().filter(|h| h.wants_fleet) {
                 h.try_send(frame.clone());
             }
         }
@@ -441,7 +442,7 @@ impl Hub {
     pub fn close_all(&self) {
         for t in self.tunnels.iter() {
             let s = t.slots.lock();
-            for h in &s.all {
+            for h in s.streams() {
                 h.close();
             }
         }
@@ -449,9 +450,9 @@ impl Hub {
 
     /// Streams of the tunnel id that can take a call now (confirmed, idle, usable).
     pub fn idle_streams(&self, tunnel_id: &str) -> usize {
-        self.tunnels.get(tunnel_id).map_or(0, |t| {
-            t.slots.lock().idle.iter().filter(|h| h.is_usable()).count()
-        })
+        self.tunnels
+            .get(tunnel_id)
+            .map_or(0, |t| t.slots.lock().idle(|h| h.is_usable()))
     }
 
     /// True when no agent stream is left (the end of a drain).
@@ -478,13 +479,12 @@ impl Hub {
             .iter()
             .map(|t| {
                 let rtt_us = t.rtt.lock().micros();
-                let mut s = t.slots.lock();
-                let queued = s.queued();
+                let s = t.slots.lock();
                 TunnelLoad {
                     tunnel_id: t.id.clone(),
-                    idle: s.idle.iter().filter(|h| h.is_usable()).count() as u32,
-                    busy: s.busy as u32,
-                    queued,
+                    idle: s.idle(|h| h.is_usable()) as u32,
+                    busy: s.busy() as u32,
+                    queued: s.queued(),
                     rtt_us,
                 }
             })
@@ -492,44 +492,52 @@ impl Hub {
     }
 
     /// Tells each tunnel id's agent how many of its calls wait here, when that changed,
-    /// and again every [`PRESSURE_REFRESH`] while calls wait (the agent forgets a hint
-    /// that is not refreshed).
+    /// and again every [`PRESSURE_REFRESH`] while calls wait (the agent forgets a hint that
+    /// is not refreshed).
     pub fn send_pressure(&self) {
         let now = Instant::now();
         for t in self.tunnels.iter() {
             let mut s = t.slots.lock();
-            let queued = s.queued();
             self.metrics
                 .queued
                 .with_label_values(&[&t.id])
-                .set(queued as i64);
-            let stale = queued > 0
-                && s.pressure_at
-                    .is_none_or(|at| now.saturating_duration_since(at) >= PRESSURE_REFRESH);
-            if queued == s.pressure_sent && !stale {
+                .set(s.queued() as i64);
+            let Some(queued) = s.pressure(now, PRESSURE_REFRESH) else {
                 continue;
-            }
+            };
             let frame = ServerFrame::of(server_frame::Kind::Pressure(Pressure { queued }));
             // One stream is enough: the agent keys the hint by server id.
-            if let Some(h) = s.all.iter().rev().find(|h| h.is_usable()) {
+            if let Some(h) = s.streams().iter().rev().find(|h| h.is_usable()) {
                 if h.try_send(frame) {
-                    s.pressure_sent = queued;
-                    s.pressure_at = Some(now);
+                    s.told(queued, now);
                 }
             }
         }
     }
 }
 
-/// Gives the stream to the oldest live waiter; returns it when nobody waits.
-fn hand_to_waiter(s: &mut Slots, mut handle: Arc<StreamHandle>) -> Option<Arc<StreamHandle>> {
-    while let Some(w) = s.waiters.pop_front() {
-        match w.send(handle) {
-            Ok(()) => return None,
-            Err(back) => handle = back,
+/// A call waiting in a tunnel's queue. However the wait ends (even by the call being
+/// dropped), a call that was not served leaves the queue, and a stream handed to it just
+/// as it gave up goes back.
+struct Waiting {
+    tunnel: Arc<Tunnel>,
+    id: WaiterId,
+    rx: oneshot::Receiver<Stream>,
+    served: bool,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if self.served || self.tunnel.slots.lock().leave(self.id) {
+            return;
+        }
+        // Served (or turned away) already: the hand-off happened under the slots lock,
+        // so a stream sent to this waiter is in the channel now.
+        self.rx.close();
+        if let Ok(stream) = self.rx.try_recv() {
+            self.tunnel.release(stream);
         }
     }
-    Some(handle)
 }
 
 #[cfg(test)]

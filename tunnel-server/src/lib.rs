@@ -8,11 +8,15 @@
 //! `shutdown`) drains: dispatchers and agents are told, calls in flight finish within
 //! `shutdown_grace`; `run` does the same until its shutdown future resolves.
 
+pub mod call;
 pub mod config;
 pub mod forward;
+pub mod handle;
 pub mod hub;
 pub mod metrics;
+pub mod outcome;
 pub mod report;
+pub mod slots;
 pub mod stream;
 pub mod tokens;
 

@@ -1,21 +1,16 @@
-//! The tunnel server's Prometheus metrics, registered on an explicit registry.
+//! The tunnel server's Prometheus metrics, registered on an explicit registry. It owns
+//! the metric names, help texts and label sets; what each label means is decided where it
+//! is emitted (call outcomes in `crate::outcome`, stream close reasons in
+//! `crate::stream`).
 
+use crate::outcome::Outcome;
 use prometheus::{
     exponential_buckets, Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
 };
 
 /// Every `outcome` of `relay_tunnel_calls_total`.
-pub const CALL_OUTCOMES: [&str; 8] = [
-    "ok",
-    "agent_error",
-    "cancelled",
-    "stream_lost",
-    "no_capacity",
-    "unknown_tunnel",
-    "bad_request",
-    "bad_response",
-];
+pub const CALL_OUTCOMES: [&str; 8] = Outcome::LABELS;
 
 /// Every `result` of `relay_tunnel_stream_opens_total`.
 pub const OPEN_RESULTS: [&str; 4] = ["accepted", "unauthenticated", "exhausted", "draining"];
@@ -28,14 +23,17 @@ pub struct ServerMetrics {
     pub queued: IntGaugeVec,
     /// Time calls waited for an idle stream (0 when one was idle).
     pub queue_wait: Histogram,
-    /// Calls by outcome: ok, agent_error, cancelled, stream_lost, no_capacity,
-    /// unknown_tunnel, bad_request.
+    /// Calls by outcome ([`Outcome::as_str`]): ok, agent_error, cancelled, stream_lost,
+    /// no_capacity, unknown_tunnel, bad_request, bad_response. Every label is exported
+    /// from the start.
     pub calls: IntCounterVec,
     /// Calls holding a stream now.
     pub in_flight: IntGauge,
     /// Stream opens by result: accepted, unauthenticated, exhausted, draining.
     pub opens: IntCounterVec,
-    /// Streams closed by reason: agent_closed, retired, heartbeat, protocol_error, shutdown.
+    /// Streams closed by reason: agent_closed (the agent ended its stream, or it broke),
+    /// retired (closed by the server: retired, shut down or given up on), revoked (its
+    /// token left the store), heartbeat (silent too long), protocol_error.
     pub closes: IntCounterVec,
 }
 
@@ -105,7 +103,8 @@ impl ServerMetrics {
         Ok(m)
     }
 
-    pub fn call(&self, outcome: &str) {
-        self.calls.with_label_values(&[outcome]).inc();
+    /// Counts one call's outcome.
+    pub fn call(&self, outcome: &Outcome) {
+        self.calls.with_label_values(&[outcome.as_str()]).inc();
     }
 }

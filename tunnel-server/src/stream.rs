@@ -1,10 +1,11 @@
-//! One agent stream on the server: its handle (shared with the hub), the `Tunnel.Connect`
-//! handler that authenticates and registers it, and the reader loop that owns the stream's
-//! life: it routes the agent's frames to the call on the stream, ends the call on its
-//! terminal frame and puts the stream back, answers heartbeats, and handles `GoingAway`.
-//!
-//! The reader is the only place a call on a stream ends, so a call gets exactly one
-//! outcome: the agent's terminal frame, or `STREAM_LOST` when the stream dies first.
+//! One agent stream's life on the server: the `Tunnel.Connect` handler that authenticates
+//! and registers it, and the reader loop that owns it until it ends. The reader answers
+//! heartbeats, handles `GoingAway`, checks each call frame against the protocol (a frame
+//! that breaks it closes the stream) and routes it to the call that owns it: a frame of the
+//! response straight to the call's caller, the frame that ends the call (or the stream's
+//! end) to the call's task (`crate::call`) as an [`Outcome`]. It never counts, logs or
+//! answers a call's outcome, and never gives a stream back to the hub: the call's lease
+//! does.
 //!
 //! RTT: the reader times each heartbeat ping to its pong and feeds the hub's per tunnel id
 //! EWMA ([`crate::hub::Rtt`]). Only pings sent and answered while the stream carries no
@@ -12,124 +13,29 @@
 //! network. A first ping goes out right after the hello so the figure is known within a
 //! round trip of the stream opening rather than a heartbeat later.
 
+use crate::handle::{OutFrame, StreamHandle};
 use crate::hub::{AddError, Hub};
+use crate::outcome::Outcome;
 use futures::StreamExt;
-use parking_lot::Mutex;
 use relay_proto::{
-    agent_frame, forward_response, server_frame, AgentFrame, CallErrorKind, ForwardError,
-    ForwardErrorKind, ForwardResponse, Ping, ServerFrame, ServerHello,
+    agent_frame, forward_response, server_frame, AgentFrame, ForwardResponse, Ping, ServerFrame,
+    ServerHello,
 };
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
-use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
 /// Frames buffered toward one agent stream (64 KiB chunks at most each).
 const OUT_BUFFER: usize = 16;
 
-pub type OutFrame = Result<ServerFrame, Status>;
-
-pub struct StreamHandle {
-    pub id: u64,
-    pub tunnel_id: Arc<str>,
-    /// SHA-256 of the token that opened the stream: a reloaded token store that no longer
-    /// holds it closes the stream (see [`Hub::revoke`]).
-    pub token_hash: [u8; 32],
-    /// Status the RPC ends with once `close` fires (set by [`StreamHandle::revoke`]).
-    end_status: Arc<Mutex<Option<Status>>>,
-    out: mpsc::Sender<OutFrame>,
-    /// The call on this stream, if any.
-    call: Mutex<Option<CallSlot>>,
-    /// The agent sent GoingAway (or the stream is closing): hand it no new call.
-    retiring: AtomicBool,
-    /// The reader has ended: a call put on the stream now would never end. Set and read
-    /// only while holding `call`.
-    ended: AtomicBool,
-    close: CancellationToken,
-    /// The agent asked for fleet news (`relay-agent-features: fleet`); older agents
-    /// would take an unknown frame for a broken stream.
-    pub wants_fleet: bool,
-}
-
 /// Request metadata in which an agent lists the optional server frames it understands.
 pub const AGENT_FEATURES: &str = "relay-agent-features";
-
-/// Where the agent's frames for the current call go.
-pub struct CallSlot {
-    pub call_id: u64,
-    /// The dispatcher's response stream for this call.
-    pub to_caller: mpsc::Sender<Result<ForwardResponse, Status>>,
-    /// Fired when the call ends on this stream (terminal frame or stream lost).
-    pub done: Option<oneshot::Sender<()>>,
-    pub head_seen: bool,
-    pub started: Instant,
-}
-
-impl StreamHandle {
-    pub fn is_usable(&self) -> bool {
-        !self.retiring.load(Ordering::SeqCst) && !self.close.is_cancelled() && !self.out.is_closed()
-    }
-
-    /// Ends the stream: the outbound half finishes with OK and the reader stops.
-    pub fn close(&self) {
-        self.retiring.store(true, Ordering::SeqCst);
-        self.close.cancel();
-    }
-
-    /// Ends the stream because its token was removed from the store: the agent sees
-    /// UNAUTHENTICATED "token revoked".
-    pub fn revoke(&self) {
-        *self.end_status.lock() = Some(Status::unauthenticated("token revoked"));
-        self.close();
-    }
-
-    fn revoked(&self) -> bool {
-        self.end_status.lock().is_some()
-    }
-
-    /// Queues a frame if there is room; control frames only.
-    pub fn try_send(&self, frame: ServerFrame) -> bool {
-        self.out.try_send(Ok(frame)).is_ok()
-    }
-
-    /// Sends a frame, waiting for room (flow control).
-    pub async fn send(&self, frame: ServerFrame) -> Result<(), ()> {
-        tokio::select! {
-            r = self.out.send(Ok(frame)) => r.map_err(|_| ()),
-            _ = self.close.cancelled() => Err(()),
-        }
-    }
-
-    /// Puts a call on the stream. The stream must have come from `Hub::acquire`. Hands the
-    /// slot back if the stream's reader ended meanwhile (the stream died between acquire
-    /// and now): nobody would end the call, so the caller must take another stream.
-    pub fn begin_call(&self, slot: CallSlot) -> Result<(), CallSlot> {
-        let mut call = self.call.lock();
-        if self.ended.load(Ordering::SeqCst) {
-            return Err(slot);
-        }
-        *call = Some(slot);
-        Ok(())
-    }
-
-    fn take_call(&self) -> Option<CallSlot> {
-        self.call.lock().take()
-    }
-
-    /// The reader's last word: no call may begin from now on; returns the one in flight.
-    fn end_and_take_call(&self) -> Option<CallSlot> {
-        let mut call = self.call.lock();
-        self.ended.store(true, Ordering::SeqCst);
-        call.take()
-    }
-}
 
 /// What the Connect handler needs.
 pub struct TunnelService {
@@ -202,18 +108,13 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.split(',').any(|f| f.trim() == "fleet"));
         let (out, out_rx) = mpsc::channel(OUT_BUFFER);
-        let handle = Arc::new(StreamHandle {
-            id: self.hub.next_stream_id(),
-            tunnel_id: tunnel_id.clone(),
+        let handle = Arc::new(StreamHandle::new(
+            self.hub.next_stream_id(),
+            tunnel_id.clone(),
             token_hash,
-            end_status: Arc::default(),
-            out,
-            call: Mutex::new(None),
-            retiring: AtomicBool::new(false),
-            ended: AtomicBool::new(false),
-            close: CancellationToken::new(),
             wants_fleet,
-        });
+            out,
+        ));
         let hello = ServerHello {
             server_id: self.server_id.clone(),
             zone: self.zone.clone(),
@@ -227,12 +128,10 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
         };
         // The hello goes first, then the fleet; the stream takes calls once the agent
         // confirms it (see `Hub::confirm`).
-        let _ = handle
-            .out
-            .try_send(Ok(ServerFrame::of(server_frame::Kind::Hello(hello))));
+        handle.try_send(ServerFrame::of(server_frame::Kind::Hello(hello)));
         if wants_fleet {
             if let Some(fleet) = self.hub.fleet_frame() {
-                let _ = handle.out.try_send(Ok(fleet));
+                handle.try_send(fleet);
             }
         }
         match self.hub.add_stream(&tunnel_id, handle.clone()) {
@@ -259,7 +158,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
         // A reload may have removed the token since the lookup and swept the hub before
         // this stream was in it: check again now that it is (see `crate::tokens`).
         if !self.tokens.contains(&token_hash, &tunnel_id) {
-            self.hub.remove_stream(&handle, false);
+            self.hub.remove_stream(&handle);
             metrics.opens.with_label_values(&["unauthenticated"]).inc();
             warn!(peer = ?request.remote_addr(), "agent stream refused: token revoked while the stream opened");
             return Err(Status::unauthenticated("token revoked"));
@@ -271,15 +170,14 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             handle: handle.clone(),
             heartbeat: self.heartbeat,
             misses: self.heartbeat_misses,
-            last_words: Mutex::new(None),
         };
         self.tracker.spawn(reader.run(request.into_inner()));
         // After a close, the RPC ends with the status a revocation left, if any.
-        let end_status = handle.end_status.clone();
+        let end_status = handle.end_status();
         let stream = ReceiverStream::new(out_rx)
-            .take_until(handle.close.clone().cancelled_owned())
+            .take_until(handle.closed_owned())
             .chain(
-                futures::stream::once(async move { end_status.lock().clone() })
+                futures::stream::once(async move { end_status() })
                     .filter_map(|s| std::future::ready(s.map(Err))),
             );
         Ok(Response::new(Box::pin(stream)))
@@ -291,17 +189,50 @@ struct Reader {
     handle: Arc<StreamHandle>,
     heartbeat: Duration,
     misses: u32,
-    /// How the call on the stream ends when the stream closes on a protocol error that
-    /// named it (instead of STREAM_LOST), with its outcome label.
-    last_words: Mutex<Option<(ForwardResponse, &'static str)>>,
 }
 
-/// Why a stream ended, for the log and the metric.
+/// Why a stream ended: the `reason` of `relay_tunnel_stream_closes_total`, and how the
+/// call on it ends.
 enum End {
+    /// The agent ended its half, or its stream broke.
     AgentClosed,
-    Closed,
+    /// The server closed it (retired, shut down, given up on, or its token revoked).
+    Closed { revoked: bool },
+    /// It missed `heartbeat_misses` heartbeats.
     Heartbeat,
-    Protocol(Status),
+    /// The agent broke the protocol; the status tells it why. `call`: how the call on the
+    /// stream ends when the broken frame named it (else stream lost).
+    Protocol {
+        status: Status,
+        call: Option<Outcome>,
+    },
+}
+
+impl End {
+    fn as_str(&self) -> &'static str {
+        match self {
+            End::AgentClosed => "agent_closed",
+            End::Closed { revoked: true } => "revoked",
+            End::Closed { revoked: false } => "retired",
+            End::Heartbeat => "heartbeat",
+            End::Protocol { .. } => "protocol_error",
+        }
+    }
+
+    /// How the call still on the stream ends.
+    fn call_outcome(&mut self) -> Outcome {
+        let why = match self {
+            End::Protocol { call, .. } if call.is_some() => {
+                return call.take().expect("checked");
+            }
+            End::Heartbeat => "the agent stream carrying the call stopped answering heartbeats",
+            End::Closed { revoked: true } => {
+                "the agent stream carrying the call was closed: its token was revoked"
+            }
+            _ => "the agent stream carrying the call ended before the call did",
+        };
+        Outcome::StreamLost(why)
+    }
 }
 
 impl Reader {
@@ -316,11 +247,11 @@ impl Reader {
         self.send_ping(&mut seq, &mut timed);
         let silence = self.heartbeat * self.misses;
         let mut confirmed = false;
-        let end = loop {
+        let mut end = loop {
             tokio::select! {
                 // Order: a close wins over more frames; frames win over the heartbeat.
                 biased;
-                _ = self.handle.close.cancelled() => break End::Closed,
+                _ = self.handle.closed() => break End::Closed { revoked: false },
                 msg = inbound.message() => match msg {
                     Ok(Some(frame)) => {
                         last_seen = Instant::now();
@@ -338,17 +269,20 @@ impl Reader {
                                 self.hub.confirm(self.handle.clone());
                             }
                         }
-                        if let Err(status) = self.on_frame(frame).await {
-                            break End::Protocol(status);
+                        if let Err(end) = self.on_frame(frame).await {
+                            break end;
                         }
                     }
                     Ok(None) => break End::AgentClosed,
                     // A frame over max_frame_bytes: tell the agent why its stream ends.
                     Err(status) if status.code() == tonic::Code::OutOfRange => {
-                        break End::Protocol(Status::resource_exhausted(format!(
-                            "agent frame over max_frame_bytes: {}",
-                            status.message()
-                        )));
+                        break End::Protocol {
+                            status: Status::resource_exhausted(format!(
+                                "agent frame over max_frame_bytes: {}",
+                                status.message()
+                            )),
+                            call: None,
+                        };
                     }
                     Err(status) => {
                         debug!(stream_id = self.handle.id, %status, "agent stream error");
@@ -363,53 +297,34 @@ impl Reader {
                 }
             }
         };
-        let reason = match &end {
-            End::AgentClosed => "agent_closed",
-            End::Closed if self.handle.revoked() => "revoked",
-            End::Closed => "retired",
-            End::Heartbeat => "heartbeat",
-            End::Protocol(_) => "protocol_error",
-        };
+        let ending = self.handle.end();
+        if let End::Closed { revoked } = &mut end {
+            *revoked = ending.revoked;
+        }
         match &end {
-            End::Protocol(status) => {
+            End::Protocol { status, .. } => {
                 warn!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, %status, "closing agent stream on a protocol error");
-                let _ = self.handle.out.try_send(Err(status.clone()));
+                self.handle.try_send_status(status.clone());
             }
             End::Heartbeat => {
                 info!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, silence_ms = silence.as_millis() as u64, "dropping a silent agent stream");
             }
             _ => {}
         }
-        self.hub.metrics.closes.with_label_values(&[reason]).inc();
-        self.handle.retiring.store(true, Ordering::SeqCst);
-        let slot = self.handle.end_and_take_call();
-        let was_busy = slot.is_some();
-        if let Some(slot) = slot {
-            let msg = match &end {
-                End::Heartbeat => "the agent stream carrying the call stopped answering heartbeats",
-                End::Closed if self.handle.revoked() => {
-                    "the agent stream carrying the call was closed: its token was revoked"
-                }
-                _ => "the agent stream carrying the call ended before the call did",
-            };
-            let (last, outcome) = self.last_words.lock().take().unwrap_or_else(|| {
-                (
-                    ForwardResponse::error(ForwardErrorKind::StreamLost, msg),
-                    "stream_lost",
-                )
-            });
-            self.finish(slot, Some(last), outcome).await;
+        self.hub
+            .metrics
+            .closes
+            .with_label_values(&[end.as_str()])
+            .inc();
+        if let Some(slot) = ending.call {
+            let _ = slot.done.send(end.call_outcome());
         }
-        self.hub.remove_stream(&self.handle, was_busy);
+        self.hub.remove_stream(&self.handle);
         // A protocol error ends the RPC through the error status queued above; cutting the
         // outbound half now could drop that status before the agent sees it.
-        if !matches!(end, End::Protocol(_)) {
-            self.handle.close.cancel();
+        if !matches!(end, End::Protocol { .. }) {
+            self.handle.cut();
         }
-    }
-
-    fn idle(&self) -> bool {
-        self.handle.call.lock().is_none()
     }
 
     /// Sends the next heartbeat ping; times it when the stream is idle.
@@ -420,7 +335,7 @@ impl Reader {
             .try_send(ServerFrame::of(server_frame::Kind::Ping(Ping {
                 seq: *seq,
             })));
-        *timed = (sent && self.idle()).then(|| (*seq, Instant::now()));
+        *timed = (sent && self.handle.is_idle()).then(|| (*seq, Instant::now()));
     }
 
     /// A pong arrived: one RTT sample if it answers the timed ping and no call came
@@ -429,7 +344,7 @@ impl Reader {
         match *timed {
             Some((s, sent)) if s == seq => {
                 *timed = None;
-                if self.idle() {
+                if self.handle.is_idle() {
                     self.hub
                         .observe_rtt(&self.handle.tunnel_id, now.saturating_duration_since(sent));
                 }
@@ -438,16 +353,19 @@ impl Reader {
         }
     }
 
-    async fn on_frame(&self, frame: AgentFrame) -> Result<(), Status> {
+    /// Handles one agent frame; `Err` ends the stream.
+    async fn on_frame(&self, frame: AgentFrame) -> Result<(), End> {
         use agent_frame::Kind;
+        let protocol = |status| End::Protocol { status, call: None };
         let Some(kind) = frame.kind else {
-            return Err(Status::invalid_argument("agent frame without a kind"));
+            return Err(protocol(Status::invalid_argument(
+                "agent frame without a kind",
+            )));
         };
         match kind {
             Kind::Pong(_) => Ok(()),
             Kind::GoingAway(_) => {
-                self.handle.retiring.store(true, Ordering::SeqCst);
-                if self.handle.call.lock().is_none() {
+                if self.handle.going_away() {
                     self.hub.retire(&self.handle);
                 }
                 Ok(())
@@ -455,19 +373,22 @@ impl Reader {
             Kind::ResponseHead(head) => {
                 let call_id = head.call_id;
                 let end = head.end_of_stream;
-                let to_caller = self.expect_call(call_id, |slot| {
-                    if slot.head_seen {
-                        return Err(Status::invalid_argument(format!(
-                            "second response head for call {call_id}"
-                        )));
-                    }
-                    slot.head_seen = true;
-                    Ok(())
-                })?;
+                let to_caller = self
+                    .handle
+                    .route(call_id, |slot| {
+                        if slot.head_seen {
+                            return Err(Status::invalid_argument(format!(
+                                "second response head for call {call_id}"
+                            )));
+                        }
+                        slot.head_seen = true;
+                        Ok(())
+                    })
+                    .map_err(protocol)?;
                 if head.body.len() > relay_proto::MAX_CHUNK || (!end && !head.body.is_empty()) {
-                    return Err(Status::invalid_argument(
+                    return Err(protocol(Status::invalid_argument(
                         "a response head carries a body only when it ends the response, and at most 64 KiB",
-                    ));
+                    )));
                 }
                 let limits = &self.hub.limits;
                 if let Some(why) = relay_proto::check_head(
@@ -475,11 +396,11 @@ impl Reader {
                     limits.max_response_headers,
                     limits.max_response_header_bytes,
                 ) {
-                    return Err(self.refuse_response(call_id, why).await);
+                    return Err(self.refuse_response(call_id, why));
                 }
                 let frame = ForwardResponse::of(forward_response::Kind::Head(head));
                 if end {
-                    self.end_call(frame, "ok").await;
+                    self.handle.end_call(Outcome::Ok(frame));
                 } else {
                     let _ = to_caller.send(Ok(frame)).await;
                 }
@@ -488,119 +409,51 @@ impl Reader {
             Kind::ResponseBody(chunk) => {
                 let call_id = chunk.call_id;
                 let end = chunk.end;
-                let to_caller = self.expect_call(call_id, |slot| {
-                    if !slot.head_seen {
-                        return Err(Status::invalid_argument(format!(
-                            "response body before head for call {call_id}"
-                        )));
-                    }
-                    Ok(())
-                })?;
+                let to_caller = self
+                    .handle
+                    .route(call_id, |slot| {
+                        if !slot.head_seen {
+                            return Err(Status::invalid_argument(format!(
+                                "response body before head for call {call_id}"
+                            )));
+                        }
+                        Ok(())
+                    })
+                    .map_err(protocol)?;
                 if chunk.data.len() > relay_proto::MAX_CHUNK {
-                    return Err(Status::invalid_argument(
+                    return Err(protocol(Status::invalid_argument(
                         "response body chunk larger than 64 KiB",
-                    ));
+                    )));
                 }
                 let frame = ForwardResponse::of(forward_response::Kind::Body(chunk));
                 if end {
-                    self.end_call(frame, "ok").await;
+                    self.handle.end_call(Outcome::Ok(frame));
                 } else {
                     let _ = to_caller.send(Ok(frame)).await;
                 }
                 Ok(())
             }
             Kind::CallError(err) => {
-                self.expect_call(err.call_id, |_| Ok(()))?;
-                let outcome = if err.kind == CallErrorKind::Cancelled as i32 {
-                    "cancelled"
-                } else {
-                    "agent_error"
-                };
-                // The agent's words go into the dispatcher's logs and the caller's JSON:
-                // escaped and cut here, once.
-                let frame = ForwardResponse::of(forward_response::Kind::Error(ForwardError {
-                    kind: ForwardErrorKind::Agent as i32,
-                    message: relay_proto::escape_message(
-                        &err.message,
-                        relay_proto::MAX_PEER_MESSAGE,
-                    ),
-                    call_error: err.kind,
-                }));
-                self.end_call(frame, outcome).await;
+                self.handle
+                    .route(err.call_id, |_| Ok(()))
+                    .map_err(protocol)?;
+                self.handle.end_call(Outcome::of_call_error(err));
                 Ok(())
             }
         }
     }
 
     /// The agent's response head broke `max_response_headers` or
-    /// `max_response_header_bytes`: the returned status closes the agent's stream, and the
-    /// call on it ends (in the reader's last word, like any call on a closing stream) with
+    /// `max_response_header_bytes`: the stream closes with the returned end, and the call
+    /// on it ends (in the reader's last word, like any call on a closing stream) with
     /// BAD_RESPONSE, the caller's 502. A peer that sends such heads takes no further call
     /// on that stream.
-    async fn refuse_response(&self, call_id: u64, why: String) -> Status {
+    fn refuse_response(&self, call_id: u64, why: String) -> End {
         let why = format!("the agent's response head has {why}");
         warn!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, call_id, reason = %why, "response head refused");
-        let error = ForwardResponse::error(
-            ForwardErrorKind::BadResponse,
-            format!("{why} (the tunnel server's max_response_headers / max_response_header_bytes)"),
-        );
-        *self.last_words.lock() = Some((error, "bad_response"));
-        Status::resource_exhausted(why)
-    }
-
-    /// The sender toward the caller of the call on this stream, after checking the frame
-    /// belongs to it.
-    fn expect_call(
-        &self,
-        call_id: u64,
-        check: impl FnOnce(&mut CallSlot) -> Result<(), Status>,
-    ) -> Result<mpsc::Sender<Result<ForwardResponse, Status>>, Status> {
-        let mut guard = self.handle.call.lock();
-        match guard.as_mut() {
-            Some(slot) if slot.call_id == call_id => {
-                check(slot)?;
-                Ok(slot.to_caller.clone())
-            }
-            Some(slot) => Err(Status::invalid_argument(format!(
-                "frame for call {call_id} while call {} is on this stream",
-                slot.call_id
-            ))),
-            None => Err(Status::invalid_argument(format!(
-                "frame for call {call_id} with no call on this stream"
-            ))),
+        End::Protocol {
+            status: Status::resource_exhausted(why.clone()),
+            call: Some(Outcome::BadResponse(why)),
         }
-    }
-
-    /// The call on this stream ended with `last`: tell its task, pass the frame on and
-    /// put the stream back.
-    async fn end_call(&self, last: ForwardResponse, outcome: &'static str) {
-        if let Some(slot) = self.handle.take_call() {
-            self.finish(slot, Some(last), outcome).await;
-        }
-        self.hub.release(self.handle.clone());
-    }
-
-    async fn finish(
-        &self,
-        mut slot: CallSlot,
-        last: Option<ForwardResponse>,
-        outcome: &'static str,
-    ) {
-        // The call task hears of the end before the caller can, so a caller that leaves
-        // right after the last frame is not taken for a cancel.
-        if let Some(done) = slot.done.take() {
-            let _ = done.send(());
-        }
-        if let Some(frame) = last {
-            let _ = slot.to_caller.send(Ok(frame)).await;
-        }
-        self.hub.metrics.call(outcome);
-        self.hub.metrics.in_flight.dec();
-        debug!(
-            call_id = slot.call_id,
-            outcome,
-            elapsed_ms = slot.started.elapsed().as_millis() as u64,
-            "call ended"
-        );
     }
 }

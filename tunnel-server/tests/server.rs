@@ -419,3 +419,137 @@ async fn a_silent_stream_is_dropped_by_the_heartbeat() {
     {}
     assert!(s.hub().tunnel_ids().is_empty());
 }
+
+/// `relay_tunnel_calls_total` by outcome, `relay_tunnel_calls_received_total` and
+/// `relay_tunnel_calls_in_flight`, as /metrics shows them.
+fn call_counts(s: &TunnelServerHandle) -> (Vec<(String, u64)>, u64, i64) {
+    let (mut outcomes, mut received, mut in_flight) = (Vec::new(), 0, 0);
+    for family in s.registry.gather() {
+        for m in family.get_metric() {
+            match family.name() {
+                "relay_tunnel_calls_total" => {
+                    let label = m.get_label()[0].value().to_string();
+                    outcomes.push((label, m.get_counter().get_value() as u64));
+                }
+                "relay_tunnel_calls_received_total" => {
+                    received = m.get_counter().get_value() as u64
+                }
+                "relay_tunnel_calls_in_flight" => in_flight = m.get_gauge().get_value() as i64,
+                _ => {}
+            }
+        }
+    }
+    outcomes.sort();
+    (outcomes, received, in_flight)
+}
+
+/// The next request head the agent gets.
+async fn head(a: &mut common::FakeStream) -> RequestHead {
+    match a.next().await {
+        Ok(Some(server_frame::Kind::RequestHead(h))) => h,
+        other => panic!("expected a request head, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn every_call_ends_with_exactly_one_outcome_and_leaves_nothing_in_flight() {
+    let s = server(Config {
+        queue_timeout: Duration::from_millis(200),
+        ..Config::default()
+    })
+    .await;
+    let agent = channel(s.agent_addr).await;
+    let disp = channel(s.forward_addr).await;
+    let mut a = open(&agent, "good-token").await.unwrap();
+    common::until_idle(&s, "acme", 1).await;
+
+    // ok, while a second call waits for the only stream and gives up: no_capacity.
+    let (_t, first) = call(&disp, "acme", 5000).await;
+    let h = head(&mut a).await;
+    let (_t2, waiting) = call(&disp, "acme", 5000).await;
+    assert_eq!(
+        collect(waiting).await.unwrap_err(),
+        ForwardErrorKind::NoCapacity as i32
+    );
+    let queued: u32 = s.hub().load().iter().map(|t| t.queued).sum();
+    assert_eq!(queued, 0, "the call that gave up left the queue");
+    a.answer(h.call_id, 200).await;
+    assert_eq!(collect(first).await.unwrap().0, 200);
+    // agent_error.
+    let (_t, resp) = call(&disp, "acme", 5000).await;
+    let h = head(&mut a).await;
+    a.send(agent_frame::Kind::CallError(CallError {
+        call_id: h.call_id,
+        kind: CallErrorKind::Refused as i32,
+        message: "not on the list".into(),
+    }))
+    .await;
+    assert_eq!(
+        collect(resp).await.unwrap_err(),
+        ForwardErrorKind::Agent as i32
+    );
+    // cancelled: the caller leaves, the agent confirms.
+    let (t, resp) = call(&disp, "acme", 5000).await;
+    let h = head(&mut a).await;
+    drop((t, resp));
+    let Ok(Some(server_frame::Kind::Cancel(_))) = a.next().await else {
+        panic!("expected a cancel")
+    };
+    a.send(agent_frame::Kind::CallError(CallError {
+        call_id: h.call_id,
+        kind: CallErrorKind::Cancelled as i32,
+        message: "cancelled".into(),
+    }))
+    .await;
+    // unknown_tunnel.
+    let (_t, resp) = call(&disp, "nobody", 5000).await;
+    assert_eq!(
+        collect(resp).await.unwrap_err(),
+        ForwardErrorKind::UnknownTunnel as i32
+    );
+    // bad_request: the first frame is not a call head.
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(ForwardRequest::of(forward_request::Kind::Body(
+        BodyChunk::default(),
+    )))
+    .await
+    .unwrap();
+    let refused = relay_proto::forward_client::ForwardClient::new(disp.clone())
+        .call(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    // stream_lost: the stream dies under a call.
+    let (_t, resp) = call(&disp, "acme", 5000).await;
+    head(&mut a).await;
+    drop(a);
+    assert_eq!(
+        collect(resp).await.unwrap_err(),
+        ForwardErrorKind::StreamLost as i32
+    );
+
+    let expected: Vec<(String, u64)> = [
+        ("agent_error", 1),
+        ("bad_request", 1),
+        ("bad_response", 0),
+        ("cancelled", 1),
+        ("no_capacity", 1),
+        ("ok", 1),
+        ("stream_lost", 1),
+        ("unknown_tunnel", 1),
+    ]
+    .map(|(l, n)| (l.to_string(), n))
+    .into();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (outcomes, received, in_flight) = call_counts(&s);
+        if outcomes == expected && received == 7 && in_flight == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "one outcome per call, nothing in flight: {outcomes:?}, received {received}, in flight {in_flight}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

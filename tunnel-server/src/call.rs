@@ -1,0 +1,350 @@
+//! One `Forward.Call`, from the hand-off by the handler (`crate::forward`) to its outcome,
+//! owned by one task ([`Call::run`]): it takes the newest idle stream of the tunnel id (or
+//! waits in its queue, with the queue handshake), puts the call on the stream, sends the
+//! request head and pumps the request body to the agent, turns a caller leaving into a
+//! `Cancel`, and ends with exactly one [`Outcome`]: counted, logged and answered here and
+//! nowhere else. The stream's reader routes the agent's response frames to the caller and
+//! hands this task the outcome when the agent ends the call or the stream dies.
+//!
+//! The call holds its stream as a [`Lease`] from the hub: the stream goes back (to the next
+//! waiting call or the idle stack) when the task lets go of it. A caller that goes away
+//! (the dispatcher drops the RPC) becomes a `Cancel` to the agent; the lease is kept until
+//! the agent's terminal frame, so a stream is never reused while the previous call still
+//! runs on it. The in-flight gauge is held by the task while its call is on a stream
+//! ([`InFlight`]).
+//!
+//! The queue handshake (`CallHead.queue_handshake`): a call that has to wait in the queue
+//! (for longer than `queue_handshake_after`, 0 by default) answers `Queued`. When a stream
+//! frees, the call reserves it, answers `StreamReserved` and waits for the dispatcher's
+//! `Proceed` before the agent sees anything. So if this server dies while calls wait in its
+//! queue, the dispatcher knows those calls never reached an agent and retries them on
+//! another server, instead of answering 502 for a call that might have run. The go-ahead is
+//! its own unary RPC, `Forward.Proceed(reservation)`, not a frame on the call's request
+//! stream: that stream keeps ending with the body (a bodiless call half-closes with its
+//! head), so calls that never queue pay nothing. The cost for a queued call is two
+//! messages, one small RPC and a dispatcher round trip during which the reserved stream
+//! idles: ~4% of throughput in `bench/relay-bench.sh` at 64 connections, where a third of
+//! the calls wait a moment for a stream. (A first version sent the go-ahead on the request
+//! stream, which then had to stay open after every call's body: ~13%.)
+//! `queue_handshake_after` lets an operator exempt short waits from it, leaving calls
+//! queued for less than that as unprotected on a crash as calls in progress. Request body
+//! frames stay in the call's stream (h2 flow control bounds them) until the head has gone
+//! to the agent.
+
+use crate::handle::CallSlot;
+use crate::hub::{AcquireError, Hub, Lease};
+use crate::outcome::Outcome;
+use dashmap::DashMap;
+use relay_proto::{
+    forward_request, forward_response, server_frame, BodyChunk, Cancel, ForwardRequest,
+    ForwardResponse, Queued, RequestHead, ServerFrame, StreamReserved,
+};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tonic::{Status, Streaming};
+use tracing::debug;
+
+/// How long a cancelled call may take to be acknowledged by the agent before its stream
+/// is given up on.
+const CANCEL_ACK: Duration = Duration::from_secs(10);
+
+/// How long a reserved stream waits for the dispatcher's `Proceed` (or less: the call's
+/// deadline) before it goes back to the pool.
+const PROCEED_WAIT: Duration = Duration::from_secs(5);
+
+/// Where the call's response frames go: the `Forward.Call` response stream. It ends when
+/// every sender is gone (the task's and the stream reader's copy in the call's slot); its
+/// receiver going away is how the task hears that the caller left.
+pub type ToCaller = mpsc::Sender<Result<ForwardResponse, Status>>;
+
+/// Calls holding a reserved stream, waiting for the dispatcher's go-ahead; shared by the
+/// `Proceed` handler and every call as `Arc<Reservations>`.
+pub struct Reservations {
+    waiting: DashMap<u64, oneshot::Sender<()>>,
+    next: AtomicU64,
+}
+
+impl Default for Reservations {
+    /// Numbers start at a random point, so a reservation of an earlier process of this
+    /// server (before a restart on the same address) does not name a new one.
+    fn default() -> Self {
+        Reservations {
+            waiting: DashMap::new(),
+            next: AtomicU64::new(rand::random::<u64>() >> 1),
+        }
+    }
+}
+
+impl Reservations {
+    /// A new reservation, the receiver its `Proceed` fires, and the guard that removes it.
+    fn open(self: &Arc<Self>) -> (u64, oneshot::Receiver<()>, Reservation) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiting.insert(id, tx);
+        (id, rx, Reservation(id, self.clone()))
+    }
+
+    /// The dispatcher's `Proceed`: false when no call waits under that reservation.
+    pub fn proceed(&self, id: u64) -> bool {
+        match self.waiting.remove(&id) {
+            Some((_, go)) => go.send(()).is_ok(),
+            None => false,
+        }
+    }
+}
+
+/// Removes its reservation when the wait ends, however it ends.
+struct Reservation(u64, Arc<Reservations>);
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.1.waiting.remove(&self.0);
+    }
+}
+
+/// Counts the call in `relay_tunnel_calls_in_flight` while it holds a stream.
+struct InFlight(prometheus::IntGauge);
+
+impl InFlight {
+    fn new(gauge: &prometheus::IntGauge) -> Self {
+        gauge.inc();
+        InFlight(gauge.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// Where a call stands in the queue handshake.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Handshake {
+    /// The dispatcher asked for it; nothing said yet.
+    Possible,
+    /// The dispatcher heard `Queued`: the call must not reach an agent before `Proceed`.
+    Queued,
+    /// Not asked for, or `Proceed` came: the call goes to the agent when it has a stream.
+    Clear,
+}
+
+/// One call, handed over by the `Forward.Call` handler.
+pub struct Call {
+    pub hub: Arc<Hub>,
+    pub tunnel_id: String,
+    /// The dispatcher speaks the queue handshake.
+    pub handshake: bool,
+    pub request: RequestHead,
+    pub queue_timeout: Duration,
+    pub handshake_after: Duration,
+    pub reservations: Arc<Reservations>,
+    pub to_caller: ToCaller,
+}
+
+/// What the call holds while it runs on a stream; dropped (stream given back, gauge down)
+/// once its outcome is known.
+struct OnStream {
+    call_id: u64,
+    _in_flight: InFlight,
+    _lease: Lease,
+}
+
+impl Call {
+    /// Serves the call to its outcome, then counts, logs and answers it.
+    pub async fn run(mut self, inbound: Streaming<ForwardRequest>) {
+        let started = Instant::now();
+        let (outcome, on_stream) = self.serve(inbound, started).await;
+        // 0: the call never reached a stream.
+        let call_id = on_stream.as_ref().map_or(0, |s| s.call_id);
+        // Counted, then the stream goes back and the call leaves the gauge, all before the
+        // caller hears the answer: a caller that saw its answer sees the server at rest.
+        self.hub.metrics.call(&outcome);
+        drop(on_stream);
+        outcome.log(&self.tunnel_id, call_id, started.elapsed());
+        if let Some(last) = outcome.into_answer() {
+            let _ = self.to_caller.send(Ok(last)).await;
+        }
+    }
+
+    /// Runs the call until it has an outcome; returns it with the stream it held, if any.
+    async fn serve(
+        &mut self,
+        mut inbound: Streaming<ForwardRequest>,
+        started: Instant,
+    ) -> (Outcome, Option<OnStream>) {
+        let hub = self.hub.clone();
+        let mut handshake = if self.handshake {
+            Handshake::Possible
+        } else {
+            Handshake::Clear
+        };
+        let (lease, call_id, mut done) = loop {
+            let lease = match self.acquire(started, &mut handshake).await {
+                Ok(lease) => lease,
+                Err(outcome) => return (outcome, None),
+            };
+            if handshake == Handshake::Queued {
+                let call_deadline = (self.request.deadline_ms > 0)
+                    .then(|| started + Duration::from_millis(self.request.deadline_ms as u64));
+                // On failure the lease drops here: the stream goes back unused.
+                match self.await_proceed(call_deadline).await {
+                    Ok(()) => handshake = Handshake::Clear,
+                    Err(outcome) => return (outcome, None),
+                }
+            }
+            let call_id = hub.next_call_id();
+            let (done_tx, done) = oneshot::channel();
+            let slot = CallSlot {
+                call_id,
+                to_caller: self.to_caller.clone(),
+                done: done_tx,
+                head_seen: false,
+            };
+            // A stream closed between acquire and now saw no call: drop its lease (the hub
+            // closes it) and take another.
+            if lease.begin_call(slot).is_ok() {
+                break (lease, call_id, done);
+            }
+        };
+        let on_stream = OnStream {
+            call_id,
+            _in_flight: InFlight::new(&hub.metrics.in_flight),
+            _lease: lease,
+        };
+        let stream = on_stream._lease.stream().clone();
+        let mut head = std::mem::take(&mut self.request);
+        head.call_id = call_id;
+        if head.deadline_ms > 0 {
+            let left =
+                Duration::from_millis(head.deadline_ms as u64).saturating_sub(started.elapsed());
+            head.deadline_ms = left.as_millis().max(1) as u32;
+        }
+        let mut body_open = !head.end_of_stream;
+        debug!(tunnel_id = %self.tunnel_id, call_id, stream_id = stream.id, "call on stream");
+        // If the stream died, its reader ends the call as stream lost.
+        let _ = stream
+            .send(ServerFrame::of(server_frame::Kind::RequestHead(head)))
+            .await;
+        let cancel = || ServerFrame::of(server_frame::Kind::Cancel(Cancel { call_id }));
+        let gone = self.to_caller.closed();
+        tokio::pin!(gone);
+        loop {
+            tokio::select! {
+                // Order: the call's end first, then the caller leaving, then more body.
+                biased;
+                ended = &mut done => return (ended_with(ended), Some(on_stream)),
+                _ = &mut gone => {
+                    stream.try_send(cancel());
+                    break;
+                }
+                msg = inbound.message(), if body_open => match msg {
+                    Ok(Some(ForwardRequest { kind: Some(forward_request::Kind::Body(mut chunk)) })) => {
+                        if chunk.data.len() > relay_proto::MAX_CHUNK {
+                            stream.try_send(cancel());
+                            break;
+                        }
+                        body_open = !chunk.end;
+                        chunk.call_id = call_id;
+                        let _ = stream.send(ServerFrame::of(server_frame::Kind::RequestBody(chunk))).await;
+                    }
+                    Ok(None) => {
+                        // The dispatcher ended its half without an end flag: end the body.
+                        body_open = false;
+                        let end = BodyChunk { call_id, data: Default::default(), end: true };
+                        let _ = stream.send(ServerFrame::of(server_frame::Kind::RequestBody(end))).await;
+                    }
+                    Ok(Some(_)) | Err(_) => {
+                        // A malformed frame or a broken caller stream: cancel the call.
+                        stream.try_send(cancel());
+                        break;
+                    }
+                },
+            }
+        }
+        // Cancelled: the stream stays leased until the agent acknowledges; an agent that
+        // does not loses the stream, and the call ends as stream lost.
+        let ended = match tokio::time::timeout(CANCEL_ACK, &mut done).await {
+            Ok(ended) => ended,
+            Err(_) => {
+                stream.close();
+                done.await
+            }
+        };
+        (ended_with(ended), Some(on_stream))
+    }
+
+    /// Takes a stream of the tunnel id, waiting in the queue with the handshake's `Queued`
+    /// notice when it lasts.
+    async fn acquire(&self, started: Instant, handshake: &mut Handshake) -> Result<Lease, Outcome> {
+        let mut wait = self.queue_timeout;
+        if self.request.deadline_ms > 0 {
+            // Give up queueing a little before the caller's deadline, so the caller hears
+            // "no capacity" rather than a bare timeout.
+            let deadline = Duration::from_millis(self.request.deadline_ms as u64);
+            let margin =
+                (deadline / 10).clamp(Duration::from_millis(5), Duration::from_millis(250));
+            wait = wait.min(deadline.saturating_sub(margin));
+        }
+        let acquire = self
+            .hub
+            .acquire(&self.tunnel_id, started + wait, self.to_caller.closed());
+        tokio::pin!(acquire);
+        // Fires only while `acquire` waits in the queue (it returns at once otherwise).
+        let notice = tokio::time::sleep(self.handshake_after);
+        tokio::pin!(notice);
+        let acquired = loop {
+            tokio::select! {
+                biased;
+                r = &mut acquire => break r,
+                _ = &mut notice, if *handshake == Handshake::Possible => {
+                    *handshake = Handshake::Queued;
+                    // Nothing was answered yet: the channel has room.
+                    let notice = ForwardResponse::of(forward_response::Kind::Queued(Queued {}));
+                    let _ = self.to_caller.try_send(Ok(notice));
+                }
+            }
+        };
+        acquired.map_err(|e| match e {
+            AcquireError::UnknownTunnel => Outcome::UnknownTunnel(self.tunnel_id.clone()),
+            AcquireError::NoCapacity(why) => Outcome::NoCapacity(why),
+            AcquireError::Cancelled => Outcome::Cancelled(None),
+        })
+    }
+
+    /// The queued call holds a reserved stream: answer `StreamReserved` and wait for the
+    /// dispatcher's `Forward.Proceed`, at most `PROCEED_WAIT` and not past the call's
+    /// deadline. No agent has seen the call either way.
+    async fn await_proceed(&self, call_deadline: Option<Instant>) -> Result<(), Outcome> {
+        let (reservation, go, _guard) = self.reservations.open();
+        let reserved = ForwardResponse::of(forward_response::Kind::Reserved(StreamReserved {
+            reservation,
+        }));
+        if self.to_caller.send(Ok(reserved)).await.is_err() {
+            return Err(Outcome::Cancelled(None));
+        }
+        let mut until = Instant::now() + PROCEED_WAIT;
+        if let Some(d) = call_deadline {
+            until = until.min(d);
+        }
+        tokio::select! {
+            biased;
+            _ = self.to_caller.closed() => Err(Outcome::Cancelled(None)),
+            r = go => r.map_err(|_| Outcome::Cancelled(None)),
+            _ = tokio::time::sleep_until(until) => Err(Outcome::BadRequest(Status::invalid_argument(
+                "the dispatcher did not answer StreamReserved with Proceed in time",
+            ))),
+        }
+    }
+}
+
+/// The outcome the stream's reader sent; a slot dropped without one (its stream's reader
+/// is gone) is a lost stream.
+fn ended_with(ended: Result<Outcome, oneshot::error::RecvError>) -> Outcome {
+    ended.unwrap_or(Outcome::StreamLost(
+        "the agent stream carrying the call ended before the call did",
+    ))
+}

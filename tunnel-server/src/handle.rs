@@ -1,0 +1,319 @@
+//! One agent stream as the rest of the server sees it: [`StreamHandle`], shared by the hub
+//! (which hands it out), the call on it and the stream's reader. It owns the stream's
+//! state ([`State`]: open, retiring, closed) and the slot of the call it carries, and every
+//! transition between them is a method here. It decides no policy: the reader
+//! (`crate::stream`) and the hub (`crate::hub`) call these transitions.
+
+use crate::outcome::Outcome;
+use parking_lot::Mutex;
+use relay_proto::{ForwardResponse, ServerFrame};
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+pub type OutFrame = Result<ServerFrame, Status>;
+
+/// Where a stream stands.
+#[derive(Debug)]
+enum State {
+    /// Takes calls when idle.
+    Open,
+    /// The agent sent `GoingAway`: the hub hands it no new call; the call on it (or one
+    /// that crossed the `GoingAway` on the wire) finishes, then the stream is closed.
+    Retiring,
+    /// Closed by the server (retired, shut down, revoked, given up on) or ended by its
+    /// reader: no call can begin on it. The RPC ends with `status` (OK when `None`).
+    Closed { status: Option<Status> },
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: State,
+    /// The call on the stream, if any.
+    call: Option<CallSlot>,
+}
+
+pub struct StreamHandle {
+    pub id: u64,
+    pub tunnel_id: Arc<str>,
+    /// SHA-256 of the token that opened the stream: a reloaded token store that no longer
+    /// holds it closes the stream (see `Hub::revoke`).
+    pub token_hash: [u8; 32],
+    /// The agent asked for fleet news (`relay-agent-features: fleet`); older agents
+    /// would take an unknown frame for a broken stream.
+    pub wants_fleet: bool,
+    out: mpsc::Sender<OutFrame>,
+    /// Shared with the outbound half, which reads the closing status once `closed` fires.
+    inner: Arc<Mutex<Inner>>,
+    /// Fires on the move to `Closed` (except a reader ending on a protocol error, whose
+    /// status is queued on `out`): wakes the reader and ends the outbound half.
+    closed: CancellationToken,
+}
+
+/// Where the agent's frames for the call on a stream go.
+#[derive(Debug)]
+pub struct CallSlot {
+    pub call_id: u64,
+    /// The dispatcher's response stream for this call.
+    pub to_caller: mpsc::Sender<Result<ForwardResponse, Status>>,
+    /// The call's task: hears how the call ended on this stream.
+    pub done: oneshot::Sender<Outcome>,
+    /// The agent's response head went through.
+    pub head_seen: bool,
+}
+
+/// What the reader needs to end a stream: the call on it and whether it was revoked.
+pub struct Ending {
+    pub call: Option<CallSlot>,
+    pub revoked: bool,
+}
+
+impl StreamHandle {
+    pub fn new(
+        id: u64,
+        tunnel_id: Arc<str>,
+        token_hash: [u8; 32],
+        wants_fleet: bool,
+        out: mpsc::Sender<OutFrame>,
+    ) -> Self {
+        StreamHandle {
+            id,
+            tunnel_id,
+            token_hash,
+            wants_fleet,
+            out,
+            inner: Arc::new(Mutex::new(Inner {
+                state: State::Open,
+                call: None,
+            })),
+            closed: CancellationToken::new(),
+        }
+    }
+
+    /// Open and its agent still listening: the hub may hand it a call.
+    pub fn is_usable(&self) -> bool {
+        matches!(self.inner.lock().state, State::Open) && !self.out.is_closed()
+    }
+
+    /// No call on the stream now.
+    pub fn is_idle(&self) -> bool {
+        self.inner.lock().call.is_none()
+    }
+
+    /// Ends the stream: the outbound half finishes with OK and the reader stops.
+    pub fn close(&self) {
+        self.close_with(None);
+    }
+
+    /// Ends the stream because its token was removed from the store: the agent sees
+    /// UNAUTHENTICATED "token revoked".
+    pub fn revoke(&self) {
+        self.close_with(Some(Status::unauthenticated("token revoked")));
+    }
+
+    fn close_with(&self, why: Option<Status>) {
+        {
+            let mut inner = self.inner.lock();
+            match &mut inner.state {
+                State::Closed { status } => {
+                    if status.is_none() {
+                        *status = why;
+                    }
+                }
+                state => *state = State::Closed { status: why },
+            }
+        }
+        self.closed.cancel();
+    }
+
+    /// The agent sent `GoingAway`. True when no call is on the stream.
+    pub fn going_away(&self) -> bool {
+        let mut inner = self.inner.lock();
+        if matches!(inner.state, State::Open) {
+            inner.state = State::Retiring;
+        }
+        inner.call.is_none()
+    }
+
+    /// Puts a call on the stream (leased from the hub). Hands the slot back when the
+    /// stream was closed meanwhile: no agent saw the call, so it may take another stream.
+    /// A retiring stream still takes it: the agent serves a call that crossed its
+    /// `GoingAway`.
+    pub fn begin_call(&self, slot: CallSlot) -> Result<(), CallSlot> {
+        let mut inner = self.inner.lock();
+        if matches!(inner.state, State::Closed { .. }) || inner.call.is_some() {
+            return Err(slot);
+        }
+        inner.call = Some(slot);
+        Ok(())
+    }
+
+    /// Checks that a frame for `call_id` belongs to the call on the stream (`check` sees its
+    /// slot), and returns where the call's frames go.
+    pub fn route(
+        &self,
+        call_id: u64,
+        check: impl FnOnce(&mut CallSlot) -> Result<(), Status>,
+    ) -> Result<mpsc::Sender<Result<ForwardResponse, Status>>, Status> {
+        let mut inner = self.inner.lock();
+        match inner.call.as_mut() {
+            Some(slot) if slot.call_id == call_id => {
+                check(slot)?;
+                Ok(slot.to_caller.clone())
+            }
+            Some(slot) => Err(Status::invalid_argument(format!(
+                "frame for call {call_id} while call {} is on this stream",
+                slot.call_id
+            ))),
+            None => Err(Status::invalid_argument(format!(
+                "frame for call {call_id} with no call on this stream"
+            ))),
+        }
+    }
+
+    /// The call on the stream ended: it leaves the stream, and its task hears `outcome`.
+    pub fn end_call(&self, outcome: Outcome) {
+        let slot = self.inner.lock().call.take();
+        if let Some(slot) = slot {
+            let _ = slot.done.send(outcome);
+        }
+    }
+
+    /// The reader's last word: the stream is closed for good and no call may begin; returns
+    /// the call still on it.
+    pub fn end(&self) -> Ending {
+        let mut inner = self.inner.lock();
+        let revoked = matches!(inner.state, State::Closed { status: Some(_) });
+        if !matches!(inner.state, State::Closed { .. }) {
+            inner.state = State::Closed { status: None };
+        }
+        Ending {
+            call: inner.call.take(),
+            revoked,
+        }
+    }
+
+    /// Ends the outbound half (after [`StreamHandle::end`]).
+    pub fn cut(&self) {
+        self.closed.cancel();
+    }
+
+    /// Fires once the stream is closed.
+    pub async fn closed(&self) {
+        self.closed.cancelled().await
+    }
+
+    /// A future that fires once the stream is closed, for the outbound half.
+    pub fn closed_owned(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
+        self.closed.clone().cancelled_owned()
+    }
+
+    /// The status the RPC ends with once closed, for the outbound half.
+    pub fn end_status(&self) -> impl FnOnce() -> Option<Status> + Send + 'static {
+        let inner = self.inner.clone();
+        move || match &inner.lock().state {
+            State::Closed { status } => status.clone(),
+            _ => None,
+        }
+    }
+
+    /// Queues a frame if there is room; control frames only.
+    pub fn try_send(&self, frame: ServerFrame) -> bool {
+        self.out.try_send(Ok(frame)).is_ok()
+    }
+
+    /// Queues a frame the agent must see last (the status a protocol error closes the
+    /// stream with).
+    pub fn try_send_status(&self, status: Status) {
+        let _ = self.out.try_send(Err(status));
+    }
+
+    /// Sends a frame, waiting for room (flow control).
+    pub async fn send(&self, frame: ServerFrame) -> Result<(), ()> {
+        tokio::select! {
+            r = self.out.send(Ok(frame)) => r.map_err(|_| ()),
+            _ = self.closed.cancelled() => Err(()),
+        }
+    }
+}
+
+impl PartialEq for StreamHandle {
+    /// One stream is one id.
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle() -> (StreamHandle, mpsc::Receiver<OutFrame>) {
+        let (tx, rx) = mpsc::channel(4);
+        (StreamHandle::new(1, "t".into(), [0; 32], false, tx), rx)
+    }
+
+    fn slot(call_id: u64) -> (CallSlot, oneshot::Receiver<Outcome>) {
+        let (to_caller, _) = mpsc::channel(1);
+        let (done, rx) = oneshot::channel();
+        let slot = CallSlot {
+            call_id,
+            to_caller,
+            done,
+            head_seen: false,
+        };
+        (slot, rx)
+    }
+
+    #[test]
+    fn a_retiring_stream_takes_no_new_call_from_the_hub_but_serves_one_that_crossed() {
+        let (h, _rx) = handle();
+        assert!(h.is_usable());
+        assert!(h.going_away(), "idle when it retired");
+        assert!(!h.is_usable());
+        assert!(
+            h.begin_call(slot(1).0).is_ok(),
+            "a call that crossed GoingAway runs"
+        );
+        assert!(!h.going_away(), "busy");
+    }
+
+    #[test]
+    fn a_closed_stream_hands_a_new_call_back() {
+        let (h, _rx) = handle();
+        h.close();
+        assert!(!h.is_usable());
+        assert!(
+            h.begin_call(slot(1).0).is_err(),
+            "no call begins on a closed stream"
+        );
+        assert!(h.end().call.is_none());
+    }
+
+    #[test]
+    fn the_readers_last_word_takes_the_call_still_on_the_stream() {
+        let (h, _rx) = handle();
+        let (s, mut done) = slot(1);
+        h.begin_call(s).unwrap();
+        h.close();
+        let ending = h.end();
+        assert!(!ending.revoked);
+        assert_eq!(ending.call.map(|c| c.call_id), Some(1));
+        assert!(
+            done.try_recv().is_err(),
+            "the reader ends the call, not the handle"
+        );
+        assert!((h.end_status())().is_none(), "closed with OK");
+    }
+
+    #[test]
+    fn a_revoked_stream_ends_with_unauthenticated_even_if_closed_after() {
+        let (h, _rx) = handle();
+        h.revoke();
+        h.close();
+        assert!(h.end().revoked);
+        let status = (h.end_status())().expect("a status");
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    }
+}
