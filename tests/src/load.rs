@@ -297,7 +297,10 @@ impl Ledger {
 
     /// Every call, in the order they ended (empty when the ledger keeps no calls).
     pub fn calls(&self) -> Vec<CallRecord> {
-        self.calls.as_ref().map(|c| lock(c).clone()).unwrap_or_default()
+        self.calls
+            .as_ref()
+            .map(|c| lock(c).clone())
+            .unwrap_or_default()
     }
 
     pub fn summary(&self) -> String {
@@ -409,13 +412,13 @@ impl Ledger {
                         .or_default()
                         .entry(f.reason.to_string())
                         .or_default() += 1;
-                    let stat = all
-                        .by_reason
-                        .entry(f.reason.clone())
-                        .or_insert_with(|| ReasonStat {
-                            first_at: at,
-                            ..ReasonStat::default()
-                        });
+                    let stat =
+                        all.by_reason
+                            .entry(f.reason.clone())
+                            .or_insert_with(|| ReasonStat {
+                                first_at: at,
+                                ..ReasonStat::default()
+                            });
                     stat.count += 1;
                     stat.last_at = at;
                     let mut detail = f.detail.clone();
@@ -731,10 +734,7 @@ impl Plan for Fixed {
         let spec = &self.spec;
         let sep = if spec.path.contains('?') { '&' } else { '?' };
         let path = format!("{}{sep}w={}&i={}", spec.path, id.worker, id.seq);
-        let mut call = Call::new(
-            relay_get(&self.caller, &path, spec.timeout_ms),
-            Expect::Any,
-        );
+        let mut call = Call::new(relay_get(&self.caller, &path, spec.timeout_ms), Expect::Any);
         call.leave = spec
             .cancel_every
             .filter(|n| id.seq.is_multiple_of(*n))

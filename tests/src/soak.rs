@@ -35,12 +35,12 @@ pub use logscan::Findings;
 pub use report::{FailureReport, LatencyReport, LogReport, ProcessReport, RssTrack, SoakReport};
 pub use rig::Event;
 
+use crate::load::{Expect, Ledger, Link};
 use crate::procs::{rss_kib_of, Spawn};
 use crate::stack::{CALLER_KEY, TUNNEL_ID};
 use crate::upstream::{Upstream, UpstreamHandle};
 use anyhow::Context as _;
 use http::HeaderValue;
-use crate::load::{Expect, Ledger, Link};
 use load::{CallKind, Calls, Target};
 use logscan::LogWatch;
 use rig::{Events, ProcInfo, Rig, RigSpec};

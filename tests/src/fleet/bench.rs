@@ -9,9 +9,9 @@
 use super::runner::procstat;
 use crate::client::Caller;
 use crate::load::{Call, CallId, Expect, Ledger, Link, Plan};
+use crate::stack::{Stack, TUNNEL_ID};
 use bytes::Bytes;
 use http::Method;
-use crate::stack::{Stack, TUNNEL_ID};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;

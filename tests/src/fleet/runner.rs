@@ -23,8 +23,8 @@
 use super::report::{self, Report, Sample, ServerStreams};
 use super::scenario::{Distribution, FaultAction, Placement, Scenario};
 use crate::client::Caller;
-use crate::load::{Call, CallId, Ended, Expect, Ledger, Plan, Reason};
 use crate::lb::Policy;
+use crate::load::{Call, CallId, Ended, Expect, Ledger, Plan, Reason};
 use crate::stack::{agent_identity, Runtimes, Stack, CALLER_KEY};
 use crate::upstream::{Upstream, UpstreamHandle};
 use bytes::Bytes;
