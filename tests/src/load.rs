@@ -131,13 +131,19 @@ pub trait Plan: Send + Sync + 'static {
 /// How workers reach the front.
 #[derive(Clone)]
 pub enum Link {
-    /// The pooled client of a [`Caller`], shared by every worker.
-    Shared(Caller),
+    /// The pooled client of a [`Caller`], shared by every worker ([`Link::shared`]).
+    Shared(Box<Caller>),
     /// One HTTP/1.1 keep-alive connection per worker to this address. A connection the
     /// front closed while idle is replaced before the next call (that is not a failed
     /// call: a client pool does the same); one that failed mid-call is replaced after
     /// the failure is written.
     KeepAlive(SocketAddr),
+}
+
+impl Link {
+    pub fn shared(caller: Caller) -> Link {
+        Link::Shared(Box::new(caller))
+    }
 }
 
 /// One failure reason's figures.
@@ -323,7 +329,7 @@ impl Ledger {
         timeout_ms: u64,
         leave: Option<Duration>,
     ) {
-        let mut conn = Conn::new(Link::Shared(caller.clone()));
+        let mut conn = Conn::new(Link::shared(caller.clone()));
         let mut call = Call::new(relay_get(caller, path, timeout_ms), Expect::Any);
         call.leave = leave;
         self.make(&mut conn, call, &[]).await;
@@ -488,7 +494,7 @@ pub fn keep_alive_request(
 
 /// A worker's way to the front.
 enum Conn {
-    Shared(Caller),
+    Shared(Box<Caller>),
     KeepAlive(SocketAddr, Option<KeepAlive>),
 }
 
@@ -680,7 +686,7 @@ pub async fn paced<P: Plan>(
         let (plan, caller) = (plan.clone(), caller.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            let mut conn = Conn::Shared(caller);
+            let mut conn = Conn::Shared(Box::new(caller));
             let ended = plan.ledger().make(&mut conn, call, &[]).await;
             plan.ended(tag, &ended);
         });
@@ -767,7 +773,7 @@ pub fn start(caller: Caller, spec: LoadSpec) -> Load {
         ledger: ledger.clone(),
     });
     let mut set = JoinSet::new();
-    workers(&plan, &Link::Shared(caller), 0..n, &[], &stop, &mut set);
+    workers(&plan, &Link::shared(caller), 0..n, &[], &stop, &mut set);
     Load {
         stop,
         workers: set,

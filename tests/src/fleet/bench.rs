@@ -72,7 +72,7 @@ async fn closed_loop(caller: &Caller, path: &str, callers: usize, d: Duration) -
     let mut workers = JoinSet::new();
     crate::load::workers(
         &plan,
-        &Link::Shared(caller.clone()),
+        &Link::shared(caller.clone()),
         0..callers,
         &[],
         &stop,
