@@ -827,3 +827,77 @@ impl Load {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ended(took_ms: u64, status: u16, result: Result<(), Failure>) -> Ended {
+        Ended {
+            sent_at: Instant::now(),
+            took: Duration::from_millis(took_ms),
+            status,
+            result,
+        }
+    }
+
+    fn lost_stream(server: &str) -> Failure {
+        outcome::classify(
+            502,
+            false,
+            format!(r#"{{"error":"stream_lost","message":"tunnel server {server} went away"}}"#)
+                .as_bytes(),
+            &Expect::Any,
+            &[],
+        )
+        .unwrap_err()
+    }
+
+    #[test]
+    fn every_call_is_written_once_under_its_reason_and_the_server_it_blames() {
+        let l = Ledger::new(true);
+        l.write(&ended(5, 200, Ok(())), false);
+        l.write(&ended(7, 200, Ok(())), true);
+        for server in ["ts-1", "ts-1", "ts-2", "ts-3", "ts-4"] {
+            l.write(&ended(9, 502, Err(lost_stream(server))), false);
+        }
+        l.write(
+            &ended(3, 0, Err(Failure::new(Reason::Left, "the caller left"))),
+            false,
+        );
+        assert_eq!((l.answered(), l.ok(), l.failed()), (8, 2, 5));
+        assert_eq!(l.caller_cancelled(), 1, "leaving is not a failure");
+        assert_eq!(l.burst_answered(), 1);
+        assert_eq!(l.latency().count, 2, "only ok calls are in the histogram");
+        assert_eq!(
+            l.failures(),
+            BTreeMap::from([("502 stream_lost".to_string(), 5)])
+        );
+        let by_server = l.failures_by_server();
+        assert_eq!(by_server["ts-1"]["502 stream_lost"], 2);
+        assert_eq!(by_server["ts-4"]["502 stream_lost"], 1);
+        let (_, stat) = &l.reasons()[0];
+        assert_eq!(
+            stat.examples,
+            [
+                "tunnel server ts-1 went away",
+                "tunnel server ts-2 went away",
+                "tunnel server ts-3 went away"
+            ],
+            "distinct examples, at most {EXAMPLES}"
+        );
+        let codes: Vec<String> = l.calls().into_iter().map(|c| c.code).collect();
+        assert_eq!(codes.len(), 8);
+        assert_eq!(codes[2], "stream_lost");
+        assert_eq!(codes[7], "caller left");
+        assert_eq!(l.slowest(), Duration::from_millis(9));
+    }
+
+    #[test]
+    fn a_ledger_told_not_to_keeps_no_call_list() {
+        let l = Ledger::new(false);
+        l.write(&ended(5, 200, Ok(())), false);
+        assert_eq!(l.ok(), 1);
+        assert!(l.calls().is_empty());
+    }
+}
