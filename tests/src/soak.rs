@@ -10,7 +10,8 @@
 //!   fixed latency; or, in external mode, a running stack it only calls ([`Mode`]);
 //! - the load: a fixed number of callers, each on its own HTTP/1.1 keep-alive
 //!   connection, calling `/relay/{tunnel_id}/...` until a number of calls were made or
-//!   for a duration, checking every answer's status and body (`load`, `outcome`);
+//!   for a duration, checking every answer's status and body (`load`: the calls, made
+//!   and written by [`crate::load`]'s closed loop and [`crate::load::Ledger`]);
 //! - the faults ([`Fault`]): rolling restarts, a SIGKILL of one server, bursts of slow
 //!   calls (`rig`, and the burst driver here);
 //! - watching: a progress line, every process's VmRSS, every process's log (h2's
@@ -25,10 +26,8 @@
 //! with deadlines, never for fixed sleeps, and every process it starts is killed when
 //! [`run`] returns or its future is dropped.
 
-mod hist;
 mod load;
 mod logscan;
-mod outcome;
 mod report;
 mod rig;
 
@@ -36,14 +35,14 @@ pub use logscan::Findings;
 pub use report::{FailureReport, LatencyReport, LogReport, ProcessReport, RssTrack, SoakReport};
 pub use rig::Event;
 
+use crate::load::{Expect, Ledger, Link};
 use crate::procs::{rss_kib_of, Spawn};
 use crate::stack::{CALLER_KEY, TUNNEL_ID};
 use crate::upstream::{Upstream, UpstreamHandle};
 use anyhow::Context as _;
 use http::HeaderValue;
-use load::{CallKind, Counters, Load, Target};
+use load::{CallKind, Calls, Target};
 use logscan::LogWatch;
-use outcome::Expect;
 use rig::{Events, ProcInfo, Rig, RigSpec};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -622,11 +621,10 @@ struct Progress {
 }
 
 impl Progress {
-    fn line(&mut self, load: &Load, t0: Instant, limit_lines: u64, status: &str) -> String {
-        let c = &load.counters;
+    fn line(&mut self, ledger: &Ledger, t0: Instant, limit_lines: u64, status: &str) -> String {
         let now = Instant::now();
-        let answered = Counters::get(&c.answered);
-        let sent = Counters::get(&c.sent);
+        let answered = ledger.answered();
+        let sent = ledger.sent();
         let elapsed = now.duration_since(t0).as_secs_f64();
         let window = now.duration_since(self.last_at).as_secs_f64();
         let rate_now = if window > 0.0 {
@@ -639,8 +637,8 @@ impl Progress {
         let mut s = format!(
             "[{elapsed:>7.1}s] answered {answered}  {:.0}/s (now {rate_now:.0}/s)  ok {}  failed {}  in flight {}  `reached limit` lines {limit_lines}",
             if elapsed > 0.0 { answered as f64 / elapsed } else { 0.0 },
-            Counters::get(&c.ok),
-            Counters::get(&c.failed),
+            ledger.ok(),
+            ledger.failed(),
             sent.saturating_sub(answered),
         );
         if !status.is_empty() {
@@ -653,7 +651,8 @@ impl Progress {
 
 /// The burst fault: adds callers of a slow path on the fault's timing.
 struct Bursts {
-    load: Arc<Load>,
+    /// The burst calls (their ledger is the run's).
+    calls: Arc<Calls>,
     /// Callers during a burst, the burst's length, the extra callers' upstream delay.
     concurrency: usize,
     length: Duration,
@@ -670,7 +669,7 @@ impl Bursts {
     /// Bursts until `stop`; each burst's callers finish their call in flight first.
     async fn run(self, stop: CancellationToken) {
         let Bursts {
-            load,
+            calls,
             concurrency,
             length,
             slow,
@@ -690,21 +689,21 @@ impl Bursts {
                 _ = tokio::time::sleep_until(next) => {}
             }
             let started = Instant::now();
-            let before = Counters::get(&load.counters.failed);
+            let before = calls.ledger.failed();
             events.note(format!(
             "burst {round}: +{extra} callers (to {concurrency}) of GET /slow/{slow_ms} for {length:?}"
         ));
             status.send_replace(format!("burst {round}: {concurrency} callers"));
             let these = stop.child_token();
             let mut callers = JoinSet::new();
-            for i in 0..extra {
-                callers.spawn(load::caller(
-                    load.clone(),
-                    base + i,
-                    CallKind::Slow(slow_ms),
-                    these.clone(),
-                ));
-            }
+            crate::load::workers(
+                &calls,
+                &Link::KeepAlive(calls.target.addr),
+                base..base + extra,
+                &calls.target.servers,
+                &these,
+                &mut callers,
+            );
             tokio::select! {
                 biased;
                 _ = stop.cancelled() => {}
@@ -718,7 +717,7 @@ impl Bursts {
             events.note(format!(
                 "burst {round}: over after {:.1}s; failures during it: {}",
                 started.elapsed().as_secs_f64(),
-                Counters::get(&load.counters.failed) - before
+                calls.ledger.failed() - before
             ));
             match timing.every {
                 Some(every) if !stop.is_cancelled() => next = (started + every).max(Instant::now()),
@@ -748,18 +747,25 @@ async fn drive(config: &SoakConfig, started: Started, stop: CancellationToken) -
     monitor.t0 = t0;
 
     let budget = config.calls;
-    let load = Arc::new(Load::new(target, budget, t0));
+    let ledger = Arc::new(Ledger::new(false));
+    let target = Arc::new(target);
+    let base = Arc::new(Calls::new(
+        target.clone(),
+        ledger.clone(),
+        CallKind::Base,
+        budget,
+    ));
     let events = Arc::new(Events::new(t0, echo));
     let issuing = CancellationToken::new();
     let mut callers = JoinSet::new();
-    for id in 0..config.concurrency {
-        callers.spawn(load::caller(
-            load.clone(),
-            id,
-            CallKind::Base,
-            issuing.clone(),
-        ));
-    }
+    crate::load::workers(
+        &base,
+        &Link::KeepAlive(target.addr),
+        0..config.concurrency,
+        &target.servers,
+        &issuing,
+        &mut callers,
+    );
     let (status_tx, status_rx) = watch::channel(String::new());
     let (table_tx, mut table_rx) = watch::channel(Vec::new());
     let rig_stop = CancellationToken::new();
@@ -784,7 +790,12 @@ async fn drive(config: &SoakConfig, started: Started, stop: CancellationToken) -
             slow,
         } => {
             let bursts = Bursts {
-                load: load.clone(),
+                calls: Arc::new(Calls::new(
+                    target.clone(),
+                    ledger.clone(),
+                    CallKind::Slow(u64::try_from(slow.as_millis()).unwrap_or(u64::MAX)),
+                    None,
+                )),
                 concurrency,
                 length,
                 slow,
@@ -818,7 +829,7 @@ async fn drive(config: &SoakConfig, started: Started, stop: CancellationToken) -
         if echo && print {
             eprintln!(
                 "{}",
-                progress.line(&load, t0, monitor.reached_limit(), &status_rx.borrow())
+                progress.line(&ledger, t0, monitor.reached_limit(), &status_rx.borrow())
             );
         }
     };
@@ -878,7 +889,7 @@ async fn drive(config: &SoakConfig, started: Started, stop: CancellationToken) -
     if !drained {
         events.problem(format!(
             "{} calls still unanswered {:?} after the last call started; abandoned",
-            Counters::get(&load.counters.sent) - Counters::get(&load.counters.answered),
+            ledger.sent() - ledger.answered(),
             config.client_timeout + config.grace
         ));
         callers.abort_all();
@@ -914,41 +925,33 @@ async fn drive(config: &SoakConfig, started: Started, stop: CancellationToken) -
         u.shutdown().await;
     }
 
-    let c = &load.counters;
-    let sent = Counters::get(&c.sent);
-    let answered = Counters::get(&c.answered);
+    let sent = ledger.sent();
+    let answered = ledger.answered();
     let duration_s = load_end.duration_since(t0).as_secs_f64();
-    let lat = load.latency.snapshot();
+    let lat = ledger.latency();
     let ms = |us: u64| us as f64 / 1000.0;
-    let failures = load
-        .failures
-        .lock()
-        .map(|f| {
-            let mut v: Vec<FailureReport> = f
-                .by_reason
-                .iter()
-                .map(|(reason, st)| FailureReport {
-                    reason: reason.to_string(),
-                    count: st.count,
-                    first_at_s: st.first_at.as_secs_f64(),
-                    last_at_s: st.last_at.as_secs_f64(),
-                    examples: st.examples.clone(),
-                })
-                .collect();
-            v.sort_by(|a, b| b.count.cmp(&a.count).then_with(|| a.reason.cmp(&b.reason)));
-            (v, f.by_server.clone())
+    let mut failures: Vec<FailureReport> = ledger
+        .reasons()
+        .into_iter()
+        .map(|(reason, st)| FailureReport {
+            reason: reason.to_string(),
+            count: st.count,
+            first_at_s: st.first_at.as_secs_f64(),
+            last_at_s: st.last_at.as_secs_f64(),
+            examples: st.examples,
         })
-        .unwrap_or_default();
+        .collect();
+    failures.sort_by(|a, b| b.count.cmp(&a.count).then_with(|| a.reason.cmp(&b.reason)));
     SoakReport {
         setup: config.describe(),
         interrupted,
         sent,
         answered,
-        ok: Counters::get(&c.ok),
-        failed: Counters::get(&c.failed),
+        ok: ledger.ok(),
+        failed: ledger.failed(),
         lost: sent.saturating_sub(answered),
-        burst_sent: Counters::get(&c.burst_sent),
-        burst_answered: Counters::get(&c.burst_answered),
+        burst_sent: ledger.burst_sent(),
+        burst_answered: ledger.burst_answered(),
         duration_s,
         calls_per_s: if duration_s > 0.0 {
             answered as f64 / duration_s
@@ -963,11 +966,11 @@ async fn drive(config: &SoakConfig, started: Started, stop: CancellationToken) -
             max: ms(lat.max_us),
             mean: lat.mean_us() / 1000.0,
         },
-        failures: failures.0,
-        failures_by_server: failures.1,
+        failures,
+        failures_by_server: ledger.failures_by_server(),
         dispatcher_calls_by_server,
         dispatcher_retries,
-        connections: Counters::get(&c.connects),
+        connections: ledger.connects(),
         events: events.list(),
         processes,
         scratch_dir,

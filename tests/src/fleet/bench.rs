@@ -8,11 +8,16 @@
 
 use super::runner::procstat;
 use crate::client::Caller;
+use crate::load::{Call, CallId, Expect, Ledger, Link, Plan};
 use crate::stack::{Stack, TUNNEL_ID};
+use bytes::Bytes;
+use http::Method;
 use serde::Serialize;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
+use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 /// Throughput and latency of one side at one level.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -33,41 +38,58 @@ pub struct Row {
     pub relayed: Side,
 }
 
-/// Closed loop: `callers` tasks calling `path` back to back for `d`.
+/// GET `path` through the caller, any 2xx counting as ok.
+struct Get {
+    caller: Caller,
+    path: String,
+    ledger: Ledger,
+}
+
+impl Plan for Get {
+    type Tag = ();
+
+    fn next(&self, _: CallId) -> Option<(Call, ())> {
+        let req = self.caller.request(Method::GET, &self.path, Bytes::new());
+        Some((Call::new(req, Expect::Any), ()))
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+}
+
+/// Closed loop ([`crate::load::workers`]): `callers` workers calling `path` back to back
+/// for `d`.
 async fn closed_loop(caller: &Caller, path: &str, callers: usize, d: Duration) -> Side {
-    let lat: Arc<Mutex<Vec<f64>>> = Arc::default();
-    let errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let plan = Arc::new(Get {
+        caller: caller.clone(),
+        path: path.to_string(),
+        ledger: Ledger::new(true),
+    });
     let cpu0 = procstat::process_cpu();
     let start = Instant::now();
-    let end = start + d;
-    let mut tasks = Vec::new();
-    for _ in 0..callers {
-        let (caller, path, lat, errors) = (
-            caller.clone(),
-            path.to_string(),
-            lat.clone(),
-            errors.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            let mut mine = Vec::new();
-            while Instant::now() < end {
-                let t0 = Instant::now();
-                match caller.get(&path).await {
-                    Ok(a) if a.status == 200 => mine.push(t0.elapsed().as_secs_f64() * 1000.0),
-                    _ => {
-                        errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                }
-            }
-            lat.lock().unwrap_or_else(|e| e.into_inner()).extend(mine);
-        }));
-    }
-    for t in tasks {
-        let _ = t.await;
-    }
+    let stop = CancellationToken::new();
+    let mut workers = JoinSet::new();
+    crate::load::workers(
+        &plan,
+        &Link::shared(caller.clone()),
+        0..callers,
+        &[],
+        &stop,
+        &mut workers,
+    );
+    tokio::time::sleep_until(start + d).await;
+    stop.cancel();
+    while workers.join_next().await.is_some() {}
     let took = start.elapsed().as_secs_f64();
     let cpu = procstat::process_cpu() - cpu0;
-    let mut v = std::mem::take(&mut *lat.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut v: Vec<f64> = plan
+        .ledger
+        .calls()
+        .iter()
+        .filter(|c| c.code.is_empty())
+        .map(|c| c.took.as_secs_f64() * 1000.0)
+        .collect();
     v.sort_by(|a, b| a.total_cmp(b));
     let q = |p: f64| {
         if v.is_empty() {
@@ -79,7 +101,7 @@ async fn closed_loop(caller: &Caller, path: &str, callers: usize, d: Duration) -
     let calls = v.len() as u64;
     Side {
         calls,
-        errors: errors.load(std::sync::atomic::Ordering::Relaxed),
+        errors: plan.ledger.failed(),
         calls_per_s: calls as f64 / took,
         p50_ms: q(0.5),
         p99_ms: q(0.99),

@@ -24,11 +24,11 @@ use super::report::{self, Report, Sample, ServerStreams};
 use super::scenario::{Distribution, FaultAction, Placement, Scenario};
 use crate::client::Caller;
 use crate::lb::Policy;
+use crate::load::{Call, CallId, Ended, Expect, Ledger, Plan, Reason};
 use crate::stack::{agent_identity, Runtimes, Stack, CALLER_KEY};
 use crate::upstream::{Upstream, UpstreamHandle};
 use bytes::Bytes;
 use http::Method;
-use http_body_util::BodyExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use relay_agent::AgentHandle;
@@ -158,7 +158,6 @@ pub(crate) struct Recorder {
     pub failed: AtomicU64,
     /// Calls never answered by their deadline plus the grace.
     pub lost: AtomicU64,
-    pub skipped: AtomicU64,
     pub in_flight: AtomicI64,
     pub inner: Mutex<RecInner>,
 }
@@ -252,17 +251,39 @@ pub(crate) struct BurstStat {
     pub last_done_ms: AtomicU64,
 }
 
-/// What every call sends.
-#[derive(Clone)]
-struct CallShape {
+/// The run's calls, made by [`crate::load::paced`]: each goes to a tunnel id (a burst's
+/// own, the hot ones for `hot_share` of the calls, else any) with its deadline in
+/// `x-relay-timeout-ms`, and waits for its answer until the deadline plus
+/// [`ANSWER_GRACE`]. Each ending is turned into the run's [`Outcome`] and recorded.
+struct RunCalls {
+    ledger: Ledger,
+    rec: Arc<Recorder>,
+    caller: Caller,
     method: Method,
     suffix: String,
     body: Bytes,
     timeout: Duration,
+    tunnel_ids: Vec<String>,
+    hot_share: f64,
+    hot_tunnels: usize,
+    /// Each burst's tunnel id index and figures.
+    burst_tunnels: Vec<usize>,
+    bursts: Arc<Vec<BurstStat>>,
+    rng: Mutex<StdRng>,
+    start: Instant,
+    answered: Arc<tokio::sync::Notify>,
 }
 
-impl CallShape {
-    fn from(s: &Scenario) -> CallShape {
+impl RunCalls {
+    fn new(
+        s: &Scenario,
+        caller: Caller,
+        tunnel_ids: Vec<String>,
+        rec: Arc<Recorder>,
+        bursts: Arc<Vec<BurstStat>>,
+        start: Instant,
+        answered: Arc<tokio::sync::Notify>,
+    ) -> RunCalls {
         let up = &s.upstream;
         let (method, suffix, body) = if up.request_bytes > 0 {
             let body: Bytes = (0..up.request_bytes).map(|i| (i % 251) as u8).collect();
@@ -276,58 +297,98 @@ impl CallShape {
         } else {
             (Method::GET, "/hello".to_string(), Bytes::new())
         };
-        CallShape {
+        RunCalls {
+            ledger: Ledger::new(false),
+            rec,
+            caller,
             method,
             suffix,
             body,
             timeout: s.load.call_timeout,
+            tunnel_ids,
+            hot_share: s.load.hot_share,
+            hot_tunnels: s.load.hot_tunnels,
+            burst_tunnels: s.load.bursts.iter().map(|b| b.tunnel).collect(),
+            bursts,
+            rng: Mutex::new(StdRng::seed_from_u64(s.seed)),
+            start,
+            answered,
+        }
+    }
+
+    /// How a call ended, in the run's terms: answered ok or with a reason (the
+    /// dispatcher's `error` code, `http_<status>`, `transport`, `body`), a success after
+    /// the deadline (late), or no answer by the deadline plus the grace (lost).
+    fn outcome(&self, e: &Ended) -> Outcome {
+        match &e.result {
+            Ok(()) if e.took > self.timeout => Outcome::Late,
+            Ok(()) => Outcome::Answered(Ok(())),
+            Err(f) => match &f.reason {
+                Reason::ClientTimeout => Outcome::Lost,
+                Reason::Status { status, code, .. } if code == "-" => {
+                    Outcome::Answered(Err(format!("http_{status}")))
+                }
+                Reason::Status { code, .. } => Outcome::Answered(Err(code.clone())),
+                Reason::Transport("body") | Reason::BadBody => {
+                    Outcome::Answered(Err("body".into()))
+                }
+                Reason::Transport(_) | Reason::Left => Outcome::Answered(Err("transport".into())),
+            },
         }
     }
 }
 
-/// One call through the relay, with its deadline in `x-relay-timeout-ms`: answered (Ok,
-/// or the failure reason: the dispatcher's `error` code, `http_<status>`, `transport`,
-/// `body`), a success after the deadline (late), or no answer at all (lost).
-async fn one_call(caller: &Caller, tunnel_id: &str, shape: &CallShape) -> Outcome {
-    let mut req = caller.request(
-        shape.method.clone(),
-        &format!("/relay/{tunnel_id}{}", shape.suffix),
-        shape.body.clone(),
-    );
-    req.headers_mut().insert(
-        "x-relay-timeout-ms",
-        http::HeaderValue::from(shape.timeout.as_millis().max(1) as u64),
-    );
-    let deadline = Instant::now() + shape.timeout;
-    let work = async {
-        let resp = caller
-            .send(req)
-            .await
-            .map_err(|_| "transport".to_string())?;
-        let status = resp.status();
-        let mut body = resp.into_body();
-        if status.is_success() {
-            while let Some(frame) = body.frame().await {
-                frame.map_err(|_| "body".to_string())?;
+impl Plan for RunCalls {
+    /// The call's id in the recorder.
+    type Tag = (u64, Option<usize>);
+
+    fn next(&self, id: CallId) -> Option<(Call, Self::Tag)> {
+        let idx = match id.burst {
+            Some(b) => self.burst_tunnels[b],
+            None => {
+                let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+                if self.hot_share > 0.0 && rng.gen::<f64>() < self.hot_share {
+                    rng.gen_range(0..self.hot_tunnels)
+                } else {
+                    rng.gen_range(0..self.tunnel_ids.len())
+                }
             }
-            return Ok(());
+        };
+        let mut req = self.caller.request(
+            self.method.clone(),
+            &format!("/relay/{}{}", self.tunnel_ids[idx], self.suffix),
+            self.body.clone(),
+        );
+        req.headers_mut().insert(
+            "x-relay-timeout-ms",
+            http::HeaderValue::from(self.timeout.as_millis().max(1) as u64),
+        );
+        let mut call = Call::new(req, Expect::Any);
+        call.timeout = Some(self.timeout + ANSWER_GRACE);
+        Some((call, (self.rec.next_id(), id.burst)))
+    }
+
+    fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    fn ended(&self, (id, burst): Self::Tag, e: &Ended) {
+        let outcome = self.outcome(e);
+        if let Some(b) = burst.and_then(|b| self.bursts.get(b)) {
+            if outcome == Outcome::Answered(Ok(())) {
+                b.ok.fetch_add(1, Ordering::Relaxed);
+            }
+            if outcome != Outcome::Lost {
+                b.done.fetch_add(1, Ordering::Relaxed);
+                let since = (self.start.elapsed().as_secs_f64() - b.at).max(0.0);
+                b.last_done_ms
+                    .fetch_max((since * 1000.0) as u64, Ordering::Relaxed);
+            }
         }
-        let bytes = body
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
-        let code = serde_json::from_slice::<serde_json::Value>(&bytes)
-            .ok()
-            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string));
-        Err(code.unwrap_or_else(|| format!("http_{}", status.as_u16())))
-    };
-    match tokio::time::timeout_at(deadline + ANSWER_GRACE, work).await {
-        // The relay's own deadline answer lands just after the deadline: its reason is
-        // kept. A success after the deadline came to a caller that had given up.
-        Ok(Ok(())) if Instant::now() > deadline => Outcome::Late,
-        Ok(r) => Outcome::Answered(r),
-        Err(_) => Outcome::Lost,
+        let t = e.sent_at.duration_since(self.start).as_secs_f32();
+        self.rec
+            .record(id, t, e.took.as_secs_f32() * 1000.0, outcome);
+        self.answered.notify_one();
     }
 }
 
@@ -779,7 +840,6 @@ async fn drive(
     tunnel_ids: Vec<String>,
 ) -> Report {
     let rec = Arc::new(Recorder::default());
-    let shape = CallShape::from(s);
     let threads_before = procstat::threads();
     let cpu_before = procstat::process_cpu();
     let start = Instant::now();
@@ -802,93 +862,33 @@ async fn drive(
     let events: Arc<Mutex<Vec<(f64, String)>>> = Arc::default();
 
     // Load generator.
+    let calls = Arc::new(RunCalls::new(
+        s,
+        caller.clone(),
+        tunnel_ids,
+        rec.clone(),
+        bursts.clone(),
+        start,
+        answered,
+    ));
     let gen = {
-        let (rec, caller, shape, stop, bursts) = (
-            rec.clone(),
-            caller.clone(),
-            shape.clone(),
+        let rate = {
+            let s = s.clone();
+            Box::new(move |t| s.rate_at(t))
+        };
+        let pace = crate::load::Pace {
+            rate,
+            duration: s.duration,
+            max_in_flight: s.load.max_in_flight,
+            bursts: s.load.bursts.iter().map(|b| (b.at, b.calls)).collect(),
+        };
+        tokio::spawn(crate::load::paced(
+            calls.clone(),
+            caller,
+            pace,
+            start,
             stop.clone(),
-            bursts.clone(),
-        );
-        let s = s.clone();
-        let ids = Arc::new(tunnel_ids);
-        tokio::spawn(async move {
-            let mut rng = StdRng::seed_from_u64(s.seed);
-            let permits = Arc::new(Semaphore::new(s.load.max_in_flight));
-            let mut fired = vec![false; s.load.bursts.len()];
-            let mut acc = 0.0f64;
-            let mut last = Instant::now();
-            let mut tick = tokio::time::interval(Duration::from_millis(5));
-            tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
-            let spawn_call = |idx: usize, permit, burst: Option<usize>| {
-                let (rec, caller, shape, ids, bursts, answered) = (
-                    rec.clone(),
-                    caller.clone(),
-                    shape.clone(),
-                    ids.clone(),
-                    bursts.clone(),
-                    answered.clone(),
-                );
-                let id = rec.next_id();
-                tokio::spawn(async move {
-                    let _permit: Option<tokio::sync::OwnedSemaphorePermit> = permit;
-                    let t0 = Instant::now();
-                    let t = t0.duration_since(start).as_secs_f32();
-                    let outcome = one_call(&caller, &ids[idx], &shape).await;
-                    let ms = t0.elapsed().as_secs_f32() * 1000.0;
-                    if let Some(b) = burst.and_then(|b| bursts.get(b)) {
-                        if outcome == Outcome::Answered(Ok(())) {
-                            b.ok.fetch_add(1, Ordering::Relaxed);
-                        }
-                        if outcome != Outcome::Lost {
-                            b.done.fetch_add(1, Ordering::Relaxed);
-                            let since = (start.elapsed().as_secs_f64() - b.at).max(0.0);
-                            b.last_done_ms
-                                .fetch_max((since * 1000.0) as u64, Ordering::Relaxed);
-                        }
-                    }
-                    rec.record(id, t, ms, outcome);
-                    answered.notify_one();
-                });
-            };
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = stop.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
-                let now = Instant::now();
-                if now >= end {
-                    return;
-                }
-                let t = now.duration_since(start);
-                let dt = now.duration_since(last).as_secs_f64();
-                last = now;
-                for (i, b) in s.load.bursts.iter().enumerate() {
-                    if !fired[i] && t >= b.at {
-                        fired[i] = true;
-                        for _ in 0..b.calls {
-                            spawn_call(b.tunnel, None, Some(i));
-                        }
-                    }
-                }
-                acc += s.rate_at(t) * dt;
-                while acc >= 1.0 {
-                    acc -= 1.0;
-                    let idx = if s.load.hot_share > 0.0 && rng.gen::<f64>() < s.load.hot_share {
-                        rng.gen_range(0..s.load.hot_tunnels)
-                    } else {
-                        rng.gen_range(0..ids.len())
-                    };
-                    match permits.clone().try_acquire_owned() {
-                        Ok(p) => spawn_call(idx, Some(p), None),
-                        Err(_) => {
-                            rec.skipped.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-            }
-        })
+        ))
     };
 
     // Faults.
@@ -1041,7 +1041,7 @@ async fn drive(
         sent: rec.sent.load(Ordering::Relaxed),
         ok: rec.ok.load(Ordering::Relaxed),
         never_answered: rec.lost.load(Ordering::Relaxed),
-        skipped: rec.skipped.load(Ordering::Relaxed),
+        skipped: calls.ledger.skipped(),
         rec: inner,
         samples,
         events,

@@ -1,4 +1,4 @@
-//! The latency histogram of a soak: log-linear buckets of microseconds (64 per power of
+//! A load's latency histogram: log-linear buckets of microseconds (64 per power of
 //! two, so a bucket is at most 1/64 of its lower bound wide), counted with atomics so
 //! every caller records into one histogram without a lock. Memory is fixed whatever the
 //! number of calls, which a million-call or a day-long run needs.

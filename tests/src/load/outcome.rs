@@ -1,6 +1,6 @@
-//! How one soak call ended: ok, or failed for one [`Reason`]. Decides from what the caller
-//! saw (status, body, transport error, client deadline), and names the tunnel server an
-//! error message blames. Pure: no clock, no I/O.
+//! How one call of a load ended: ok, or failed for one [`Reason`]. Decides from what the
+//! caller saw (status, body, transport error, client deadline), and names the tunnel
+//! server an error message blames. Pure: no clock, no I/O.
 
 use bytes::Bytes;
 use std::fmt;
@@ -8,6 +8,8 @@ use std::fmt;
 /// What a caller expects of a 200 answer: the simulated upstream's answer to its request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Expect {
+    /// Any 2xx answer; its body is read to the end and not kept.
+    Any,
     /// `GET /bytes/{n}`: `n` bytes of the upstream's pattern.
     Pattern(u64),
     /// Exactly these bytes (the echoed marker of a POST, `/slow`'s `slow\n`).
@@ -18,6 +20,7 @@ impl Expect {
     /// Why `body` is not the expected answer, or `None` when it is.
     pub fn mismatch(&self, body: &[u8]) -> Option<String> {
         match self {
+            Expect::Any => None,
             Expect::Pattern(n) => {
                 if body.len() as u64 != *n {
                     return Some(format!("expected {n} bytes, got {}", body.len()));
@@ -39,12 +42,18 @@ impl Expect {
 }
 
 /// Why a call failed. Ordered (for stable reports) and printed as the report's key:
-/// `502 stream_lost`, `200 bad_body`, `transport closed`, `client_timeout`.
+/// `502 stream_lost`, `200 bad_body`, `transport closed`, `client_timeout`, `caller left`.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Reason {
     /// An answer other than 200: its status and the dispatcher's JSON `error` code (`-`
-    /// when the body carries none).
-    Status { status: u16, code: String },
+    /// when the body carries none); a 503 without `Retry-After` is marked (printed
+    /// `503 <code> WITHOUT retry-after`), since the relay always tells callers when to
+    /// come back.
+    Status {
+        status: u16,
+        code: String,
+        no_retry_after: bool,
+    },
     /// 200, but the body is not the upstream's answer to this call.
     BadBody,
     /// The connection to the dispatcher failed: `connect`, `closed` (before the answer
@@ -52,15 +61,28 @@ pub enum Reason {
     Transport(&'static str),
     /// No whole answer within the client's per-call deadline.
     ClientTimeout,
+    /// The caller left before the answer (on purpose: the load's `leave`). Not a failure.
+    Left,
 }
 
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Reason::Status { status, code } => write!(f, "{status} {code}"),
+            Reason::Status {
+                status,
+                code,
+                no_retry_after,
+            } => {
+                write!(f, "{status} {code}")?;
+                if *no_retry_after {
+                    f.write_str(" WITHOUT retry-after")?;
+                }
+                Ok(())
+            }
             Reason::BadBody => f.write_str("200 bad_body"),
             Reason::Transport(kind) => write!(f, "transport {kind}"),
             Reason::ClientTimeout => f.write_str("client_timeout"),
+            Reason::Left => f.write_str("caller left"),
         }
     }
 }
@@ -88,13 +110,15 @@ impl Failure {
 
 /// Classifies a whole answer: status `status` with body `body`. `servers` are the tunnel
 /// server ids the run knows (empty in external mode), to find the one a message names.
+/// A 503 is marked when it came without `Retry-After` (`retry_after` false).
 pub fn classify(
     status: u16,
+    retry_after: bool,
     body: &[u8],
     expect: &Expect,
     servers: &[String],
 ) -> Result<(), Failure> {
-    if status == 200 {
+    if status == 200 || (*expect == Expect::Any && (200..300).contains(&status)) {
         return match expect.mismatch(body) {
             None => Ok(()),
             Some(why) => Err(Failure::new(Reason::BadBody, why)),
@@ -107,7 +131,11 @@ pub fn classify(
         None => String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
     };
     Err(Failure {
-        reason: Reason::Status { status, code },
+        reason: Reason::Status {
+            status,
+            code,
+            no_retry_after: status == 503 && !retry_after,
+        },
         server: server_of(&detail, servers),
         detail,
     })
@@ -139,6 +167,24 @@ pub fn server_of(message: &str, known: &[String]) -> Option<String> {
         }
     }
     None
+}
+
+/// The kind of a transport error from a client (hyper's connection or pooled client):
+/// the kind of the first hyper error in its chain, `connect` for a failed connect.
+pub fn transport_kind_of(e: &(dyn std::error::Error + 'static)) -> &'static str {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            return transport_kind(h);
+        }
+        if let Some(l) = err.downcast_ref::<hyper_util::client::legacy::Error>() {
+            if l.is_connect() {
+                return "connect";
+            }
+        }
+        cur = err.source();
+    }
+    "other"
 }
 
 /// The kind of a transport error from hyper's client connection.
@@ -173,27 +219,28 @@ mod tests {
     #[test]
     fn the_upstreams_answer_is_ok() {
         assert_eq!(
-            classify(200, &pattern(300), &Expect::Pattern(300), &ids()),
+            classify(200, false, &pattern(300), &Expect::Pattern(300), &ids()),
             Ok(())
         );
         let marker = Bytes::from_static(b"soak 3 7");
         assert_eq!(
-            classify(200, b"soak 3 7", &Expect::Exact(marker), &ids()),
+            classify(200, false, b"soak 3 7", &Expect::Exact(marker), &ids()),
             Ok(())
         );
     }
 
     #[test]
     fn a_wrong_body_under_200_is_bad_body() {
-        let short = classify(200, &pattern(299), &Expect::Pattern(300), &ids()).unwrap_err();
+        let short = classify(200, false, &pattern(299), &Expect::Pattern(300), &ids()).unwrap_err();
         assert_eq!(short.reason, Reason::BadBody);
         assert!(short.detail.contains("expected 300 bytes, got 299"));
         let mut wrong = pattern(300);
         wrong[17] ^= 1;
-        let e = classify(200, &wrong, &Expect::Pattern(300), &ids()).unwrap_err();
+        let e = classify(200, false, &wrong, &Expect::Pattern(300), &ids()).unwrap_err();
         assert!(e.detail.contains("byte 17"), "{}", e.detail);
         let e = classify(
             200,
+            false,
             b"soak 3 8",
             &Expect::Exact(Bytes::from_static(b"soak 3 7")),
             &ids(),
@@ -205,7 +252,7 @@ mod tests {
     #[test]
     fn an_error_answer_is_keyed_by_status_and_code_and_names_its_server() {
         let body = br#"{"error":"stream_lost","message":"tunnel server ts-2 went away (h2 protocol error) before the response head; the call may have reached the agent, so it was not retried","tunnel_id":"demo"}"#;
-        let e = classify(502, body, &Expect::Pattern(10), &ids()).unwrap_err();
+        let e = classify(502, false, body, &Expect::Pattern(10), &ids()).unwrap_err();
         assert_eq!(e.reason.to_string(), "502 stream_lost");
         assert_eq!(e.server.as_deref(), Some("ts-2"));
         assert!(e.detail.starts_with("tunnel server ts-2 went away"));
@@ -213,8 +260,10 @@ mod tests {
 
     #[test]
     fn an_error_without_json_keeps_its_status_and_a_dash() {
-        let e = classify(503, b"overloaded", &Expect::Pattern(10), &ids()).unwrap_err();
+        let e = classify(503, true, b"overloaded", &Expect::Pattern(10), &ids()).unwrap_err();
         assert_eq!(e.reason.to_string(), "503 -");
+        let e = classify(503, false, b"overloaded", &Expect::Pattern(10), &ids()).unwrap_err();
+        assert_eq!(e.reason.to_string(), "503 - WITHOUT retry-after");
         assert_eq!(e.detail, "overloaded");
         assert_eq!(e.server, None);
     }
@@ -260,7 +309,8 @@ mod tests {
         assert_eq!(
             Reason::Status {
                 status: 504,
-                code: "deadline_exceeded".into()
+                code: "deadline_exceeded".into(),
+                no_retry_after: false,
             }
             .to_string(),
             "504 deadline_exceeded"
