@@ -39,7 +39,7 @@ pub async fn run(
     admin: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
-    let agent = spawn(config, admin)?;
+    let agent = start(config, admin)?;
     shutdown.await;
     agent.shutdown().await;
     Ok(())
@@ -93,8 +93,11 @@ impl Drop for AgentHandle {
 
 /// Validates `config`, then starts the agent on the current tokio runtime: the sizing
 /// actor (which opens the first streams at once), the upstream check and the admin
-/// listener on `admin`.
-pub fn spawn(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError> {
+/// listener on `admin`. Like `relay_dispatcher::start` and `relay_tunnel_server::start`
+/// it returns a handle whose drop stops the agent; unlike them it needs nothing awaited
+/// (the listener is bound already), so it is synchronous, which lets a harness start it
+/// on a runtime of its own (`Runtime::enter`).
+pub fn start(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError> {
     config.validate()?;
     let registry = prometheus::Registry::new();
     let metrics = metrics::AgentMetrics::register(&registry)?;
@@ -215,7 +218,7 @@ mod tests {
         };
         let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = admin.local_addr().unwrap();
-        let agent = spawn(config, admin).unwrap();
+        let agent = start(config, admin).unwrap();
         TcpStream::connect(addr).await.expect("admin serving");
         drop(agent);
         relay_common::testing::until_refused(&[addr], Duration::from_secs(10)).await;

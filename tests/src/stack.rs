@@ -502,7 +502,7 @@ fn spawn_agent(
     admin: TcpListener,
 ) -> Option<relay_agent::AgentHandle> {
     let _guard = rts.map(|r| r.agents.enter());
-    match relay_agent::spawn(cfg, admin) {
+    match relay_agent::start(cfg, admin) {
         Ok(h) => Some(h),
         Err(e) => {
             tracing::error!(error = %e, "agent stopped");

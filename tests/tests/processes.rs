@@ -348,7 +348,7 @@ async fn sighup_reloads_the_tunnel_servers_certificate_and_token_store() {
     let addr = server.agent_addr;
     // An agent holds streams of the token about to be revoked.
     let upstream = Upstream::builder().spawn().await.unwrap();
-    let agent = relay_agent::spawn(
+    let agent = relay_agent::start(
         relay_agent::Config {
             tunnels: vec![format!("https://localhost:{}", addr.port())],
             token: Secret::new(revoked),

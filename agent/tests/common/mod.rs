@@ -421,7 +421,7 @@ pub fn allow(path: &str, methods: &[&str]) -> relay_agent::config::AllowRule {
 pub async fn start_agent(config: Config) -> (AgentHandle, SocketAddr) {
     let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = admin.local_addr().unwrap();
-    (relay_agent::spawn(config, admin).unwrap(), addr)
+    (relay_agent::start(config, admin).unwrap(), addr)
 }
 
 pub fn head(call_id: u64, method: &str, target: &str, end_of_stream: bool) -> RequestHead {

@@ -584,7 +584,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                 cfg.upstream_check.interval = Duration::from_secs(30);
                 let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
                 let _g = rts.handles.agents.enter();
-                agents.push(Some(relay_agent::spawn(cfg.clone(), admin)?));
+                agents.push(Some(relay_agent::start(cfg.clone(), admin)?));
                 configs.push(cfg);
                 ids.push(id);
             }
@@ -1181,7 +1181,7 @@ async fn apply_fault(
             };
             let spawned = {
                 let _g = agent_rt.enter();
-                relay_agent::spawn(cfg, admin)
+                relay_agent::start(cfg, admin)
             };
             match spawned {
                 Ok(h) => {
