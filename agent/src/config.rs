@@ -281,15 +281,8 @@ impl Config {
                 format!("must be between 1 and {MAX_HEADERS_BOUND}"),
             ));
         }
-        if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
-            return Err(ConfigError::invalid(
-                "max_frame_bytes",
-                format!(
-                    "must be at least {} (two body chunks)",
-                    2 * relay_proto::MAX_CHUNK
-                ),
-            ));
-        }
+        relay_proto::check_max_frame_bytes(self.max_frame_bytes)
+            .map_err(|m| ConfigError::invalid("max_frame_bytes", m))?;
         self.policy()?;
         if self.max_upstream_connections == Some(0) {
             return Err(ConfigError::invalid(

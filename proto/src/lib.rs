@@ -14,6 +14,16 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// several frames under gRPC/HTTP2 flow control.
 pub const MAX_CHUNK: usize = 64 * 1024;
 
+/// Why a `max_frame_bytes` setting is refused: below two body chunks, a frame could not
+/// carry a chunk plus its head. Every component's config checks it with this.
+pub fn check_max_frame_bytes(max_frame_bytes: usize) -> Result<(), String> {
+    let min = 2 * MAX_CHUNK;
+    if max_frame_bytes < min {
+        return Err(format!("must be at least {min} (two body chunks)"));
+    }
+    Ok(())
+}
+
 /// Default largest gRPC message any hop accepts (`max_frame_bytes`): a body chunk plus
 /// generous room for heads.
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 1024 * 1024;

@@ -102,6 +102,21 @@ pub fn header<'a>(head: &'a RequestHead, name: &str) -> Vec<&'a [u8]> {
         .collect()
 }
 
+/// The reservation number the fake hands out and expects back in `Proceed`.
+const RESERVATION: u64 = 42;
+
+/// The server's `Queued` answer (the call waits for a stream).
+fn queued() -> ForwardResponse {
+    ForwardResponse::of(RespKind::Queued(relay_proto::Queued {}))
+}
+
+/// The server's `StreamReserved` answer (a stream waits for the dispatcher's `Proceed`).
+fn reserved() -> ForwardResponse {
+    ForwardResponse::of(RespKind::Reserved(relay_proto::StreamReserved {
+        reservation: RESERVATION,
+    }))
+}
+
 fn error_frame(kind: ForwardErrorKind, call_error: CallErrorKind, msg: &str) -> ForwardResponse {
     ForwardResponse::of(RespKind::Error(ForwardError {
         kind: kind as i32,
@@ -228,43 +243,25 @@ impl FakeState {
             }
             Behaviour::QueuedThenLost => {
                 // The call waits in the queue, then the server dies.
-                send(ForwardResponse::of(RespKind::Queued(
-                    relay_proto::Queued {},
-                )))
-                .await;
+                send(queued()).await;
                 let _ = tx.send(Err(Status::unavailable("server went away"))).await;
             }
             Behaviour::ReservedThenLost => {
                 // A stream is reserved; the server dies after the dispatcher's Proceed.
-                send(ForwardResponse::of(RespKind::Queued(
-                    relay_proto::Queued {},
-                )))
-                .await;
-                send(ForwardResponse::of(RespKind::Reserved(
-                    relay_proto::StreamReserved { reservation: 42 },
-                )))
-                .await;
+                send(queued()).await;
+                send(reserved()).await;
                 self.proceeded.notified().await;
                 self.seen.lock().unwrap()[index].ended = true;
                 let _ = tx.send(Err(Status::unavailable("server went away"))).await;
             }
             Behaviour::QueuedThenHang => {
                 // The test resets the connection once the dispatcher heard `Queued`.
-                send(ForwardResponse::of(RespKind::Queued(
-                    relay_proto::Queued {},
-                )))
-                .await;
+                send(queued()).await;
                 tx.closed().await;
             }
             Behaviour::ProceededThenReset => {
-                send(ForwardResponse::of(RespKind::Queued(
-                    relay_proto::Queued {},
-                )))
-                .await;
-                send(ForwardResponse::of(RespKind::Reserved(
-                    relay_proto::StreamReserved { reservation: 42 },
-                )))
-                .await;
+                send(queued()).await;
+                send(reserved()).await;
                 self.proceeded.notified().await;
                 self.seen.lock().unwrap()[index].ended = true;
                 self.reset_connections();
@@ -350,7 +347,7 @@ impl Forward for FakeForward {
         &self,
         request: tonic::Request<relay_proto::ProceedRequest>,
     ) -> Result<tonic::Response<relay_proto::ProceedReply>, Status> {
-        if request.into_inner().reservation != 42 {
+        if request.into_inner().reservation != RESERVATION {
             return Err(Status::not_found("no such reservation"));
         }
         self.0.proceeded.notify_one();

@@ -40,21 +40,7 @@ pub async fn dispatcher_calls(admin: SocketAddr) -> Result<(f64, f64), String> {
 /// The accounting check on the in-process stack: `sent` calls since the dispatcher had
 /// handled `base` calls.
 pub async fn stack_accounted(stack: &Stack, sent: u64, base: f64) -> Result<(), String> {
-    let (calls, in_flight) = dispatcher_calls(stack.dispatcher_admin).await?;
-    if calls - base != sent as f64 || in_flight != 0.0 {
-        return Err(format!(
-            "dispatcher: {} outcomes for {sent} calls sent, {in_flight} in flight",
-            calls - base
-        ));
-    }
-    let mut hops = Hops {
-        attempts: dispatcher_attempts(
-            &scrape(stack.dispatcher_admin)
-                .await
-                .map_err(|e| e.to_string())?,
-        )?,
-        ..Hops::default()
-    };
+    let mut hops = dispatcher_accounted(stack.dispatcher_admin, sent, base, 0.0).await?;
     // Every incarnation's registry survives in the in-process stack.
     for (i, reg) in stack.server_registries() {
         let text = relay_common::admin::render_metrics(&reg);
@@ -72,6 +58,30 @@ pub async fn stack_accounted(stack: &Stack, sent: u64, base: f64) -> Result<(), 
         )?;
     }
     hops_agree(&hops)
+}
+
+/// The dispatcher's half of an accounting check: `sent` calls since it had handled `base`
+/// (not counting `probes`, calls the harness made itself) each have one outcome and none
+/// is in flight. Returns the ledger with the dispatcher's forward attempts filled in.
+async fn dispatcher_accounted(
+    admin: SocketAddr,
+    sent: u64,
+    base: f64,
+    probes: f64,
+) -> Result<Hops, String> {
+    let (calls, in_flight) = dispatcher_calls(admin).await?;
+    let calls = calls - probes;
+    if calls - base != sent as f64 || in_flight != 0.0 {
+        return Err(format!(
+            "dispatcher: {} outcomes for {sent} calls sent, {in_flight} in flight",
+            calls - base
+        ));
+    }
+    let text = scrape(admin).await.map_err(|e| e.to_string())?;
+    Ok(Hops {
+        attempts: dispatcher_attempts(&text)?,
+        ..Hops::default()
+    })
 }
 
 pub async fn dispatcher_base(admin: SocketAddr) -> f64 {
@@ -371,22 +381,8 @@ impl Fleet {
 
     /// The accounting check across the running processes: `sent` calls since [`Fleet::base`].
     pub async fn accounted(&self, sent: u64, base: f64) -> Result<(), String> {
-        let (calls, in_flight) = dispatcher_calls(self.dispatcher.admin).await?;
-        let calls = calls - self.probes.load(Ordering::SeqCst) as f64;
-        if calls - base != sent as f64 || in_flight != 0.0 {
-            return Err(format!(
-                "dispatcher: {} outcomes for {sent} calls sent, {in_flight} in flight",
-                calls - base
-            ));
-        }
-        let mut hops = Hops {
-            attempts: dispatcher_attempts(
-                &scrape(self.dispatcher.admin)
-                    .await
-                    .map_err(|e| e.to_string())?,
-            )?,
-            ..Hops::default()
-        };
+        let probes = self.probes.load(Ordering::SeqCst) as f64;
+        let mut hops = dispatcher_accounted(self.dispatcher.admin, sent, base, probes).await?;
         // A killed or drained process's counters are gone: only a server that ran through
         // the whole test is read whole.
         for (i, s) in self.servers.iter().enumerate() {

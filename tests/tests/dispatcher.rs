@@ -26,7 +26,6 @@ use relay_tests::fake_server::{
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -42,8 +41,7 @@ struct Dispatcher {
     http: SocketAddr,
     registry: SocketAddr,
     admin: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), relay_dispatcher::RunError>>,
+    handle: relay_dispatcher::DispatcherHandle,
     client: Client<HttpConnector, TestBody>,
 }
 
@@ -56,12 +54,6 @@ async fn start_dispatcher() -> Dispatcher {
 }
 
 async fn start_dispatcher_with(tweak: impl FnOnce(&mut Config)) -> Dispatcher {
-    let (http, registry, admin) = (bind().await, bind().await, bind().await);
-    let addrs = (
-        http.local_addr().unwrap(),
-        registry.local_addr().unwrap(),
-        admin.local_addr().unwrap(),
-    );
     let config = Config {
         call_timeout: Duration::from_secs(5),
         shutdown_grace: Duration::from_secs(2),
@@ -76,25 +68,22 @@ async fn start_dispatcher_with(tweak: impl FnOnce(&mut Config)) -> Dispatcher {
     };
     let mut config = config;
     tweak(&mut config);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(relay_dispatcher::run(
+    let handle = relay_dispatcher::start(
         config,
         Listeners {
-            http,
-            registry,
-            admin,
+            http: bind().await,
+            registry: bind().await,
+            admin: bind().await,
         },
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    )
+    .await
+    .expect("dispatcher starts");
     let client = Client::builder(TokioExecutor::new()).build_http();
     Dispatcher {
-        http: addrs.0,
-        registry: addrs.1,
-        admin: addrs.2,
-        stop: Some(stop),
-        task,
+        http: handle.http_addr,
+        registry: handle.registry_addr,
+        admin: handle.admin_addr,
+        handle,
         client,
     }
 }
@@ -208,12 +197,11 @@ impl Dispatcher {
         .await;
     }
 
-    async fn shutdown(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        let result = tokio::time::timeout(Duration::from_secs(10), self.task)
+    async fn shutdown(self) {
+        tokio::time::timeout(Duration::from_secs(10), self.handle.shutdown())
             .await
-            .expect("run returns");
-        result.unwrap().unwrap();
+            .expect("the dispatcher stops")
+            .unwrap();
     }
 }
 

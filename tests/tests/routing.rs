@@ -405,8 +405,13 @@ struct DispatcherUnderTest {
     http: SocketAddr,
     registry: SocketAddr,
     admin: SocketAddr,
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
+    handle: relay_dispatcher::DispatcherHandle,
+}
+
+impl DispatcherUnderTest {
+    async fn shutdown(self) {
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.handle.shutdown()).await;
+    }
 }
 
 async fn any() -> TcpListener {
@@ -415,16 +420,6 @@ async fn any() -> TcpListener {
 
 /// A dispatcher on the shared registry at `redis_url`, with `[registry.redis_tls]`.
 async fn start_dispatcher_on(redis_url: &str, prefix: &str, tls: RedisTls) -> DispatcherUnderTest {
-    let l = relay_dispatcher::Listeners {
-        http: any().await,
-        registry: any().await,
-        admin: any().await,
-    };
-    let (http, registry, admin) = (
-        l.http.local_addr().unwrap(),
-        l.registry.local_addr().unwrap(),
-        l.admin.local_addr().unwrap(),
-    );
     let cfg = relay_dispatcher::Config {
         callers: vec![relay_dispatcher::CallerConfig::allow_all("dev", CALLER_KEY)],
         call_timeout: Duration::from_secs(10),
@@ -441,19 +436,19 @@ async fn start_dispatcher_on(redis_url: &str, prefix: &str, tls: RedisTls) -> Di
         },
         ..relay_dispatcher::Config::default().insecure()
     };
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    let task = tokio::spawn(async move {
-        if let Err(e) = relay_dispatcher::run(cfg, l, s.cancelled_owned()).await {
-            panic!("dispatcher failed: {e}");
-        }
-    });
+    let listeners = relay_dispatcher::Listeners {
+        http: any().await,
+        registry: any().await,
+        admin: any().await,
+    };
+    let handle = relay_dispatcher::start(cfg, listeners)
+        .await
+        .unwrap_or_else(|e| panic!("dispatcher failed: {e}"));
     DispatcherUnderTest {
-        http,
-        registry,
-        admin,
-        stop,
-        task,
+        http: handle.http_addr,
+        registry: handle.registry_addr,
+        admin: handle.admin_addr,
+        handle,
     }
 }
 
@@ -569,8 +564,7 @@ impl TwoDispatchers {
             s.shutdown().await;
         }
         for d in self.dispatchers {
-            d.stop.cancel();
-            let _ = tokio::time::timeout(Duration::from_secs(10), d.task).await;
+            d.shutdown().await;
         }
         self.upstream.shutdown().await;
     }
@@ -1206,8 +1200,7 @@ async fn rediss_with_an_acl_user_routes_and_a_wrong_password_or_an_untrusted_ca_
         "{why}"
     );
     for d in [wrong, untrusted, system] {
-        d.stop.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), d.task).await;
+        d.shutdown().await;
     }
     fleet.shutdown().await;
 }

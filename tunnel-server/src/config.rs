@@ -251,15 +251,8 @@ impl Config {
                 ));
             }
         }
-        if self.max_frame_bytes < 2 * relay_proto::MAX_CHUNK {
-            return Err(ConfigError::invalid(
-                "max_frame_bytes",
-                format!(
-                    "must be at least {} (two body chunks)",
-                    2 * relay_proto::MAX_CHUNK
-                ),
-            ));
-        }
+        relay_proto::check_max_frame_bytes(self.max_frame_bytes)
+            .map_err(|m| ConfigError::invalid("max_frame_bytes", m))?;
         self.response_head_limits()
             .validate()
             .map_err(|e| ConfigError::invalid(e.key, e.message))?;
