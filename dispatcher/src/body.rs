@@ -34,6 +34,7 @@
 //!   normally, with an error, or by the caller going away (dropped = `cancelled`).
 
 use crate::error::RequestBodyError;
+use crate::hop::ResponseFrames;
 use crate::metrics::{CallOutcome, Metrics};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -48,7 +49,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll, Waker};
 use tokio::time::Instant;
-use tonic::codec::Streaming;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -353,7 +353,7 @@ impl Drop for CallGuard {
 pub struct BodyAborted(pub String);
 
 struct Streamed {
-    stream: Streaming<ForwardResponse>,
+    stream: ResponseFrames,
     request: RequestBody,
     guard: CallGuard,
     call_id: u64,
@@ -369,7 +369,7 @@ struct Streamed {
 struct Small {
     data: Option<Bytes>,
     len: u64,
-    stream: Option<Streaming<ForwardResponse>>,
+    stream: Option<ResponseFrames>,
     /// Bound on waiting for the RPC's end after the body (`RPC_END_WAIT`).
     end_wait: Pin<Box<tokio::time::Sleep>>,
 }
@@ -396,7 +396,7 @@ impl RelayBody {
 
     /// The tunnel server's body frames after its `ResponseHead`, bounded by `timers`.
     pub fn stream(
-        stream: Streaming<ForwardResponse>,
+        stream: ResponseFrames,
         request: RequestBody,
         guard: CallGuard,
         call_id: u64,
@@ -416,7 +416,7 @@ impl RelayBody {
 
     /// A whole body that came inside the response head, with the RPC it came on: the
     /// caller gets the bytes at once, and the body ends once the RPC has ended too.
-    pub fn small(data: Bytes, stream: Streaming<ForwardResponse>) -> Self {
+    pub fn small(data: Bytes, stream: ResponseFrames) -> Self {
         let len = data.len() as u64;
         RelayBody(Inner::Small(Box::new(Small {
             data: (!data.is_empty()).then_some(data),
@@ -434,7 +434,7 @@ impl RelayBody {
 /// then arrive on a stream h2 may have forgotten, which h2 answers with resets of its own
 /// and counts towards its connection-killing guard (see `relay_common::h2`). Only a call
 /// whose caller went away is cancelled.
-pub fn poll_rpc_end(stream: &mut Streaming<ForwardResponse>, cx: &mut Context<'_>) -> Poll<()> {
+pub fn poll_rpc_end(stream: &mut ResponseFrames, cx: &mut Context<'_>) -> Poll<()> {
     loop {
         match ready!(stream.poll_next_unpin(cx)) {
             Some(Ok(_)) => {}
@@ -444,7 +444,7 @@ pub fn poll_rpc_end(stream: &mut Streaming<ForwardResponse>, cx: &mut Context<'_
 }
 
 /// [`poll_rpc_end`] as a future, bounded: a server that never ends the RPC is cut.
-pub async fn finish_rpc(stream: &mut Streaming<ForwardResponse>) {
+pub async fn finish_rpc(stream: &mut ResponseFrames) {
     let end = std::future::poll_fn(|cx| poll_rpc_end(stream, cx));
     let _ = tokio::time::timeout(RPC_END_WAIT, end).await;
 }

@@ -1,8 +1,9 @@
 //! Forwarding one call to a tunnel server over `Forward.Call`, retrying on another server
 //! while that is safe.
 //!
-//! It owns the per-server gRPC channels (one lazily connected `Channel` per `forward_url`;
-//! calls multiplex over it) and the attempt logic up to the response head. It must not
+//! It owns the per-server hops (one lazily connected gRPC `Channel` per `forward_url`,
+//! calls multiplex over it; or the in-process tunnel server of the co-located mode, see
+//! `hop`) and the attempt logic up to the response head. It must not
 //! parse HTTP or choose error bodies: it hands back a `ResponseHead` plus the response
 //! stream, or a [`Failure`].
 //!
@@ -28,15 +29,22 @@
 //!
 //! Once a response head is in hand the call is never retried: the head goes to the caller.
 //!
+//! In the co-located mode the tunnel server in this process comes first among the servers
+//! the router picked for a call (it holds streams of the tunnel id, or the router would not
+//! have picked it): the call then skips a network hop. The others follow in the router's
+//! order, for retries.
+//!
 //! Each failure's half of the decision is made once, where the failure is known, as a
 //! [`Retry`] (`error.rs`); [`RetryRules::allows`] adds the configured half.
 
 use crate::body::RequestBody;
 use crate::config::RoutingPolicy;
 use crate::error::{ErrorCode, Failure, Retry};
+use crate::hop::{Local, ResponseFrames};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::routing::{Pick, Target};
+use futures::StreamExt;
 use parking_lot::Mutex;
 use relay_common::grpc::GrpcClient;
 use relay_common::h2::H2Limits;
@@ -51,7 +59,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
-use tonic::codec::Streaming;
 use tonic::transport::Channel;
 use tracing::{debug, info};
 
@@ -102,6 +109,14 @@ pub fn idempotent(method: &str) -> bool {
 pub struct Channels {
     inner: Arc<Mutex<HashMap<String, Channel>>>,
     client: GrpcClient,
+    /// The co-located tunnel server, reached without gRPC.
+    local: Option<Local>,
+}
+
+/// How one attempt reaches its tunnel server.
+pub enum Hop {
+    Remote(Channel),
+    Local(Local),
 }
 
 impl Default for Channels {
@@ -121,10 +136,27 @@ impl Channels {
         Channels {
             inner: Arc::default(),
             client: GrpcClient::new(h2, CONNECT_TIMEOUT, tls),
+            local: None,
         }
     }
 
-    pub fn get(&self, forward_url: &str) -> Result<Channel, String> {
+    /// Calls to `local.forward_url` go to the tunnel server in this process.
+    pub fn with_local(mut self, local: Option<Local>) -> Self {
+        self.local = local;
+        self
+    }
+
+    /// Whether `forward_url` is the co-located tunnel server's.
+    pub fn is_local(&self, forward_url: &str) -> bool {
+        self.local
+            .as_ref()
+            .is_some_and(|l| l.forward_url == forward_url)
+    }
+
+    pub fn get(&self, forward_url: &str) -> Result<Hop, String> {
+        if let Some(local) = self.local.as_ref().filter(|l| l.forward_url == forward_url) {
+            return Ok(Hop::Local(local.clone()));
+        }
         let https = forward_url.starts_with("https://");
         match (self.client.is_tls(), https) {
             (true, false) => {
@@ -141,7 +173,7 @@ impl Channels {
         }
         let mut map = self.inner.lock();
         if let Some(ch) = map.get(forward_url) {
-            return Ok(ch.clone());
+            return Ok(Hop::Remote(ch.clone()));
         }
         let endpoint = self
             .client
@@ -149,7 +181,7 @@ impl Channels {
             .map_err(|e| e.to_string())?;
         let channel = self.client.lazy(endpoint);
         map.insert(forward_url.to_string(), channel.clone());
-        Ok(channel)
+        Ok(Hop::Remote(channel))
     }
 
     /// Drops the cached channel of a server that left.
@@ -172,7 +204,7 @@ pub struct CallPlan {
 /// The tunnel server's answer: its response head and the stream carrying the body.
 pub struct Answer {
     pub head: ResponseHead,
-    pub stream: Streaming<ForwardResponse>,
+    pub stream: ResponseFrames,
     pub server_id: Arc<str>,
 }
 
@@ -207,8 +239,14 @@ impl Forwarder {
             "no tunnel server holds streams for this tunnel id",
         );
         let mut last_server = None;
-        let servers = &pick.servers;
-        for (attempt, target) in servers.iter().take(self.max_attempts).enumerate() {
+        let mut servers: Vec<&Target> = pick.servers.iter().collect();
+        if let Some(i) = servers
+            .iter()
+            .position(|t| self.channels.is_local(&t.forward_url))
+        {
+            servers[..=i].rotate_right(1);
+        }
+        for (attempt, target) in servers.iter().copied().take(self.max_attempts).enumerate() {
             if attempt > 0 {
                 if !body.replayable() {
                     debug!(
@@ -232,9 +270,9 @@ impl Forwarder {
                         self.registry
                             .note_no_capacity(&plan.tunnel_id, &target.server_id);
                     }
-                    let may = self
-                        .rules
-                        .allows(retry, &plan.method, servers.get(attempt + 1));
+                    let may =
+                        self.rules
+                            .allows(retry, &plan.method, servers.get(attempt + 1).copied());
                     debug!(call_id = plan.call_id, server_id = %target.server_id, code = failure.code.as_str(), ?retry, may, "forward attempt failed");
                     last = failure;
                     if !may {
@@ -244,6 +282,12 @@ impl Forwarder {
             }
         }
         Err((last, last_server))
+    }
+
+    fn client(&self, channel: &Channel) -> ForwardClient<Channel> {
+        ForwardClient::new(channel.clone())
+            .max_decoding_message_size(self.max_frame_bytes)
+            .max_encoding_message_size(self.max_frame_bytes)
     }
 
     async fn attempt(
@@ -259,7 +303,7 @@ impl Forwarder {
                 format!("tunnel server {}: {why}", route.server_id),
             )
         };
-        let channel = self
+        let hop = self
             .channels
             .get(&route.forward_url)
             .map_err(|e| (unreachable(e.to_string()), Retry::Safe))?;
@@ -279,18 +323,23 @@ impl Forwarder {
             }),
             queue_handshake: true,
         }));
-        let mut client = ForwardClient::new(channel.clone())
-            .max_decoding_message_size(self.max_frame_bytes)
-            .max_encoding_message_size(self.max_frame_bytes);
-        let response = match client.call(body.attempt(attempt, head)).await {
-            Ok(r) => r,
+        let request = body.attempt(attempt, head);
+        let called = match &hop {
+            Hop::Remote(channel) => self
+                .client(channel)
+                .call(request)
+                .await
+                .map(|r| r.into_inner().boxed()),
+            Hop::Local(local) => local.server.call(request.boxed()).await,
+        };
+        let mut stream = match called {
+            Ok(stream) => stream,
             Err(status) => {
                 let why =
                     relay_proto::escape_message(status.message(), relay_proto::MAX_PEER_MESSAGE);
                 return Err((unreachable(why), Retry::of_call_status(status.code())));
             }
         };
-        let mut stream = response.into_inner();
         // The queue handshake: between the server's `Queued` and our `Proceed` no agent
         // can have seen the call, so losing the server then is safe to retry.
         let mut stage = Stage::Sent;
@@ -320,7 +369,7 @@ impl Forwarder {
             }
         };
         loop {
-            let kind = match stream.message().await {
+            let kind = match stream.next().await.transpose() {
                 Ok(Some(ForwardResponse { kind: Some(kind) })) => kind,
                 Ok(Some(ForwardResponse { kind: None })) => {
                     return Err((
@@ -370,13 +419,17 @@ impl Forwarder {
                 RespKind::Reserved(r) if stage == Stage::Queued => {
                     // From here on the call may reach the agent, whatever the RPC's fate.
                     stage = Stage::Proceeded;
-                    let go = ProceedRequest {
-                        reservation: r.reservation,
+                    let proceeded = match &hop {
+                        Hop::Remote(channel) => self
+                            .client(channel)
+                            .proceed(ProceedRequest {
+                                reservation: r.reservation,
+                            })
+                            .await
+                            .map(drop),
+                        Hop::Local(local) => local.server.proceed(r.reservation),
                     };
-                    let mut proceed = ForwardClient::new(channel.clone())
-                        .max_decoding_message_size(self.max_frame_bytes)
-                        .max_encoding_message_size(self.max_frame_bytes);
-                    if let Err(status) = proceed.proceed(go).await {
+                    if let Err(status) = proceeded {
                         // The call's own stream tells how it ended.
                         debug!(call_id = plan.call_id, server_id = %route.server_id, %status, "proceed failed");
                     }

@@ -25,6 +25,7 @@ pub mod error;
 pub mod forward;
 pub mod front;
 pub mod headers;
+pub mod hop;
 pub mod hosts;
 pub mod metrics;
 pub mod quota;
@@ -135,6 +136,17 @@ impl Drop for DispatcherHandle {
 /// Validates `config` and starts the dispatcher on the given listeners (bound by the
 /// caller; tests pass `127.0.0.1:0`). It serves until the handle's `shutdown` or drop.
 pub async fn start(config: Config, listeners: Listeners) -> Result<DispatcherHandle, RunError> {
+    start_with(config, listeners, None).await
+}
+
+/// [`start`], with the tunnel server of this process when co-located (`hop::Local`): calls
+/// routed to its `forward_url` reach it without gRPC, and it comes first among the servers
+/// holding a call's tunnel id.
+pub async fn start_with(
+    config: Config,
+    listeners: Listeners,
+    local: Option<hop::Local>,
+) -> Result<DispatcherHandle, RunError> {
     config.validate()?;
     let transport = config.transport()?;
     let prometheus = prometheus::Registry::new();
@@ -180,7 +192,7 @@ pub async fn start(config: Config, listeners: Listeners) -> Result<DispatcherHan
         .with(registry_tls.clone())
         .with(forward_tls.clone())
         .spawn(config.reload_interval, background_stop.clone());
-    let channels = Channels::new(forward_tls, config.forward_h2()?);
+    let channels = Channels::new(forward_tls, config.forward_h2()?).with_local(local);
 
     let (http_addr, registry_addr, admin_addr) = (
         listeners.http.local_addr()?,

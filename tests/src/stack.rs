@@ -91,6 +91,7 @@ pub struct StackBuilder {
     lb_seed: u64,
     agent_addrs: Vec<SocketAddr>,
     direct: bool,
+    colocated: bool,
 }
 
 impl Default for StackBuilder {
@@ -114,6 +115,7 @@ impl Default for StackBuilder {
             lb_seed: 7,
             agent_addrs: Vec::new(),
             direct: false,
+            colocated: false,
         }
     }
 }
@@ -233,6 +235,14 @@ impl StackBuilder {
         self
     }
 
+    /// The co-located mode: the first tunnel server also runs the dispatcher (its front,
+    /// registry and admin listeners are the stack's dispatcher addresses); other servers
+    /// report to it as to a separate dispatcher.
+    pub fn colocated(mut self) -> Self {
+        self.colocated = true;
+        self
+    }
+
     pub async fn start(self) -> anyhow::Result<Stack> {
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
@@ -276,16 +286,24 @@ impl StackBuilder {
                 ..relay_dispatcher::config::CallerConfig::allow_all("dev", CALLER_KEY)
             }];
         }
-        let s = stop.clone();
-        let dispatcher = async move {
-            if let Err(e) = relay_dispatcher::run(dcfg, dl, s.cancelled_owned()).await {
-                tracing::error!(error = %e, "dispatcher stopped");
-            }
-        };
-        tasks.push(match rts.as_ref() {
-            Some(r) => r.dispatcher.spawn(dispatcher),
-            None => tokio::spawn(dispatcher),
-        });
+        let mut front = None;
+        if self.colocated {
+            front = Some(relay_tunnel_server::Front {
+                config: dcfg,
+                listeners: dl,
+            });
+        } else {
+            let s = stop.clone();
+            let dispatcher = async move {
+                if let Err(e) = relay_dispatcher::run(dcfg, dl, s.cancelled_owned()).await {
+                    tracing::error!(error = %e, "dispatcher stopped");
+                }
+            };
+            tasks.push(match rts.as_ref() {
+                Some(r) => r.dispatcher.spawn(dispatcher),
+                None => tokio::spawn(dispatcher),
+            });
+        }
         let agent_count = if self.agent { self.agents } else { 0 };
         let mut tokens = TokenStore::single(TOKEN, TUNNEL_ID);
         for i in 1..agent_count {
@@ -332,7 +350,12 @@ impl StackBuilder {
             }
             let handle = on_rt(
                 rts.as_ref().map(|r| &r.servers),
-                relay_tunnel_server::start(cfg.clone(), tokens.clone(), l),
+                relay_tunnel_server::start_with_front(
+                    cfg.clone(),
+                    tokens.clone(),
+                    l,
+                    if i == 0 { front.take() } else { None },
+                ),
             )
             .await??;
             slots.push(cfg);

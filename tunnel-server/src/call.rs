@@ -35,6 +35,7 @@ use crate::handle::CallSlot;
 use crate::hub::{AcquireError, Hub, Lease};
 use crate::outcome::Outcome;
 use dashmap::DashMap;
+use futures::{Stream, StreamExt};
 use relay_proto::{
     forward_request, forward_response, server_frame, BodyChunk, Cancel, ForwardRequest,
     ForwardResponse, Queued, RequestHead, ServerFrame, StreamReserved,
@@ -44,7 +45,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
-use tonic::{Status, Streaming};
+use tonic::Status;
 use tracing::debug;
 
 /// How long a cancelled call may take to be acknowledged by the agent before its stream
@@ -54,6 +55,13 @@ const CANCEL_ACK: Duration = Duration::from_secs(10);
 /// How long a reserved stream waits for the dispatcher's `Proceed` (or less: the call's
 /// deadline) before it goes back to the pool.
 const PROCEED_WAIT: Duration = Duration::from_secs(5);
+
+/// The call's request frames after its head: a `Forward.Call` request stream, or the
+/// co-located dispatcher's frames (`relay_dispatcher::hop`). Its end is the dispatcher's
+/// half-close.
+pub trait Inbound: Stream<Item = Result<ForwardRequest, Status>> + Send + Unpin + 'static {}
+
+impl<S: Stream<Item = Result<ForwardRequest, Status>> + Send + Unpin + 'static> Inbound for S {}
 
 /// Where the call's response frames go: the `Forward.Call` response stream. It ends when
 /// every sender is gone (the task's and the stream reader's copy in the call's slot); its
@@ -155,7 +163,7 @@ struct OnStream {
 
 impl Call {
     /// Serves the call to its outcome, then counts, logs and answers it.
-    pub async fn run(mut self, inbound: Streaming<ForwardRequest>) {
+    pub async fn run(mut self, inbound: impl Inbound) {
         let started = Instant::now();
         let (outcome, on_stream) = self.serve(inbound, started).await;
         // 0: the call never reached a stream.
@@ -173,7 +181,7 @@ impl Call {
     /// Runs the call until it has an outcome; returns it with the stream it held, if any.
     async fn serve(
         &mut self,
-        mut inbound: Streaming<ForwardRequest>,
+        mut inbound: impl Inbound,
         started: Instant,
     ) -> (Outcome, Option<OnStream>) {
         let hub = self.hub.clone();
@@ -241,7 +249,7 @@ impl Call {
                     stream.try_send(cancel());
                     break;
                 }
-                msg = inbound.message(), if body_open => match msg {
+                msg = inbound.next(), if body_open => match msg.transpose() {
                     Ok(Some(ForwardRequest { kind: Some(forward_request::Kind::Body(mut chunk)) })) => {
                         if chunk.data.len() > relay_proto::MAX_CHUNK {
                             stream.try_send(cancel());

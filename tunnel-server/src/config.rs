@@ -106,6 +106,12 @@ pub struct Config {
     /// authenticated stream and a per-source budget of refused tokens (see
     /// `relay_common::listen`).
     pub agent_limits: ListenerLimits,
+    /// The co-located mode: a dispatcher config file (as `relay-dispatcher --config`
+    /// reads) whose HTTP front, registry and admin listeners this server also serves;
+    /// calls for tunnel ids whose streams this server holds skip a process and a network
+    /// hop. List the front's registry in `dispatchers` so it hears of this server. Off
+    /// (none) by default.
+    pub front_config: Option<PathBuf>,
 }
 
 /// The transport of each hop, checked: `None` is plain text (`insecure = true`).
@@ -148,6 +154,7 @@ impl Default for Config {
             dispatcher_h2: H2Settings::default(),
             reload_interval: Duration::from_secs(5),
             agent_limits: ListenerLimits::default(),
+            front_config: None,
         }
     }
 }

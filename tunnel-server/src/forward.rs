@@ -3,10 +3,17 @@
 //! to its outcome; the handler returns the call's response stream at once. `Proceed` is the
 //! dispatcher's go-ahead for a call holding a reserved stream (the queue handshake, see
 //! `crate::call`).
+//!
+//! The same service serves the co-located dispatcher of this process without gRPC
+//! ([`Colocated`], `relay_dispatcher::hop::LocalServer`): the same accept path, call task
+//! and counters, fed the dispatcher's frames directly.
 
-use crate::call::{Call, Reservations};
+use crate::call::{Call, Inbound, Reservations};
 use crate::hub::Hub;
 use crate::outcome::Outcome;
+use futures::future::BoxFuture;
+use futures::StreamExt;
+use relay_dispatcher::hop::{LocalServer, RequestFrames, ResponseFrames};
 use relay_proto::{forward_request, ForwardRequest, ForwardResponse, ProceedReply, ProceedRequest};
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,32 +49,12 @@ impl ForwardService {
         self.hub.metrics.call(&outcome);
         outcome.into_status()
     }
-}
 
-#[tonic::async_trait]
-impl relay_proto::forward_server::Forward for ForwardService {
-    type CallStream = CallResponse;
-
-    async fn proceed(
-        &self,
-        request: Request<ProceedRequest>,
-    ) -> Result<Response<ProceedReply>, Status> {
-        let id = request.into_inner().reservation;
-        if !self.reservations.proceed(id) {
-            return Err(Status::not_found(format!(
-                "no stream is reserved as {id} (the call ended or was never queued here)"
-            )));
-        }
-        Ok(Response::new(ProceedReply {}))
-    }
-
-    async fn call(
-        &self,
-        request: Request<Streaming<ForwardRequest>>,
-    ) -> Result<Response<Self::CallStream>, Status> {
+    /// One call: reads its head and hands it to its own task; the answer is the call's
+    /// response stream, or the refusal of a call that could not begin.
+    async fn accept(&self, mut inbound: impl Inbound) -> Result<CallResponse, Status> {
         self.received.inc();
-        let mut inbound = request.into_inner();
-        let first = match inbound.message().await {
+        let first = match inbound.next().await.transpose() {
             Ok(m) => m,
             // The dispatcher's stream broke before the head.
             Err(status) => return Err(self.refuse(Outcome::BadRequest(status))),
@@ -99,6 +86,53 @@ impl relay_proto::forward_server::Forward for ForwardService {
             to_caller: tx,
         };
         self.tracker.spawn(call.run(inbound));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(ReceiverStream::new(rx))
+    }
+
+    /// `Forward.Proceed`.
+    fn proceed_reservation(&self, id: u64) -> Result<(), Status> {
+        if !self.reservations.proceed(id) {
+            return Err(Status::not_found(format!(
+                "no stream is reserved as {id} (the call ended or was never queued here)"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The forward service as the co-located dispatcher's in-process tunnel server.
+pub struct Colocated(pub Arc<ForwardService>);
+
+impl LocalServer for Colocated {
+    fn call(&self, request: RequestFrames) -> BoxFuture<'static, Result<ResponseFrames, Status>> {
+        let service = self.0.clone();
+        Box::pin(async move {
+            let calls = service.accept(request.map(Ok)).await?;
+            Ok(calls.boxed())
+        })
+    }
+
+    fn proceed(&self, reservation: u64) -> Result<(), Status> {
+        self.0.proceed_reservation(reservation)
+    }
+}
+
+#[tonic::async_trait]
+impl relay_proto::forward_server::Forward for ForwardService {
+    type CallStream = CallResponse;
+
+    async fn proceed(
+        &self,
+        request: Request<ProceedRequest>,
+    ) -> Result<Response<ProceedReply>, Status> {
+        self.proceed_reservation(request.into_inner().reservation)?;
+        Ok(Response::new(ProceedReply {}))
+    }
+
+    async fn call(
+        &self,
+        request: Request<Streaming<ForwardRequest>>,
+    ) -> Result<Response<Self::CallStream>, Status> {
+        self.accept(request.into_inner()).await.map(Response::new)
     }
 }

@@ -7,6 +7,14 @@
 //! HTTP listener. `start` serves them and returns a [`TunnelServerHandle`] whose drop (or
 //! `shutdown`) drains: dispatchers and agents are told, calls in flight finish within
 //! `shutdown_grace`; `run` does the same until its shutdown future resolves.
+//!
+//! The co-located mode ([`Front`], `relay-tunnel-server --front-config dispatcher.toml`):
+//! the server also runs a dispatcher, with its HTTP front, registry and admin listeners,
+//! whose calls to this server skip gRPC and the network (`relay_dispatcher::hop`), for
+//! single-box and small deployments. The front routes like any dispatcher (this server
+//! reports to it through `dispatchers`, as to any other; it can also route to other
+//! servers reporting to it), preferring this server for tunnel ids whose streams it holds.
+//! At shutdown the front drains first (calls in flight finish), then the server.
 
 pub mod call;
 pub mod config;
@@ -58,12 +66,20 @@ pub enum RunError {
     Io(#[from] std::io::Error),
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("co-located front: {0}")]
+    Front(Box<relay_dispatcher::RunError>),
     #[error("[{section}]: {source}")]
     Tls {
         section: &'static str,
         #[source]
         source: TlsError,
     },
+}
+
+/// The co-located mode's dispatcher: its config and its three listeners.
+pub struct Front {
+    pub config: relay_dispatcher::Config,
+    pub listeners: relay_dispatcher::Listeners,
 }
 
 /// A running tunnel server, shaped like the agent's and the dispatcher's handles. Dropping
@@ -76,6 +92,8 @@ pub struct TunnelServerHandle {
     pub agent_addr: SocketAddr,
     pub forward_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// The co-located front's HTTP address, when running one.
+    pub front_addr: Option<SocketAddr>,
     pub registry: prometheus::Registry,
     hub: Arc<Hub>,
     /// Cancelled to begin the graceful stop (by `shutdown` or on drop).
@@ -89,6 +107,8 @@ pub struct TunnelServerHandle {
 /// What the graceful stop needs; owned by the stopper task.
 struct Stopper {
     server_id: String,
+    /// The co-located front: stopped first, so its calls in flight finish here.
+    front: Option<relay_dispatcher::DispatcherHandle>,
     hub: Arc<Hub>,
     grace: Duration,
     stop_reports: CancellationToken,
@@ -100,7 +120,12 @@ struct Stopper {
 impl Stopper {
     /// Announce draining, send Drain to agents, let calls in flight finish within the
     /// grace period, then close every stream and stop serving.
-    async fn run(self) {
+    async fn run(mut self) {
+        if let Some(front) = self.front.take() {
+            if let Err(e) = front.shutdown().await {
+                warn!(error = %e, "co-located front stopped with an error");
+            }
+        }
         info!(server_id = %self.server_id, "draining");
         self.hub
             .drain(self.grace.as_millis().min(u32::MAX as u128) as u32);
@@ -128,6 +153,7 @@ impl Stopper {
 pub async fn run(
     config: Config,
     listeners: Listeners,
+    front: Option<Front>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     let tokens = match &config.token_store {
@@ -137,7 +163,7 @@ pub async fn run(
             TokenStore::default()
         }
     };
-    let server = start(config, tokens, listeners).await?;
+    let server = start_with_front(config, tokens, listeners, front).await?;
     shutdown.await;
     server.shutdown().await;
     Ok(())
@@ -149,7 +175,20 @@ pub async fn start(
     tokens: TokenStore,
     listeners: Listeners,
 ) -> Result<TunnelServerHandle, RunError> {
+    start_with_front(config, tokens, listeners, None).await
+}
+
+/// [`start`], also serving the co-located mode's dispatcher front when `front` is given.
+pub async fn start_with_front(
+    config: Config,
+    tokens: TokenStore,
+    listeners: Listeners,
+    front: Option<Front>,
+) -> Result<TunnelServerHandle, RunError> {
     config.validate()?;
+    if let Some(front) = &front {
+        front.config.validate()?;
+    }
     let (agent_h2, forward_h2, dispatcher_h2) = (
         config.agent_h2()?,
         config.forward_h2()?,
@@ -276,15 +315,16 @@ pub async fn start(
         "Forward calls received from dispatchers; each ends with one relay_tunnel_calls_total outcome",
     )?;
     registry.register(Box::new(received.clone()))?;
-    let forward = forward::ForwardService {
+    let forward = Arc::new(forward::ForwardService {
         hub: hub.clone(),
         received,
         queue_timeout: config.queue_timeout,
         handshake_after: config.queue_handshake_after,
         reservations: Default::default(),
         tracker: tracker.clone(),
-    };
-    let forward = ForwardServer::new(forward)
+    });
+    let colocated = forward::Colocated(forward.clone());
+    let forward = ForwardServer::from_arc(forward)
         .max_decoding_message_size(config.max_frame_bytes)
         .max_encoding_message_size(config.max_frame_bytes);
     let stop = stop_serving.clone();
@@ -340,6 +380,32 @@ pub async fn start(
         let scheme = if forward_is_tls { "https" } else { "http" };
         format!("{scheme}://{forward_addr}")
     });
+    let (front, front_addr) = match front {
+        Some(Front {
+            config: c,
+            listeners,
+        }) => {
+            let registry = listeners.registry.local_addr()?;
+            if !config
+                .dispatchers
+                .iter()
+                .any(|d| d.ends_with(&format!(":{}", registry.port())))
+            {
+                warn!(dispatchers = ?config.dispatchers, front_registry = %registry,
+                    "co-located front: no dispatchers entry names the front's registry port, so the front will not hear of this server's tunnels");
+            }
+            let local = relay_dispatcher::hop::Local {
+                forward_url: forward_url.clone(),
+                server: Arc::new(colocated),
+            };
+            let handle = relay_dispatcher::start_with(c, listeners, Some(local))
+                .await
+                .map_err(|e| RunError::Front(Box::new(e)))?;
+            let addr = handle.http_addr;
+            (Some(handle), Some(addr))
+        }
+        None => (None, None),
+    };
     let intro = ServerIntro {
         server_id: server_id.clone(),
         zone: config.zone.clone(),
@@ -370,6 +436,7 @@ pub async fn start(
     let abort_handles = tasks.iter().map(JoinHandle::abort_handle).collect();
     let stopper = Stopper {
         server_id: server_id.clone(),
+        front,
         hub: hub.clone(),
         grace: config.shutdown_grace,
         stop_reports,
@@ -389,6 +456,7 @@ pub async fn start(
         agent_addr,
         forward_addr,
         admin_addr,
+        front_addr,
         registry,
         hub,
         stop,

@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use relay_tunnel_server::{Config, Listeners};
+use relay_tunnel_server::{Config, Front, Listeners};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -47,6 +47,10 @@ struct Args {
     /// Shared secret for the dispatchers' registry (overrides `dispatcher_key`).
     #[arg(long, env = "RELAY_DISPATCHER_KEY", hide_env_values = true)]
     dispatcher_key: Option<String>,
+    /// The co-located mode: also serve the dispatcher front of this dispatcher config
+    /// file (overrides `front_config`).
+    #[arg(long, env = "RELAY_FRONT_CONFIG")]
+    front_config: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -235,7 +239,17 @@ async fn main_inner(args: Args) -> anyhow::Result<()> {
     if let Some(v) = args.token_store {
         config.token_store = Some(v);
     }
+    if let Some(v) = args.front_config {
+        config.front_config = Some(v);
+    }
     config.validate()?;
+    let front_config = match &config.front_config {
+        Some(path) => Some(
+            relay_common::config::load::<relay_dispatcher::Config>(Some(path))
+                .with_context(|| format!("front_config {}", path.display()))?,
+        ),
+        None => None,
+    };
     let bind = |addr: SocketAddr, what: &'static str| async move {
         tokio::net::TcpListener::bind(addr)
             .await
@@ -246,6 +260,17 @@ async fn main_inner(args: Args) -> anyhow::Result<()> {
         forward: bind(config.forward_listen, "forward_listen").await?,
         admin: bind(config.admin_listen, "admin_listen").await?,
     };
-    relay_tunnel_server::run(config, listeners, relay_common::shutdown::signal()).await?;
+    let front = match front_config {
+        Some(c) => Some(Front {
+            listeners: relay_dispatcher::Listeners {
+                http: bind(c.listen, "front_config's listen").await?,
+                registry: bind(c.registry_listen, "front_config's registry_listen").await?,
+                admin: bind(c.admin_listen, "front_config's admin_listen").await?,
+            },
+            config: c,
+        }),
+        None => None,
+    };
+    relay_tunnel_server::run(config, listeners, front, relay_common::shutdown::signal()).await?;
     Ok(())
 }
