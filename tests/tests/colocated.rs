@@ -40,6 +40,9 @@ fn received(stack: &Stack, i: usize) -> f64 {
     value(registry, "relay_tunnel_calls_received_total", &[])
 }
 
+/// A request (caller key, method, path, body) and the status both fronts must answer.
+type Case = (Option<&'static str>, Method, String, &'static [u8], u16);
+
 /// What a caller sees of an answer: status, the JSON `error` code, `retry-after`, body.
 type Seen = (u16, String, bool, Bytes);
 
@@ -78,7 +81,7 @@ async fn the_colocated_front_answers_as_the_dispatcher_does() {
     let big: &'static [u8] = &[7u8; 4000];
     let good = Some(relay_tests::stack::CALLER_KEY);
     // Request, then the status both must answer (so that two fronts broken alike fail).
-    let cases: [(Option<&str>, Method, String, &'static [u8], u16); 9] = [
+    let cases: [Case; 9] = [
         (
             good,
             Method::GET,
