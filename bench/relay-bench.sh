@@ -6,10 +6,12 @@
 #            hops): the same number of hops as relay, done by a C proxy
 #   rathole  rathole (a plain TCP reverse tunnel, no per-call routing): server + client
 #   relay    dispatcher -> tunnel server -> agent (examples/local: two tunnel servers)
+#   colocated  the co-located mode: a tunnel server serving the dispatcher front itself ->
+#            agent (examples/colocated, moved to ports of its own)
 # at 1, 16 and 64 connections. Each round runs every target once per connection count, in
 # turn; the table shows the median over ROUNDS rounds of calls/s, p50 and p99 latency, CPU
 # per call summed over each target's processes, and the ratio of relay's calls/s to the
-# chain's and to rathole's. Then peak RSS per relay process, a 64 MiB response streamed
+# chain's and to rathole's (relay's and colocated's). Then peak RSS per relay process, a 64 MiB response streamed
 # through the relay (peak RSS again), every non-2xx answer or socket error wrk saw, and a
 # search of every relay log for h2 connection guards tripped (`reached limit`).
 #
@@ -17,17 +19,18 @@
 #        BIN_DIR=/path bench/relay-bench.sh   (benchmarks the binaries in /path instead)
 #        POLICY=sticky bench/relay-bench.sh    (the dispatcher's [routing] policy)
 #        DURATION=5s CONNS="16 64" ROUNDS=3 bench/relay-bench.sh
-#        TARGETS="chain relay" bench/relay-bench.sh   (a subset of direct chain rathole relay)
+#        TARGETS="chain relay" bench/relay-bench.sh   (a subset of direct chain rathole relay colocated)
 # Needs: nginx, wrk (Debian packages nginx-light, wrk; installed when missing) and rathole
 # (`cargo install rathole` into $RATHOLE_ROOT, default ~/.cache/relay-bench, once).
 # Uses the fixed loopback ports of examples/local (8080, 8441-8452, 8460, 9080, 9090,
-# 9441-9442, 8000) and 8101-8103, 8201-8202 for the references.
+# 9441-9442, 8000), 8090, 8443, 8453, 8470, 9081, 9091, 9443 for the co-located stack and
+# 8101-8103, 8201-8202 for the references.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-10s}
 CONNS=${CONNS:-"1 16 64"}
 ROUNDS=${ROUNDS:-3}
-TARGETS=${TARGETS:-"direct chain rathole relay"}
+TARGETS=${TARGETS:-"direct chain rathole relay colocated"}
 RATHOLE_ROOT=${RATHOLE_ROOT:-$HOME/.cache/relay-bench}
 
 need() { command -v "$1" >/dev/null 2>&1; }
@@ -119,6 +122,17 @@ $BIN/relay-dispatcher --config "$DISPATCHER_CONFIG" >"$work/dispatcher.log" 2>&1
 $BIN/relay-tunnel-server --config examples/local/tunnel-server-1.toml >"$work/ts1.log" 2>&1 & TS1=$!; pids+=($TS1)
 $BIN/relay-tunnel-server --config examples/local/tunnel-server-2.toml >"$work/ts2.log" 2>&1 & TS2=$!; pids+=($TS2)
 $BIN/relay-agent --config examples/local/agent.toml >"$work/agent.log" 2>&1 & AGENT=$!; pids+=($AGENT)
+if wants colocated; then
+  # examples/colocated beside examples/local: the same configs on ports of their own.
+  sed -e 's/127.0.0.1:8080/127.0.0.1:8090/; s/127.0.0.1:8460/127.0.0.1:8470/; s/127.0.0.1:9080/127.0.0.1:9081/' \
+    "$DISPATCHER_CONFIG" > "$work/front.toml"
+  sed -e 's/:8441/:8443/; s/:8451/:8453/; s/:9441/:9443/; s/:8460/:8470/' \
+    -e "s|^front_config = .*|front_config = \"$work/front.toml\"|" \
+    examples/colocated/tunnel-server.toml > "$work/colocated.toml"
+  sed -e 's/:8441/:8443/; s/:9090/:9091/' examples/colocated/agent.toml > "$work/colocated-agent.toml"
+  $BIN/relay-tunnel-server --config "$work/colocated.toml" >"$work/colocated.log" 2>&1 & COLO=$!; pids+=($COLO)
+  $BIN/relay-agent --config "$work/colocated-agent.toml" >"$work/colocated-agent.log" 2>&1 & COLO_AGENT=$!; pids+=($COLO_AGENT)
+fi
 
 AUTH='Authorization: Bearer dev-caller-key'
 declare -A URL=(
@@ -126,6 +140,7 @@ declare -A URL=(
   [chain]=http://127.0.0.1:8101/
   [rathole]=http://127.0.0.1:8202/
   [relay]=http://127.0.0.1:8080/relay/demo/
+  [colocated]=http://127.0.0.1:8090/relay/demo/
 )
 for t in $TARGETS; do
   for _ in $(seq 1 200); do
@@ -145,6 +160,7 @@ declare -A PROCS=(
 )
 wants chain && PROCS[chain]="$(workers chain1) $(workers chain2) $(workers chain3)"
 wants rathole && PROCS[rathole]="$RH_S $RH_C"
+wants colocated && PROCS[colocated]="$COLO $COLO_AGENT"
 
 # wrk against $1 with $2 connections -> "rps p50_ms p99_ms requests errors"
 run_wrk() {
@@ -183,16 +199,16 @@ col() { printf '%s' "${RES[$1,$2]}" | awk -v k="$3" 'NF {print $k}' | median; }
 
 echo
 echo "medians of $ROUNDS rounds, $DURATION each (wrk; nginx upstream returning 8 bytes)"
-printf '%-8s %-6s %12s %10s %10s %14s %10s %10s\n' target conns calls/s p50-ms p99-ms "cpu/call(us)" "x chain" "x rathole"
+printf '%-10s %-6s %12s %10s %10s %14s %10s %10s\n' target conns calls/s p50-ms p99-ms "cpu/call(us)" "x chain" "x rathole"
 for c in $CONNS; do
   for t in $TARGETS; do
     rps=$(col "$t" "$c" 1)
     vs_chain=-; vs_rh=-
-    if [ "$t" = relay ]; then
+    if [ "$t" = relay ] || [ "$t" = colocated ]; then
       wants chain && vs_chain=$(awk -v a="$rps" -v b="$(col chain "$c" 1)" 'BEGIN {printf "%.2f", a / b}')
       wants rathole && vs_rh=$(awk -v a="$rps" -v b="$(col rathole "$c" 1)" 'BEGIN {printf "%.2f", a / b}')
     fi
-    printf '%-8s %-6s %12s %10s %10s %14s %10s %10s\n' "$t" "$c" "$rps" "$(col "$t" "$c" 2)" \
+    printf '%-10s %-6s %12s %10s %10s %14s %10s %10s\n' "$t" "$c" "$rps" "$(col "$t" "$c" 2)" \
       "$(col "$t" "$c" 3)" "$(col "$t" "$c" 4)" "$vs_chain" "$vs_rh"
   done
 done
@@ -203,5 +219,11 @@ wants rathole && echo "peak RSS after load (KiB): rathole server $(hwm $RH_S)  r
 bytes=$(curl -s -H "$AUTH" "${URL[relay]}big.bin" | wc -c)
 echo "64 MiB response relayed: $bytes bytes"
 echo "peak RSS after 64 MiB (KiB): dispatcher $(hwm $DISP)  tunnel-server-1 $(hwm $TS1)  tunnel-server-2 $(hwm $TS2)  agent $(hwm $AGENT)"
-limits=$(cat "$work"/dispatcher.log "$work"/ts*.log "$work"/agent.log | grep -c 'reached limit' || true)
+if wants colocated; then
+  echo "peak RSS after load (KiB): co-located tunnel server $(hwm $COLO)  agent $(hwm $COLO_AGENT)"
+  bytes=$(curl -s -H "$AUTH" "${URL[colocated]}big.bin" | wc -c)
+  echo "64 MiB response relayed co-located: $bytes bytes"
+  echo "peak RSS after 64 MiB (KiB): co-located tunnel server $(hwm $COLO)  agent $(hwm $COLO_AGENT)"
+fi
+limits=$(cat "$work"/dispatcher.log "$work"/ts*.log "$work"/agent.log "$work"/colocated*.log 2>/dev/null | grep -c 'reached limit' || true)
 echo "h2 guards tripped (\`reached limit\` in the relay logs): $limits"

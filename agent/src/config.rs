@@ -600,7 +600,12 @@ mod tests {
     #[test]
     fn example_configs_are_valid() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-        for file in ["local/agent.toml", "filters/agent.toml", "tls/agent.toml"] {
+        for file in [
+            "local/agent.toml",
+            "colocated/agent.toml",
+            "filters/agent.toml",
+            "tls/agent.toml",
+        ] {
             let c: Config = relay_common::config::load(Some(&root.join(file)))
                 .unwrap_or_else(|e| panic!("{file}: {e}"));
             c.validate().unwrap_or_else(|e| panic!("{file}: {e}"));

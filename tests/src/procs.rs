@@ -688,24 +688,7 @@ impl DispatcherProc {
                 Some(p) => p,
                 None => (free_addr()?, free_addr()?, free_addr()?),
             };
-            let cfg_path = dir.join("dispatcher.toml");
-            let cfg = format!(
-                "listen = \"{http}\"\nregistry_listen = \"{registry}\"\nadmin_listen = \"{admin}\"\n\
-                 call_timeout = \"{}\"\n{}\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n{}\n\
-                 {}[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n\n{}\n",
-                humantime(opts.call_timeout),
-                reload_line(opts.reload_interval)
-                    + &opts
-                        .max_call_timeout
-                        .map(|d| format!("max_call_timeout = \"{}\"\n", humantime(d)))
-                        .unwrap_or_default(),
-                opts.caller_key,
-                opts.server_key,
-                opts.registry,
-                listener_tls("tls", &opts.front_tls),
-                opts.extra,
-            );
-            std::fs::write(&cfg_path, cfg)?;
+            let cfg_path = Self::write_config(dir, &opts, (http, registry, admin))?;
             let mut proc = Proc::spawn_with(
                 "dispatcher",
                 &binary("relay-dispatcher")?,
@@ -727,6 +710,35 @@ impl DispatcherProc {
             );
         }
         anyhow::bail!("dispatcher: no free ports after {PORT_ATTEMPTS} attempts")
+    }
+
+    /// Writes its config (`dispatcher.toml` in `dir`) for listeners on `ports` (front,
+    /// registry, admin): what the process reads, or a co-located tunnel server's
+    /// `front_config`.
+    pub fn write_config(
+        dir: &Path,
+        opts: &DispatcherOpts,
+        (http, registry, admin): (SocketAddr, SocketAddr, SocketAddr),
+    ) -> anyhow::Result<PathBuf> {
+        let cfg_path = dir.join("dispatcher.toml");
+        let cfg = format!(
+            "listen = \"{http}\"\nregistry_listen = \"{registry}\"\nadmin_listen = \"{admin}\"\n\
+             call_timeout = \"{}\"\n{}\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n{}\n\
+             {}[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n\n{}\n",
+            humantime(opts.call_timeout),
+            reload_line(opts.reload_interval)
+                + &opts
+                    .max_call_timeout
+                    .map(|d| format!("max_call_timeout = \"{}\"\n", humantime(d)))
+                    .unwrap_or_default(),
+            opts.caller_key,
+            opts.server_key,
+            opts.registry,
+            listener_tls("tls", &opts.front_tls),
+            opts.extra,
+        );
+        std::fs::write(&cfg_path, cfg)?;
+        Ok(cfg_path)
     }
 
     pub fn registry_url(&self) -> String {

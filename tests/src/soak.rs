@@ -124,6 +124,9 @@ pub struct Embedded {
     /// them; it is set explicitly because an inherited `RELAY_LOG` would win over the
     /// harness's `RUST_LOG` and could hide them.
     pub child_log: String,
+    /// The co-located mode: ts-1 serves the dispatcher front, no dispatcher process (no
+    /// faults: the front would go with ts-1).
+    pub colocated: bool,
 }
 
 impl Default for Embedded {
@@ -134,6 +137,7 @@ impl Default for Embedded {
             haproxy_weights: None,
             call_timeout: Duration::from_secs(30),
             child_log: "info".into(),
+            colocated: false,
         }
     }
 }
@@ -231,6 +235,10 @@ impl SoakConfig {
             }
             Mode::Embedded(e) => {
                 anyhow::ensure!((1..=16).contains(&e.servers), "servers must be 1..=16");
+                anyhow::ensure!(
+                    !e.colocated || self.fault == Fault::None,
+                    "the co-located mode injects no faults (drop --fault): the front runs in ts-1"
+                );
                 if let Some(w) = &e.haproxy_weights {
                     anyhow::ensure!(
                         w.len() == e.servers,
@@ -310,7 +318,12 @@ impl SoakConfig {
         };
         match &self.mode {
             Mode::Embedded(e) => format!(
-                "{} tunnel servers {}, upstream latency {}; {load}; {fault}",
+                "{}{} tunnel servers {}, upstream latency {}; {load}; {fault}",
+                if e.colocated {
+                    "co-located front in ts-1, "
+                } else {
+                    ""
+                },
                 e.servers,
                 e.haproxy_weights
                     .as_ref()
@@ -410,10 +423,11 @@ async fn start_embedded(config: &SoakConfig, e: &Embedded, echo: bool) -> anyhow
         call_timeout: e.call_timeout,
         spawn: child_spawn(&e.child_log),
         tunnel_id: TUNNEL_ID.into(),
+        colocated: e.colocated,
     })
     .await?;
     rig.wait_ready().await?;
-    let addr = rig.dispatcher.http;
+    let addr = rig.front.http;
     if echo {
         eprintln!(
             "soak: stack ready in {:.1}s: dispatcher http://{addr}, {} ({})",
@@ -909,7 +923,7 @@ async fn drive(config: &SoakConfig, started: Started, stop: CancellationToken) -
     monitor.sample();
     tick(&mut monitor, &mut progress, false);
     let (dispatcher_calls_by_server, dispatcher_retries) = match rig.as_ref() {
-        Some(r) => match crate::procs::scrape(r.dispatcher.admin).await {
+        Some(r) => match crate::procs::scrape(r.front.admin).await {
             Ok(text) => (
                 report::calls_by_server(&text),
                 Some(crate::procs::metric(&text, "relay_dispatcher_retries_total", &[]) as u64),

@@ -80,6 +80,28 @@ async fn fifty_thousand_calls_through_one_forward_connection_all_succeed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_thousand_calls_through_the_colocated_front_all_succeed() {
+    // The co-located mode: ts-1 serves the front; every call crosses from it to the
+    // agent's streams inside the process and over the agent's one connection.
+    let report = soak(SoakConfig {
+        mode: Mode::Embedded(Embedded {
+            colocated: true,
+            ..embedded(1, Duration::ZERO)
+        }),
+        concurrency: 32,
+        calls: Some(50_000),
+        ..SoakConfig::default()
+    })
+    .await;
+    assert_clean(&report);
+    assert!(
+        dispatcher_ok(&report, "ts-1") >= 50_000,
+        "{}",
+        report.summary()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn haproxy_at_90_10_with_a_burst_to_300_concurrent_calls_fails_none() {
     // New streams land 90/10 behind a real HAProxy; 300 slow calls at once make the agent
     // open hundreds of streams through it in one growth step.

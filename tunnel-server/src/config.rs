@@ -405,6 +405,7 @@ mod tests {
         for (file, tls) in [
             ("local/tunnel-server-1.toml", false),
             ("local/tunnel-server-2.toml", false),
+            ("colocated/tunnel-server.toml", false),
             ("tls/tunnel-server-1.toml", true),
             ("tls/tunnel-server-2.toml", true),
         ] {
@@ -421,6 +422,14 @@ mod tests {
                 (tls, tls, tls),
                 "{file}"
             );
+            if let Some(front) = &c.front_config {
+                // Relative to the repository root, where the examples run.
+                let front = root.join("..").join(front);
+                let d: relay_dispatcher::Config = relay_common::config::load(Some(&front))
+                    .unwrap_or_else(|e| panic!("{file}'s front_config: {e}"));
+                d.validate()
+                    .unwrap_or_else(|e| panic!("{file}'s front_config: {e}"));
+            }
         }
     }
 

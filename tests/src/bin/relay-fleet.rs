@@ -212,6 +212,11 @@ struct SoakArgs {
     /// Put a real HAProxy between the agent and the tunnel servers.
     #[arg(long)]
     haproxy: bool,
+    /// The co-located mode: ts-1 serves the dispatcher front itself (its
+    /// `front_config`), no dispatcher process; calls cross from the front to the agent's
+    /// streams inside ts-1.
+    #[arg(long, conflicts_with = "fault")]
+    colocated: bool,
     /// HAProxy weight per tunnel server, e.g. 90,10 [default: equal].
     #[arg(long, value_delimiter = ',', requires = "haproxy")]
     weights: Option<Vec<u32>>,
@@ -566,8 +571,8 @@ async fn soak(a: SoakArgs) -> anyhow::Result<()> {
     let mode = match &a.dispatcher {
         Some(url) => {
             anyhow::ensure!(
-                !a.haproxy,
-                "--haproxy starts a stack: not with --dispatcher"
+                !a.haproxy && !a.colocated,
+                "--haproxy and --colocated start a stack: not with --dispatcher"
             );
             Mode::External(External {
                 dispatcher: url.clone(),
@@ -583,6 +588,7 @@ async fn soak(a: SoakArgs) -> anyhow::Result<()> {
                 .then(|| a.weights.clone().unwrap_or_else(|| vec![1; a.servers])),
             call_timeout: a.call_timeout,
             child_log: a.child_log.clone(),
+            colocated: a.colocated,
         }),
     };
     let fault = match a.fault {

@@ -1,5 +1,6 @@
 //! The processes of an embedded soak (the release binaries as children: a dispatcher,
-//! tunnel servers, an agent, optionally HAProxy between the agent and the servers) and
+//! tunnel servers, an agent, optionally HAProxy between the agent and the servers; or in
+//! the co-located mode no dispatcher process, ts-1 serving the front itself) and
 //! the faults injected into them while the load runs: rolling restarts (SIGTERM, wait
 //! for the exit, start again on the same ports, wait until the fleet is whole) and a
 //! SIGKILL of one server, optionally restarted.
@@ -13,8 +14,8 @@ use super::{Fault, FaultTiming};
 use crate::client::Caller;
 use crate::haproxy::{Backend, Haproxy};
 use crate::procs::{
-    metric, scrape, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir, Spawn,
-    TunnelServerOpts, TunnelServerProc,
+    free_addr, metric, scrape, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
+    Spawn, TunnelServerOpts, TunnelServerProc,
 };
 use crate::stack::TOKEN;
 use serde::Serialize;
@@ -50,6 +51,17 @@ pub(crate) struct RigSpec {
     /// How the children are spawned (`RELAY_LOG`, own process group).
     pub spawn: Spawn,
     pub tunnel_id: String,
+    /// The co-located mode: ts-1 serves the dispatcher front (its `front_config`); there
+    /// is no dispatcher process.
+    pub colocated: bool,
+}
+
+/// Where callers and the sampler reach the dispatcher front: the dispatcher process's
+/// listeners, or the co-located ts-1's front listeners.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FrontAddrs {
+    pub http: SocketAddr,
+    pub admin: SocketAddr,
 }
 
 /// Something that happened to the fleet during the run.
@@ -150,7 +162,9 @@ pub(crate) struct Rig {
     agent_reported: bool,
     haproxy: Option<Haproxy>,
     servers: Vec<Server>,
-    pub dispatcher: DispatcherProc,
+    /// `None` in the co-located mode.
+    dispatcher: Option<DispatcherProc>,
+    pub front: FrontAddrs,
     dispatcher_reported: bool,
     spec: RigSpec,
     dir: ScratchDir,
@@ -162,21 +176,38 @@ impl Rig {
     pub async fn start(spec: RigSpec) -> anyhow::Result<Rig> {
         let dir = ScratchDir::new("soak")?;
         let how = &spec.spawn;
-        let dispatcher = DispatcherProc::start_with(
-            dir.path(),
-            DispatcherOpts {
-                call_timeout: spec.call_timeout,
-                ..DispatcherOpts::default()
-            },
-            how,
-        )
-        .await?;
+        let dispatcher_opts = DispatcherOpts {
+            call_timeout: spec.call_timeout,
+            ..DispatcherOpts::default()
+        };
+        let (dispatcher, front, registry_url, front_config) = if spec.colocated {
+            let ports = (free_addr()?, free_addr()?, free_addr()?);
+            let path = DispatcherProc::write_config(dir.path(), &dispatcher_opts, ports)?;
+            let front = FrontAddrs {
+                http: ports.0,
+                admin: ports.2,
+            };
+            let line = format!("front_config = {:?}\n", path.display().to_string());
+            (None, front, format!("http://{}", ports.1), Some(line))
+        } else {
+            let d = DispatcherProc::start_with(dir.path(), dispatcher_opts, how).await?;
+            let front = FrontAddrs {
+                http: d.http,
+                admin: d.admin,
+            };
+            let url = d.registry_url();
+            (Some(d), front, url, None)
+        };
         let mut servers = Vec::new();
         for i in 0..spec.servers {
             let opts = TunnelServerOpts {
                 server_id: format!("ts-{}", i + 1),
                 zone: format!("zone-{}", i + 1),
-                dispatchers: vec![dispatcher.registry_url()],
+                dispatchers: vec![registry_url.clone()],
+                extra: match (i, &front_config) {
+                    (0, Some(line)) => line.clone(),
+                    _ => String::new(),
+                },
                 ..TunnelServerOpts::default()
             };
             let p = TunnelServerProc::start_on_with(dir.path(), opts.clone(), None, how).await?;
@@ -232,6 +263,7 @@ impl Rig {
             haproxy,
             servers,
             dispatcher,
+            front,
             dispatcher_reported: false,
             spec,
             dir,
@@ -252,13 +284,13 @@ impl Rig {
     pub async fn wait_ready(&mut self) -> anyhow::Result<Duration> {
         let started = Instant::now();
         let deadline = started + READY_WITHIN;
-        let caller = Caller::new(self.dispatcher.http, Some(crate::stack::CALLER_KEY));
+        let caller = Caller::new(self.front.http, Some(crate::stack::CALLER_KEY));
         let probe = format!("/relay/{}/hello", self.spec.tunnel_id);
         loop {
             if let Some(name) = self.exited_now().first() {
                 anyhow::bail!("{name} exited while the stack was starting");
             }
-            let reporting = reporting_servers(self.dispatcher.admin).await;
+            let reporting = reporting_servers(self.front.admin).await;
             let haproxy_up = self.haproxy_up_count().await;
             let answer = caller.get(&probe).await;
             let routable = matches!(&answer, Ok(a) if a.status == 200);
@@ -294,7 +326,7 @@ impl Rig {
     /// Names of processes that exited since the last look and were not expected to.
     fn exited_now(&mut self) -> Vec<String> {
         let mut out = Vec::new();
-        if let Some(st) = self.dispatcher.proc.try_exited() {
+        if let Some(st) = self.dispatcher.as_mut().and_then(|d| d.proc.try_exited()) {
             if !self.dispatcher_reported {
                 self.dispatcher_reported = true;
                 out.push(format!("dispatcher ({st})"));
@@ -331,7 +363,9 @@ impl Rig {
                 exited,
             }
         };
-        out.push(info("dispatcher", &mut self.dispatcher.proc, 0));
+        if let Some(d) = self.dispatcher.as_mut() {
+            out.push(info("dispatcher", &mut d.proc, 0));
+        }
         for s in &mut self.servers {
             let id = s.opts.server_id.clone();
             match s.proc.as_mut() {
@@ -460,7 +494,7 @@ impl Rig {
         let admin_caller = Caller::new(admin, None);
         let whole = loop {
             let ready = matches!(admin_caller.get("/readyz").await, Ok(a) if a.status == 200);
-            let reporting = reporting_servers(self.dispatcher.admin).await;
+            let reporting = reporting_servers(self.front.admin).await;
             let lb = self.haproxy_up_count().await;
             if ready && reporting >= running && lb {
                 break true;
