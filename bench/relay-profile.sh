@@ -11,6 +11,8 @@
 # Usage: bench/relay-profile.sh                    (from the repository root; builds release)
 #        BIN_DIR=target/release CONNS=16 DURATION=10s bench/relay-profile.sh
 #        PERF_RECORD=1 bench/relay-profile.sh
+#        SHAPE=colocated bench/relay-profile.sh   (examples/colocated: the tunnel server
+#                                                   serving the front itself, and the agent)
 # Needs perf, strace, wrk and nginx (installed from Debian when missing), and the fixed
 # loopback ports of examples/local (8080, 8441-8452, 8460, 9090) and 8000 free.
 set -euo pipefail
@@ -18,6 +20,7 @@ set -euo pipefail
 CONNS=${CONNS:-16}
 DURATION=${DURATION:-10s}
 PERF_RECORD=${PERF_RECORD:-0}
+SHAPE=${SHAPE:-local}
 
 need=()
 command -v wrk >/dev/null || need+=(wrk)
@@ -57,12 +60,20 @@ http {
 NGX
 nginx -c "$work/nginx.conf"
 
-$BIN/relay-dispatcher --config examples/local/dispatcher.toml >"$work/dispatcher.log" 2>&1 & DISP=$!
-$BIN/relay-tunnel-server --config examples/local/tunnel-server-1.toml >"$work/ts1.log" 2>&1 & TS1=$!
-$BIN/relay-tunnel-server --config examples/local/tunnel-server-2.toml >"$work/ts2.log" 2>&1 & TS2=$!
-$BIN/relay-agent --config examples/local/agent.toml >"$work/agent.log" 2>&1 & AGENT=$!
-pids+=("$DISP" "$TS1" "$TS2" "$AGENT")
-declare -A NAME=([$DISP]=dispatcher [$TS1]=tunnel-server-1 [$TS2]=tunnel-server-2 [$AGENT]=agent)
+if [ "$SHAPE" = colocated ]; then
+  $BIN/relay-tunnel-server --config examples/colocated/tunnel-server.toml >"$work/ts1.log" 2>&1 & TS1=$!
+  $BIN/relay-agent --config examples/colocated/agent.toml >"$work/agent.log" 2>&1 & AGENT=$!
+  pids+=("$TS1" "$AGENT")
+  declare -A NAME=([$TS1]=colocated-server [$AGENT]=agent)
+else
+  $BIN/relay-dispatcher --config examples/local/dispatcher.toml >"$work/dispatcher.log" 2>&1 & DISP=$!
+  $BIN/relay-tunnel-server --config examples/local/tunnel-server-1.toml >"$work/ts1.log" 2>&1 & TS1=$!
+  $BIN/relay-tunnel-server --config examples/local/tunnel-server-2.toml >"$work/ts2.log" 2>&1 & TS2=$!
+  $BIN/relay-agent --config examples/local/agent.toml >"$work/agent.log" 2>&1 & AGENT=$!
+  pids+=("$DISP" "$TS1" "$TS2" "$AGENT")
+  declare -A NAME=([$DISP]=dispatcher [$TS1]=tunnel-server-1 [$TS2]=tunnel-server-2 [$AGENT]=agent)
+fi
+RELAY=("${pids[@]}")
 
 AUTH='Authorization: Bearer dev-caller-key'
 URL=http://127.0.0.1:8080/relay/demo/
@@ -89,7 +100,7 @@ for p in "${pids[@]}"; do
 done
 sleep 0.2 # perf attaches in well under this; it has no readiness signal to wait for
 wrk -t2 -c"$CONNS" -d"$DURATION" --latency -H "$AUTH" "$URL" > "$work/wrk.out"
-for p in "$DISP" "$TS1" "$TS2" "$AGENT"; do v="STAT_$p"; kill -INT "${!v}"; wait "${!v}" 2>/dev/null || true; done
+for p in "${RELAY[@]}"; do v="STAT_$p"; kill -INT "${!v}"; wait "${!v}" 2>/dev/null || true; done
 calls=$(calls_of "$work/wrk.out")
 errors=$(errors_of "$work/wrk.out")
 
@@ -97,7 +108,7 @@ echo "relay at $CONNS connections, $DURATION: $calls calls, $(awk '/Requests\/se
   "p50 $(awk '/^ +50%/ {print $2}' "$work/wrk.out"), p99 $(awk '/^ +99%/ {print $2}' "$work/wrk.out"), errors: $errors"
 echo
 printf '%-16s %14s %14s %14s\n' process "cpu us/call" "syscalls/call" "ctx-sw/call"
-for p in "$DISP" "$TS1" "$TS2" "$AGENT"; do
+for p in "${RELAY[@]}"; do
   awk -F, -v n="$calls" -v name="${NAME[$p]}" '
     $3 == "task-clock" {cpu = $1 * 1000}
     $3 == "raw_syscalls:sys_enter" {sc = $1}
@@ -110,11 +121,11 @@ awk '{c += $2; s += $3; x += $4} END {printf "%-16s %14.1f %14.2f %14.2f\n", "su
 echo
 hz=$(getconf CLK_TCK)
 declare -A U0 S0
-for p in "$DISP" "$TS1" "$TS2" "$AGENT"; do read -r U0[$p] S0[$p] < <(awk '{print $14, $15}' "/proc/$p/stat"); done
+for p in "${RELAY[@]}"; do read -r U0[$p] S0[$p] < <(awk '{print $14, $15}' "/proc/$p/stat"); done
 wrk -t2 -c"$CONNS" -d"$DURATION" -H "$AUTH" "$URL" > "$work/wrk2.out"
 calls2=$(calls_of "$work/wrk2.out")
 printf '%-16s %14s %14s %10s\n' process "user us/call" "sys us/call" "sys share"
-for p in "$DISP" "$TS1" "$TS2" "$AGENT"; do
+for p in "${RELAY[@]}"; do
   read -r u s < <(awk '{print $14, $15}' "/proc/$p/stat")
   awk -v u=$((u - U0[$p])) -v s=$((s - S0[$p])) -v hz="$hz" -v n="$calls2" -v name="${NAME[$p]}" \
     'BEGIN {printf "%-16s %14.1f %14.1f %9.0f%%\n", name, u / hz * 1e6 / n, s / hz * 1e6 / n, (u + s) ? 100 * s / (u + s) : 0}'
@@ -122,15 +133,15 @@ done
 
 # 3. syscalls by name per process (strace slows every call; its own run).
 echo
-for p in "$DISP" "$TS1" "$TS2" "$AGENT"; do
+for p in "${RELAY[@]}"; do
   timeout -s INT 6 strace -c -f -q -p "$p" -o "$work/strace.$p" &
   eval "TRACE_$p=$!"
 done
 sleep 0.5 # strace attaches to every thread; no readiness signal either
 wrk -t2 -c"$CONNS" -d4s -H "$AUTH" "$URL" > "$work/wrk3.out"
-for p in "$DISP" "$TS1" "$TS2" "$AGENT"; do v="TRACE_$p"; wait "${!v}" 2>/dev/null || true; done
+for p in "${RELAY[@]}"; do v="TRACE_$p"; wait "${!v}" 2>/dev/null || true; done
 calls3=$(calls_of "$work/wrk3.out")
-for p in "$DISP" "$TS1" "$TS2" "$AGENT"; do
+for p in "${RELAY[@]}"; do
   echo "${NAME[$p]}: syscalls per call by name (strace -c over $calls3 calls)"
   awk -v n="$calls3" '$1 ~ /^[0-9.]+$/ && $NF != "total" {printf "  %-16s %8.2f\n", $NF, $4 / n}' "$work/strace.$p" |
     sort -k2 -gr | head -8
@@ -138,12 +149,12 @@ done
 
 # 4. where user CPU goes (optional: perf record needs a few seconds per process).
 if [ "$PERF_RECORD" = 1 ]; then
-  for p in "$DISP" "$TS1" "$TS2" "$AGENT"; do
+  for p in "${RELAY[@]}"; do
     perf record -q -F 999 -g -p "$p" -o "$work/perf.$p" -- sleep 5 >/dev/null 2>&1 &
     eval "REC_$p=$!"
   done
   wrk -t2 -c"$CONNS" -d5s -H "$AUTH" "$URL" > /dev/null
-  for p in "$DISP" "$TS1" "$TS2" "$AGENT"; do
+  for p in "${RELAY[@]}"; do
     v="REC_$p"; wait "${!v}" 2>/dev/null || true
     echo
     echo "${NAME[$p]}: top symbols (perf report --no-children)"
@@ -152,4 +163,4 @@ if [ "$PERF_RECORD" = 1 ]; then
 fi
 
 echo
-echo "reached limit in the relay logs: $(cat "$work"/dispatcher.log "$work"/ts1.log "$work"/ts2.log "$work"/agent.log | grep -c 'reached limit' || true)"
+echo "reached limit in the relay logs: $(cat "$work"/*.log | grep -c 'reached limit' || true)"

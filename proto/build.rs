@@ -12,8 +12,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile(files, ["proto"])?;
     // `build_transport(false)`: the generated `connect` constructor would clash with the
     // `Tunnel.Connect` RPC; clients are built from a `Channel` instead.
+    // `bytes(["."])`: every `bytes` field is a `bytes::Bytes`, so body chunks and header
+    // values move between the socket buffers, hyper and the frames without a copy.
     tonic_prost_build::configure()
         .build_transport(false)
+        .bytes(".")
         .compile_fds(fds)?;
     Ok(())
 }

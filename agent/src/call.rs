@@ -157,10 +157,10 @@ pub(crate) async fn run_call(
         headers: response
             .headers
             .iter()
-            .map(|(n, v)| Header::new(n.as_str(), v.as_bytes()))
+            .map(|(n, v)| Header::new(n.as_str(), Bytes::copy_from_slice(v.as_bytes())))
             .collect(),
         end_of_stream: empty,
-        body: whole.into(),
+        body: whole,
     };
     if out
         .send(AgentFrame::of(Kind::ResponseHead(head)))
@@ -185,11 +185,7 @@ pub(crate) async fn run_call(
                 Ok(None) => (Bytes::new(), true),
                 Err(e) => return Err(e),
             };
-            let frame = AgentFrame::of(Kind::ResponseBody(BodyChunk {
-                call_id,
-                data: data.into(),
-                end,
-            }));
+            let frame = AgentFrame::of(Kind::ResponseBody(BodyChunk { call_id, data, end }));
             if out.send(frame).await.is_err() {
                 return Ok(false);
             }

@@ -611,7 +611,7 @@ impl Session {
             In::RequestBody(chunk) => match self.call.as_mut() {
                 Some(call) if call.id == chunk.call_id => {
                     let Some(tx) = &call.body else { return Ok(()) };
-                    let data = Bytes::from(chunk.data);
+                    let data = chunk.data;
                     if !data.is_empty() {
                         match tx.try_send(data) {
                             Ok(()) => {}

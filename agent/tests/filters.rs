@@ -78,7 +78,10 @@ fn filtered_config(tunnel: &str, upstream: &str, streams: u32) -> Config {
 }
 
 fn with_headers(mut h: RequestHead, headers: &[(&str, &str)]) -> RequestHead {
-    h.headers = headers.iter().map(|(n, v)| Header::new(*n, *v)).collect();
+    h.headers = headers
+        .iter()
+        .map(|(n, v)| Header::new(*n, v.to_string()))
+        .collect();
     h
 }
 

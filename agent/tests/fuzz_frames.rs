@@ -53,7 +53,10 @@ fn header() -> impl Strategy<Value = Header> {
         Just(b"chunked".to_vec()),
         prop::collection::vec(any::<u8>(), 0..10),
     ];
-    (name, value).prop_map(|(name, value)| Header { name, value })
+    (name, value).prop_map(|(name, value)| Header {
+        name,
+        value: value.into(),
+    })
 }
 
 fn frame() -> impl Strategy<Value = ServerFrame> {
@@ -88,7 +91,11 @@ fn frame() -> impl Strategy<Value = ServerFrame> {
         any::<bool>(),
     )
         .prop_map(|(call_id, data, end)| {
-            ServerFrame::of(In::RequestBody(BodyChunk { call_id, data, end }))
+            ServerFrame::of(In::RequestBody(BodyChunk {
+                call_id,
+                data: data.into(),
+                end,
+            }))
         });
     prop_oneof![
         6 => head,
@@ -104,14 +111,17 @@ fn frame() -> impl Strategy<Value = ServerFrame> {
 
 fn h(call_id: u64, method: &str, target: &str, eos: bool, headers: &[(&str, &str)]) -> ServerFrame {
     let mut x = head(call_id, method, target, eos);
-    x.headers = headers.iter().map(|(n, v)| Header::new(*n, *v)).collect();
+    x.headers = headers
+        .iter()
+        .map(|(n, v)| Header::new(*n, v.to_string()))
+        .collect();
     ServerFrame::of(In::RequestHead(x))
 }
 
 fn b(call_id: u64, data: &[u8], end: bool) -> ServerFrame {
     ServerFrame::of(In::RequestBody(BodyChunk {
         call_id,
-        data: data.to_vec(),
+        data: data.to_vec().into(),
         end,
     }))
 }

@@ -69,7 +69,7 @@ fn hostile_frames() -> Vec<(&'static str, Vec<ServerFrame>)> {
     };
     let chunk = BodyChunk {
         call_id: 1,
-        data: vec![b'b'; relay_proto::MAX_CHUNK + 1],
+        data: vec![b'b'; relay_proto::MAX_CHUNK + 1].into(),
         end: true,
     };
     vec![

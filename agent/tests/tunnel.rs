@@ -219,7 +219,7 @@ async fn a_malformed_frame_closes_only_that_stream() {
     let mut replacement = newer;
     let stray = BodyChunk {
         call_id: 99,
-        data: b"x".to_vec(),
+        data: bytes::Bytes::from_static(b"x"),
         end: true,
     };
     replacement.send(In::RequestBody(stray)).await;

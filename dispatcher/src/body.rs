@@ -231,11 +231,7 @@ impl futures::Stream for AttemptStream {
                     s.source = None;
                 }
                 let len = data.len();
-                let frame = ForwardRequest::of(ReqKind::Body(BodyChunk {
-                    call_id,
-                    data: data.to_vec(),
-                    end,
-                }));
+                let frame = ForwardRequest::of(ReqKind::Body(BodyChunk { call_id, data, end }));
                 if s.replayable {
                     if s.replay_bytes + len <= s.replay_limit {
                         s.replay_bytes += len;
@@ -575,7 +571,7 @@ impl Body for RelayBody {
                         st.guard.finish(CallOutcome::Ok);
                     }
                     if !chunk.data.is_empty() {
-                        return Poll::Ready(Some(Ok(Frame::data(Bytes::from(chunk.data)))));
+                        return Poll::Ready(Some(Ok(Frame::data(chunk.data))));
                     }
                     if chunk.end {
                         if poll_rpc_end(&mut st.stream, cx).is_pending()
@@ -736,7 +732,7 @@ mod tests {
         let data: Vec<Vec<u8>> = rest
             .into_iter()
             .map(|f| match f.kind {
-                Some(ReqKind::Body(c)) => c.data,
+                Some(ReqKind::Body(c)) => c.data.to_vec(),
                 other => panic!("unexpected {other:?}"),
             })
             .collect();

@@ -32,7 +32,6 @@ use crate::headers::{self, TIMEOUT_HEADER};
 use crate::metrics::{CallOutcome, Metrics};
 use crate::quota::{TunnelSlot, TunnelSlots};
 use crate::registry::Registry;
-use bytes::Bytes;
 use futures::StreamExt;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
@@ -437,10 +436,7 @@ impl Front {
         let body = if answer.head.end_of_stream {
             guard.finish(CallOutcome::Ok);
             // A small body may travel inside the head.
-            RelayBody::small(
-                Bytes::from(std::mem::take(&mut answer.head.body)),
-                answer.stream,
-            )
+            RelayBody::small(std::mem::take(&mut answer.head.body), answer.stream)
         } else {
             RelayBody::stream(
                 answer.stream,

@@ -7,6 +7,7 @@
 //!
 //! No I/O here.
 
+use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use relay_proto::Header;
 
@@ -27,7 +28,7 @@ pub fn request_to_wire(headers: &HeaderMap) -> Vec<Header> {
     headers
         .iter()
         .filter(|(name, _)| keep(name, &tokens, true))
-        .map(|(name, value)| Header::new(name.as_str(), value.as_bytes()))
+        .map(|(name, value)| Header::new(name.as_str(), Bytes::copy_from_slice(value.as_bytes())))
         .collect()
 }
 
@@ -218,7 +219,7 @@ mod tests {
         ]);
         let out: Vec<(String, Vec<u8>)> = request_to_wire(&h)
             .into_iter()
-            .map(|h| (h.name, h.value))
+            .map(|h| (h.name, h.value.to_vec()))
             .collect();
         assert_eq!(
             out,

@@ -169,7 +169,7 @@ pub mod v1 {
 pub use v1::*;
 
 impl Header {
-    pub fn new(name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+    pub fn new(name: impl Into<String>, value: impl Into<bytes::Bytes>) -> Self {
         Header {
             name: name.into(),
             value: value.into(),
@@ -268,7 +268,7 @@ mod tests {
             (0..n)
                 .map(|i| Header {
                     name: format!("h{i}"),
-                    value: vec![b'v'; 100],
+                    value: vec![b'v'; 100].into(),
                 })
                 .collect()
         };

@@ -98,7 +98,7 @@ pub fn header<'a>(head: &'a RequestHead, name: &str) -> Vec<&'a [u8]> {
     head.headers
         .iter()
         .filter(|h| h.name == name)
-        .map(|h| h.value.as_slice())
+        .map(|h| &h.value[..])
         .collect()
 }
 
@@ -125,10 +125,10 @@ fn error_frame(kind: ForwardErrorKind, call_error: CallErrorKind, msg: &str) -> 
     }))
 }
 
-fn body_frame(data: Vec<u8>, end: bool) -> ForwardResponse {
+fn body_frame(data: impl Into<bytes::Bytes>, end: bool) -> ForwardResponse {
     ForwardResponse::of(RespKind::Body(BodyChunk {
         call_id: 0,
-        data,
+        data: data.into(),
         end,
     }))
 }

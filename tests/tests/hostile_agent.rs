@@ -74,7 +74,7 @@ fn head(call_id: u64, status: u32, headers: Vec<Header>, end: bool) -> Out {
         status,
         headers,
         end_of_stream: end,
-        body: Vec::new(),
+        body: Default::default(),
     })
 }
 
@@ -287,7 +287,7 @@ async fn stalled_and_trickled_response_bodies_are_cut_and_free_the_callers_slot(
                     loop {
                         let byte = Out::ResponseBody(BodyChunk {
                             call_id,
-                            data: b"x".to_vec(),
+                            data: bytes::Bytes::from_static(b"x"),
                             end: false,
                         });
                         if out.send(byte).await.is_err() {
@@ -365,7 +365,7 @@ async fn redirects_into_another_tunnel_id_on_the_front_are_refused() {
             None,
         )
         .await;
-        let headers = vec![Header::new("location", location.as_bytes())];
+        let headers = vec![Header::new("location", location.clone())];
         agent
             .send(head(req.call_id, 302, headers, true))
             .await

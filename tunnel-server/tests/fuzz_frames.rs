@@ -72,7 +72,7 @@ proptest! {
     ) {
         let frame = AgentFrame::of(agent_frame::Kind::ResponseBody(BodyChunk {
             call_id: 7,
-            data: vec![9; len],
+            data: vec![9; len].into(),
             end: true,
         }));
         let mut bytes = frame.encode_to_vec();
@@ -125,7 +125,7 @@ fn frame(step: &Step, real: u64) -> AgentFrame {
         Step::Body { call, len, end } => {
             AgentFrame::of(agent_frame::Kind::ResponseBody(BodyChunk {
                 call_id: id(*call),
-                data: vec![b'x'; *len],
+                data: vec![b'x'; *len].into(),
                 end: *end,
             }))
         }

@@ -130,7 +130,7 @@ async fn an_oversized_frame_closes_only_its_stream_with_resource_exhausted() {
     let mut other = open(&agents, "good-token").await.unwrap();
     big.send(agent_frame::Kind::ResponseBody(BodyChunk {
         call_id: 1,
-        data: vec![0u8; 512 * 1024],
+        data: vec![0u8; 512 * 1024].into(),
         end: false,
     }))
     .await;
@@ -169,7 +169,7 @@ async fn an_oversized_body_chunk_closes_its_stream_and_fails_its_call_once() {
     .await;
     a.send(agent_frame::Kind::ResponseBody(BodyChunk {
         call_id: head.call_id,
-        data: vec![1u8; MAX_CHUNK + 1],
+        data: vec![1u8; MAX_CHUNK + 1].into(),
         end: false,
     }))
     .await;

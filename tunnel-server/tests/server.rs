@@ -100,7 +100,7 @@ async fn next_kind(resp: &mut Streaming<ForwardResponse>) -> forward_response::K
 fn body(data: &[u8], end: bool) -> ForwardRequest {
     ForwardRequest::of(forward_request::Kind::Body(BodyChunk {
         call_id: 0,
-        data: data.to_vec(),
+        data: data.to_vec().into(),
         end,
     }))
 }
@@ -181,7 +181,7 @@ async fn a_queued_call_reaches_the_agent_only_after_proceed() {
     a.send(agent_frame::Kind::ResponseHead(ResponseHead {
         call_id: h2.call_id,
         status: 200,
-        body: b"done".to_vec(),
+        body: prost::bytes::Bytes::from_static(b"done"),
         end_of_stream: true,
         ..Default::default()
     }))
@@ -317,7 +317,7 @@ async fn a_malformed_frame_closes_only_that_stream() {
     let mut bad = open(&agent, "good-token").await.unwrap();
     bad.send(agent_frame::Kind::ResponseBody(BodyChunk {
         call_id: 99,
-        data: vec![1],
+        data: vec![1].into(),
         end: true,
     }))
     .await;

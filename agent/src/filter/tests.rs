@@ -49,7 +49,10 @@ fn head(method: &str, target: &str, headers: &[(&str, &str)]) -> RequestHead {
         call_id: 1,
         method: method.into(),
         path_and_query: target.into(),
-        headers: headers.iter().map(|(n, v)| Header::new(*n, *v)).collect(),
+        headers: headers
+            .iter()
+            .map(|(n, v)| Header::new(*n, v.to_string()))
+            .collect(),
         deadline_ms: 0,
         end_of_stream: true,
     }
@@ -1042,7 +1045,10 @@ fn header() -> impl Strategy<Value = Header> {
         Just(b"close, content-length".to_vec()),
         prop::collection::vec(any::<u8>(), 0..12),
     ];
-    (name, value).prop_map(|(name, value)| Header { name, value })
+    (name, value).prop_map(|(name, value)| Header {
+        name,
+        value: value.into(),
+    })
 }
 
 fn request_head() -> impl Strategy<Value = RequestHead> {

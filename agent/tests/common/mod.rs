@@ -69,7 +69,7 @@ impl Conn {
                 for (i, data) in body.into_iter().enumerate() {
                     let chunk = BodyChunk {
                         call_id,
-                        data: data.to_vec(),
+                        data: bytes::Bytes::copy_from_slice(&data),
                         end: i + 1 == n,
                     };
                     if tx

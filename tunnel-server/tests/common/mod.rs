@@ -170,7 +170,7 @@ impl FakeStream {
         .await;
         self.send(agent_frame::Kind::ResponseBody(BodyChunk {
             call_id: id,
-            data: body.to_vec(),
+            data: body.to_vec().into(),
             end: true,
         }))
         .await;
