@@ -8,6 +8,7 @@ use http::Method;
 use http_body_util::BodyExt;
 use relay_agent::coverage::plan::CoverageConfig;
 use relay_tests::client::Caller;
+use relay_tests::lb::Policy;
 use relay_tests::metrics::value;
 use relay_tests::procs::{metric, scrape};
 use relay_tests::stack::{Stack, StackBuilder, TUNNEL_ID};
@@ -278,6 +279,8 @@ async fn the_front_prefers_its_own_server() {
     let stack = Stack::builder()
         .servers(2)
         .colocated()
+        // The load balancer fixture deals the agent's streams to the servers in turn.
+        .placement(Policy::RoundRobin)
         .coverage(fixed_pool(4))
         .start()
         .await
