@@ -152,6 +152,7 @@ done
 
 ticks() { local s=0 p; for p in "$@"; do s=$((s + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $s; }
 hwm() { awk '/VmHWM/ {print $2}' "/proc/$1/status"; }
+rss() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
 hz=$(getconf CLK_TCK)
 workers() { pgrep -P "$(cat "$work/$1.pid")" | tr '\n' ' '; }
 declare -A PROCS=(
@@ -215,12 +216,14 @@ done
 echo
 echo "errors: $errors non-2xx answers or socket errors over every run"
 echo "peak RSS after load (KiB): dispatcher $(hwm $DISP)  tunnel-server-1 $(hwm $TS1)  tunnel-server-2 $(hwm $TS2)  agent $(hwm $AGENT)"
+echo "RSS at rest after load (KiB): dispatcher $(rss $DISP)  tunnel-server-1 $(rss $TS1)  tunnel-server-2 $(rss $TS2)  agent $(rss $AGENT)"
 wants rathole && echo "peak RSS after load (KiB): rathole server $(hwm $RH_S)  rathole client $(hwm $RH_C)"
 bytes=$(curl -s -H "$AUTH" "${URL[relay]}big.bin" | wc -c)
 echo "64 MiB response relayed: $bytes bytes"
 echo "peak RSS after 64 MiB (KiB): dispatcher $(hwm $DISP)  tunnel-server-1 $(hwm $TS1)  tunnel-server-2 $(hwm $TS2)  agent $(hwm $AGENT)"
 if wants colocated; then
   echo "peak RSS after load (KiB): co-located tunnel server $(hwm $COLO)  agent $(hwm $COLO_AGENT)"
+  echo "RSS at rest after load (KiB): co-located tunnel server $(rss $COLO)  agent $(rss $COLO_AGENT)"
   bytes=$(curl -s -H "$AUTH" "${URL[colocated]}big.bin" | wc -c)
   echo "64 MiB response relayed co-located: $bytes bytes"
   echo "peak RSS after 64 MiB (KiB): co-located tunnel server $(hwm $COLO)  agent $(hwm $COLO_AGENT)"

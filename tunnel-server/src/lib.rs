@@ -226,7 +226,28 @@ pub async fn start_with_front(
         .transpose()
         .map_err(tls_err("dispatcher_tls"))?
         .map(|t| t.with_expiry(&expiry));
+    // The co-located front's plain hops go in this server's one warning line (the
+    // process's only one, see `tls::note_plain_text`).
+    let front_plain = match &front {
+        Some(f) => {
+            let t = f.config.transport()?;
+            [t.front.is_none(), t.registry.is_none(), t.forward.is_none()]
+        }
+        None => [false; 3],
+    };
     let plain: Vec<&str> = [
+        (
+            "co-located HTTP front (front_config's [tls])",
+            front_plain[0],
+        ),
+        (
+            "co-located registry listener (front_config's [registry_tls])",
+            front_plain[1],
+        ),
+        (
+            "co-located forward calls to other servers (front_config's [forward_tls])",
+            front_plain[2],
+        ),
         ("agent listener ([agent_tls])", agent_tls.is_none()),
         ("forward listener ([forward_tls])", forward_tls.is_none()),
         (
