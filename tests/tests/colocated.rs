@@ -317,3 +317,44 @@ async fn the_front_prefers_its_own_server() {
     assert_eq!(received(&stack, 1) - other0, 0.0);
     stack.shutdown().await;
 }
+
+/// Stopping the co-located server drains its front first: calls in flight finish with
+/// their answers, then the front stops taking calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_the_colocated_server_lets_calls_in_flight_finish() {
+    let mut stack = colocated_alone()
+        .tunnel_config(|c| c.shutdown_grace = Duration::from_secs(2))
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let caller = stack.caller();
+    let calls: Vec<_> = (0..5)
+        .map(|i| {
+            let caller = caller.clone();
+            tokio::spawn(async move {
+                caller
+                    .get(&format!("/relay/{TUNNEL_ID}/slow/500?i={i}"))
+                    .await
+            })
+        })
+        .collect();
+    eventually("the calls reached the upstream", READY, || async {
+        stack.upstream.in_flight() == 5
+    })
+    .await;
+    let server = stack.take_server(0).expect("the co-located server");
+    let stopping = tokio::spawn(server.shutdown());
+    for call in calls {
+        let a = call.await.unwrap().unwrap();
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    stopping.await.unwrap();
+    let after = caller.get(&format!("/relay/{TUNNEL_ID}/hello")).await;
+    assert!(
+        after.is_err(),
+        "the front still answers: {:?}",
+        after.map(|a| a.status)
+    );
+    stack.shutdown().await;
+}

@@ -506,3 +506,39 @@ async fn a_fleet_run_says_plain_text_once_for_all_its_agents() {
     assert_eq!(warns.len(), 1, "{all}");
     assert!(warns[0].contains("insecure = true"), "{}", warns[0]);
 }
+
+/// A co-located server whose `front_config` is missing or wrong does not start, and says
+/// which file and which key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_front_config_stops_the_server_naming_the_file_and_key() {
+    let dir = ScratchDir::new("front-config").unwrap();
+    let server = |front: &Path| {
+        format!(
+            "agent_listen = \"{}\"\nforward_listen = \"{}\"\nadmin_listen = \"{}\"\ndispatchers = []\n\
+             front_config = {:?}\n[agent_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n",
+            free_addr().unwrap(),
+            free_addr().unwrap(),
+            free_addr().unwrap(),
+            front.display().to_string(),
+        )
+    };
+    let missing = dir.path().join("no-such-dispatcher.toml");
+    let bad = dir.path().join("dispatcher.toml");
+    std::fs::write(&bad, "listen = \"127.0.0.1:0\"\nbogus_key = 1\n").unwrap();
+    for (front, want) in [(&missing, "no-such-dispatcher.toml"), (&bad, "bogus_key")] {
+        let cfg = dir.path().join("ts.toml");
+        std::fs::write(&cfg, server(front)).unwrap();
+        let out = run(
+            "relay-tunnel-server",
+            &["--config", &cfg.display().to_string()],
+            &[],
+        )
+        .await;
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("front_config") && stderr.contains(want),
+            "{want}: {stderr}"
+        );
+    }
+}
