@@ -17,6 +17,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_transport(false)
         .bytes(".")
+        // Smaller per-RPC codec buffers than tonic's 8 KiB (see `codec`).
+        .codec_path("crate::codec::RelayCodec")
         .compile_fds(fds)?;
     Ok(())
 }

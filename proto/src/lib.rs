@@ -161,6 +161,8 @@ pub fn escape_message(msg: &str, max: usize) -> String {
     out
 }
 
+pub mod codec;
+
 pub mod v1 {
     #![allow(missing_docs)]
     tonic::include_proto!("relay.v1");

@@ -198,3 +198,42 @@ pub async fn open(url: &str, token: &str) -> Result<Opened, tonic::Status> {
         other => Err(tonic::Status::internal(format!("no hello: {other:?}"))),
     }
 }
+
+/// `n` streams of `Tunnel.Connect` with `token` on one new connection (one agent's
+/// multiplexed streams), each up to its hello and confirmed as an agent confirms it (a
+/// first frame after the hello: the stream takes calls from then on); the first refusal
+/// otherwise. The streams answer no later ping.
+pub async fn open_many(url: &str, token: &str, n: usize) -> Result<Vec<Opened>, tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let opens = (0..n).map(|_| {
+        let channel = channel.clone();
+        async move {
+            let (tx, rx) = mpsc::channel(4);
+            let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {token}").parse().unwrap());
+            let mut inbound = TunnelClient::new(channel).connect(req).await?.into_inner();
+            match inbound.message().await? {
+                Some(ServerFrame {
+                    kind: Some(In::Hello(h)),
+                }) => {
+                    let confirm = AgentFrame::of(Out::Pong(Pong { seq: 0 }));
+                    tx.send(confirm)
+                        .await
+                        .map_err(|_| tonic::Status::unavailable("the stream closed"))?;
+                    Ok(Opened {
+                        tunnel_id: h.tunnel_id,
+                        inbound,
+                        _out: tx,
+                    })
+                }
+                other => Err(tonic::Status::internal(format!("no hello: {other:?}"))),
+            }
+        }
+    });
+    futures::future::try_join_all(opens).await
+}

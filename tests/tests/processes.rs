@@ -754,3 +754,69 @@ async fn no_secret_appears_in_logs_metrics_debug_pages_or_answers_at_debug_level
     let bytes: usize = seen.0.iter().map(|(_, t)| t.len()).sum();
     eprintln!("scanned {} texts, {bytes} bytes: no secret", seen.0.len());
 }
+
+/// Idle streams a tunnel server holds: 10 agents' worth (one connection and one token each,
+/// as 10 agents at 1,000 streams) on one server process.
+const IDLE_STREAMS: usize = 10_000;
+/// What they may add to the server's memory: README's bound for a server holding them
+/// (100 MiB) less the release binary's own RSS at start (about 9 MiB). The streams' cost,
+/// not the process's total, is what is checked, because the debug binary these tests run
+/// starts 11 MiB larger than a release one.
+const IDLE_STREAMS_BOUND_MIB: u64 = 90;
+
+/// 10,000 idle agent streams on one tunnel server fit in 100 MiB with the server itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_idle_agent_streams_fit_in_100_mib() {
+    const AGENTS: usize = 10;
+    let dir = ScratchDir::new("idle-streams").unwrap();
+    let tokens: Vec<(String, String)> = (0..AGENTS)
+        .map(|i| (format!("idle-token-{i}"), format!("idle-{i}")))
+        .collect();
+    let ts = TunnelServerProc::start(
+        dir.path(),
+        TunnelServerOpts {
+            tokens: tokens.clone(),
+            // No ping within the test: the streams stay idle (and confirmed) by themselves.
+            heartbeat: Duration::from_secs(600),
+            ..TunnelServerOpts::default()
+        },
+    )
+    .await
+    .unwrap();
+    let before = ts.proc.rss_kib().unwrap();
+    let url = ts.agent_url();
+    let mut agents = Vec::new();
+    for (token, _) in &tokens {
+        let (url, token) = (url.clone(), token.clone());
+        agents.push(tokio::spawn(async move {
+            relay_tests::hostile::open_many(&url, &token, IDLE_STREAMS / AGENTS).await
+        }));
+    }
+    let mut held = Vec::new();
+    for a in agents {
+        held.extend(a.await.unwrap().expect("streams opened"));
+    }
+    assert_eq!(held.len(), IDLE_STREAMS);
+    eventually("the server holds every stream", READY, || async {
+        let text = scrape(ts.admin_addr).await.unwrap_or_default();
+        metric(&text, "relay_tunnel_streams", &[]) as usize == IDLE_STREAMS
+            && metric(
+                &text,
+                "relay_tunnel_stream_opens_total",
+                &[("result", "accepted")],
+            ) as usize
+                == IDLE_STREAMS
+    })
+    .await;
+    let rss = ts.proc.rss_kib().unwrap();
+    eprintln!(
+        "{IDLE_STREAMS} idle streams: tunnel server RSS {:.1} MiB (before them {:.1} MiB)",
+        rss as f64 / 1024.0,
+        before as f64 / 1024.0
+    );
+    assert!(
+        rss.saturating_sub(before) <= IDLE_STREAMS_BOUND_MIB * 1024,
+        "{IDLE_STREAMS} idle streams: RSS {rss} KiB, {before} KiB before them: they add more than {IDLE_STREAMS_BOUND_MIB} MiB"
+    );
+    drop(held);
+}

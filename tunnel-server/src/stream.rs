@@ -53,7 +53,7 @@ pub struct TunnelService {
     pub listener: Arc<relay_common::listen::ListenerGuard>,
 }
 
-type ConnectStream = Pin<Box<dyn Stream<Item = OutFrame> + Send + 'static>>;
+type ConnectStream = Pin<Box<dyn Stream<Item = Result<ServerFrame, Status>> + Send + 'static>>;
 
 /// Metadata on a RESOURCE_EXHAUSTED open refusal, so the agent learns which server
 /// refused (no hello names it) and, at the cap, how many streams it takes.
@@ -175,6 +175,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
         // After a close, the RPC ends with the status a revocation left, if any.
         let end_status = handle.end_status();
         let stream = ReceiverStream::new(out_rx)
+            .map(|frame: OutFrame| frame.map(|f| *f))
             .take_until(handle.closed_owned())
             .chain(
                 futures::stream::once(async move { end_status() })
