@@ -50,12 +50,22 @@ if [ -z "${BIN_DIR:-}" ]; then
 fi
 BIN=${BIN_DIR:-target/release}
 
+# A listener left on one of the run's ports (an earlier run's nginx, say) would share it
+# (nginx listens with reuseport) and skew what is measured: refuse to start.
+for port in 8000 8080 8090 8101 8102 8103 8201 8202 8441 8442 8443 8451 8452 8453 8460 8470 \
+  9080 9081 9090 9091 9441 9442 9443; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    echo "port $port is in use (a process left from an earlier run?): stop it first"; exit 1
+  fi
+done
+
 work=$(mktemp -d)
 pids=()
 nginx_pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for f in "$work"/nginx*.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
+  # Every nginx of the run: the upstream and the chain's three hops.
+  for f in "$work"/*.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$work"
 }
