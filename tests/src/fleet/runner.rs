@@ -831,6 +831,10 @@ async fn sample_fleet(
     }
 }
 
+/// How long past its end a run waits for the agents to prune to the scenario's
+/// `max_resting_streams`.
+const RESTING_WITHIN: Duration = Duration::from_secs(10);
+
 /// Sends the load, runs faults and the sampler until the duration ends or `stop`.
 async fn drive(
     s: &Scenario,
@@ -975,6 +979,27 @@ async fn drive(
             if in_flight == 0 || now > since + grace {
                 break;
             }
+        }
+    }
+    // At rest: the agents prune on their own clock (slower on a busy machine). With a
+    // resting bound to check, the sampler goes on after the run's end until the streams
+    // are within it or `RESTING_WITHIN` has passed; the last sample is the resting count.
+    if let (Some(max), false) = (s.expect.max_resting_streams, interrupted) {
+        let until = Instant::now() + RESTING_WITHIN;
+        let streams = |p: &Sample| -> u64 { p.servers.values().map(|v| v.idle + v.busy).sum() };
+        while samples.last().is_some_and(|p| streams(p) > max) && Instant::now() < until {
+            tick.tick().await;
+            let (servers, queued) = sample_fleet(fleet, &mut actions).await;
+            samples.push(Sample {
+                t: start.elapsed().as_secs_f64(),
+                servers,
+                in_flight: rec.in_flight.load(Ordering::Relaxed).max(0) as u64,
+                queued,
+                sent: rec.sent.load(Ordering::Relaxed),
+                ok: rec.ok.load(Ordering::Relaxed),
+                failed: rec.failed.load(Ordering::Relaxed),
+                actions: actions.total.clone(),
+            });
         }
     }
     if progress {

@@ -230,7 +230,8 @@ pub struct Expect {
     pub burst_done_within: Option<Duration>,
     /// Peak streams (all agents, all servers) at most this.
     pub max_peak_streams: Option<u64>,
-    /// Streams at the end of the run at most this (pruned back after a burst).
+    /// Streams at rest at most this (pruned back after a burst): the last sample, taken
+    /// once the streams are within it or 10 s after the run's end, whichever is first.
     pub max_resting_streams: Option<u64>,
     /// At the end every running server holds at least this many streams.
     pub min_end_streams_per_server: Option<u64>,
