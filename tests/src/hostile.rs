@@ -177,26 +177,7 @@ pub struct Opened {
 /// status otherwise (a connection closed before an answer shows as UNAVAILABLE or an
 /// error from the transport).
 pub async fn open(url: &str, token: &str) -> Result<Opened, tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
-        .connect()
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let (tx, rx) = mpsc::channel(4);
-    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-    req.metadata_mut()
-        .insert("authorization", format!("Bearer {token}").parse().unwrap());
-    let mut inbound = TunnelClient::new(channel).connect(req).await?.into_inner();
-    match inbound.message().await? {
-        Some(ServerFrame {
-            kind: Some(In::Hello(h)),
-        }) => Ok(Opened {
-            tunnel_id: h.tunnel_id,
-            inbound,
-            _out: tx,
-        }),
-        other => Err(tonic::Status::internal(format!("no hello: {other:?}"))),
-    }
+    connect(dial(url).await?, token, false).await
 }
 
 /// `n` streams of `Tunnel.Connect` with `token` on one new connection (one agent's
@@ -204,36 +185,44 @@ pub async fn open(url: &str, token: &str) -> Result<Opened, tonic::Status> {
 /// first frame after the hello: the stream takes calls from then on); the first refusal
 /// otherwise. The streams answer no later ping.
 pub async fn open_many(url: &str, token: &str, n: usize) -> Result<Vec<Opened>, tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+    let channel = dial(url).await?;
+    futures::future::try_join_all((0..n).map(|_| connect(channel.clone(), token, true))).await
+}
+
+/// A new connection to the tunnel server at `url`.
+async fn dial(url: &str) -> Result<tonic::transport::Channel, tonic::Status> {
+    tonic::transport::Endpoint::from_shared(url.to_string())
         .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
         .connect()
         .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let opens = (0..n).map(|_| {
-        let channel = channel.clone();
-        async move {
-            let (tx, rx) = mpsc::channel(4);
-            let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-            req.metadata_mut()
-                .insert("authorization", format!("Bearer {token}").parse().unwrap());
-            let mut inbound = TunnelClient::new(channel).connect(req).await?.into_inner();
-            match inbound.message().await? {
-                Some(ServerFrame {
-                    kind: Some(In::Hello(h)),
-                }) => {
-                    let confirm = AgentFrame::of(Out::Pong(Pong { seq: 0 }));
-                    tx.send(confirm)
-                        .await
-                        .map_err(|_| tonic::Status::unavailable("the stream closed"))?;
-                    Ok(Opened {
-                        tunnel_id: h.tunnel_id,
-                        inbound,
-                        _out: tx,
-                    })
-                }
-                other => Err(tonic::Status::internal(format!("no hello: {other:?}"))),
-            }
-        }
-    });
-    futures::future::try_join_all(opens).await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))
+}
+
+/// One `Tunnel.Connect` on `channel`, up to the hello; with `confirm`, then a first frame.
+async fn connect(
+    channel: tonic::transport::Channel,
+    token: &str,
+    confirm: bool,
+) -> Result<Opened, tonic::Status> {
+    let (tx, rx) = mpsc::channel(4);
+    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let mut inbound = TunnelClient::new(channel).connect(req).await?.into_inner();
+    let tunnel_id = match inbound.message().await? {
+        Some(ServerFrame {
+            kind: Some(In::Hello(h)),
+        }) => h.tunnel_id,
+        other => return Err(tonic::Status::internal(format!("no hello: {other:?}"))),
+    };
+    if confirm {
+        tx.send(AgentFrame::of(Out::Pong(Pong { seq: 0 })))
+            .await
+            .map_err(|_| tonic::Status::unavailable("the stream closed"))?;
+    }
+    Ok(Opened {
+        tunnel_id,
+        inbound,
+        _out: tx,
+    })
 }

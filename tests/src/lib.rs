@@ -10,6 +10,7 @@
 //! it.
 
 pub mod certs;
+pub mod checks;
 pub mod client;
 pub mod fake_server;
 pub mod fleet;

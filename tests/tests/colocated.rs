@@ -5,14 +5,13 @@
 
 use bytes::Bytes;
 use http::Method;
-use http_body_util::BodyExt;
 use relay_agent::coverage::plan::CoverageConfig;
+use relay_tests::checks;
 use relay_tests::client::Caller;
 use relay_tests::lb::Policy;
 use relay_tests::metrics::value;
 use relay_tests::procs::{metric, scrape};
 use relay_tests::stack::{Stack, StackBuilder, TUNNEL_ID};
-use relay_tests::upstream::pattern_byte;
 use relay_tests::{eventually, eventually_ok};
 use std::time::Duration;
 
@@ -169,40 +168,7 @@ async fn the_colocated_front_answers_as_the_dispatcher_does() {
 async fn colocated_calls_skip_the_network_and_stream_large_bodies() {
     let stack = colocated_alone().start().await.unwrap();
     stack.wait_routable(READY).await.unwrap();
-    let caller = stack.caller();
-    let body: Vec<u8> = (0..1024 * 1024u64).map(pattern_byte).collect();
-    let a = caller
-        .call(caller.request(
-            Method::PUT,
-            &format!("/relay/{TUNNEL_ID}/echo"),
-            body.clone(),
-        ))
-        .await
-        .unwrap();
-    assert_eq!(a.status, 200, "{}", a.text());
-    assert!(a.body[..] == body[..], "1 MiB body changed in transit");
-
-    const N: u64 = 64 * 1024 * 1024;
-    let resp = caller
-        .send(caller.request(
-            Method::GET,
-            &format!("/relay/{TUNNEL_ID}/bytes/{N}"),
-            Bytes::new(),
-        ))
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut body = resp.into_body();
-    let mut at = 0u64;
-    while let Some(frame) = body.frame().await {
-        if let Some(data) = frame.unwrap().data_ref() {
-            for (i, b) in data.iter().enumerate() {
-                assert_eq!(*b, pattern_byte(at + i as u64), "byte {}", at + i as u64);
-            }
-            at += data.len() as u64;
-        }
-    }
-    assert_eq!(at, N);
+    checks::large_bodies_pass_byte_for_byte(&stack).await;
     stack.shutdown().await;
 }
 
@@ -250,25 +216,7 @@ async fn a_caller_leaving_cancels_through_the_in_process_hop() {
         .await
         .unwrap();
     stack.wait_routable(READY).await.unwrap();
-    let caller = stack.caller();
-    let leaving = {
-        let caller = caller.clone();
-        tokio::spawn(async move { caller.get(&format!("/relay/{TUNNEL_ID}/slow/30000")).await })
-    };
-    eventually("the slow call reached the upstream", READY, || async {
-        stack.upstream.in_flight() == 1
-    })
-    .await;
-    leaving.abort();
-    eventually("the upstream saw the cancel", READY, || async {
-        stack.upstream.in_flight() == 0 && stack.upstream.cancelled() >= 1
-    })
-    .await;
-    let a = caller
-        .get(&format!("/relay/{TUNNEL_ID}/hello"))
-        .await
-        .unwrap();
-    assert_eq!(a.status, 200, "{}", a.text());
+    checks::a_caller_leaving_cancels_the_upstream(&stack).await;
     stack.shutdown().await;
 }
 

@@ -4,12 +4,11 @@
 
 use bytes::Bytes;
 use http::Method;
-use http_body_util::BodyExt;
 use relay_agent::coverage::plan::CoverageConfig;
+use relay_tests::checks;
 use relay_tests::client::Caller;
 use relay_tests::eventually;
 use relay_tests::stack::{Stack, TUNNEL_ID};
-use relay_tests::upstream::pattern_byte;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -69,48 +68,7 @@ async fn get_and_post_round_trip_byte_for_byte() {
 async fn a_1_mib_request_body_and_a_64_mib_streamed_response_pass() {
     let stack = Stack::builder().start().await.unwrap();
     stack.wait_routable(READY).await.unwrap();
-    let caller = stack.caller();
-
-    let body: Vec<u8> = (0..1024 * 1024u64).map(pattern_byte).collect();
-    let a = caller
-        .call(caller.request(
-            Method::PUT,
-            &format!("/relay/{TUNNEL_ID}/echo"),
-            body.clone(),
-        ))
-        .await
-        .unwrap();
-    assert_eq!(a.status, 200);
-    assert_eq!(a.body.len(), body.len());
-    assert!(a.body[..] == body[..], "1 MiB body changed in transit");
-
-    const N: u64 = 64 * 1024 * 1024;
-    let resp = caller
-        .send(caller.request(
-            Method::GET,
-            &format!("/relay/{TUNNEL_ID}/bytes/{N}"),
-            Bytes::new(),
-        ))
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let mut body = resp.into_body();
-    let mut at = 0u64;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.unwrap();
-        if let Some(data) = frame.data_ref() {
-            for (i, b) in data.iter().enumerate() {
-                assert_eq!(
-                    *b,
-                    pattern_byte(at + i as u64),
-                    "byte {} differs",
-                    at + i as u64
-                );
-            }
-            at += data.len() as u64;
-        }
-    }
-    assert_eq!(at, N);
+    checks::large_bodies_pass_byte_for_byte(&stack).await;
     stack.shutdown().await;
 }
 
@@ -298,26 +256,7 @@ async fn a_caller_leaving_mid_call_cancels_the_upstream_and_frees_the_stream() {
         .await
         .unwrap();
     stack.wait_routable(READY).await.unwrap();
-    let caller = stack.caller();
-    let pending = {
-        let caller = caller.clone();
-        tokio::spawn(async move { caller.get(&format!("/relay/{TUNNEL_ID}/slow/10000")).await })
-    };
-    eventually("the call reached the upstream", READY, || async {
-        stack.upstream.in_flight() == 1
-    })
-    .await;
-    pending.abort();
-    eventually("the upstream request was dropped", READY, || async {
-        stack.upstream.in_flight() == 0 && stack.upstream.cancelled() >= 1
-    })
-    .await;
-    // The single stream is idle again and serves the next call.
-    let a = caller
-        .get(&format!("/relay/{TUNNEL_ID}/hello"))
-        .await
-        .unwrap();
-    assert_eq!(a.status, 200, "{}", a.text());
+    checks::a_caller_leaving_cancels_the_upstream(&stack).await;
     stack.shutdown().await;
 }
 
