@@ -90,6 +90,7 @@ pub struct StackBuilder {
     upstream_latency_fn: Option<Arc<dyn Fn() -> Duration + Send + Sync>>,
     lb_seed: u64,
     agent_addrs: Vec<SocketAddr>,
+    agent_listeners: Vec<Option<std::net::TcpListener>>,
     direct: bool,
     colocated: bool,
 }
@@ -114,6 +115,7 @@ impl Default for StackBuilder {
             upstream_latency_fn: None,
             lb_seed: 7,
             agent_addrs: Vec::new(),
+            agent_listeners: Vec::new(),
             direct: false,
             colocated: false,
         }
@@ -217,6 +219,14 @@ impl StackBuilder {
 
     /// Binds server `i`'s agent-facing listener on `addrs[i]` (the rest on port 0), so a
     /// load balancer configured before the stack starts (a real HAProxy) can point there.
+    /// The agent listeners of the first servers, bound by the caller (who needed their
+    /// addresses first, e.g. for a load balancer's config): no other socket can take the
+    /// port in between, as one can between picking a free address and binding it.
+    pub fn server_agent_listeners(mut self, listeners: Vec<std::net::TcpListener>) -> Self {
+        self.agent_listeners = listeners.into_iter().map(Some).collect();
+        self
+    }
+
     pub fn server_agent_addrs(mut self, addrs: Vec<SocketAddr>) -> Self {
         self.agent_addrs = addrs;
         self
@@ -243,7 +253,7 @@ impl StackBuilder {
         self
     }
 
-    pub async fn start(self) -> anyhow::Result<Stack> {
+    pub async fn start(mut self) -> anyhow::Result<Stack> {
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
         let rts = self.runtimes.clone();
@@ -338,9 +348,16 @@ impl StackBuilder {
                 continue;
             }
             let l = relay_tunnel_server::Listeners {
-                agent: match self.agent_addrs.get(i) {
-                    Some(a) => TcpListener::bind(a).await?,
-                    None => any().await?,
+                agent: match (
+                    self.agent_listeners.get_mut(i).and_then(Option::take),
+                    self.agent_addrs.get(i),
+                ) {
+                    (Some(l), _) => {
+                        l.set_nonblocking(true)?;
+                        TcpListener::from_std(l)?
+                    }
+                    (None, Some(a)) => TcpListener::bind(a).await?,
+                    (None, None) => any().await?,
                 },
                 forward: any().await?,
                 admin: any().await?,

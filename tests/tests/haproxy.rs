@@ -26,8 +26,8 @@ use relay_tests::ledger::{
 use relay_tests::load::LoadSpec;
 use relay_tests::metrics::value;
 use relay_tests::procs::{
-    free_addr, metric, scrape, series, wait_http, AgentOpts, AgentProc, DispatcherOpts,
-    DispatcherProc, ScratchDir, TunnelServerOpts, TunnelServerProc,
+    metric, scrape, series, wait_http, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc,
+    ScratchDir, TunnelServerOpts, TunnelServerProc,
 };
 use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use relay_tests::upstream::Upstream;
@@ -38,9 +38,12 @@ use tokio::time::Instant;
 
 const WEIGHTS: [u32; 3] = [5, 90, 5];
 
-/// HAProxy in front of three server ports picked now, then the stack on those ports.
+/// HAProxy in front of three server ports bound now, then the stack on those listeners.
 async fn stack_behind_haproxy(routed: Option<usize>) -> (Stack, Haproxy) {
-    let agent_addrs: Vec<SocketAddr> = (0..3).map(|_| free_addr().unwrap()).collect();
+    let listeners: Vec<std::net::TcpListener> = (0..3)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let agent_addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
     let backends = agent_addrs
         .iter()
         .enumerate()
@@ -61,7 +64,7 @@ async fn stack_behind_haproxy(routed: Option<usize>) -> (Stack, Haproxy) {
     let mut b = Stack::builder()
         .servers(3)
         .zones(&["far", "near", "far"])
-        .server_agent_addrs(agent_addrs)
+        .server_agent_listeners(listeners)
         .upstream_latency(Duration::from_millis(200))
         .agent_config(move |c| c.tunnels = vec![url]);
     if let Some(n) = routed {
