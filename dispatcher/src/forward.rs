@@ -40,7 +40,7 @@
 use crate::body::RequestBody;
 use crate::config::RoutingPolicy;
 use crate::error::{ErrorCode, Failure, Retry};
-use crate::hop::{Local, ResponseFrames};
+use crate::hop::{Local, LocalServer, ResponseFrames};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::routing::{Pick, Target};
@@ -116,7 +116,7 @@ pub struct Channels {
 /// How one attempt reaches its tunnel server.
 pub enum Hop {
     Remote(Channel),
-    Local(Local),
+    Local(Arc<dyn LocalServer>),
 }
 
 impl Default for Channels {
@@ -155,7 +155,7 @@ impl Channels {
 
     pub fn get(&self, forward_url: &str) -> Result<Hop, String> {
         if let Some(local) = self.local.as_ref().filter(|l| l.forward_url == forward_url) {
-            return Ok(Hop::Local(local.clone()));
+            return Ok(Hop::Local(local.server.clone()));
         }
         let https = forward_url.starts_with("https://");
         match (self.client.is_tls(), https) {
@@ -239,14 +239,24 @@ impl Forwarder {
             "no tunnel server holds streams for this tunnel id",
         );
         let mut last_server = None;
-        let mut servers: Vec<&Target> = pick.servers.iter().collect();
-        if let Some(i) = servers
-            .iter()
-            .position(|t| self.channels.is_local(&t.forward_url))
-        {
-            servers[..=i].rotate_right(1);
-        }
-        for (attempt, target) in servers.iter().copied().take(self.max_attempts).enumerate() {
+        // The router's order, with the co-located server (if picked) moved to the front.
+        let local = match self.channels.local {
+            Some(_) => pick
+                .servers
+                .iter()
+                .position(|t| self.channels.is_local(&t.forward_url)),
+            None => None,
+        };
+        let nth = |n: usize| -> Option<&Target> {
+            let i = match local {
+                Some(l) if n == 0 => l,
+                Some(l) if n <= l => n - 1,
+                _ => n,
+            };
+            pick.servers.get(i)
+        };
+        for attempt in 0..self.max_attempts {
+            let Some(target) = nth(attempt) else { break };
             if attempt > 0 {
                 if !body.replayable() {
                     debug!(
@@ -270,9 +280,7 @@ impl Forwarder {
                         self.registry
                             .note_no_capacity(&plan.tunnel_id, &target.server_id);
                     }
-                    let may =
-                        self.rules
-                            .allows(retry, &plan.method, servers.get(attempt + 1).copied());
+                    let may = self.rules.allows(retry, &plan.method, nth(attempt + 1));
                     debug!(call_id = plan.call_id, server_id = %target.server_id, code = failure.code.as_str(), ?retry, may, "forward attempt failed");
                     last = failure;
                     if !may {
@@ -330,7 +338,7 @@ impl Forwarder {
                 .call(request)
                 .await
                 .map(|r| r.into_inner().boxed()),
-            Hop::Local(local) => local.server.call(request.boxed()).await,
+            Hop::Local(server) => server.call(request.boxed()).await,
         };
         let mut stream = match called {
             Ok(stream) => stream,
@@ -427,7 +435,7 @@ impl Forwarder {
                             })
                             .await
                             .map(drop),
-                        Hop::Local(local) => local.server.proceed(r.reservation),
+                        Hop::Local(server) => server.proceed(r.reservation),
                     };
                     if let Err(status) = proceeded {
                         // The call's own stream tells how it ended.
