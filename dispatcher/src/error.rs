@@ -153,10 +153,51 @@ impl Retry {
         }
     }
 
-    /// `Forward.Call` failed before any response header. The server never handed the
-    /// call to an agent when the connection was refused or reset, the server rejected the
-    /// RPC, or the connection died before the request went out (hyper cancels the requests
-    /// still waiting for it: CANCELLED). Any other status is the server's final word.
+    /// `Forward.Call` failed before any response header.
+    ///
+    /// A status the server sent (no transport error behind it) came before the server
+    /// handed the call to an agent: [`Retry::of_call_status`].
+    ///
+    /// A transport failure is read from the error chain, never from the status code (tonic
+    /// gives the same UNAVAILABLE/UNKNOWN/INTERNAL to "never connected" and "connection reset
+    /// after the request went out"). The request provably never reached the server when:
+    /// the connection could not be made (`tonic::ConnectError`); hyper never sent it (a
+    /// request cancelled or refused by a closed connection: `is_canceled`, `is_closed`); the
+    /// server refused the stream (h2 REFUSED_STREAM); or the server's graceful GOAWAY
+    /// (NO_ERROR) left it unprocessed. Any other loss is [`Retry::MaybeStarted`]: a tunnel
+    /// server hands a call to an agent as soon as it arrives, before its response header is
+    /// on the wire, so a server dying then may leave the call running on the agent. (The
+    /// one narrow remainder: a server killed while it drains after its GOAWAY fails its
+    /// last calls with the same GOAWAY error.)
+    pub fn of_call_error(status: &tonic::Status) -> Retry {
+        let Some(source) = std::error::Error::source(status) else {
+            return Retry::of_call_status(status.code());
+        };
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(source);
+        while let Some(e) = next {
+            if e.is::<tonic::ConnectError>() {
+                return Retry::Safe;
+            }
+            if let Some(e) = e.downcast_ref::<hyper::Error>() {
+                if e.is_canceled() || e.is_closed() {
+                    return Retry::Safe;
+                }
+            }
+            if let Some(e) = e.downcast_ref::<h2::Error>() {
+                if e.reason() == Some(h2::Reason::REFUSED_STREAM)
+                    || (e.is_go_away() && e.is_remote() && e.reason() == Some(h2::Reason::NO_ERROR))
+                {
+                    return Retry::Safe;
+                }
+            }
+            next = e.source();
+        }
+        Retry::MaybeStarted
+    }
+
+    /// A status the tunnel server itself answered `Forward.Call` with, before any response
+    /// header: UNAVAILABLE, UNKNOWN and CANCELLED mean it did not take the call (it is
+    /// stopping, or refused the RPC); any other status is its final word.
     pub fn of_call_status(code: tonic::Code) -> Retry {
         match code {
             tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => Retry::Safe,
@@ -415,6 +456,38 @@ mod tests {
         ] {
             assert_eq!(Retry::of_call_status(code), Retry::Never, "{code:?}");
         }
+    }
+
+    #[test]
+    fn a_transport_failure_is_read_from_the_error_chain_not_the_code() {
+        use tonic::{ConnectError, Status};
+        let io = |kind| Box::new(std::io::Error::from(kind));
+        // Never connected: safe, whatever the code says.
+        let refused = Status::from_error(Box::new(ConnectError(io(
+            std::io::ErrorKind::ConnectionRefused,
+        ))));
+        assert_eq!(Retry::of_call_error(&refused), Retry::Safe);
+        // A connection that was up and broke: the request may have gone out.
+        let reset = Status::from_error(io(std::io::ErrorKind::ConnectionReset));
+        assert_eq!(Retry::of_call_error(&reset), Retry::MaybeStarted);
+        let eof = Status::from_error(io(std::io::ErrorKind::BrokenPipe));
+        assert_eq!(Retry::of_call_error(&eof), Retry::MaybeStarted);
+        // The server refused the stream: never processed.
+        let refused_stream =
+            Status::from_error(Box::new(h2::Error::from(h2::Reason::REFUSED_STREAM)));
+        assert_eq!(Retry::of_call_error(&refused_stream), Retry::Safe);
+        // A reset for another reason: the server had the request.
+        let internal = Status::from_error(Box::new(h2::Error::from(h2::Reason::INTERNAL_ERROR)));
+        assert_eq!(Retry::of_call_error(&internal), Retry::MaybeStarted);
+        // Statuses the server sent itself keep the code table.
+        assert_eq!(
+            Retry::of_call_error(&Status::unavailable("draining")),
+            Retry::Safe
+        );
+        assert_eq!(
+            Retry::of_call_error(&Status::unauthenticated("no")),
+            Retry::Never
+        );
     }
 
     #[tokio::test]

@@ -345,7 +345,23 @@ impl Forwarder {
             Err(status) => {
                 let why =
                     relay_proto::escape_message(status.message(), relay_proto::MAX_PEER_MESSAGE);
-                return Err((unreachable(why), Retry::of_call_status(status.code())));
+                let retry = match hop {
+                    Hop::Remote(_) => Retry::of_call_error(&status),
+                    // The co-located server answers in-process: a status is its own word.
+                    Hop::Local(_) => Retry::of_call_status(status.code()),
+                };
+                let failure = if retry == Retry::MaybeStarted {
+                    Failure::new(
+                        ErrorCode::StreamLost,
+                        format!(
+                            "tunnel server {} went away ({why}) before the response head; the call may have reached the agent, so it was not retried",
+                            route.server_id
+                        ),
+                    )
+                } else {
+                    unreachable(why)
+                };
+                return Err((failure, retry));
             }
         };
         // The queue handshake: between the server's `Queued` and our `Proceed` no agent

@@ -63,7 +63,8 @@ pub enum Behaviour {
     HeadThenError,
     /// A 200 with a body of this many bytes in chunks of `MAX_CHUNK`.
     Big(usize),
-    /// The call arrives, then every connection is reset before a response header leaves.
+    /// The call arrives, then every connection is reset before a response header leaves
+    /// (as a real server dying right after handing the call to an agent).
     ResetBeforeHeaders,
 }
 
