@@ -33,6 +33,10 @@ pub struct Config {
     pub upstream: String,
     /// Where the admin listener (`/metrics`, `/healthz`, `/readyz`, `/systemcheck`) binds.
     pub admin_listen: SocketAddr,
+    /// Worker threads of the process's runtime; unset: one per core (or
+    /// `TOKIO_WORKER_THREADS`). Fewer than cores suits a machine shared with other busy
+    /// processes (see `relay_common::runtime`).
+    pub worker_threads: Option<usize>,
     /// The background reachability check of the upstream behind `/systemcheck`.
     pub upstream_check: UpstreamCheckConfig,
     /// Bound on opening one tunnel stream, from dialing to the server's hello.
@@ -146,6 +150,7 @@ impl Default for Config {
             token_file: None,
             upstream: "http://127.0.0.1:8000".into(),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
+            worker_threads: None,
             upstream_check: UpstreamCheckConfig::default(),
             connect_timeout: Duration::from_secs(5),
             max_opening: 64,
@@ -205,6 +210,7 @@ impl Config {
 
     /// Checks every key once; the error names the first offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        relay_common::runtime::check("worker_threads", self.worker_threads)?;
         if self.tunnels.is_empty() {
             return Err(ConfigError::invalid(
                 "tunnels",

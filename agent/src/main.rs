@@ -1,6 +1,7 @@
-//! `relay-agent`: parse flags and config, init tracing, bind the admin listener, run until
-//! SIGTERM/SIGINT, map errors to an exit code. `relay-agent check` runs the preflight
-//! (`relay_agent::check`) with the same config, flags and environment instead.
+//! `relay-agent`: parse flags and config, init tracing, start the runtime the config sizes,
+//! bind the admin listener, run until SIGTERM/SIGINT, map errors to an exit code.
+//! `relay-agent check` runs the preflight (`relay_agent::check`) with the same config, flags
+//! and environment instead.
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -104,14 +105,20 @@ fn load(args: Args) -> Result<Config, relay_common::config::ConfigError> {
     Ok(config)
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
     let mut args = Args::parse();
     if let Some(Command::Check { max_clock_skew }) = args.command.take() {
-        return check(args, max_clock_skew).await;
+        // A short preflight: the default runtime, whatever the config sizes for serving.
+        return match relay_common::runtime::build(None) {
+            Ok(runtime) => runtime.block_on(check(args, max_clock_skew)),
+            Err(e) => {
+                eprintln!("relay-agent check: cannot start the runtime: {e}");
+                std::process::ExitCode::from(2)
+            }
+        };
     }
     relay_common::telemetry::init("info");
-    match main_inner(args).await {
+    match main_inner(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), "relay-agent failed");
@@ -121,8 +128,14 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn main_inner(args: Args) -> anyhow::Result<()> {
+fn main_inner(args: Args) -> anyhow::Result<()> {
     let config = load(args)?;
+    relay_common::runtime::build(config.worker_threads)
+        .context("cannot start the runtime")?
+        .block_on(serve(config))
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
     let admin = tokio::net::TcpListener::bind(config.admin_listen)
         .await
         .with_context(|| format!("cannot bind the admin listener on {}", config.admin_listen))?;

@@ -1,5 +1,5 @@
 //! The admin HTTP listener every binary runs: `GET /metrics` (Prometheus text from the
-//! binary's own registry), `GET /healthz` (the process is up), `GET /readyz` (the binary's
+//! binary's own registry, and the runtime's worker threads), `GET /healthz` (the process is up), `GET /readyz` (the binary's
 //! readiness check) and any extra routes the binary adds (the agent's `/systemcheck`,
 //! the dispatcher's `/debug/routes`).
 //!
@@ -66,7 +66,8 @@ impl Admin {
         }
         match req.uri().path() {
             "/metrics" => {
-                let text = render_metrics(&self.registry);
+                let mut text = render_metrics(&self.registry);
+                text.push_str(&runtime_metrics());
                 Response::builder()
                     .header("content-type", "text/plain; version=0.0.4")
                     .body(Full::new(Bytes::from(text)))
@@ -110,6 +111,20 @@ pub fn render_metrics(registry: &prometheus::Registry) -> String {
     let mut buf = Vec::new();
     let _ = prometheus::TextEncoder::new().encode(&registry.gather(), &mut buf);
     String::from_utf8(buf).unwrap_or_default()
+}
+
+/// The process's runtime, appended to every binary's `/metrics`: its worker threads (the
+/// config's `worker_threads`, see `crate::runtime`).
+fn runtime_metrics() -> String {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return String::new();
+    };
+    format!(
+        "# HELP relay_runtime_worker_threads Worker threads of the process's runtime (worker_threads).\n\
+         # TYPE relay_runtime_worker_threads gauge\n\
+         relay_runtime_worker_threads {}\n",
+        handle.metrics().num_workers()
+    )
 }
 
 /// Serves the admin routes on `listener` until `shutdown` resolves.

@@ -1,6 +1,6 @@
 //! Pieces every relay binary shares: the admin HTTP listener (`/metrics`, `/healthz`,
 //! `/readyz` and binary-specific routes), TOML config loading with errors that name the
-//! key, the `Secret` newtype, shutdown signals and tracing setup.
+//! key, the `Secret` newtype, the tokio runtime, shutdown signals and tracing setup.
 //!
 //! Nothing here knows about tunnels or calls; it must stay free of product logic.
 
@@ -13,6 +13,7 @@ pub mod grpc;
 pub mod h2;
 pub mod hop;
 pub mod listen;
+pub mod runtime;
 pub mod secret;
 pub mod server_id;
 pub mod shutdown;

@@ -23,6 +23,10 @@ pub struct Config {
     pub registry_listen: SocketAddr,
     /// Admin listener: `/metrics`, `/healthz`, `/readyz`, `/debug/routes`.
     pub admin_listen: SocketAddr,
+    /// Worker threads of the process's runtime; unset: one per core (or
+    /// `TOKIO_WORKER_THREADS`). Fewer than cores suits a machine shared with other busy
+    /// processes (see `relay_common::runtime`).
+    pub worker_threads: Option<usize>,
     /// Time a call may take until its response head when the caller names none.
     #[serde(with = "humantime_serde")]
     pub call_timeout: Duration,
@@ -334,6 +338,7 @@ impl Default for Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             registry_listen: SocketAddr::from(([127, 0, 0, 1], 8460)),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 9080)),
+            worker_threads: None,
             call_timeout: Duration::from_secs(30),
             max_call_timeout: Duration::from_secs(300),
             shutdown_grace: Duration::from_secs(10),
@@ -407,6 +412,7 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        relay_common::runtime::check("worker_threads", self.worker_threads)?;
         self.front_h2()?;
         self.forward_h2()?;
         self.registry_h2()?;

@@ -1,5 +1,5 @@
-//! `relay-dispatcher`: parse config, init tracing, bind the three listeners, run until
-//! SIGTERM/SIGINT, map errors to exit code 1.
+//! `relay-dispatcher`: parse config, init tracing, start the runtime the config sizes, bind
+//! the three listeners, run until SIGTERM/SIGINT, map errors to exit code 1.
 
 use anyhow::Context;
 use clap::Parser;
@@ -61,8 +61,7 @@ async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("cannot bind the {what} listener on {addr}"))
 }
 
-async fn main_inner() -> anyhow::Result<()> {
-    let config = config(Args::parse())?;
+async fn serve(config: Config) -> anyhow::Result<()> {
     let listeners = Listeners {
         http: bind(config.listen, "HTTP").await?,
         registry: bind(config.registry_listen, "registry").await?,
@@ -72,10 +71,16 @@ async fn main_inner() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::main]
-async fn main() {
+fn main_inner() -> anyhow::Result<()> {
+    let config = config(Args::parse())?;
+    relay_common::runtime::build(config.worker_threads)
+        .context("cannot start the runtime")?
+        .block_on(serve(config))
+}
+
+fn main() {
     relay_common::telemetry::init("info");
-    if let Err(e) = main_inner().await {
+    if let Err(e) = main_inner() {
         tracing::error!(error = %format!("{e:#}"), "relay-dispatcher failed");
         eprintln!("relay-dispatcher: {e:#}");
         std::process::exit(1);

@@ -234,6 +234,7 @@ impl Fleet {
                 upstream: upstream.url(),
                 backoff: o.agent_backoff,
                 extra: o.agent_extra.clone(),
+                ..AgentOpts::default()
             };
             let agent = AgentProc::start(dir.path(), agent_opts.clone())
                 .await

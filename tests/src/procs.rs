@@ -501,6 +501,12 @@ pub struct TunnelServerProc {
     pub token_store: PathBuf,
 }
 
+/// A config's `worker_threads` line, or nothing (one worker per core).
+fn worker_threads_line(n: Option<usize>) -> String {
+    n.map(|n| format!("worker_threads = {n}\n"))
+        .unwrap_or_default()
+}
+
 fn humantime(d: Duration) -> String {
     format!("{}ms", d.as_millis())
 }
@@ -625,6 +631,8 @@ pub struct DispatcherOpts {
     pub registry: String,
     /// Extra TOML appended to the generated config (e.g. a `[routing]` table).
     pub extra: String,
+    /// `worker_threads` (one per core when `None`).
+    pub worker_threads: Option<usize>,
     /// `reload_interval` (the binary's default, 5 s, when `None`).
     pub reload_interval: Option<Duration>,
     /// `max_call_timeout` (the binary's default, 5 min, when `None`).
@@ -641,6 +649,7 @@ impl Default for DispatcherOpts {
             call_timeout: Duration::from_secs(10),
             registry: String::new(),
             extra: String::new(),
+            worker_threads: None,
             reload_interval: None,
             max_call_timeout: None,
             front_tls: None,
@@ -723,7 +732,7 @@ impl DispatcherProc {
         let cfg_path = dir.join("dispatcher.toml");
         let cfg = format!(
             "listen = \"{http}\"\nregistry_listen = \"{registry}\"\nadmin_listen = \"{admin}\"\n\
-             call_timeout = \"{}\"\n{}\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n{}\n\
+             call_timeout = \"{}\"\n{}{}\n[[callers]]\nname = \"test\"\nkey = {:?}\ntunnels = [\"*\"]\nmax_concurrent_calls = 100000\n\n[registry]\nserver_key = {:?}\n{}\n\
              {}[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n\n{}\n",
             humantime(opts.call_timeout),
             reload_line(opts.reload_interval)
@@ -731,6 +740,7 @@ impl DispatcherProc {
                     .max_call_timeout
                     .map(|d| format!("max_call_timeout = \"{}\"\n", humantime(d)))
                     .unwrap_or_default(),
+            worker_threads_line(opts.worker_threads),
             opts.caller_key,
             opts.server_key,
             opts.registry,
@@ -763,6 +773,8 @@ pub struct AgentOpts {
     pub backoff: (Duration, Duration),
     /// Extra TOML appended to the generated config (e.g. a `[coverage]` table).
     pub extra: String,
+    /// `worker_threads` (one per core when `None`).
+    pub worker_threads: Option<usize>,
 }
 
 impl Default for AgentOpts {
@@ -773,6 +785,7 @@ impl Default for AgentOpts {
             upstream: String::new(),
             backoff: (Duration::from_millis(100), Duration::from_secs(2)),
             extra: String::new(),
+            worker_threads: None,
         }
     }
 }
@@ -796,12 +809,13 @@ impl AgentProc {
             let cfg_path = dir.join("agent.toml");
             let tunnels: Vec<String> = opts.tunnels.iter().map(|t| format!("{t:?}")).collect();
             let cfg = format!(
-                "tunnels = [{}]\ntoken = {:?}\nupstream = {:?}\nadmin_listen = \"{admin}\"\n\
+                "tunnels = [{}]\ntoken = {:?}\nupstream = {:?}\nadmin_listen = \"{admin}\"\n{}\
                  backoff_initial = \"{}\"\nbackoff_max = \"{}\"\n\n[tls]\ninsecure = true\n\n\
                  [[allow]]\nname = \"test-all\"\nmethods = [\"*\"]\npath = \"/**\"\n\n{}\n",
                 tunnels.join(", "),
                 opts.token,
                 opts.upstream,
+                worker_threads_line(opts.worker_threads),
                 humantime(opts.backoff.0),
                 humantime(opts.backoff.1),
                 opts.extra,

@@ -5,7 +5,8 @@
 
 use relay_tests::hostile::{open, Opened};
 use relay_tests::procs::{
-    binary, free_addr, metric, scrape, ScratchDir, TunnelServerOpts, TunnelServerProc,
+    binary, free_addr, metric, scrape, series, AgentOpts, AgentProc, DispatcherOpts,
+    DispatcherProc, ScratchDir, TunnelServerOpts, TunnelServerProc,
 };
 use relay_tests::stack::{TOKEN, TUNNEL_ID};
 use relay_tests::upstream::Upstream;
@@ -540,5 +541,68 @@ async fn a_bad_front_config_stops_the_server_naming_the_file_and_key() {
             stderr.contains("front_config") && stderr.contains(want),
             "{want}: {stderr}"
         );
+    }
+}
+
+/// `worker_threads` sizes each binary's runtime (its `/metrics` says how many workers run),
+/// unset means one per core, and a count of 0 stops the binary naming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_threads_sizes_each_binary_and_zero_stops_it_naming_the_key() {
+    let dir = ScratchDir::new("worker-threads").unwrap();
+    let workers = |admin| async move {
+        let text = scrape(admin).await.expect("/metrics");
+        series(&text, "relay_runtime_worker_threads", &[]).expect("the workers gauge")
+    };
+    // One per core (tokio's default, which TOKIO_WORKER_THREADS overrides) when unset.
+    let per_core = std::env::var("TOKIO_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().unwrap().get());
+
+    let sized = TunnelServerProc::start(
+        dir.path(),
+        TunnelServerOpts {
+            server_id: "ts-sized".into(),
+            extra: "worker_threads = 3\n".into(),
+            ..TunnelServerOpts::default()
+        },
+    )
+    .await
+    .unwrap();
+    let unsized_ = TunnelServerProc::start(dir.path(), TunnelServerOpts::default())
+        .await
+        .unwrap();
+    let dispatcher = DispatcherProc::start(
+        dir.path(),
+        DispatcherOpts {
+            worker_threads: Some(1),
+            ..DispatcherOpts::default()
+        },
+    )
+    .await
+    .unwrap();
+    let agent = AgentProc::start(
+        dir.path(),
+        AgentOpts {
+            tunnels: vec![sized.agent_url()],
+            upstream: "http://127.0.0.1:9".into(),
+            worker_threads: Some(2),
+            ..AgentOpts::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(workers(sized.admin_addr).await, 3.0);
+    assert_eq!(workers(unsized_.admin_addr).await, per_core as f64);
+    assert_eq!(workers(dispatcher.admin).await, 1.0);
+    assert_eq!(workers(agent.admin).await, 2.0);
+
+    let cfg = dir.path().join("zero.toml");
+    std::fs::write(&cfg, "worker_threads = 0\n").unwrap();
+    for name in ["relay-dispatcher", "relay-tunnel-server", "relay-agent"] {
+        let out = run(name, &["--config", &cfg.display().to_string()], &[]).await;
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert!(stderr.contains("worker_threads"), "{name}: {stderr}");
     }
 }

@@ -28,6 +28,10 @@ pub struct Config {
     pub forward_listen: SocketAddr,
     /// Admin HTTP listener (`/metrics`, `/healthz`, `/readyz`).
     pub admin_listen: SocketAddr,
+    /// Worker threads of the process's runtime; unset: one per core (or
+    /// `TOKIO_WORKER_THREADS`). Fewer than cores suits a machine shared with other busy
+    /// processes (see `relay_common::runtime`).
+    pub worker_threads: Option<usize>,
     /// URL dispatchers use to reach `forward_listen`; defaults to `http://<forward_listen>`.
     pub forward_url: Option<String>,
     /// Agent-facing URL that reaches this server directly, bypassing the load balancer
@@ -130,6 +134,7 @@ impl Default for Config {
             agent_listen: ([127, 0, 0, 1], 8441).into(),
             forward_listen: ([127, 0, 0, 1], 8451).into(),
             admin_listen: ([127, 0, 0, 1], 9441).into(),
+            worker_threads: None,
             forward_url: None,
             direct_url: None,
             dispatchers: vec!["http://127.0.0.1:8460".into()],
@@ -242,6 +247,7 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        relay_common::runtime::check("worker_threads", self.worker_threads)?;
         self.transport()?;
         self.agent_h2()?;
         self.forward_h2()?;

@@ -1,4 +1,5 @@
-//! `relay-tunnel-server`: parse config, init tracing, bind, run until SIGTERM/SIGINT.
+//! `relay-tunnel-server`: parse config, init tracing, start the runtime the config sizes,
+//! bind, run until SIGTERM/SIGINT.
 //! `relay-tunnel-server tokens add | revoke | list` edits a token store file instead.
 
 use anyhow::Context;
@@ -188,8 +189,7 @@ fn tokens(cmd: Tokens) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
     let mut args = Args::parse();
     if let Some(Command::Tokens(cmd)) = args.command.take() {
         return match tokens(cmd) {
@@ -201,7 +201,7 @@ async fn main() -> std::process::ExitCode {
         };
     }
     relay_common::telemetry::init("info");
-    match main_inner(args).await {
+    match main_inner(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("relay-tunnel-server: {e:#}");
@@ -210,7 +210,7 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn main_inner(args: Args) -> anyhow::Result<()> {
+fn main_inner(args: Args) -> anyhow::Result<()> {
     let mut config: Config = relay_common::config::load(args.config.as_deref())?;
     if let Some(v) = args.server_id {
         config.server_id = v;
@@ -250,6 +250,17 @@ async fn main_inner(args: Args) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    // The process has one runtime: the tunnel server's `worker_threads` sizes it, the
+    // front config's (the dispatcher's own, when it runs alone) is not used.
+    relay_common::runtime::build(config.worker_threads)
+        .context("cannot start the runtime")?
+        .block_on(serve(config, front_config))
+}
+
+async fn serve(
+    config: Config,
+    front_config: Option<relay_dispatcher::Config>,
+) -> anyhow::Result<()> {
     let bind = |addr: SocketAddr, what: &'static str| async move {
         tokio::net::TcpListener::bind(addr)
             .await
