@@ -382,6 +382,17 @@ impl Fleet {
 
     /// The accounting check across the running processes: `sent` calls since [`Fleet::base`].
     pub async fn accounted(&self, sent: u64, base: f64) -> Result<(), String> {
+        self.accounted_abandoning(sent, base, 0).await
+    }
+
+    /// [`Fleet::accounted`] where `abandoned` calls were given up at their deadline while
+    /// their server could not read ([`Hops::abandoned`]).
+    pub async fn accounted_abandoning(
+        &self,
+        sent: u64,
+        base: f64,
+        abandoned: u64,
+    ) -> Result<(), String> {
         let probes = self.probes.load(Ordering::SeqCst) as f64;
         let mut hops = dispatcher_accounted(self.dispatcher.admin, sent, base, probes).await?;
         // A killed or drained process's counters are gone: only a server that ran through
@@ -405,6 +416,7 @@ impl Fleet {
             agent_ledger_text(&format!("agent {}", i + 2), &t, true, &mut hops)?;
         }
         hops.agents_partial = self.agent_restarted;
+        hops.abandoned = abandoned as f64;
         hops_agree(&hops)
     }
 
