@@ -210,7 +210,7 @@ impl Config {
 
     /// Checks every key once; the error names the first offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        relay_common::runtime::check("worker_threads", self.worker_threads)?;
+        relay_common::runtime::check(self.worker_threads)?;
         if self.tunnels.is_empty() {
             return Err(ConfigError::invalid(
                 "tunnels",

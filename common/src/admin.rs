@@ -1,7 +1,7 @@
 //! The admin HTTP listener every binary runs: `GET /metrics` (Prometheus text from the
-//! binary's own registry, and the runtime's worker threads), `GET /healthz` (the process is up), `GET /readyz` (the binary's
-//! readiness check) and any extra routes the binary adds (the agent's `/systemcheck`,
-//! the dispatcher's `/debug/routes`).
+//! binary's own registry, and the runtime's worker threads), `GET /healthz` (the process
+//! is up), `GET /readyz` (the binary's readiness check) and any extra routes the binary
+//! adds (the agent's `/systemcheck`, the dispatcher's `/debug/routes`).
 //!
 //! It owns no product state: every answer comes from closures the binary supplies.
 

@@ -27,15 +27,16 @@ use crate::config::ConfigError;
 /// spawning that many threads.
 pub const MAX_WORKER_THREADS: usize = 1024;
 
-/// Checks a config's `worker_threads` (`key` names it in the error, e.g. `worker_threads`).
-pub fn check(key: &str, worker_threads: Option<usize>) -> Result<(), ConfigError> {
+/// Checks a config's `worker_threads`; the error names the key.
+pub fn check(worker_threads: Option<usize>) -> Result<(), ConfigError> {
+    const KEY: &str = "worker_threads";
     match worker_threads {
         Some(0) => Err(ConfigError::invalid(
-            key,
+            KEY,
             "must be at least 1 (unset: one worker thread per core)",
         )),
         Some(n) if n > MAX_WORKER_THREADS => Err(ConfigError::invalid(
-            key,
+            KEY,
             format!("must be at most {MAX_WORKER_THREADS}, got {n}"),
         )),
         _ => Ok(()),
@@ -63,11 +64,11 @@ mod tests {
     #[test]
     fn zero_and_absurd_counts_are_refused_naming_the_key() {
         for bad in [0, MAX_WORKER_THREADS + 1] {
-            let e = check("worker_threads", Some(bad)).unwrap_err().to_string();
+            let e = check(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("worker_threads"), "{e}");
         }
         for good in [None, Some(1), Some(MAX_WORKER_THREADS)] {
-            check("worker_threads", good).unwrap();
+            check(good).unwrap();
         }
     }
 

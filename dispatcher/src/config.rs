@@ -412,7 +412,7 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        relay_common::runtime::check("worker_threads", self.worker_threads)?;
+        relay_common::runtime::check(self.worker_threads)?;
         self.front_h2()?;
         self.forward_h2()?;
         self.registry_h2()?;

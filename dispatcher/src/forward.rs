@@ -332,41 +332,8 @@ impl Forwarder {
             queue_handshake: true,
         }));
         let request = body.attempt(attempt, head);
-        let called = match &hop {
-            Hop::Remote(channel) => self
-                .client(channel)
-                .call(request)
-                .await
-                .map(|r| r.into_inner().boxed()),
-            Hop::Local(server) => server.call(request.boxed()).await,
-        };
-        let mut stream = match called {
-            Ok(stream) => stream,
-            Err(status) => {
-                let why =
-                    relay_proto::escape_message(status.message(), relay_proto::MAX_PEER_MESSAGE);
-                let retry = match hop {
-                    Hop::Remote(_) => Retry::of_call_error(&status),
-                    // The co-located server answers in-process: a status is its own word.
-                    Hop::Local(_) => Retry::of_call_status(status.code()),
-                };
-                let failure = if retry == Retry::MaybeStarted {
-                    Failure::new(
-                        ErrorCode::StreamLost,
-                        format!(
-                            "tunnel server {} went away ({why}) before the response head; the call may have reached the agent, so it was not retried",
-                            route.server_id
-                        ),
-                    )
-                } else {
-                    unreachable(why)
-                };
-                return Err((failure, retry));
-            }
-        };
-        // The queue handshake: between the server's `Queued` and our `Proceed` no agent
-        // can have seen the call, so losing the server then is safe to retry.
-        let mut stage = Stage::Sent;
+        // A call lost after it left: safe to retry only while it waited in the server's
+        // queue (the queue handshake below), otherwise it may have reached the agent.
         let lost = |queued: bool, what: String| {
             if queued {
                 (
@@ -392,6 +359,29 @@ impl Forwarder {
                 )
             }
         };
+        let called = match &hop {
+            Hop::Remote(channel) => self
+                .client(channel)
+                .call(request)
+                .await
+                .map(|r| r.into_inner().boxed()),
+            Hop::Local(server) => server.call(request.boxed()).await,
+        };
+        let mut stream = match called {
+            Ok(stream) => stream,
+            Err(status) => {
+                let why =
+                    relay_proto::escape_message(status.message(), relay_proto::MAX_PEER_MESSAGE);
+                // The co-located server's statuses carry no transport error: its own word.
+                return Err(match Retry::of_call_error(&status) {
+                    Retry::MaybeStarted => lost(false, format!("went away ({why})")),
+                    retry => (unreachable(why), retry),
+                });
+            }
+        };
+        // The queue handshake: between the server's `Queued` and our `Proceed` no agent
+        // can have seen the call, so losing the server then is safe to retry.
+        let mut stage = Stage::Sent;
         loop {
             let kind = match stream.next().await.transpose() {
                 Ok(Some(ForwardResponse { kind: Some(kind) })) => kind,

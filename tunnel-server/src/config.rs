@@ -247,7 +247,7 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        relay_common::runtime::check("worker_threads", self.worker_threads)?;
+        relay_common::runtime::check(self.worker_threads)?;
         self.transport()?;
         self.agent_h2()?;
         self.forward_h2()?;
