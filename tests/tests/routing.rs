@@ -360,7 +360,20 @@ async fn a_server_killed_mid_load_loses_only_calls_in_progress_and_every_call_is
     loads[0].flowing(12, READY).await;
     let killed_at = Instant::now();
     assert!(stack.kill_server(victim));
-    // Calls sent after the kill, to the servers left (at most 6 were in flight at it).
+    // A call sent before the dispatcher saw the server's connections close may have
+    // reached its agent, as a call in progress may: both may fail, as stream_lost.
+    eventually(
+        "the dispatcher dropped the killed server",
+        READY,
+        || async {
+            !servers_of(&demo_route(stack.dispatcher_admin).await)
+                .iter()
+                .any(|s| s["server_id"] == home.as_str())
+        },
+    )
+    .await;
+    let dropped_at = Instant::now();
+    // Calls sent after that, to the servers left (at most 6 were in flight at the kill).
     loads[0].flowing(18, READY).await;
     let outcome = stop_all(loads).await;
     let retries = metric(stack.dispatcher_admin, "relay_dispatcher_retries_total").await;
@@ -380,12 +393,17 @@ async fn a_server_killed_mid_load_loses_only_calls_in_progress_and_every_call_is
             "call sent {:?} after the kill",
             at.checked_duration_since(killed_at)
         );
-        assert!(*at < killed_at, "a call sent after the kill failed: {code}");
+        assert!(
+            *at < dropped_at,
+            "a call sent after the dispatcher dropped the killed server failed: {code}"
+        );
     }
+    // One call per caller at a time: each fails at most once (its next call is sent to a
+    // connection the dispatcher knows is closed, and retried).
     let failed = outcome.sent - outcome.ok;
-    assert!(failed <= 6, "more failures ({failed}) than calls in flight");
-    let after_kill = outcome.calls.iter().filter(|c| c.0 > killed_at).count();
-    assert!(after_kill > 6, "the load kept flowing after the kill");
+    assert!(failed <= 6, "more failures ({failed}) than callers");
+    let after_drop = outcome.calls.iter().filter(|c| c.0 > dropped_at).count();
+    assert!(after_drop > 6, "the load kept flowing after the kill");
     stack.shutdown().await;
 }
 
