@@ -370,6 +370,27 @@ struct Small {
     end_wait: Pin<Box<tokio::time::Sleep>>,
 }
 
+impl Drop for Small {
+    fn drop(&mut self) {
+        // The answer is whole (it came with its head): the RPC is read to its end rather
+        // than cancelled, even if the caller left before reading it.
+        if let Some(stream) = self.stream.take() {
+            end_rpc_in_background(stream);
+        }
+    }
+}
+
+impl Drop for Streamed {
+    fn drop(&mut self) {
+        // After the body's last chunk only the RPC's end is left to read; before it, the
+        // caller went away and dropping the RPC cancels the call (the agent stops).
+        if self.ended && !self.done {
+            let stream = std::mem::replace(&mut self.stream, Box::pin(futures::stream::empty()));
+            end_rpc_in_background(stream);
+        }
+    }
+}
+
 enum Inner {
     Full(Option<Bytes>),
     Small(Box<Small>),
@@ -443,6 +464,29 @@ pub fn poll_rpc_end(stream: &mut ResponseFrames, cx: &mut Context<'_>) -> Poll<(
 pub async fn finish_rpc(stream: &mut ResponseFrames) {
     let end = std::future::poll_fn(|cx| poll_rpc_end(stream, cx));
     let _ = tokio::time::timeout(RPC_END_WAIT, end).await;
+}
+
+/// Reads the end of the RPC of an answer the caller already has whole, once the response
+/// body is dropped: at once if the server's end is already here (the usual case, it
+/// travels with the last frame), otherwise in a task of its own.
+///
+/// hyper drops a response body as soon as it has written the bytes its length announced
+/// (`Content-Length`, or the exact size of a body that came inside its head) without
+/// polling it for its end, so the body cannot wait for the trailers itself. Dropping the
+/// RPC there instead would reset it (RST_STREAM(CANCEL)) whenever the trailers were a
+/// packet behind, and the client keeps every stream it reset in its slab for
+/// `reset_stream_duration` (up to `reset_stream_memory` of them): under load that was
+/// thousands of finished calls' streams per connection, megabytes of memory that never
+/// came back, and a reset per call for the server to process.
+fn end_rpc_in_background(mut stream: ResponseFrames) {
+    let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+    if poll_rpc_end(&mut stream, &mut cx).is_ready() {
+        return;
+    }
+    // No runtime (the process is stopping): the RPC goes with the connection.
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move { finish_rpc(&mut stream).await });
+    }
 }
 
 /// How long a finished call waits for its RPC's end before cancelling it.

@@ -66,6 +66,14 @@ pub enum Behaviour {
     /// The call arrives, then every connection is reset before a response header leaves
     /// (as a real server dying right after handing the call to an agent).
     ResetBeforeHeaders,
+    /// A whole 200 (`content-length: 100`, the body inside the head), then the RPC's end
+    /// is held until [`FakeServer::release`]; a dispatcher that drops the RPC first is
+    /// counted in [`FakeServer::cancelled`], one that reads it to its end in
+    /// [`FakeServer::ended`].
+    WholeHeadThenHeldEnd,
+    /// A 200 with `content-length: 1000` and its body in one chunk that ends it, then the
+    /// RPC's end held as in [`Behaviour::WholeHeadThenHeldEnd`].
+    WholeBodyThenHeldEnd,
 }
 
 /// A call as the fake saw it.
@@ -85,6 +93,10 @@ struct FakeState {
     behaviour: Arc<Mutex<Behaviour>>,
     seen: Arc<Mutex<Vec<Seen>>>,
     cancelled: Arc<AtomicUsize>,
+    /// RPCs of the held-end behaviours that ended after [`FakeServer::release`].
+    ended: Arc<AtomicUsize>,
+    /// Set by [`FakeServer::release`]: held RPCs end.
+    release: Arc<tokio::sync::watch::Sender<bool>>,
     /// Fired by `Forward.Proceed`.
     proceeded: Arc<tokio::sync::Notify>,
     /// Resets every TCP connection through the fake's proxy (see
@@ -300,6 +312,34 @@ impl FakeState {
                     }
                 }
             }
+            Behaviour::WholeHeadThenHeldEnd | Behaviour::WholeBodyThenHeldEnd => {
+                let inline = behaviour == Behaviour::WholeHeadThenHeldEnd;
+                let len = if inline { 100 } else { 1000 };
+                send(ForwardResponse::of(RespKind::Head(ResponseHead {
+                    call_id: head.call_id,
+                    status: 200,
+                    headers: vec![Header::new("content-length", len.to_string())],
+                    end_of_stream: inline,
+                    body: if inline {
+                        vec![7; len].into()
+                    } else {
+                        bytes::Bytes::new()
+                    },
+                })))
+                .await;
+                if !inline {
+                    send(body_frame(vec![7; len], true)).await;
+                }
+                let mut release = self.release.subscribe();
+                tokio::select! {
+                    _ = tx.closed() => {
+                        self.cancelled.fetch_add(1, Ordering::SeqCst);
+                    }
+                    _ = release.wait_for(|r| *r) => {
+                        self.ended.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            }
             Behaviour::Echo | Behaviour::ResetBeforeHeaders => {
                 // Echo: report what arrived in headers, stream the request body back.
                 let headers = vec![
@@ -480,9 +520,21 @@ impl FakeServer {
         self.state.seen.lock().unwrap().clone()
     }
 
-    /// Calls of [`Behaviour::Hang`] the dispatcher dropped.
+    /// Calls of [`Behaviour::Hang`] the dispatcher dropped, and calls of the held-end
+    /// behaviours it dropped before their RPC's end.
     pub fn cancelled(&self) -> usize {
         self.state.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// Ends every RPC held by [`Behaviour::WholeHeadThenHeldEnd`] or
+    /// [`Behaviour::WholeBodyThenHeldEnd`], now and from now on.
+    pub fn release(&self) {
+        self.state.release.send_replace(true);
+    }
+
+    /// Held RPCs that ended after [`FakeServer::release`] with the dispatcher still reading.
+    pub fn ended(&self) -> usize {
+        self.state.ended.load(Ordering::SeqCst)
     }
 }
 

@@ -18,11 +18,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use relay_dispatcher::{CallerConfig, Config, Listeners};
 use relay_proto::MAX_CHUNK;
-use relay_tests::eventually;
 use relay_tests::fake_server::{
     header, intro, load_frame, report_stream, report_stream_with_key, up, Announcer, Behaviour,
     FakeServer,
 };
+use relay_tests::{eventually, holds_for};
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -510,6 +510,49 @@ async fn no_head_before_the_deadline_is_504_and_the_forward_call_is_dropped() {
         fake.cancelled() == 1
     })
     .await;
+    d.shutdown().await;
+}
+
+/// A call answered whole (its length known: `Content-Length`, or a body inside the head)
+/// has its `Forward.Call` read to the end, not cancelled: hyper drops a response body once
+/// the announced bytes are written, and a cancel there was an RST_STREAM per such call
+/// whose trailers came a packet behind, each one kept in the h2 client's memory of reset
+/// streams (megabytes of a dispatcher's memory at rest after a soak).
+#[tokio::test]
+async fn a_call_answered_whole_has_its_rpc_read_to_the_end_not_cancelled() {
+    let d = start_dispatcher().await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    let calls = 20;
+    for (behaviour, len) in [
+        (Behaviour::WholeHeadThenHeldEnd, 100),
+        (Behaviour::WholeBodyThenHeldEnd, 1000),
+    ] {
+        fake.set(behaviour);
+        for i in 0..calls {
+            let answer = d.get(&format!("/relay/demo/whole/{i}")).await;
+            assert_eq!(answer.status, StatusCode::OK, "{behaviour:?}");
+            assert_eq!(
+                answer.body.as_ref().map(|b| b.len()),
+                Ok(len),
+                "{behaviour:?}"
+            );
+        }
+    }
+    holds_for(
+        "no RPC of a call answered whole is cancelled",
+        Duration::from_millis(500),
+        || async { fake.cancelled() == 0 },
+    )
+    .await;
+    fake.release();
+    eventually(
+        "every held RPC ends with the dispatcher still reading it",
+        WAIT,
+        || async { fake.ended() == 2 * calls },
+    )
+    .await;
+    assert_eq!(fake.cancelled(), 0);
     d.shutdown().await;
 }
 
