@@ -13,6 +13,7 @@
 #        PERF_RECORD=1 bench/relay-profile.sh
 #        SHAPE=colocated bench/relay-profile.sh   (examples/colocated: the tunnel server
 #                                                   serving the front itself, and the agent)
+#        WRK_THREADS=2 bench/relay-profile.sh     (wrk's threads; default 1, as the targets were set)
 # Needs perf, strace, wrk and nginx (installed from Debian when missing), and the fixed
 # loopback ports of examples/local (8080, 8441-8452, 8460, 9090) and 8000 free.
 set -euo pipefail
@@ -84,7 +85,7 @@ for _ in $(seq 1 200); do
 done
 [ $ok = 1 ] || { echo "relay not answering"; tail "$work"/*.log; exit 1; }
 # Warm up: the agent grows its streams to the load before anything is counted.
-wrk -t2 -c"$CONNS" -d3s -H "$AUTH" "$URL" >/dev/null
+wrk -t"${WRK_THREADS:-1}" -c"$CONNS" -d3s -H "$AUTH" "$URL" >/dev/null
 
 calls_of() { awk '/requests in/ {print $1}' "$1"; }
 errors_of() {
@@ -99,7 +100,7 @@ for p in "${pids[@]}"; do
   eval "STAT_$p=$!"
 done
 sleep 0.2 # perf attaches in well under this; it has no readiness signal to wait for
-wrk -t2 -c"$CONNS" -d"$DURATION" --latency -H "$AUTH" "$URL" > "$work/wrk.out"
+wrk -t"${WRK_THREADS:-1}" -c"$CONNS" -d"$DURATION" --latency -H "$AUTH" "$URL" > "$work/wrk.out"
 for p in "${RELAY[@]}"; do v="STAT_$p"; kill -INT "${!v}"; wait "${!v}" 2>/dev/null || true; done
 calls=$(calls_of "$work/wrk.out")
 errors=$(errors_of "$work/wrk.out")
@@ -122,7 +123,7 @@ echo
 hz=$(getconf CLK_TCK)
 declare -A U0 S0
 for p in "${RELAY[@]}"; do read -r U0[$p] S0[$p] < <(awk '{print $14, $15}' "/proc/$p/stat"); done
-wrk -t2 -c"$CONNS" -d"$DURATION" -H "$AUTH" "$URL" > "$work/wrk2.out"
+wrk -t"${WRK_THREADS:-1}" -c"$CONNS" -d"$DURATION" -H "$AUTH" "$URL" > "$work/wrk2.out"
 calls2=$(calls_of "$work/wrk2.out")
 printf '%-16s %14s %14s %10s\n' process "user us/call" "sys us/call" "sys share"
 for p in "${RELAY[@]}"; do
@@ -138,7 +139,7 @@ for p in "${RELAY[@]}"; do
   eval "TRACE_$p=$!"
 done
 sleep 0.5 # strace attaches to every thread; no readiness signal either
-wrk -t2 -c"$CONNS" -d4s -H "$AUTH" "$URL" > "$work/wrk3.out"
+wrk -t"${WRK_THREADS:-1}" -c"$CONNS" -d4s -H "$AUTH" "$URL" > "$work/wrk3.out"
 for p in "${RELAY[@]}"; do v="TRACE_$p"; wait "${!v}" 2>/dev/null || true; done
 calls3=$(calls_of "$work/wrk3.out")
 for p in "${RELAY[@]}"; do
@@ -153,7 +154,7 @@ if [ "$PERF_RECORD" = 1 ]; then
     perf record -q -F 999 -g -p "$p" -o "$work/perf.$p" -- sleep 5 >/dev/null 2>&1 &
     eval "REC_$p=$!"
   done
-  wrk -t2 -c"$CONNS" -d5s -H "$AUTH" "$URL" > /dev/null
+  wrk -t"${WRK_THREADS:-1}" -c"$CONNS" -d5s -H "$AUTH" "$URL" > /dev/null
   for p in "${RELAY[@]}"; do
     v="REC_$p"; wait "${!v}" 2>/dev/null || true
     echo
