@@ -366,8 +366,10 @@ struct Small {
     data: Option<Bytes>,
     len: u64,
     stream: Option<ResponseFrames>,
-    /// Bound on waiting for the RPC's end after the body (`RPC_END_WAIT`).
-    end_wait: Pin<Box<tokio::time::Sleep>>,
+    /// Bound on waiting for the RPC's end after the body (`RPC_END_WAIT`), armed at the
+    /// first wait: hyper seldom polls a body whose length it knows past its bytes (the
+    /// end is then read on drop, see [`end_rpc_in_background`]).
+    end_wait: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Drop for Small {
@@ -439,7 +441,7 @@ impl RelayBody {
             data: (!data.is_empty()).then_some(data),
             len,
             stream: Some(stream),
-            end_wait: Box::pin(tokio::time::sleep(RPC_END_WAIT)),
+            end_wait: None,
         })))
     }
 }
@@ -549,7 +551,12 @@ impl Body for RelayBody {
                 }
                 if let Some(stream) = small.stream.as_mut() {
                     if poll_rpc_end(stream, cx).is_pending()
-                        && small.end_wait.as_mut().poll(cx).is_pending()
+                        && small
+                            .end_wait
+                            .get_or_insert_with(|| Box::pin(tokio::time::sleep(RPC_END_WAIT)))
+                            .as_mut()
+                            .poll(cx)
+                            .is_pending()
                     {
                         return Poll::Pending;
                     }
