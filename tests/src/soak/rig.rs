@@ -29,6 +29,9 @@ use tokio_util::sync::CancellationToken;
 
 /// How long a fresh stack may take to route its first call.
 const READY_WITHIN: Duration = Duration::from_secs(30);
+/// How many times the co-located front's ports are picked before the rig gives up.
+const FRONT_PORT_ATTEMPTS: usize = 3;
+
 /// How long a restarted server may take to answer `/readyz`, report to the dispatcher
 /// and (behind HAProxy) pass its health check.
 const WHOLE_WITHIN: Duration = Duration::from_secs(30);
@@ -174,21 +177,49 @@ impl Rig {
     /// Starts the dispatcher, the servers, HAProxy (if asked) and the agent, each on
     /// fresh loopback ports.
     pub async fn start(spec: RigSpec) -> anyhow::Result<Rig> {
+        anyhow::ensure!(
+            !spec.colocated || spec.servers > 0,
+            "the co-located shape needs a tunnel server to serve its front"
+        );
         let dir = ScratchDir::new("soak")?;
         let how = &spec.spawn;
         let dispatcher_opts = DispatcherOpts {
             call_timeout: spec.call_timeout,
             ..DispatcherOpts::default()
         };
-        let (dispatcher, front, registry_url, front_config) = if spec.colocated {
-            let ports = (free_addr()?, free_addr()?, free_addr()?);
-            let path = DispatcherProc::write_config(dir.path(), &dispatcher_opts, ports)?;
-            let front = FrontAddrs {
-                http: ports.0,
-                admin: ports.2,
-            };
-            let line = format!("front_config = {:?}\n", path.display().to_string());
-            (None, front, format!("http://{}", ports.1), Some(line))
+        let server_opts = |i: usize, registry_url: &str, extra: String| TunnelServerOpts {
+            server_id: format!("ts-{}", i + 1),
+            zone: format!("zone-{}", i + 1),
+            dispatchers: vec![registry_url.to_string()],
+            extra,
+            ..TunnelServerOpts::default()
+        };
+        // In the co-located shape ts-1 serves the front, and starts first.
+        let mut first = None;
+        let (dispatcher, front, registry_url) = if spec.colocated {
+            // The front's ports are picked free, then bound by ts-1: if one was taken in
+            // between, ts-1 does not come up, and the front gets other ports.
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                let ports = (free_addr()?, free_addr()?, free_addr()?);
+                let path = DispatcherProc::write_config(dir.path(), &dispatcher_opts, ports)?;
+                let registry_url = format!("http://{}", ports.1);
+                let line = format!("front_config = {:?}\n", path.display().to_string());
+                let opts = server_opts(0, &registry_url, line);
+                match TunnelServerProc::start_on_with(dir.path(), opts.clone(), None, how).await {
+                    Ok(p) => {
+                        first = Some((opts, p));
+                        let front = FrontAddrs {
+                            http: ports.0,
+                            admin: ports.2,
+                        };
+                        break (None, front, registry_url);
+                    }
+                    Err(_) if attempt < FRONT_PORT_ATTEMPTS => {}
+                    Err(e) => return Err(e.context("the co-located front (ts-1) did not start")),
+                }
+            }
         } else {
             let d = DispatcherProc::start_with(dir.path(), dispatcher_opts, how).await?;
             let front = FrontAddrs {
@@ -196,21 +227,19 @@ impl Rig {
                 admin: d.admin,
             };
             let url = d.registry_url();
-            (Some(d), front, url, None)
+            (Some(d), front, url)
         };
         let mut servers = Vec::new();
         for i in 0..spec.servers {
-            let opts = TunnelServerOpts {
-                server_id: format!("ts-{}", i + 1),
-                zone: format!("zone-{}", i + 1),
-                dispatchers: vec![registry_url.clone()],
-                extra: match (i, &front_config) {
-                    (0, Some(line)) => line.clone(),
-                    _ => String::new(),
-                },
-                ..TunnelServerOpts::default()
+            let (opts, p) = match first.take() {
+                Some(started) => started,
+                None => {
+                    let opts = server_opts(i, &registry_url, String::new());
+                    let p = TunnelServerProc::start_on_with(dir.path(), opts.clone(), None, how)
+                        .await?;
+                    (opts, p)
+                }
             };
-            let p = TunnelServerProc::start_on_with(dir.path(), opts.clone(), None, how).await?;
             servers.push(Server {
                 ports: p.ports(),
                 log: p.proc.log_path().to_path_buf(),
