@@ -232,10 +232,19 @@ impl StreamHandle {
         let _ = self.out.try_send(Err(status));
     }
 
-    /// Sends a frame, waiting for room (flow control).
+    /// Sends a frame, waiting for room (flow control); `Err` once the stream is closed.
     pub async fn send(&self, frame: ServerFrame) -> Result<(), ()> {
+        if self.closed.is_cancelled() {
+            return Err(());
+        }
+        // The usual case, room in the queue, takes no wait (and no waiter on `closed`).
+        let frame = match self.out.try_send(Ok(Box::new(frame))) {
+            Ok(()) => return Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(()),
+            Err(mpsc::error::TrySendError::Full(frame)) => frame,
+        };
         tokio::select! {
-            r = self.out.send(Ok(Box::new(frame))) => r.map_err(|_| ()),
+            r = self.out.send(frame) => r.map_err(|_| ()),
             _ = self.closed.cancelled() => Err(()),
         }
     }
