@@ -195,6 +195,25 @@ impl Retry {
         Retry::MaybeStarted
     }
 
+    /// Whether a call's transport error is its connection's (a socket error, or the
+    /// connection ending, gracefully or not) rather than one stream's reset: that
+    /// connection must not carry the next call (see `Forwarder`).
+    pub fn connection_lost(status: &tonic::Status) -> bool {
+        let mut next = std::error::Error::source(status);
+        while let Some(e) = next {
+            if e.is::<std::io::Error>() {
+                return true;
+            }
+            if let Some(e) = e.downcast_ref::<h2::Error>() {
+                if e.is_io() || e.is_go_away() {
+                    return true;
+                }
+            }
+            next = e.source();
+        }
+        false
+    }
+
     /// A status the tunnel server itself answered `Forward.Call` with, before any response
     /// header: UNAVAILABLE, UNKNOWN and CANCELLED mean it did not take the call (it is
     /// stopping, or refused the RPC); any other status is its final word.
@@ -484,6 +503,13 @@ mod tests {
             Retry::of_call_error(&Status::unavailable("draining")),
             Retry::Safe
         );
+        // The connection's loss, not one stream's: the connection is not used again.
+        for lost in [&refused, &reset, &eof] {
+            assert!(Retry::connection_lost(lost), "{lost:?}");
+        }
+        for stream_only in [&refused_stream, &internal, &Status::unavailable("draining")] {
+            assert!(!Retry::connection_lost(stream_only), "{stream_only:?}");
+        }
         assert_eq!(
             Retry::of_call_error(&Status::unauthenticated("no")),
             Retry::Never

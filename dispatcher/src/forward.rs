@@ -292,6 +292,18 @@ impl Forwarder {
         Err((last, last_server))
     }
 
+    /// A call whose connection broke leaves that server's channel behind: the next call
+    /// to the server dials again. A broken connection is not torn down at once (its other
+    /// streams are still failing), and a call put on it meanwhile fails after it left, as
+    /// `stream_lost`, where a new dial fails before anything left (a refused connection,
+    /// safe to retry elsewhere) or reaches the server's new process. So a caller whose call
+    /// was lost with its server's connection never loses a second one there.
+    fn forget_broken(&self, forward_url: &str, status: &tonic::Status) {
+        if Retry::connection_lost(status) {
+            self.channels.evict(forward_url);
+        }
+    }
+
     fn client(&self, channel: &Channel) -> ForwardClient<Channel> {
         ForwardClient::new(channel.clone())
             .max_decoding_message_size(self.max_frame_bytes)
@@ -370,6 +382,7 @@ impl Forwarder {
         let mut stream = match called {
             Ok(stream) => stream,
             Err(status) => {
+                self.forget_broken(&route.forward_url, &status);
                 let why =
                     relay_proto::escape_message(status.message(), relay_proto::MAX_PEER_MESSAGE);
                 // The co-located server's statuses carry no transport error: its own word.
@@ -397,6 +410,7 @@ impl Forwarder {
                 }
                 Ok(None) => return Err(lost(stage == Stage::Queued, "ended the call".into())),
                 Err(status) => {
+                    self.forget_broken(&route.forward_url, &status);
                     return Err(lost(
                         stage == Stage::Queued,
                         format!(
@@ -406,7 +420,7 @@ impl Forwarder {
                                 relay_proto::MAX_PEER_MESSAGE
                             )
                         ),
-                    ))
+                    ));
                 }
             };
             match kind {
