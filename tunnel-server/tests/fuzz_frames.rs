@@ -164,8 +164,9 @@ fn arbitrary_agent_frame_sequences_give_every_call_one_outcome() {
             rt.block_on(async {
                 let mut agent = open(&agents, "fuzz-token").await.expect("open");
                 let (_tx, resp) = call(&dispatcher, "fuzz", 10_000).await;
-                let Ok(Some(server_frame::Kind::RequestHead(head))) = agent.next().await else {
-                    panic!("the call reached the scripted stream")
+                let head = match agent.next().await {
+                    Ok(Some(server_frame::Kind::RequestHead(head))) => head,
+                    other => panic!("the call reached the scripted stream, not {other:?}"),
                 };
                 for st in &steps {
                     if agent.tx.send(frame(st, head.call_id)).await.is_err() {
@@ -193,6 +194,16 @@ fn arbitrary_agent_frame_sequences_give_every_call_one_outcome() {
                 let mut control = control.lock().await;
                 control.serve_one(b"ok").await;
                 assert_eq!(outcome(resp).await, Outcome::Answer(200, b"ok".to_vec()));
+                // The server lets the departed stream go, so the next case's call can only
+                // meet that case's stream (not this one, idle again until its end is read).
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                while s.hub().tunnel_ids().iter().any(|t| t == "fuzz") {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "the departed stream is let go within 10 s: {steps:?}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
             });
             Ok(())
         })
