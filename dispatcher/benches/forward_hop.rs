@@ -61,6 +61,15 @@ impl Forward for Answering {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
+    type CarryStream = ReceiverStream<Result<ForwardResponse, Status>>;
+
+    async fn carry(
+        &self,
+        request: Request<Streaming<ForwardRequest>>,
+    ) -> Result<Response<Self::CarryStream>, Status> {
+        self.call(request).await
+    }
+
     async fn proceed(
         &self,
         _request: Request<ProceedRequest>,

@@ -1,17 +1,20 @@
-//! Forwarding one call to a tunnel server over `Forward.Call`, retrying on another server
-//! while that is safe.
+//! Forwarding one call to a tunnel server, retrying on another server while that is safe.
 //!
-//! It owns the per-server hops (one lazily connected gRPC `Channel` per `forward_url`,
-//! calls multiplex over it; or the in-process tunnel server of the co-located mode, see
-//! `hop`) and the attempt logic up to the response head. It must not
+//! It owns the per-server hops (one lazily connected gRPC `Channel` per `forward_url`, on
+//! which calls travel on reused carriers, `Forward.Carry`, see `carrier`, or as one
+//! `Forward.Call` each to a server that does not know carriers; or the in-process tunnel
+//! server of the co-located mode, see `hop`) and the attempt logic up to the response head.
+//! Both gRPC forms frame a call alike, so everything below holds for either; a carrier the
+//! server ended before it took the call is one more "never reached an agent". It must not
 //! parse HTTP or choose error bodies: it hands back a `ResponseHead` plus the response
 //! stream, or a [`Failure`].
 //!
 //! Retry rules (servers in the order the router picked, at most `max_attempts`, all within
 //! the call's deadline, and only while the request body sent so far can be replayed: the
 //! replay limit covers what a queued call can have sent, see `body`):
-//! - the call never reached an agent (the server could not be reached, refused the RPC, or
-//!   answered UNKNOWN_TUNNEL / DRAINING): retried on the next server;
+//! - the call never reached an agent (the server could not be reached, refused the RPC,
+//!   ended the carrier before taking the call, or answered UNKNOWN_TUNNEL / DRAINING):
+//!   retried on the next server;
 //! - NO_CAPACITY (never reached an agent either): fed back to the router as saturation, and
 //!   under the `available` policy retried on the next server if that one reported idle
 //!   streams; under `sticky` it goes back to the caller (the seed behaviour);
@@ -38,6 +41,7 @@
 //! [`Retry`] (`error.rs`); [`RetryRules::allows`] adds the configured half.
 
 use crate::body::RequestBody;
+use crate::carrier::{self, Carriers};
 use crate::config::RoutingPolicy;
 use crate::error::{ErrorCode, Failure, Retry};
 use crate::hop::{Local, LocalServer, ResponseFrames};
@@ -104,18 +108,25 @@ pub fn idempotent(method: &str) -> bool {
 
 /// One lazily connected channel per tunnel server `forward_url`, over TLS (`https://`
 /// URLs, with the `[forward_tls]` client config) or plain h2c (`http://`, only with
-/// `[forward_tls] insecure = true`).
+/// `[forward_tls] insecure = true`), with its idle carriers (`carrier`).
 #[derive(Clone)]
 pub struct Channels {
-    inner: Arc<Mutex<HashMap<String, Channel>>>,
+    inner: Arc<Mutex<HashMap<String, Remote>>>,
     client: GrpcClient,
     /// The co-located tunnel server, reached without gRPC.
     local: Option<Local>,
 }
 
+/// A tunnel server over gRPC: its channel and the carriers on it.
+#[derive(Clone)]
+pub struct Remote {
+    pub channel: Channel,
+    pub carriers: Arc<Carriers>,
+}
+
 /// How one attempt reaches its tunnel server.
 pub enum Hop {
-    Remote(Channel),
+    Remote(Remote),
     Local(Arc<dyn LocalServer>),
 }
 
@@ -172,19 +183,30 @@ impl Channels {
             _ => {}
         }
         let mut map = self.inner.lock();
-        if let Some(ch) = map.get(forward_url) {
-            return Ok(Hop::Remote(ch.clone()));
+        if let Some(remote) = map.get(forward_url) {
+            return Ok(Hop::Remote(remote.clone()));
         }
         let endpoint = self
             .client
             .endpoint(forward_url)
             .map_err(|e| e.to_string())?;
-        let channel = self.client.lazy(endpoint);
-        map.insert(forward_url.to_string(), channel.clone());
-        Ok(Hop::Remote(channel))
+        let remote = Remote {
+            channel: self.client.lazy(endpoint),
+            carriers: Arc::default(),
+        };
+        map.insert(forward_url.to_string(), remote.clone());
+        Ok(Hop::Remote(remote))
     }
 
-    /// Drops the cached channel of a server that left.
+    /// Idle carriers to `forward_url` now (0 when none or never dialed).
+    pub fn idle_carriers(&self, forward_url: &str) -> usize {
+        self.inner
+            .lock()
+            .get(forward_url)
+            .map_or(0, |r| r.carriers.idle())
+    }
+
+    /// Drops the cached channel (and its idle carriers) of a server that left.
     pub fn evict(&self, forward_url: &str) {
         self.inner.lock().remove(forward_url);
     }
@@ -328,22 +350,24 @@ impl Forwarder {
             .get(&route.forward_url)
             .map_err(|e| (unreachable(e.to_string()), Retry::Safe))?;
         let remaining = plan.deadline.saturating_duration_since(Instant::now());
-        let head = ForwardRequest::of(ReqKind::Head(CallHead {
-            tunnel_id: plan.tunnel_id.clone(),
-            request: Some(RequestHead {
-                call_id: plan.call_id,
-                method: plan.method.clone(),
-                path_and_query: plan.path_and_query.clone(),
-                headers: plan.headers.clone(),
-                // At least 1 ms: 0 would mean "no deadline" on the wire.
-                deadline_ms: u32::try_from(remaining.as_millis())
-                    .unwrap_or(u32::MAX)
-                    .max(1),
-                end_of_stream: plan.end_of_stream,
-            }),
-            queue_handshake: true,
-        }));
-        let request = body.attempt(attempt, head);
+        let head = || {
+            ForwardRequest::of(ReqKind::Head(CallHead {
+                tunnel_id: plan.tunnel_id.clone(),
+                request: Some(RequestHead {
+                    call_id: plan.call_id,
+                    method: plan.method.clone(),
+                    path_and_query: plan.path_and_query.clone(),
+                    headers: plan.headers.clone(),
+                    // At least 1 ms: 0 would mean "no deadline" on the wire.
+                    deadline_ms: u32::try_from(remaining.as_millis())
+                        .unwrap_or(u32::MAX)
+                        .max(1),
+                    end_of_stream: plan.end_of_stream,
+                }),
+                queue_handshake: true,
+            }))
+        };
+        let request = body.attempt(attempt, head());
         // A call lost after it left: safe to retry only while it waited in the server's
         // queue (the queue handshake below), otherwise it may have reached the agent.
         let lost = |queued: bool, what: String| {
@@ -372,8 +396,24 @@ impl Forwarder {
             }
         };
         let called = match &hop {
-            Hop::Remote(channel) => self
-                .client(channel)
+            Hop::Remote(remote) if remote.carriers.spoken() => {
+                let mut client = self.client(&remote.channel);
+                match remote
+                    .carriers
+                    .call(&mut client, request, &self.metrics.carriers_opened)
+                    .await
+                {
+                    // A server without carriers: this call and the next ones go as
+                    // `Forward.Call`, the request replayed from its start.
+                    Err(_) if !remote.carriers.spoken() && body.replayable() => client
+                        .call(body.attempt(attempt, head()))
+                        .await
+                        .map(|r| r.into_inner().boxed()),
+                    called => called,
+                }
+            }
+            Hop::Remote(remote) => self
+                .client(&remote.channel)
                 .call(request)
                 .await
                 .map(|r| r.into_inner().boxed()),
@@ -409,6 +449,10 @@ impl Forwarder {
                     ))
                 }
                 Ok(None) => return Err(lost(stage == Stage::Queued, "ended the call".into())),
+                // A carrier the server ended between calls: it never took this one.
+                Err(status) if carrier::not_taken(&status) => {
+                    return Err((unreachable(status.message().to_string()), Retry::Safe))
+                }
                 Err(status) => {
                     self.forget_broken(&route.forward_url, &status);
                     return Err(lost(
@@ -448,8 +492,8 @@ impl Forwarder {
                     // From here on the call may reach the agent, whatever the RPC's fate.
                     stage = Stage::Proceeded;
                     let proceeded = match &hop {
-                        Hop::Remote(channel) => self
-                            .client(channel)
+                        Hop::Remote(remote) => self
+                            .client(&remote.channel)
                             .proceed(ProceedRequest {
                                 reservation: r.reservation,
                             })

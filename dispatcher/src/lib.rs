@@ -20,6 +20,7 @@
 //! future resolves.
 
 pub mod body;
+pub mod carrier;
 pub mod config;
 pub mod error;
 pub mod forward;

@@ -72,6 +72,8 @@ pub struct Metrics {
     pub retries: IntCounter,
     /// Forward attempts a tunnel server put in its queue (the queue handshake's `Queued`).
     pub queued: IntCounter,
+    /// Carriers (`Forward.Carry`) opened to tunnel servers; calls reuse idle ones.
+    pub carriers_opened: IntCounter,
     /// Tunnel servers with an open report stream.
     pub tunnel_servers: IntGauge,
     /// Tunnel ids held by at least one tunnel server.
@@ -134,6 +136,10 @@ impl Metrics {
         let queued = IntCounter::new(
             "relay_dispatcher_queued_total",
             "Forward attempts a tunnel server queued because no stream of the tunnel id was idle",
+        )?;
+        let carriers_opened = IntCounter::new(
+            "relay_dispatcher_forward_carriers_opened_total",
+            "Carriers (Forward.Carry RPCs, each carrying calls one at a time) opened to tunnel servers",
         )?;
         let tunnel_servers = IntGauge::new(
             "relay_dispatcher_tunnel_servers",
@@ -215,6 +221,7 @@ impl Metrics {
         registry.register(Box::new(routing_decisions.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(queued.clone()))?;
+        registry.register(Box::new(carriers_opened.clone()))?;
         registry.register(Box::new(tunnel_servers.clone()))?;
         registry.register(Box::new(tunnels.clone()))?;
         registry.register(Box::new(calls_in_flight.clone()))?;
@@ -233,6 +240,7 @@ impl Metrics {
             routing_decisions,
             retries,
             queued,
+            carriers_opened,
             tunnel_servers,
             tunnels,
             calls_in_flight,

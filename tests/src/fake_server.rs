@@ -99,6 +99,8 @@ struct FakeState {
     release: Arc<tokio::sync::watch::Sender<bool>>,
     /// Fired by `Forward.Proceed`.
     proceeded: Arc<tokio::sync::Notify>,
+    /// `Forward.Carry` RPCs refused as unknown.
+    carry_refused: Arc<AtomicUsize>,
     /// Resets every TCP connection through the fake's proxy (see
     /// [`FakeServer::start_resetting`]).
     reset: Option<Arc<tokio::sync::Notify>>,
@@ -395,6 +397,18 @@ impl Forward for FakeForward {
         Ok(tonic::Response::new(relay_proto::ProceedReply {}))
     }
 
+    type CarryStream = ReceiverStream<Result<ForwardResponse, Status>>;
+
+    /// A server of the protocol before carriers: the dispatcher falls back to one
+    /// `Forward.Call` per call, which every behaviour above scripts.
+    async fn carry(
+        &self,
+        _request: tonic::Request<Streaming<ForwardRequest>>,
+    ) -> Result<tonic::Response<Self::CarryStream>, Status> {
+        self.0.carry_refused.fetch_add(1, Ordering::Relaxed);
+        Err(Status::unimplemented("Forward.Carry"))
+    }
+
     async fn call(
         &self,
         request: tonic::Request<Streaming<ForwardRequest>>,
@@ -535,6 +549,11 @@ impl FakeServer {
     /// Held RPCs that ended after [`FakeServer::release`] with the dispatcher still reading.
     pub fn ended(&self) -> usize {
         self.state.ended.load(Ordering::SeqCst)
+    }
+
+    /// `Forward.Carry` RPCs the fake refused as an older server does (UNIMPLEMENTED).
+    pub fn carry_refused(&self) -> usize {
+        self.state.carry_refused.load(Ordering::SeqCst)
     }
 }
 

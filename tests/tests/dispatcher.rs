@@ -343,6 +343,39 @@ async fn post_body_streams_through_in_bounded_chunks() {
     d.shutdown().await;
 }
 
+/// A tunnel server that does not know carriers (it answers `Forward.Carry` with
+/// UNIMPLEMENTED, as servers before them do) gets every call as a `Forward.Call` of its
+/// own: the first call, whose POST body went out on the refused carrier, is replayed whole
+/// on its `Forward.Call`, and no later call tries a carrier again.
+#[tokio::test]
+async fn a_server_without_carriers_gets_one_forward_call_per_call() {
+    let d = start_dispatcher().await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+
+    let body: &'static [u8] = &[7u8; 3 * MAX_CHUNK + 5];
+    let answer = d.post("/relay/demo/upload", body).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(answer.body.unwrap().as_ref(), body);
+    for i in 0..5 {
+        let answer = d.get(&format!("/relay/demo/{i}")).await;
+        assert_eq!(answer.status, StatusCode::OK);
+        assert_eq!(answer.headers["x-seen-path"], format!("/{i}"));
+    }
+    assert_eq!(fake.carry_refused(), 1, "one refused carrier, then calls");
+    let seen = fake.seen();
+    assert_eq!(seen.len(), 6, "each call reached the server once");
+    assert_eq!(seen[0].body_len, body.len());
+    assert!(seen[0].ended);
+    assert_eq!(
+        d.metric("relay_dispatcher_forward_carriers_opened_total")
+            .await,
+        0.0
+    );
+    assert_eq!(d.metric("relay_dispatcher_retries_total").await, 0.0);
+    d.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_64_mib_response_streams_to_the_caller() {
     let d = start_dispatcher().await;

@@ -298,3 +298,89 @@ async fn a_wrong_agent_token_is_refused_and_retried_with_backoff() {
     assert_eq!(a.status, 503);
     stack.shutdown().await;
 }
+
+/// Calls reach the tunnel server on carriers (`Forward.Carry`), reused call after call:
+/// 300 calls one at a time and 400 eight at a time (GETs, and POSTs whose body is sent
+/// whole) open at most as many carriers as calls ran at once, every call gets its own
+/// answer, and the server holds exactly the carriers the dispatcher opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_reuse_carriers_to_the_tunnel_server_one_call_at_a_time_each() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed_pool(8))
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let caller = stack.caller();
+    let call = |i: usize| {
+        let caller = caller.clone();
+        async move {
+            let path = format!("/relay/{TUNNEL_ID}/echo/{i}");
+            let body = if i.is_multiple_of(2) {
+                Bytes::new()
+            } else {
+                Bytes::from(format!("body of call {i}").repeat(i % 7 + 1))
+            };
+            let method = if body.is_empty() {
+                Method::GET
+            } else {
+                Method::POST
+            };
+            let a = caller
+                .call(caller.request(method, &path, body.clone()))
+                .await
+                .unwrap();
+            assert_eq!(a.status, 200, "call {i}: {}", a.text());
+            assert_eq!(a.headers["x-echo-path"], format!("/echo/{i}"), "call {i}");
+            assert_eq!(&a.body[..], &body[..], "call {i}");
+        }
+    };
+    for i in 0..300 {
+        call(i).await;
+    }
+    let metrics = || async {
+        relay_tests::procs::scrape(stack.dispatcher_admin)
+            .await
+            .unwrap()
+    };
+    let after_serial = relay_tests::procs::metric(
+        &metrics().await,
+        "relay_dispatcher_forward_carriers_opened_total",
+        &[],
+    );
+    // The routing probe of `wait_routable` may have opened one too.
+    assert!(
+        (1.0..=2.0).contains(&after_serial),
+        "300 calls one at a time opened {after_serial} carriers"
+    );
+    for batch in 0..50 {
+        futures::future::join_all((0..8).map(|j| call(1000 + batch * 8 + j))).await;
+    }
+    let opened = relay_tests::procs::metric(
+        &metrics().await,
+        "relay_dispatcher_forward_carriers_opened_total",
+        &[],
+    );
+    assert!(
+        (1.0..=after_serial + 8.0).contains(&opened),
+        "400 calls 8 at a time opened {opened} carriers in all"
+    );
+    let server = stack.servers[0].as_ref().unwrap().registry.clone();
+    eventually(
+        "the server holds the carriers the dispatcher opened",
+        READY,
+        || {
+            let server = server.clone();
+            async move {
+                relay_tests::metrics::value(&server, "relay_tunnel_forward_carriers", &[]) == opened
+            }
+        },
+    )
+    .await;
+    // No call met a carrier its server had ended (that call would have been retried).
+    let retries =
+        relay_tests::procs::metric(&metrics().await, "relay_dispatcher_retries_total", &[]);
+    assert_eq!(retries, 0.0);
+    stack.shutdown().await;
+}

@@ -151,6 +151,9 @@ pub struct Call {
     pub handshake_after: Duration,
     pub reservations: Arc<Reservations>,
     pub to_caller: ToCaller,
+    /// The call came on a carrier (`Forward.Carry`): its request frames are watched until
+    /// the call ends, not only until its body's end.
+    pub carrier: bool,
 }
 
 /// What the call holds while it runs on a stream; dropped (stream given back, gauge down)
@@ -163,7 +166,16 @@ struct OnStream {
 
 impl Call {
     /// Serves the call to its outcome, then counts, logs and answers it.
-    pub async fn run(mut self, inbound: impl Inbound) {
+    pub async fn run(self, mut inbound: impl Inbound) {
+        self.run_on(&mut inbound).await;
+    }
+
+    /// [`Call::run`] reading the request frames from a borrowed stream: a carrier's frames
+    /// go on after the call (`crate::forward`). True when the caller got its answer.
+    pub async fn run_on<I>(mut self, inbound: &mut I) -> bool
+    where
+        I: Stream<Item = Result<ForwardRequest, Status>> + Send + Unpin,
+    {
         let started = Instant::now();
         let (outcome, on_stream) = self.serve(inbound, started).await;
         // 0: the call never reached a stream.
@@ -173,17 +185,17 @@ impl Call {
         self.hub.metrics.call(&outcome);
         drop(on_stream);
         outcome.log(&self.tunnel_id, call_id, started.elapsed());
-        if let Some(last) = outcome.into_answer() {
-            let _ = self.to_caller.send(Ok(last)).await;
+        match outcome.into_answer() {
+            Some(last) => self.to_caller.send(Ok(last)).await.is_ok(),
+            None => false,
         }
     }
 
     /// Runs the call until it has an outcome; returns it with the stream it held, if any.
-    async fn serve(
-        &mut self,
-        mut inbound: impl Inbound,
-        started: Instant,
-    ) -> (Outcome, Option<OnStream>) {
+    async fn serve<I>(&mut self, inbound: &mut I, started: Instant) -> (Outcome, Option<OnStream>)
+    where
+        I: Stream<Item = Result<ForwardRequest, Status>> + Send + Unpin,
+    {
         let hub = self.hub.clone();
         let mut handshake = if self.handshake {
             Handshake::Possible
@@ -249,8 +261,10 @@ impl Call {
                     stream.try_send(cancel());
                     break;
                 }
-                msg = inbound.next(), if body_open => match msg.transpose() {
-                    Ok(Some(ForwardRequest { kind: Some(forward_request::Kind::Body(mut chunk)) })) => {
+                // A carrier's frames are watched to the call's end: the dispatcher closing
+                // the carrier mid-call is the caller leaving (see `crate::forward`).
+                msg = inbound.next(), if body_open || self.carrier => match msg.transpose() {
+                    Ok(Some(ForwardRequest { kind: Some(forward_request::Kind::Body(mut chunk)) })) if body_open => {
                         if chunk.data.len() > relay_proto::MAX_CHUNK {
                             stream.try_send(cancel());
                             break;
@@ -259,13 +273,13 @@ impl Call {
                         chunk.call_id = call_id;
                         let _ = stream.send(ServerFrame::of(server_frame::Kind::RequestBody(chunk))).await;
                     }
-                    Ok(None) => {
+                    Ok(None) if body_open => {
                         // The dispatcher ended its half without an end flag: end the body.
                         body_open = false;
                         let end = BodyChunk { call_id, data: Default::default(), end: true };
                         let _ = stream.send(ServerFrame::of(server_frame::Kind::RequestBody(end))).await;
                     }
-                    Ok(Some(_)) | Err(_) => {
+                    Ok(_) | Err(_) => {
                         // A malformed frame or a broken caller stream: cancel the call.
                         stream.try_send(cancel());
                         break;

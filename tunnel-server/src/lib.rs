@@ -343,6 +343,7 @@ pub async fn start_with_front(
         handshake_after: config.queue_handshake_after,
         reservations: Default::default(),
         tracker: tracker.clone(),
+        stop: stop_serving.clone(),
     });
     let colocated = forward::Colocated(forward.clone());
     let forward = ForwardServer::from_arc(forward)

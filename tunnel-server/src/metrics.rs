@@ -29,6 +29,8 @@ pub struct ServerMetrics {
     pub calls: IntCounterVec,
     /// Calls holding a stream now.
     pub in_flight: IntGauge,
+    /// Dispatchers' `Forward.Carry` RPCs open now (busy or idle).
+    pub carriers: IntGauge,
     /// Stream opens by result: accepted, unauthenticated, exhausted, draining.
     pub opens: IntCounterVec,
     /// Streams closed by reason: agent_closed (the agent ended its stream, or it broke),
@@ -69,6 +71,10 @@ impl ServerMetrics {
                 "relay_tunnel_calls_in_flight",
                 "Calls holding an agent stream now",
             )?,
+            carriers: IntGauge::new(
+                "relay_tunnel_forward_carriers",
+                "Forward.Carry RPCs from dispatchers open now, each carrying calls one at a time",
+            )?,
             opens: IntCounterVec::new(
                 Opts::new(
                     "relay_tunnel_stream_opens_total",
@@ -89,6 +95,7 @@ impl ServerMetrics {
         registry.register(Box::new(m.queue_wait.clone()))?;
         registry.register(Box::new(m.calls.clone()))?;
         registry.register(Box::new(m.in_flight.clone()))?;
+        registry.register(Box::new(m.carriers.clone()))?;
         registry.register(Box::new(m.opens.clone()))?;
         registry.register(Box::new(m.closes.clone()))?;
         // Export every fixed label value from the start: a counter that first appears

@@ -1,0 +1,374 @@
+//! Carriers: long-lived `Forward.Carry` RPCs to one tunnel server, each carrying calls one
+//! at a time (the protocol is in `dispatch.proto`), so that a call costs no HTTP/2 stream,
+//! headers or trailers of its own.
+//!
+//! Each tunnel server's [`Carriers`] keeps the idle ones. A call takes the most recently
+//! used idle carrier (or opens one), hands it its request frames ([`Feed`]: the RPC's
+//! request stream, which carries one call's [`AttemptStream`] after another and never ends
+//! between calls) and reads the answer's frames from it ([`OnCarrier`], the call's
+//! `ResponseFrames`). The carrier comes back once both ends of the call are done: the
+//! answer's terminal frame read and the request sent to its end. Otherwise it is not
+//! reused:
+//! - the caller went away before the answer's end (the call's frames are dropped first):
+//!   the request half closes and the RPC is reset, which the server takes as the call's
+//!   cancel (as a reset `Forward.Call`);
+//! - the answer ended before the request body was sent whole: the carrier is retired (its
+//!   request half closed, its end read in the background, so neither side resets);
+//! - the carrier broke or ended: dropped.
+//!
+//! What keeps a retry safe (`forward`): a server ends a carrier cleanly only while no call
+//! on it is unanswered, so a carrier that ends cleanly before any frame of its call's answer
+//! never gave the call to an agent ([`not_taken`]). An idle carrier is checked before
+//! reuse: one whose server ended it or whose connection broke while it idled is dropped, so
+//! a call never goes onto a carrier that is already known dead.
+//!
+//! A server that answers `Forward.Carry` with UNIMPLEMENTED (an older version) is marked
+//! ([`Carriers::spoken`]) and gets one `Forward.Call` per call from then on.
+//!
+//! Bounds: at most [`MAX_IDLE`] idle carriers per server (more are retired as they come
+//! back), and a carrier idle for [`IDLE_FOR`] is retired when the pool is next used. Busy
+//! carriers are bounded by the calls in flight, as `Forward.Call` streams were.
+
+use crate::body::{AttemptStream, RPC_END_WAIT};
+use crate::hop::ResponseFrames;
+use futures::{FutureExt, Stream, StreamExt};
+use parking_lot::Mutex;
+use relay_proto::forward_client::ForwardClient;
+use relay_proto::forward_request::Kind as ReqKind;
+use relay_proto::forward_response::Kind as RespKind;
+use relay_proto::{ForwardRequest, ForwardResponse};
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll, Waker};
+use std::time::Duration;
+use tokio::time::Instant;
+use tonic::transport::Channel;
+use tonic::{Status, Streaming};
+
+/// Idle carriers kept per tunnel server.
+pub const MAX_IDLE: usize = 256;
+
+/// An idle carrier unused this long is retired.
+pub const IDLE_FOR: Duration = Duration::from_secs(60);
+
+/// One tunnel server's idle carriers.
+pub struct Carriers {
+    /// Most recently used last.
+    idle: Mutex<VecDeque<Idle>>,
+    /// False once the server answered `Forward.Carry` with UNIMPLEMENTED.
+    spoken: AtomicBool,
+}
+
+impl Default for Carriers {
+    fn default() -> Self {
+        Carriers {
+            idle: Mutex::new(VecDeque::new()),
+            spoken: AtomicBool::new(true),
+        }
+    }
+}
+
+struct Idle {
+    carrier: Carrier,
+    since: Instant,
+}
+
+/// One `Forward.Carry` RPC.
+struct Carrier {
+    feed: Arc<Mutex<Feed>>,
+    responses: Streaming<ForwardResponse>,
+}
+
+/// The request side of a carrier: the current call's frames, if any.
+#[derive(Default)]
+struct Feed {
+    call: Option<AttemptStream>,
+    /// The current call's request went out to its end (its head with `end_of_stream`, or
+    /// its body chunk with `end`).
+    sent_all: bool,
+    /// The carrier's request half ends.
+    closed: bool,
+    /// The RPC's request pump, to wake for the next call or the close.
+    waker: Option<Waker>,
+}
+
+/// The RPC's request stream: it ends only when the carrier is closed.
+struct FeedStream(Arc<Mutex<Feed>>);
+
+/// Whether `frame` is a call's last request frame.
+fn ends_request(frame: &ForwardRequest) -> bool {
+    match &frame.kind {
+        Some(ReqKind::Head(h)) => h.request.as_ref().is_some_and(|r| r.end_of_stream),
+        Some(ReqKind::Body(b)) => b.end,
+        None => false,
+    }
+}
+
+/// Whether `frame` is an answer's terminal frame.
+fn ends_answer(frame: &ForwardResponse) -> bool {
+    match &frame.kind {
+        Some(RespKind::Head(h)) => h.end_of_stream,
+        Some(RespKind::Body(b)) => b.end,
+        Some(RespKind::Error(_)) => true,
+        Some(RespKind::Queued(_) | RespKind::Reserved(_)) | None => false,
+    }
+}
+
+impl Stream for FeedStream {
+    type Item = ForwardRequest;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<ForwardRequest>> {
+        let mut f = self.0.lock();
+        if f.closed {
+            return Poll::Ready(None);
+        }
+        if let Some(call) = f.call.as_mut() {
+            match call.poll_next_unpin(cx) {
+                Poll::Ready(Some(frame)) => {
+                    if ends_request(&frame) {
+                        f.sent_all = true;
+                        f.call = None;
+                    }
+                    return Poll::Ready(Some(frame));
+                }
+                // The attempt handed the body to a later one: nothing more to send here
+                // (its call failed, so the carrier is not reused).
+                Poll::Ready(None) => f.call = None,
+                Poll::Pending => {}
+            }
+        }
+        if !f.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            f.waker = Some(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+}
+
+impl Feed {
+    fn wake(&mut self) {
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+}
+
+impl Carrier {
+    fn install(&self, call: AttemptStream) {
+        let mut f = self.feed.lock();
+        f.call = Some(call);
+        f.sent_all = false;
+        f.wake();
+    }
+
+    fn close(&self) {
+        let mut f = self.feed.lock();
+        f.closed = true;
+        f.call = None;
+        f.wake();
+    }
+
+    fn sent_all(&self) -> bool {
+        self.feed.lock().sent_all
+    }
+
+    /// An idle carrier can take a call: nothing arrived on it (its server did not end it,
+    /// its connection did not break).
+    fn usable(&mut self) -> bool {
+        self.responses.next().now_or_never().is_none()
+    }
+
+    /// Closes the request half and reads the server's end in the background, so neither
+    /// side resets the RPC.
+    fn retire(self) {
+        self.close();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut responses = self.responses;
+        runtime.spawn(async move {
+            let end = async { while let Some(Ok(_)) = responses.next().await {} };
+            let _ = tokio::time::timeout(RPC_END_WAIT, end).await;
+        });
+    }
+}
+
+/// The error a call's frames end with when its carrier ended cleanly before any frame of
+/// the answer: the server never took the call.
+#[derive(Debug, thiserror::Error)]
+#[error("the tunnel server ended the carrier before taking the call")]
+pub struct NotTaken;
+
+/// Whether a call's response error is [`NotTaken`] (safe to retry anywhere).
+pub fn not_taken(status: &Status) -> bool {
+    std::error::Error::source(status).is_some_and(|e| e.is::<NotTaken>())
+}
+
+fn not_taken_status() -> Status {
+    let mut status = Status::unavailable(NotTaken.to_string());
+    status.set_source(Arc::new(NotTaken));
+    status
+}
+
+impl Carriers {
+    /// False once the server showed it does not know `Forward.Carry`.
+    pub fn spoken(&self) -> bool {
+        self.spoken.load(Ordering::Relaxed)
+    }
+
+    /// Idle carriers now (for tests and metrics).
+    pub fn idle(&self) -> usize {
+        self.idle.lock().len()
+    }
+
+    /// The most recently used idle carrier that is still usable; stale ones retired.
+    fn take(&self) -> Option<Carrier> {
+        let now = Instant::now();
+        let mut idle = self.idle.lock();
+        while idle
+            .front()
+            .is_some_and(|i| now.duration_since(i.since) >= IDLE_FOR)
+        {
+            if let Some(stale) = idle.pop_front() {
+                stale.carrier.retire();
+            }
+        }
+        while let Some(mut i) = idle.pop_back() {
+            if i.carrier.usable() {
+                return Some(i.carrier);
+            }
+        }
+        None
+    }
+
+    fn put(&self, carrier: Carrier) {
+        let mut idle = self.idle.lock();
+        if idle.len() >= MAX_IDLE {
+            drop(idle);
+            carrier.retire();
+            return;
+        }
+        idle.push_back(Idle {
+            carrier,
+            since: Instant::now(),
+        });
+    }
+
+    /// Starts a call on an idle carrier, or on a new one through `client` (then counted in
+    /// `opened`): the call's request frames go out as the RPC's flow control allows, and
+    /// the answer's frames come back as the returned stream. Errors are opening a carrier's
+    /// (as opening a `Forward.Call`); UNIMPLEMENTED also marks the server as not speaking
+    /// carriers.
+    pub async fn call(
+        self: &Arc<Self>,
+        client: &mut ForwardClient<Channel>,
+        request: AttemptStream,
+        opened: &prometheus::IntCounter,
+    ) -> Result<ResponseFrames, Status> {
+        if let Some(carrier) = self.take() {
+            carrier.install(request);
+            return Ok(OnCarrier::new(carrier, self.clone()).boxed());
+        }
+        let feed = Arc::new(Mutex::new(Feed {
+            call: Some(request),
+            ..Feed::default()
+        }));
+        let responses = match client.carry(FeedStream(feed.clone())).await {
+            Ok(r) => r.into_inner(),
+            Err(status) => {
+                if status.code() == tonic::Code::Unimplemented
+                    && std::error::Error::source(&status).is_none()
+                {
+                    self.spoken.store(false, Ordering::Relaxed);
+                }
+                return Err(status);
+            }
+        };
+        opened.inc();
+        Ok(OnCarrier::new(Carrier { feed, responses }, self.clone()).boxed())
+    }
+}
+
+/// Where a call on a carrier stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// No frame of the answer yet.
+    Waiting,
+    /// Some frames, not the terminal one.
+    Answering,
+    /// The terminal frame came: the call is over on the server.
+    Answered,
+    /// The carrier broke or ended.
+    Broken,
+}
+
+/// One call's answer frames on its carrier, up to the terminal frame; gives the carrier
+/// back (or retires or drops it, see the module docs) when dropped.
+struct OnCarrier {
+    carrier: Option<Carrier>,
+    pool: Arc<Carriers>,
+    state: State,
+}
+
+impl OnCarrier {
+    fn new(carrier: Carrier, pool: Arc<Carriers>) -> Self {
+        OnCarrier {
+            carrier: Some(carrier),
+            pool,
+            state: State::Waiting,
+        }
+    }
+}
+
+impl Stream for OnCarrier {
+    type Item = Result<ForwardResponse, Status>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if matches!(this.state, State::Answered | State::Broken) {
+            return Poll::Ready(None);
+        }
+        let Some(carrier) = this.carrier.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match ready!(carrier.responses.poll_next_unpin(cx)) {
+            Some(Ok(frame)) => {
+                this.state = if ends_answer(&frame) {
+                    State::Answered
+                } else {
+                    State::Answering
+                };
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Some(Err(status)) => {
+                this.state = State::Broken;
+                Poll::Ready(Some(Err(status)))
+            }
+            None => {
+                let before = std::mem::replace(&mut this.state, State::Broken);
+                if before == State::Waiting {
+                    Poll::Ready(Some(Err(not_taken_status())))
+                } else {
+                    Poll::Ready(None)
+                }
+            }
+        }
+    }
+}
+
+impl Drop for OnCarrier {
+    fn drop(&mut self) {
+        let Some(carrier) = self.carrier.take() else {
+            return;
+        };
+        match self.state {
+            State::Answered if carrier.sent_all() => self.pool.put(carrier),
+            State::Answered => carrier.retire(),
+            State::Broken => drop(carrier),
+            // The caller went away mid-call: the request half closes and the RPC is reset
+            // (both halves dropped), which cancels the call on the server.
+            State::Waiting | State::Answering => carrier.close(),
+        }
+    }
+}
