@@ -101,6 +101,11 @@ struct FakeState {
     proceeded: Arc<tokio::sync::Notify>,
     /// `Forward.Carry` RPCs refused as unknown.
     carry_refused: Arc<AtomicUsize>,
+    /// Set by [`FakeServer::start_carrying_one_call`]: carriers answer their first call,
+    /// then end cleanly as the next head arrives.
+    carry_one: bool,
+    /// Carriers opened on a carrying fake.
+    carriers: Arc<AtomicUsize>,
     /// Resets every TCP connection through the fake's proxy (see
     /// [`FakeServer::start_resetting`]).
     reset: Option<Arc<tokio::sync::Notify>>,
@@ -403,10 +408,45 @@ impl Forward for FakeForward {
     /// `Forward.Call` per call, which every behaviour above scripts.
     async fn carry(
         &self,
-        _request: tonic::Request<Streaming<ForwardRequest>>,
+        request: tonic::Request<Streaming<ForwardRequest>>,
     ) -> Result<tonic::Response<Self::CarryStream>, Status> {
-        self.0.carry_refused.fetch_add(1, Ordering::Relaxed);
-        Err(Status::unimplemented("Forward.Carry"))
+        if !self.0.carry_one {
+            self.0.carry_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(Status::unimplemented("Forward.Carry"));
+        }
+        self.0.carriers.fetch_add(1, Ordering::Relaxed);
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            // The first call (bodiless): a whole 200 with the path it asked for.
+            let Ok(Some(ForwardRequest {
+                kind: Some(ReqKind::Head(head)),
+            })) = inbound.message().await
+            else {
+                return;
+            };
+            let path = head.request.map(|r| r.path_and_query).unwrap_or_default();
+            let answer = ResponseHead {
+                status: 200,
+                end_of_stream: true,
+                body: path.into_bytes().into(),
+                ..Default::default()
+            };
+            if tx
+                .send(Ok(ForwardResponse::of(RespKind::Head(answer))))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            // The next head meets a server that ends the carrier between calls (as one
+            // stopping does): an OK end, the head never taken.
+            let _ = inbound.message().await;
+            drop(tx);
+            // Keep reading so the end is not a reset.
+            while let Ok(Some(_)) = inbound.message().await {}
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }
 
     async fn call(
@@ -517,6 +557,23 @@ impl FakeServer {
             }
         });
         fake
+    }
+
+    /// A fake that speaks `Forward.Carry` only: each carrier answers its first call with a
+    /// whole 200 whose body is the call's path, then ends cleanly when the next head
+    /// arrives, without taking it (a server ending a carrier between calls, racing the
+    /// dispatcher's next call).
+    pub async fn start_carrying_one_call() -> FakeServer {
+        Self::start_with(FakeState {
+            carry_one: true,
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// Carriers opened on a [`FakeServer::start_carrying_one_call`] fake.
+    pub fn carriers(&self) -> usize {
+        self.state.carriers.load(Ordering::SeqCst)
     }
 
     /// Every call from now on behaves as `behaviour`.

@@ -376,6 +376,43 @@ async fn a_server_without_carriers_gets_one_forward_call_per_call() {
     d.shutdown().await;
 }
 
+/// A call sent on an idle carrier that its server ends between calls (the server stops
+/// serving as the call's head arrives) was never taken: the dispatcher treats it as a
+/// server it could not reach (retryable, here with no other server to try: 502
+/// `tunnel_server_unreachable`), never as `stream_lost`, which would tell the caller the
+/// call may have run. The next call opens a new carrier.
+#[tokio::test]
+async fn a_call_on_a_carrier_its_server_ended_is_not_lost_but_unreached() {
+    let d = start_dispatcher().await;
+    let fake = FakeServer::start_carrying_one_call().await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+
+    let first = d.get("/relay/demo/first").await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.body.unwrap().as_ref(), b"/first");
+    let second = d.get("/relay/demo/second").await;
+    assert_eq!(second.status, StatusCode::BAD_GATEWAY);
+    let reason = second.json();
+    assert_eq!(reason["error"], "tunnel_server_unreachable", "{reason}");
+    assert!(
+        reason["message"]
+            .as_str()
+            .unwrap()
+            .contains("before taking the call"),
+        "{reason}"
+    );
+    let third = d.get("/relay/demo/third").await;
+    assert_eq!(third.status, StatusCode::OK);
+    assert_eq!(third.body.unwrap().as_ref(), b"/third");
+    assert_eq!(fake.carriers(), 2, "the ended carrier is not reused");
+    assert_eq!(
+        d.metric("relay_dispatcher_calls_total{outcome=\"stream_lost\"}")
+            .await,
+        0.0
+    );
+    d.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_64_mib_response_streams_to_the_caller() {
     let d = start_dispatcher().await;
