@@ -26,8 +26,10 @@
 //! ([`Carriers::spoken`]) and gets one `Forward.Call` per call from then on.
 //!
 //! Bounds: at most [`MAX_IDLE`] idle carriers per server (more are retired as they come
-//! back), and a carrier idle for [`IDLE_FOR`] is retired when the pool is next used. Busy
-//! carriers are bounded by the calls in flight, as `Forward.Call` streams were.
+//! back), and a carrier idle for `carrier_idle_timeout` ([`IDLE_FOR`] by default) is
+//! retired, by the pool's sweeper (a task that runs while the pool holds idle carriers) or
+//! when a call next takes one. Busy carriers are bounded by the calls in flight, as
+//! `Forward.Call` streams were.
 
 use crate::body::{AttemptStream, RPC_END_WAIT};
 use crate::hop::ResponseFrames;
@@ -50,23 +52,29 @@ use tonic::{Status, Streaming};
 /// Idle carriers kept per tunnel server.
 pub const MAX_IDLE: usize = 256;
 
-/// An idle carrier unused this long is retired.
+/// An idle carrier unused this long is retired (`carrier_idle_timeout`'s default).
 pub const IDLE_FOR: Duration = Duration::from_secs(60);
 
 /// One tunnel server's idle carriers.
 pub struct Carriers {
-    /// Most recently used last.
-    idle: Mutex<VecDeque<Idle>>,
+    idle: Mutex<Pool>,
+    /// `carrier_idle_timeout`.
+    idle_for: Duration,
     /// False once the server answered `Forward.Carry` with UNIMPLEMENTED.
     spoken: AtomicBool,
 }
 
+#[derive(Default)]
+struct Pool {
+    /// Most recently used last.
+    carriers: VecDeque<Idle>,
+    /// A sweeper task runs (while `carriers` is not empty).
+    sweeping: bool,
+}
+
 impl Default for Carriers {
     fn default() -> Self {
-        Carriers {
-            idle: Mutex::new(VecDeque::new()),
-            spoken: AtomicBool::new(true),
-        }
+        Carriers::new(IDLE_FOR)
     }
 }
 
@@ -211,30 +219,47 @@ fn not_taken_status() -> Status {
     status
 }
 
+impl Pool {
+    /// Retires the carriers idle for `idle_for` or longer (the oldest are first).
+    fn retire_stale(&mut self, idle_for: Duration) {
+        let now = Instant::now();
+        while self
+            .carriers
+            .front()
+            .is_some_and(|i| now.duration_since(i.since) >= idle_for)
+        {
+            if let Some(stale) = self.carriers.pop_front() {
+                stale.carrier.retire();
+            }
+        }
+    }
+}
+
 impl Carriers {
+    /// A pool whose carriers close after `idle_for` unused.
+    pub fn new(idle_for: Duration) -> Self {
+        Carriers {
+            idle: Mutex::new(Pool::default()),
+            idle_for,
+            spoken: AtomicBool::new(true),
+        }
+    }
+
     /// False once the server showed it does not know `Forward.Carry`.
     pub fn spoken(&self) -> bool {
         self.spoken.load(Ordering::Relaxed)
     }
 
-    /// Idle carriers now (for tests and metrics).
+    /// Idle carriers now.
     pub fn idle(&self) -> usize {
-        self.idle.lock().len()
+        self.idle.lock().carriers.len()
     }
 
     /// The most recently used idle carrier that is still usable; stale ones retired.
     fn take(&self) -> Option<Carrier> {
-        let now = Instant::now();
-        let mut idle = self.idle.lock();
-        while idle
-            .front()
-            .is_some_and(|i| now.duration_since(i.since) >= IDLE_FOR)
-        {
-            if let Some(stale) = idle.pop_front() {
-                stale.carrier.retire();
-            }
-        }
-        while let Some(mut i) = idle.pop_back() {
+        let mut pool = self.idle.lock();
+        pool.retire_stale(self.idle_for);
+        while let Some(mut i) = pool.carriers.pop_back() {
             if i.carrier.usable() {
                 return Some(i.carrier);
             }
@@ -242,17 +267,49 @@ impl Carriers {
         None
     }
 
-    fn put(&self, carrier: Carrier) {
-        let mut idle = self.idle.lock();
-        if idle.len() >= MAX_IDLE {
-            drop(idle);
+    fn put(self: &Arc<Self>, carrier: Carrier) {
+        let mut pool = self.idle.lock();
+        if pool.carriers.len() >= MAX_IDLE {
+            drop(pool);
             carrier.retire();
             return;
         }
-        idle.push_back(Idle {
+        pool.carriers.push_back(Idle {
             carrier,
             since: Instant::now(),
         });
+        if !pool.sweeping {
+            pool.sweeping = self.sweep();
+        }
+    }
+
+    /// Starts the sweeper: every half `idle_for` it retires the stale carriers, and it
+    /// ends once none is left (the next `put` starts another) or the pool is gone. False
+    /// without a runtime.
+    fn sweep(self: &Arc<Self>) -> bool {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return false;
+        };
+        let pool = Arc::downgrade(self);
+        let every = self.idle_for / 2;
+        runtime.spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(carriers) = pool.upgrade() else {
+                    return;
+                };
+                let mut pool = carriers.idle.lock();
+                pool.retire_stale(carriers.idle_for);
+                if pool.carriers.is_empty() {
+                    pool.sweeping = false;
+                    return;
+                }
+            }
+        });
+        true
     }
 
     /// Starts a call on an idle carrier, or on a new one through `client` (then counted in

@@ -56,6 +56,10 @@ pub struct Config {
     /// as `body_idle_timeout`. The call's deadline bounds the whole response as well.
     #[serde(with = "humantime_serde")]
     pub body_idle_timeout: Duration,
+    /// How long a carrier to a tunnel server (`Forward.Carry`, which calls reuse) may stay
+    /// idle before it is closed.
+    #[serde(with = "humantime_serde")]
+    pub carrier_idle_timeout: Duration,
     /// `[tls]`: TLS of the HTTP front (ALPN h2 and http/1.1; `client_ca` for client
     /// certificates), or `insecure = true` for plain HTTP/1.1 and h2c.
     pub tls: ListenerTls,
@@ -348,6 +352,7 @@ impl Default for Config {
             max_response_headers: HeadLimits::DEFAULT.max_headers,
             max_response_header_bytes: HeadLimits::DEFAULT.max_bytes,
             body_idle_timeout: Duration::from_secs(60),
+            carrier_idle_timeout: crate::carrier::IDLE_FOR,
             tls: ListenerTls::default(),
             registry_tls: ListenerTls::default(),
             forward_tls: DialerTls::default(),
@@ -455,6 +460,12 @@ impl Config {
         if self.body_idle_timeout < Duration::from_millis(10) {
             return Err(ConfigError::invalid(
                 "body_idle_timeout",
+                "must be at least 10ms",
+            ));
+        }
+        if self.carrier_idle_timeout < Duration::from_millis(10) {
+            return Err(ConfigError::invalid(
+                "carrier_idle_timeout",
                 "must be at least 10ms",
             ));
         }
@@ -803,6 +814,8 @@ mod tests {
         assert!(bad(&|c| c.max_response_headers = 0).contains("max_response_headers"));
         assert!(bad(&|c| c.max_response_header_bytes = 10).contains("max_response_header_bytes"));
         assert!(bad(&|c| c.body_idle_timeout = Duration::ZERO).contains("body_idle_timeout"));
+        assert!(bad(&|c| c.carrier_idle_timeout = Duration::from_millis(1))
+            .contains("carrier_idle_timeout"));
         let e = bad(&|c| c.callers[0].max_concurrent_calls_per_tunnel = Some(0));
         assert!(
             e.contains("callers[0].max_concurrent_calls_per_tunnel"),

@@ -115,6 +115,8 @@ pub struct Channels {
     client: GrpcClient,
     /// The co-located tunnel server, reached without gRPC.
     local: Option<Local>,
+    /// `carrier_idle_timeout`.
+    carrier_idle_timeout: Duration,
 }
 
 /// A tunnel server over gRPC: its channel and the carriers on it.
@@ -148,7 +150,14 @@ impl Channels {
             inner: Arc::default(),
             client: GrpcClient::new(h2, CONNECT_TIMEOUT, tls),
             local: None,
+            carrier_idle_timeout: carrier::IDLE_FOR,
         }
+    }
+
+    /// Carriers unused for `idle` are closed.
+    pub fn with_carrier_idle_timeout(mut self, idle: Duration) -> Self {
+        self.carrier_idle_timeout = idle;
+        self
     }
 
     /// Calls to `local.forward_url` go to the tunnel server in this process.
@@ -192,7 +201,7 @@ impl Channels {
             .map_err(|e| e.to_string())?;
         let remote = Remote {
             channel: self.client.lazy(endpoint),
-            carriers: Arc::default(),
+            carriers: Arc::new(Carriers::new(self.carrier_idle_timeout)),
         };
         map.insert(forward_url.to_string(), remote.clone());
         Ok(Hop::Remote(remote))

@@ -193,7 +193,9 @@ pub async fn start_with(
         .with(registry_tls.clone())
         .with(forward_tls.clone())
         .spawn(config.reload_interval, background_stop.clone());
-    let channels = Channels::new(forward_tls, config.forward_h2()?).with_local(local);
+    let channels = Channels::new(forward_tls, config.forward_h2()?)
+        .with_local(local)
+        .with_carrier_idle_timeout(config.carrier_idle_timeout);
 
     let (http_addr, registry_addr, admin_addr) = (
         listeners.http.local_addr()?,

@@ -384,3 +384,38 @@ async fn calls_reuse_carriers_to_the_tunnel_server_one_call_at_a_time_each() {
     assert_eq!(retries, 0.0);
     stack.shutdown().await;
 }
+
+/// Idle carriers close after `carrier_idle_timeout` with no call to trigger it (both ends
+/// let them go), and the next call opens a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_carriers_close_after_the_idle_timeout() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed_pool(4))
+        .dispatcher_config(|c| c.carrier_idle_timeout = Duration::from_millis(300))
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let caller = stack.caller();
+    let paths: Vec<String> = (0..4)
+        .map(|i| format!("/relay/{TUNNEL_ID}/slow/50?i={i}"))
+        .collect();
+    for a in futures::future::join_all(paths.iter().map(|p| caller.get(p))).await {
+        assert_eq!(a.unwrap().status, 200);
+    }
+    let server = stack.servers[0].as_ref().unwrap().registry.clone();
+    let carriers = || relay_tests::metrics::value(&server, "relay_tunnel_forward_carriers", &[]);
+    assert!(carriers() >= 1.0, "the calls came on carriers");
+    eventually("every idle carrier closed", READY, || async {
+        carriers() == 0.0
+    })
+    .await;
+    let a = caller
+        .get(&format!("/relay/{TUNNEL_ID}/hello"))
+        .await
+        .unwrap();
+    assert_eq!(a.status, 200);
+    assert_eq!(carriers(), 1.0, "the next call opened a carrier");
+    stack.shutdown().await;
+}
