@@ -1,10 +1,11 @@
 //! What the dispatcher -> tunnel server hop costs per call, by how calls ride HTTP/2:
 //!
-//! - `rpc per call`: what the relay does, one `Forward.Call` RPC per call (a new HTTP/2
-//!   stream: headers, the call's head message, the answer, trailers);
+//! - `rpc per call`: one `Forward.Call` RPC per call (a new HTTP/2 stream: headers, the
+//!   call's head message, the answer, trailers), what the relay does for a tunnel server
+//!   without carriers;
 //! - `message pair on a long-lived stream`: the same head and answer as two messages on
-//!   an RPC that stays open across calls, one call at a time per RPC (as the agent's
-//!   tunnel streams carry calls).
+//!   an RPC that stays open across calls, one call at a time per RPC: how carriers
+//!   (`Forward.Carry`) and the agent's tunnel streams carry calls.
 //!
 //! Both over loopback TCP with the forward hop's settings (`relay_common::grpc`,
 //! `H2Limits::FORWARD`), client and server in one current-thread runtime, so the time per
