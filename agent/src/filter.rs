@@ -848,14 +848,14 @@ const LOOKALIKES: [char; 8] = [
 
 /// The head's headers as a `HeaderMap`, after the override-header check.
 fn header_map(head: &RequestHead) -> Result<HeaderMap, Rejection> {
-    // Not sized by the peer's count: the map grows as headers are accepted (the count is
-    // bounded by `limits.max_headers` before this runs, and growing costs little).
-    let mut headers = HeaderMap::new();
+    // Sized once by the count, which `limits.max_headers` bounds before this runs.
+    let mut headers = HeaderMap::with_capacity(head.headers.len());
     for h in &head.headers {
         let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| {
             Rejection::BadRequest(format!("invalid header name {:?}", short(&h.name)))
         })?;
-        let value = HeaderValue::from_bytes(&h.value)
+        // The value shares the frame's bytes (checked, not copied).
+        let value = HeaderValue::from_maybe_shared(h.value.clone())
             .map_err(|_| Rejection::BadRequest(format!("invalid value for header {name}")))?;
         let overrides = OVERRIDE_HEADERS.contains(&&*dashed(name.as_str()))
             || (name == http::header::FORWARDED
