@@ -250,11 +250,6 @@ impl Carriers {
         self.spoken.load(Ordering::Relaxed)
     }
 
-    /// Idle carriers now.
-    pub fn idle(&self) -> usize {
-        self.idle.lock().carriers.len()
-    }
-
     /// The most recently used idle carrier that is still usable; stale ones retired.
     fn take(&self) -> Option<Carrier> {
         let mut pool = self.idle.lock();

@@ -207,14 +207,6 @@ impl Channels {
         Ok(Hop::Remote(remote))
     }
 
-    /// Idle carriers to `forward_url` now (0 when none or never dialed).
-    pub fn idle_carriers(&self, forward_url: &str) -> usize {
-        self.inner
-            .lock()
-            .get(forward_url)
-            .map_or(0, |r| r.carriers.idle())
-    }
-
     /// Drops the cached channel (and its idle carriers) of a server that left.
     pub fn evict(&self, forward_url: &str) {
         self.inner.lock().remove(forward_url);
