@@ -283,13 +283,13 @@ impl Forwarder {
             if attempt > 0 {
                 if !body.replayable() {
                     debug!(
-                        call_id = plan.call_id,
+                        call_id = plan.call_id, tunnel_id = %plan.tunnel_id,
                         "not retrying: request body already sent beyond replay"
                     );
                     break;
                 }
                 self.metrics.retries.inc();
-                info!(call_id = plan.call_id, server_id = %target.server_id, reason = %last.message, "retrying on another tunnel server");
+                info!(call_id = plan.call_id, tunnel_id = %plan.tunnel_id, server_id = %target.server_id, reason = %last.message, "retrying on another tunnel server");
             }
             self.metrics
                 .routing_decisions
@@ -304,7 +304,7 @@ impl Forwarder {
                             .note_no_capacity(&plan.tunnel_id, &target.server_id);
                     }
                     let may = self.rules.allows(retry, &plan.method, nth(attempt + 1));
-                    debug!(call_id = plan.call_id, server_id = %target.server_id, code = failure.code.as_str(), ?retry, may, "forward attempt failed");
+                    debug!(call_id = plan.call_id, tunnel_id = %plan.tunnel_id, server_id = %target.server_id, code = failure.code.as_str(), ?retry, may, "forward attempt failed");
                     last = failure;
                     if !may {
                         break;
@@ -504,7 +504,7 @@ impl Forwarder {
                     };
                     if let Err(status) = proceeded {
                         // The call's own stream tells how it ended.
-                        debug!(call_id = plan.call_id, server_id = %route.server_id, %status, "proceed failed");
+                        debug!(call_id = plan.call_id, tunnel_id = %plan.tunnel_id, server_id = %route.server_id, %status, "proceed failed");
                     }
                 }
                 RespKind::Body(_) | RespKind::Queued(_) | RespKind::Reserved(_) => {
