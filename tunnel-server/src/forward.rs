@@ -186,13 +186,18 @@ async fn carry(
 ) {
     parts.hub.metrics.carriers.inc();
     let _open = Open(parts.hub.metrics.carriers.clone());
+    // Made once, not per call: a wait made anew each time registers and drops a waiter
+    // under a lock for every call the carrier carries.
+    let reset = tx.closed();
+    let stopped = stop.cancelled();
+    tokio::pin!(reset, stopped);
     loop {
         let next = tokio::select! {
             biased;
             next = inbound.next() => next,
             // The dispatcher reset the carrier, or this server stops serving.
-            _ = tx.closed() => return,
-            _ = stop.cancelled() => return,
+            _ = &mut reset => return,
+            _ = &mut stopped => return,
         };
         let mut head = match next {
             // Retired by the dispatcher, or broken.

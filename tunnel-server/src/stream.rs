@@ -248,11 +248,15 @@ impl Reader {
         self.send_ping(&mut seq, &mut timed);
         let silence = self.heartbeat * self.misses;
         let mut confirmed = false;
+        // Made once, not per frame: a wait made anew each time registers and drops a
+        // waiter under a lock for every frame the agent sends.
+        let closed = self.handle.closed_owned();
+        tokio::pin!(closed);
         let mut end = loop {
             tokio::select! {
                 // Order: a close wins over more frames; frames win over the heartbeat.
                 biased;
-                _ = self.handle.closed() => break End::Closed { revoked: false },
+                _ = &mut closed => break End::Closed { revoked: false },
                 msg = inbound.message() => match msg {
                     Ok(Some(frame)) => {
                         last_seen = Instant::now();
