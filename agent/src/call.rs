@@ -199,20 +199,13 @@ pub(crate) async fn run_call(
     }
 }
 
-/// The upstream's response headers as wire headers. Every value is a slice of one buffer
-/// holding them all: one allocation for the values (and one when the buffer is first
-/// shared) instead of a copy per value and a second allocation when each copy is cloned
-/// into the frame's encoding.
+/// The upstream's response headers as wire headers, names and values slices of one
+/// buffer (see [`relay_proto::wire_headers`]).
 fn wire_headers(map: &http::HeaderMap) -> Vec<Header> {
-    let total = map.iter().map(|(_, v)| v.len()).sum();
-    let mut values = bytes::BytesMut::with_capacity(total);
-    for (_, v) in map {
-        values.extend_from_slice(v.as_bytes());
-    }
-    let mut values = values.freeze();
-    map.iter()
-        .map(|(n, v)| Header::new(n.as_str(), values.split_to(v.len())))
-        .collect()
+    relay_proto::wire_headers(|| {
+        map.iter()
+            .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()))
+    })
 }
 
 /// The wire kind and metric outcome of an upstream error.
@@ -317,7 +310,7 @@ mod tests {
         map.append("etag", "\"abc\"".parse().unwrap());
         let wire: Vec<(String, Vec<u8>)> = wire_headers(&map)
             .into_iter()
-            .map(|h| (h.name, h.value.to_vec()))
+            .map(|h| (h.name_str().into_owned(), h.value.to_vec()))
             .collect();
         let want: Vec<(String, Vec<u8>)> = map
             .iter()

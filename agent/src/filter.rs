@@ -383,7 +383,7 @@ impl Policy {
             ));
         }
         for h in &head.headers {
-            if h.name.bytes().any(|b| bad(&b)) || h.value.iter().any(bad) {
+            if h.name.iter().any(bad) || h.value.iter().any(bad) {
                 return Err(Rejection::refused(
                     Reason::Injection,
                     "CR, LF or NUL in a request header",
@@ -851,8 +851,8 @@ fn header_map(head: &RequestHead) -> Result<HeaderMap, Rejection> {
     // Sized once by the count, which `limits.max_headers` bounds before this runs.
     let mut headers = HeaderMap::with_capacity(head.headers.len());
     for h in &head.headers {
-        let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| {
-            Rejection::BadRequest(format!("invalid header name {:?}", short(&h.name)))
+        let name = HeaderName::from_bytes(&h.name).map_err(|_| {
+            Rejection::BadRequest(format!("invalid header name {:?}", short(&h.name_str())))
         })?;
         // The value shares the frame's bytes (checked, not copied).
         let value = HeaderValue::from_maybe_shared(h.value.clone())

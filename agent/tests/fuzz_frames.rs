@@ -54,7 +54,7 @@ fn header() -> impl Strategy<Value = Header> {
         prop::collection::vec(any::<u8>(), 0..10),
     ];
     (name, value).prop_map(|(name, value)| Header {
-        name,
+        name: name.into(),
         value: value.into(),
     })
 }

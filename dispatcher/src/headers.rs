@@ -7,7 +7,6 @@
 //!
 //! No I/O here.
 
-use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use relay_proto::Header;
 
@@ -25,11 +24,12 @@ fn keep(name: &HeaderName, named: &[HeaderName], request: bool) -> bool {
 /// The caller's request headers as they go to the tunnel server.
 pub fn request_to_wire(headers: &HeaderMap) -> Vec<Header> {
     let tokens = relay_common::hop::connection_named(headers);
-    headers
-        .iter()
-        .filter(|(name, _)| keep(name, &tokens, true))
-        .map(|(name, value)| Header::new(name.as_str(), Bytes::copy_from_slice(value.as_bytes())))
-        .collect()
+    relay_proto::wire_headers(|| {
+        headers
+            .iter()
+            .filter(|(name, _)| keep(name, &tokens, true))
+            .map(|(name, value)| (name.as_str().as_bytes(), value.as_bytes()))
+    })
 }
 
 /// The agent's response headers as they go to the caller. Headers that are not valid HTTP
@@ -46,7 +46,7 @@ pub fn response_from_wire(wire: &[Header]) -> (HeaderMap, usize) {
         .iter()
         .filter(|h| {
             h.name
-                .eq_ignore_ascii_case(http::header::CONNECTION.as_str())
+                .eq_ignore_ascii_case(http::header::CONNECTION.as_str().as_bytes())
                 && HeaderValue::from_bytes(&h.value).is_ok()
         })
         .flat_map(|h| h.value.split(|b| *b == b','))
@@ -58,7 +58,7 @@ pub fn response_from_wire(wire: &[Header]) -> (HeaderMap, usize) {
     let mut invalid = 0;
     for h in wire {
         match (
-            HeaderName::from_bytes(h.name.as_bytes()),
+            HeaderName::from_bytes(&h.name),
             HeaderValue::from_maybe_shared(h.value.clone()),
         ) {
             (Ok(name), Ok(value)) => {
@@ -219,7 +219,7 @@ mod tests {
         ]);
         let out: Vec<(String, Vec<u8>)> = request_to_wire(&h)
             .into_iter()
-            .map(|h| (h.name, h.value.to_vec()))
+            .map(|h| (h.name_str().into_owned(), h.value.to_vec()))
             .collect();
         assert_eq!(
             out,

@@ -171,12 +171,46 @@ pub mod v1 {
 pub use v1::*;
 
 impl Header {
-    pub fn new(name: impl Into<String>, value: impl Into<bytes::Bytes>) -> Self {
+    /// A header with a copy of `name` (the call path builds its heads with
+    /// [`wire_headers`], without a copy per name).
+    pub fn new(name: impl AsRef<[u8]>, value: impl Into<bytes::Bytes>) -> Self {
         Header {
-            name: name.into(),
+            name: bytes::Bytes::copy_from_slice(name.as_ref()),
             value: value.into(),
         }
     }
+
+    /// The name as text, for messages (a name that is not UTF-8 shows replacement
+    /// characters).
+    pub fn name_str(&self) -> std::borrow::Cow<'_, str> {
+        String::from_utf8_lossy(&self.name)
+    }
+}
+
+/// Headers as wire headers, in order, every name and value a slice of one buffer holding
+/// them all: one allocation for the whole head (and one when the buffer is first shared)
+/// instead of a copy per name and per value, and a second allocation for each when the
+/// frame's encoding clones it.
+/// `headers` yields the same pairs each time it is called (it is walked three times).
+pub fn wire_headers<'a, F, I>(headers: F) -> Vec<Header>
+where
+    F: Fn() -> I,
+    I: Iterator<Item = (&'a [u8], &'a [u8])>,
+{
+    let (count, total) = headers().fold((0, 0), |(c, t), (n, v)| (c + 1, t + n.len() + v.len()));
+    let mut buf = bytes::BytesMut::with_capacity(total);
+    for (n, v) in headers() {
+        buf.extend_from_slice(n);
+        buf.extend_from_slice(v);
+    }
+    let mut buf = buf.freeze();
+    let mut out = Vec::with_capacity(count);
+    for (n, v) in headers() {
+        let name = buf.split_to(n.len());
+        let value = buf.split_to(v.len());
+        out.push(Header { name, value });
+    }
+    out
 }
 
 impl ServerFrame {
@@ -220,6 +254,20 @@ impl ServerReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wire_headers_keep_every_name_and_value_in_order() {
+        let pairs: [(&[u8], &[u8]); 4] = [
+            (b"set-cookie", b"a=1"),
+            (b"x-empty", b""),
+            (b"set-cookie", b"b=2"),
+            (b"etag", b"\"abc\""),
+        ];
+        let wire = wire_headers(|| pairs.iter().copied());
+        let got: Vec<(&[u8], &[u8])> = wire.iter().map(|h| (&h.name[..], &h.value[..])).collect();
+        assert_eq!(got, pairs);
+        assert!(wire_headers(std::iter::empty).is_empty());
+    }
 
     #[test]
     fn heads_over_a_limit_are_named_without_allocating_for_them() {
@@ -269,7 +317,7 @@ mod tests {
         let head = |n: usize| -> Vec<Header> {
             (0..n)
                 .map(|i| Header {
-                    name: format!("h{i}"),
+                    name: format!("h{i}").into(),
                     value: vec![b'v'; 100].into(),
                 })
                 .collect()
