@@ -224,6 +224,10 @@ struct ServerInfo {
     draining: bool,
     /// From the server's hello.
     direct_url: String,
+    /// Calls in flight on the server's streams now, and the most at once since the last
+    /// tick (see `ServerView::peak_in_flight`).
+    in_flight: u32,
+    peak: u32,
 }
 
 /// How long a pressure hint counts without being refreshed.
@@ -367,11 +371,24 @@ impl CoverageActor {
             }
             StreamEvent::CallStarted => {
                 if let Some(e) = self.streams.get_mut(&id) {
-                    e.busy = true;
+                    if !e.busy {
+                        e.busy = true;
+                        let info = match self.servers.get_mut(&e.server) {
+                            Some(info) => info,
+                            None => self.servers.entry(e.server.clone()).or_default(),
+                        };
+                        info.in_flight += 1;
+                        info.peak = info.peak.max(info.in_flight);
+                    }
                 }
             }
             StreamEvent::CallEnded => {
                 if let Some(e) = self.streams.get_mut(&id) {
+                    if e.busy {
+                        if let Some(info) = self.servers.get_mut(&e.server) {
+                            info.in_flight = info.in_flight.saturating_sub(1);
+                        }
+                    }
                     e.busy = false;
                     e.last_used = now;
                 }
@@ -457,6 +474,10 @@ impl CoverageActor {
         };
         if !self.streams.values().any(|o| o.server == e.server) {
             self.servers.remove(&e.server);
+        } else if e.busy {
+            if let Some(info) = self.servers.get_mut(&e.server) {
+                info.in_flight = info.in_flight.saturating_sub(1);
+            }
         }
     }
 
@@ -514,6 +535,7 @@ impl CoverageActor {
                     opening: direct_opening(&e.server),
                     streams: Vec::new(),
                     queued: info.filter(fresh).map_or(0, |i| i.queued),
+                    peak_in_flight: info.map_or(0, |i| i.peak),
                     draining: info.is_some_and(|i| i.draining),
                 }
             });
@@ -543,6 +565,7 @@ impl CoverageActor {
                     opening: direct_opening(&key),
                     streams: Vec::new(),
                     queued: 0,
+                    peak_in_flight: 0,
                     draining: m.draining,
                 });
             }
@@ -567,6 +590,10 @@ impl CoverageActor {
         });
         self.next_tick = now + self.settings.tick;
         let snap = self.snapshot(now);
+        // The next tick's peak starts from the calls in flight now.
+        for info in self.servers.values_mut() {
+            info.peak = info.in_flight;
+        }
         let plan = self.planner.plan(&snap);
 
         let mut opens_held = false;

@@ -10,8 +10,11 @@
 //! Streams are grouped by server. A server whose streams are all retiring (or that has
 //! none) is ignored: it is not listed in `Plan::states` and takes no action. For the
 //! others: `live` = non-retiring streams (retiring ones are not capacity), `in flight` =
-//! busy streams (retiring ones included: the call is real), `busy` = in flight + `queued`
-//! (the pressure hint), `budget` = busy + `reserve`, `shortfall` = budget - live.
+//! the larger of the busy streams now (retiring ones included: the call is real) and the
+//! most calls in flight there at once since the last tick (`peak_in_flight`: calls of a
+//! busy second that sit between hops at the tick's instant are demand all the same),
+//! `busy` = in flight + `queued` (the pressure hint), `budget` = busy + `reserve`,
+//! `shortfall` = budget - live.
 //! Each tick classifies every server (`classify`), then runs one function per action
 //! kind (`evacuate`, `recycle`, `grow`, `fill`, `bootstrap`, `open`, `retire`):
 //!
@@ -184,6 +187,12 @@ pub struct ServerView {
     pub streams: Vec<StreamView>,
     /// Calls of this tunnel id queued on that server (the latest pressure hint).
     pub queued: u32,
+    /// The most calls in flight on this server's streams at once since the last tick
+    /// (0 when not known). The server's in-flight count is the larger of it and the streams
+    /// busy now: a count taken at the tick's instant alone misses the calls of a busy
+    /// second that are between hops at that instant (at 64 concurrent callers the agent
+    /// sized to it left a quarter of the calls queued on the server).
+    pub peak_in_flight: u32,
     /// The server sent Drain: it is going away.
     pub draining: bool,
 }
@@ -529,7 +538,8 @@ impl Planner {
                 view,
                 state: State::Covered,
                 live,
-                in_flight: count(view.streams.iter().filter(|st| st.busy).count()),
+                in_flight: count(view.streams.iter().filter(|st| st.busy).count())
+                    .max(view.peak_in_flight),
                 idle: count(
                     view.streams
                         .iter()
@@ -1018,8 +1028,8 @@ impl Planner {
             .filter(|s| !s.streams.is_empty())
             .map(|s| {
                 let streams = s.streams.iter().filter(|st| !st.retiring).count() as u32;
-                let in_flight = s.streams.iter().filter(|st| st.busy).count() as u32;
-                let busy = in_flight.saturating_add(s.queued);
+                let busy_now = s.streams.iter().filter(|st| st.busy).count() as u32;
+                let busy = busy_now.max(s.peak_in_flight).saturating_add(s.queued);
                 let budget = busy.saturating_add(self.cfg.reserve);
                 let state = if s.draining {
                     State::Evacuated
@@ -1035,7 +1045,7 @@ impl Planner {
                     state,
                     streams,
                     busy,
-                    idle: streams.saturating_sub(in_flight),
+                    idle: streams.saturating_sub(busy_now),
                     budget,
                     short_for: Duration::ZERO,
                 }

@@ -224,6 +224,37 @@ async fn a_pressure_hint_counts_until_it_is_no_longer_refreshed() {
     assert_eq!(h.handle.view().borrow().servers[0].busy, 7);
 }
 
+/// Calls that start and end between two ticks still count at the next one: the server's
+/// busy figure is the most calls in flight at once since the last tick.
+#[tokio::test(start_paused = true)]
+async fn calls_between_ticks_count_as_the_most_in_flight_at_once() {
+    let h = start(fixed(4), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let live = h.net.live();
+    assert_eq!(live.len(), 4);
+    for id in &live[..3] {
+        h.net.emit(*id, StreamEvent::CallStarted);
+    }
+    for id in &live[..3] {
+        h.net.emit(*id, StreamEvent::CallEnded);
+    }
+    h.net.emit(live[0], StreamEvent::CallStarted);
+    h.net.emit(live[0], StreamEvent::CallEnded);
+    ticks(1).await;
+    assert_eq!(h.handle.view().borrow().servers[0].busy, 3);
+    ticks(1).await;
+    assert_eq!(
+        h.handle.view().borrow().servers[0].busy,
+        0,
+        "the next tick starts from the calls in flight then"
+    );
+    // A stream that goes away mid-call takes its call out of the count.
+    h.net.emit(live[1], StreamEvent::CallStarted);
+    h.net.kill(live[1]);
+    ticks(2).await;
+    assert_eq!(h.handle.view().borrow().servers[0].busy, 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn fixed_pool_opens_exactly_fixed_streams_at_start() {
     let h = start(fixed(4), FakeNet::new(|_| "s1".into()));

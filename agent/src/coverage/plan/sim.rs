@@ -321,6 +321,8 @@ impl Sim {
                         })
                         .collect(),
                     queued: if self.hint { count(s.queue.len()) } else { 0 },
+                    // Calls here last whole ticks: the busy streams are the peak.
+                    peak_in_flight: 0,
                     draining: s.draining,
                 })
                 .collect(),

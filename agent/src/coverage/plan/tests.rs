@@ -65,6 +65,7 @@ impl Snap {
             opening: 0,
             streams,
             queued: 0,
+            peak_in_flight: 0,
             draining: false,
         }
     }
@@ -153,6 +154,34 @@ fn a_short_server_with_calls_grows_by_the_largest_of_min_calls_and_shortfall() {
     let a = s.server("a", 0, 20);
     let plan = Planner::new(cfg()).plan(&s.snap(0, &[a]));
     assert_eq!(plan.open, 20);
+}
+
+#[test]
+fn the_most_calls_in_flight_since_the_last_tick_size_a_server() {
+    let mut s = Snap::new();
+    // 12 streams, 2 of them busy at the tick's instant, but 30 calls were in flight at
+    // once during the second before: busy 30, budget 32, shortfall 20 -> max(8, 30, 20).
+    let mut a = s.server("a", 10, 2);
+    a.peak_in_flight = 30;
+    let plan = Planner::new(cfg()).plan(&s.snap(0, &[a.clone()]));
+    assert_eq!(state_of(&plan, "a"), State::Growing);
+    assert_eq!(plan.open, 30);
+    // Sized by the instant alone, the same server looks covered and has idle streams to
+    // spare.
+    a.peak_in_flight = 0;
+    let plan = Planner::new(cfg()).plan(&s.snap(0, &[a]));
+    assert_eq!(state_of(&plan, "a"), State::Covered);
+    assert_eq!(plan.open, 0);
+    // Retirement keeps what the peak needs: 40 old idle streams, none busy now, 30 in
+    // flight at once since the last tick: at most 40 - (30 + 2) retired.
+    let mut b = s.server("b", 40, 0);
+    b.peak_in_flight = 30;
+    let plan = Planner::new(cfg()).plan(&s.snap(0, &[b.clone()]));
+    assert_eq!(state_of(&plan, "b"), State::Covered);
+    assert!(plan.close.len() <= 8, "{} retired", plan.close.len());
+    b.peak_in_flight = 0;
+    let plan = Planner::new(cfg()).plan(&s.snap(0, &[b]));
+    assert!(plan.close.len() > 8, "{} retired", plan.close.len());
 }
 
 #[test]
@@ -437,6 +466,7 @@ fn listed(id: &str, instance: &str) -> ServerView {
         opening: 0,
         streams: Vec::new(),
         queued: 0,
+        peak_in_flight: 0,
         draining: false,
     }
 }
