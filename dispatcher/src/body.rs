@@ -154,6 +154,7 @@ impl RequestBody {
         s.cursor = 0;
         drop(s);
         AttemptStream {
+            abandoned: false,
             body: self.clone(),
             attempt,
             head: Some(head),
@@ -194,10 +195,19 @@ impl RequestBody {
 }
 
 /// The `Forward.Call` request stream of one attempt.
+///
+/// When the caller's body breaks off, it yields [`ForwardRequest::abandon`] once and then
+/// nothing: the RPC (a `Forward.Call`, or the carrier carrying the call) is reset, which
+/// the tunnel server takes as the caller gone. It never ends cleanly there: a server ends
+/// a `Forward.Call`'s body at the RPC's end, so a clean end would pass a cut body on as
+/// whole; and left pending, the RPC would stay open (hyper does not reset a request half
+/// when the response is dropped) with its agent stream and upstream request held until
+/// the call's deadline.
 pub struct AttemptStream {
     body: RequestBody,
     attempt: u32,
     head: Option<ForwardRequest>,
+    abandoned: bool,
 }
 
 impl futures::Stream for AttemptStream {
@@ -220,7 +230,8 @@ impl futures::Stream for AttemptStream {
         }
         if s.failed.is_some() {
             // The driver aborts the whole call; never send a fake end.
-            return Poll::Pending;
+            drop(s);
+            return this.abandon();
         }
         let Some(source) = s.source.as_mut() else {
             return Poll::Ready(None);
@@ -253,8 +264,20 @@ impl futures::Stream for AttemptStream {
                 if let Some(w) = s.watcher.take() {
                     w.wake();
                 }
-                Poll::Pending
+                drop(s);
+                this.abandon()
             }
+        }
+    }
+}
+
+impl AttemptStream {
+    /// The RPC's reset, once; then nothing more.
+    fn abandon(&mut self) -> Poll<Option<ForwardRequest>> {
+        if std::mem::replace(&mut self.abandoned, true) {
+            Poll::Pending
+        } else {
+            Poll::Ready(Some(ForwardRequest::abandon()))
         }
     }
 }
@@ -791,10 +814,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_failing_caller_body_is_reported_not_ended() {
+    async fn a_failing_caller_body_is_reported_and_abandons_the_rpc_never_ended() {
         let body = RequestBody::new(Some(caller_body(vec![Err("boom".into())])), 1, MAX_CHUNK);
         let mut s = body.attempt(0, head());
         assert!(s.next().await.is_some());
+        let abandon = s.next().await.expect("the abandon frame, not the end");
+        assert!(
+            abandon.kind.is_none(),
+            "a frame that resets the RPC: {abandon:?}"
+        );
         assert!(
             s.next().now_or_never().is_none(),
             "the stream must not end after a body error"

@@ -7,9 +7,20 @@
 //! response heads, small inline bodies) fit in far less, and a buffer grows on demand for
 //! a larger message (a 64 KiB body chunk), so the buffers start at [`BUFFER_BYTES`].
 
+//!
+//! A request stream cannot yield an error to tonic, and an RPC whose request stream is
+//! left pending is never reset by hyper (dropping the response does not end the request
+//! half). So a client that must abandon an RPC mid-request hands it a message that
+//! [`Abandons`]: the encoder turns it into an error instead of bytes, and hyper resets
+//! the RPC (RST_STREAM), which the server reads as the caller gone, never as a clean end
+//! of the request. Only a `ForwardRequest` without a kind abandons (the dispatcher's way
+//! to cancel a `Forward.Call` whose caller's body broke off: a clean end there would end
+//! the call's body as if whole).
+
 use prost::Message;
 use std::marker::PhantomData;
-use tonic::codec::{BufferSettings, Codec};
+use tonic::codec::{BufferSettings, Codec, EncodeBuf, Encoder};
+use tonic::Status;
 use tonic_prost::{ProstDecoder, ProstEncoder};
 
 /// Initial size of an RPC's encode and decode buffers.
@@ -32,18 +43,76 @@ fn settings() -> BufferSettings {
     BufferSettings::new(BUFFER_BYTES, YIELD_THRESHOLD)
 }
 
+/// A message sent on an RPC that may stand for abandoning it (see the module docs).
+pub trait Abandons {
+    /// True: the RPC is reset here instead of this message being sent.
+    fn abandons(&self) -> bool {
+        false
+    }
+}
+
+macro_rules! never_abandons {
+    ($($t:ty),* $(,)?) => { $(impl Abandons for $t {})* };
+}
+
+never_abandons!(
+    crate::ServerReport,
+    crate::ReportAck,
+    crate::WatchRequest,
+    crate::Fleet,
+    crate::ForwardResponse,
+    crate::ProceedRequest,
+    crate::ProceedReply,
+    crate::AgentFrame,
+    crate::ServerFrame,
+);
+
+impl Abandons for crate::ForwardRequest {
+    fn abandons(&self) -> bool {
+        self.kind.is_none()
+    }
+}
+
+impl crate::ForwardRequest {
+    /// The message that abandons a forward RPC: the dispatcher's RPC is reset, nothing is
+    /// sent (a frame without a kind is never valid on the wire).
+    pub fn abandon() -> Self {
+        crate::ForwardRequest { kind: None }
+    }
+}
+
+/// prost's encoder, refusing a message that abandons its RPC.
+#[derive(Debug)]
+pub struct RelayEncoder<T>(ProstEncoder<T>);
+
+impl<T: Message + Abandons> Encoder for RelayEncoder<T> {
+    type Item = T;
+    type Error = Status;
+
+    fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        if item.abandons() {
+            return Err(Status::cancelled("the request was abandoned"));
+        }
+        self.0.encode(item, buf)
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        self.0.buffer_settings()
+    }
+}
+
 impl<T, U> Codec for RelayCodec<T, U>
 where
-    T: Message + Send + 'static,
+    T: Message + Abandons + Send + 'static,
     U: Message + Default + Send + 'static,
 {
     type Encode = T;
     type Decode = U;
-    type Encoder = ProstEncoder<T>;
+    type Encoder = RelayEncoder<T>;
     type Decoder = ProstDecoder<U>;
 
     fn encoder(&mut self) -> Self::Encoder {
-        ProstEncoder::new(settings())
+        RelayEncoder(ProstEncoder::new(settings()))
     }
 
     fn decoder(&mut self) -> Self::Decoder {

@@ -55,6 +55,64 @@ pub async fn large_bodies_pass_byte_for_byte(stack: &Stack) {
     assert_eq!(at, N);
 }
 
+/// On a stack whose agent holds one stream: a caller whose upload breaks off (its chunked
+/// body ends without the last chunk) cancels the upstream request, which never sees its
+/// body end as if whole (the upstream echoes the body, so a cut body taken as whole would
+/// be a served request), and the stream serves the next call.
+pub async fn a_caller_whose_upload_breaks_off_cancels_the_upstream(stack: &Stack) {
+    type BoxError = Box<dyn std::error::Error + Send + Sync>;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<hyper::body::Frame<Bytes>, BoxError>>(4);
+    let req = http::Request::builder()
+        .method(Method::POST)
+        .uri(format!("http://{}/relay/{TUNNEL_ID}/echo", stack.http))
+        .header(
+            "authorization",
+            format!("Bearer {}", crate::stack::CALLER_KEY),
+        )
+        .body(http_body_util::StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
+        .unwrap();
+    let served_before = stack.upstream.served();
+    let pending = tokio::spawn(async move {
+        // The answer's head may come (the echo answers as the body arrives); its body
+        // is cut when the call is cancelled.
+        match client.request(req).await {
+            Ok(resp) => resp.into_body().collect().await.is_ok(),
+            Err(_) => false,
+        }
+    });
+    tx.send(Ok(hyper::body::Frame::data(Bytes::from(vec![7u8; 1000]))))
+        .await
+        .unwrap();
+    eventually("the upload reached the upstream", WITHIN, || async {
+        stack.upstream.in_flight() == 1
+    })
+    .await;
+    tx.send(Err("the caller went away".into())).await.unwrap();
+    eventually("the upstream request was dropped", WITHIN, || async {
+        stack.upstream.in_flight() == 0 && stack.upstream.cancelled() >= 1
+    })
+    .await;
+    assert_eq!(
+        stack.upstream.served(),
+        served_before,
+        "the cut upload was never answered whole"
+    );
+    assert!(
+        !pending.await.unwrap(),
+        "the caller never got a whole answer to a cut upload"
+    );
+    let a = stack
+        .caller()
+        .get(&format!("/relay/{TUNNEL_ID}/hello"))
+        .await
+        .unwrap();
+    assert_eq!(a.status, 200, "{}", a.text());
+}
+
 /// On a stack whose agent holds one stream: a caller that leaves mid-call cancels the
 /// upstream request, and the stream serves the next call.
 pub async fn a_caller_leaving_cancels_the_upstream(stack: &Stack) {

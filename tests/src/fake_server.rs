@@ -106,6 +106,13 @@ struct FakeState {
     carry_one: bool,
     /// Carriers opened on a carrying fake.
     carriers: Arc<AtomicUsize>,
+    /// [`Behaviour::Echo`] calls whose request stream was reset before a body chunk with
+    /// `end`.
+    bodies_reset: Arc<AtomicUsize>,
+    /// [`Behaviour::Echo`] calls whose request stream ended cleanly before a body chunk
+    /// with `end`: a cut body a server taking the RPC's end as the body's end would pass
+    /// on as whole.
+    bodies_cut: Arc<AtomicUsize>,
     /// Resets every TCP connection through the fake's proxy (see
     /// [`FakeServer::start_resetting`]).
     reset: Option<Arc<tokio::sync::Notify>>,
@@ -379,6 +386,14 @@ impl FakeState {
                                 return;
                             }
                         }
+                        Ok(None) => {
+                            self.bodies_cut.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                        Err(_) => {
+                            self.bodies_reset.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
                         _ => return,
                     }
                 }
@@ -611,6 +626,16 @@ impl FakeServer {
     /// `Forward.Carry` RPCs the fake refused as an older server does (UNIMPLEMENTED).
     pub fn carry_refused(&self) -> usize {
         self.state.carry_refused.load(Ordering::SeqCst)
+    }
+
+    /// Echoed calls whose request stream was reset before its body's end.
+    pub fn bodies_reset(&self) -> usize {
+        self.state.bodies_reset.load(Ordering::SeqCst)
+    }
+
+    /// Echoed calls whose request stream ended cleanly before its body's end.
+    pub fn bodies_cut(&self) -> usize {
+        self.state.bodies_cut.load(Ordering::SeqCst)
     }
 }
 

@@ -220,6 +220,20 @@ async fn a_caller_leaving_cancels_through_the_in_process_hop() {
     stack.shutdown().await;
 }
 
+/// A caller whose upload breaks off cancels the upstream request through the in-process
+/// hop; the upstream never sees the cut body end as if whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_whose_upload_breaks_off_cancels_through_the_in_process_hop() {
+    let stack = colocated_alone()
+        .coverage(fixed_pool(1))
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    checks::a_caller_whose_upload_breaks_off_cancels_the_upstream(&stack).await;
+    stack.shutdown().await;
+}
+
 /// With a second server reporting to the co-located front and holding streams of the
 /// tunnel id too, the front sends the calls to the server in its own process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

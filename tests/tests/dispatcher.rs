@@ -648,6 +648,48 @@ async fn caller_disconnect_drops_the_forward_call() {
     d.shutdown().await;
 }
 
+/// A caller whose upload breaks off (its chunked body ends without the last chunk) on a
+/// server without carriers: the dispatcher resets that call's `Forward.Call` and never
+/// half-closes it, since such a server takes the RPC's end as the body's end and would
+/// hand the agent a cut body as a whole one.
+#[tokio::test]
+async fn a_caller_leaving_mid_upload_resets_the_forward_call_never_ends_it() {
+    let d = start_dispatcher().await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+    let req = d
+        .request(Method::POST, "/relay/demo/upload", Some(KEY))
+        .body(BodyExt::boxed(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+        .unwrap();
+    let pending = tokio::spawn(d.client.request(req));
+    tx.send(Ok(Frame::data(Bytes::from(vec![3u8; 1000]))))
+        .await
+        .unwrap();
+    eventually(
+        "the first part of the body reaches the fake",
+        WAIT,
+        || async { fake.seen().first().is_some_and(|s| s.body_len == 1000) },
+    )
+    .await;
+    // The caller's body fails: hyper closes the connection without the last chunk.
+    tx.send(Err("the caller went away".into())).await.unwrap();
+    eventually("the fake sees the call's RPC reset", WAIT, || async {
+        fake.bodies_reset() == 1
+    })
+    .await;
+    assert_eq!(fake.bodies_cut(), 0, "the RPC was never ended as if whole");
+    let seen = &fake.seen()[0];
+    assert!(!seen.ended, "no body chunk with end reached the server");
+    assert_eq!(seen.body_len, 1000);
+    let _ = pending.await;
+    assert_eq!(fake.seen().len(), 1, "the cut call was not retried");
+    d.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_error_after_the_head_aborts_the_body() {
     let d = start_dispatcher().await;

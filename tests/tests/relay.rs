@@ -261,6 +261,19 @@ async fn a_caller_leaving_mid_call_cancels_the_upstream_and_frees_the_stream() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_whose_upload_breaks_off_cancels_the_upstream_never_ends_its_body() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(fixed_pool(1))
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    checks::a_caller_whose_upload_breaks_off_cancels_the_upstream(&stack).await;
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_agent_token_is_refused_and_retried_with_backoff() {
     let stack = Stack::builder()
         .servers(1)
