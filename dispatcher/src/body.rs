@@ -202,7 +202,7 @@ impl RequestBody {
 /// a `Forward.Call`'s body at the RPC's end, so a clean end would pass a cut body on as
 /// whole; and left pending, the RPC would stay open (hyper does not reset a request half
 /// when the response is dropped) with its agent stream and upstream request held until
-/// the call's deadline.
+/// the tunnel server ends the call on its own.
 pub struct AttemptStream {
     body: RequestBody,
     attempt: u32,
