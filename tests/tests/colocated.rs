@@ -206,10 +206,11 @@ async fn queued_calls_complete_through_the_in_process_handshake() {
     stack.shutdown().await;
 }
 
-/// A caller that leaves mid-call cancels the upstream request through the in-process hop,
-/// and the agent's only stream serves the next call.
+/// A caller that leaves mid-call, and one whose upload breaks off, each cancel the
+/// upstream request through the in-process hop (a cut upload never ends as if whole), and
+/// the agent's only stream serves the next call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_caller_leaving_cancels_through_the_in_process_hop() {
+async fn a_caller_leaving_mid_call_or_mid_upload_cancels_through_the_in_process_hop() {
     let stack = colocated_alone()
         .coverage(fixed_pool(1))
         .start()
@@ -217,19 +218,6 @@ async fn a_caller_leaving_cancels_through_the_in_process_hop() {
         .unwrap();
     stack.wait_routable(READY).await.unwrap();
     checks::a_caller_leaving_cancels_the_upstream(&stack).await;
-    stack.shutdown().await;
-}
-
-/// A caller whose upload breaks off cancels the upstream request through the in-process
-/// hop; the upstream never sees the cut body end as if whole.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_caller_whose_upload_breaks_off_cancels_through_the_in_process_hop() {
-    let stack = colocated_alone()
-        .coverage(fixed_pool(1))
-        .start()
-        .await
-        .unwrap();
-    stack.wait_routable(READY).await.unwrap();
     checks::a_caller_whose_upload_breaks_off_cancels_the_upstream(&stack).await;
     stack.shutdown().await;
 }
