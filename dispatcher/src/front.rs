@@ -351,13 +351,16 @@ impl Front {
             deadline: start + accepted.timeout,
         };
         let forwarded = tokio::select! {
+            // The body's failure first: it resets the attempt's RPC (see `AttemptStream`),
+            // and the caller hears why (413 for a body over the limit), not the reset.
+            biased;
+            why = request_body.failed() => Err((self.body_failure(why), None)),
             r = tokio::time::timeout_at(plan.deadline, self.forwarder.forward(&plan, &request_body, &pick)) => {
                 r.unwrap_or_else(|_| Err((Failure::new(
                     ErrorCode::DeadlineExceeded,
                     format!("no response head within {} ms", accepted.timeout.as_millis()),
                 ), None)))
             }
-            why = request_body.failed() => Err((self.body_failure(why), None)),
         };
         let mut answer = match forwarded {
             Ok(a) => a,
