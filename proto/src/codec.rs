@@ -1,4 +1,5 @@
-//! The protobuf codec of every relay RPC: prost's, with smaller per-RPC buffers.
+//! The protobuf codec of every relay RPC: prost's, with smaller per-RPC buffers, and an
+//! encoder that lets a client reset an RPC from its request stream.
 //!
 //! tonic gives each RPC an encode buffer and a decode buffer of 8 KiB up front. A tunnel
 //! server holds one long-lived `Tunnel.Connect` RPC per agent stream, most of them idle,
@@ -6,7 +7,6 @@
 //! 176 MiB of a server's memory). The frames that pass most often (pings, pongs, call and
 //! response heads, small inline bodies) fit in far less, and a buffer grows on demand for
 //! a larger message (a 64 KiB body chunk), so the buffers start at [`BUFFER_BYTES`].
-
 //!
 //! A request stream cannot yield an error to tonic, and an RPC whose request stream is
 //! left pending is never reset by hyper (dropping the response does not end the request
