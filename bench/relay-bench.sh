@@ -11,9 +11,13 @@
 # at 1, 16 and 64 connections. Each round runs every target once per connection count, in
 # turn; the table shows the median over ROUNDS rounds of calls/s, p50 and p99 latency, CPU
 # per call summed over each target's processes, and the ratio of relay's calls/s to the
-# chain's and to rathole's (relay's and colocated's). Then peak RSS per relay process, a 64 MiB response streamed
-# through the relay (peak RSS again), every non-2xx answer or socket error wrk saw, and a
-# search of every relay log for h2 connection guards tripped (`reached limit`).
+# chain's and to rathole's (relay's and colocated's), and the machine's idle and steal
+# shares of CPU over the run (from /proc/stat: a target that leaves the CPU idle is held by
+# the round trips through its processes, not by their work; steal is CPU the hypervisor gave
+# to other machines, which makes a run slower than its neighbours). Then peak RSS per relay
+# process, a 64 MiB response streamed through the relay (peak RSS again), every non-2xx
+# answer or socket error wrk saw, and a search of every relay log for h2 connection guards
+# tripped (`reached limit`).
 #
 # Usage: bench/relay-bench.sh            (from the repository root; builds release binaries)
 #        BIN_DIR=/path bench/relay-bench.sh   (benchmarks the binaries in /path instead)
@@ -168,6 +172,8 @@ ticks() { local s=0 p; for p in "$@"; do s=$((s + $(awk '{print $14 + $15}' "/pr
 hwm() { awk '/VmHWM/ {print $2}' "/proc/$1/status"; }
 rss() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
 hz=$(getconf CLK_TCK)
+# The machine's CPU ticks so far: "total idle steal" (idle counts iowait too).
+cpu_ticks() { awk '/^cpu / {t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $5 + $6, $9; exit}' /proc/stat; }
 workers() { pgrep -P "$(cat "$work/$1.pid")" | tr '\n' ' '; }
 declare -A PROCS=(
   [direct]="$(workers nginx)"
@@ -197,10 +203,14 @@ for r in $(seq 1 "$ROUNDS"); do
   for c in $CONNS; do
     for t in $TARGETS; do
       before=$(ticks ${PROCS[$t]})
+      read -r t0 i0 s0 < <(cpu_ticks)
       read -r rps p50 p99 n e < <(run_wrk "${URL[$t]}" "$c")
+      read -r t1 i1 s1 < <(cpu_ticks)
       after=$(ticks ${PROCS[$t]})
       cpu=$(awk -v t=$((after - before)) -v hz="$hz" -v n="$n" 'BEGIN {printf "%.1f", n ? t / hz * 1e6 / n : 0}')
-      RES[$t,$c]+="$rps $p50 $p99 $cpu"$'\n'
+      idle=$(awk -v i=$((i1 - i0)) -v t=$((t1 - t0)) 'BEGIN {printf "%.0f", t ? 100 * i / t : 0}')
+      steal=$(awk -v s=$((s1 - s0)) -v t=$((t1 - t0)) 'BEGIN {printf "%.0f", t ? 100 * s / t : 0}')
+      RES[$t,$c]+="$rps $p50 $p99 $cpu $idle $steal"$'\n'
       if [ "$e" -gt 0 ]; then
         echo "errors: round $r, $t at $c connections: $e non-2xx answers or socket errors"
         errors=$((errors + e))
@@ -214,7 +224,7 @@ col() { printf '%s' "${RES[$1,$2]}" | awk -v k="$3" 'NF {print $k}' | median; }
 
 echo
 echo "medians of $ROUNDS rounds, $DURATION each (wrk; nginx upstream returning 8 bytes)"
-printf '%-10s %-6s %12s %10s %10s %14s %10s %10s\n' target conns calls/s p50-ms p99-ms "cpu/call(us)" "x chain" "x rathole"
+printf '%-10s %-6s %12s %10s %10s %14s %10s %10s %7s %7s\n' target conns calls/s p50-ms p99-ms "cpu/call(us)" "x chain" "x rathole" "idle%" "steal%"
 for c in $CONNS; do
   for t in $TARGETS; do
     rps=$(col "$t" "$c" 1)
@@ -223,8 +233,8 @@ for c in $CONNS; do
       wants chain && vs_chain=$(awk -v a="$rps" -v b="$(col chain "$c" 1)" 'BEGIN {printf "%.2f", a / b}')
       wants rathole && vs_rh=$(awk -v a="$rps" -v b="$(col rathole "$c" 1)" 'BEGIN {printf "%.2f", a / b}')
     fi
-    printf '%-10s %-6s %12s %10s %10s %14s %10s %10s\n' "$t" "$c" "$rps" "$(col "$t" "$c" 2)" \
-      "$(col "$t" "$c" 3)" "$(col "$t" "$c" 4)" "$vs_chain" "$vs_rh"
+    printf '%-10s %-6s %12s %10s %10s %14s %10s %10s %7s %7s\n' "$t" "$c" "$rps" "$(col "$t" "$c" 2)" \
+      "$(col "$t" "$c" 3)" "$(col "$t" "$c" 4)" "$vs_chain" "$vs_rh" "$(col "$t" "$c" 5)" "$(col "$t" "$c" 6)"
   done
 done
 echo

@@ -6,7 +6,12 @@
 #     raw_syscalls:sys_enter), and the share of CPU spent in the kernel;
 #   - the syscalls by name (`strace -c -f`, in a second, slower run: strace's own cost
 #     does not enter the first table);
-#   - with PERF_RECORD=1, the top user-space symbols of each process (`perf record`).
+#   - with PERF_RECORD=1, the top user-space symbols of each process (`perf record`);
+#   - where the calls are: each tunnel server's calls in flight, read from its /metrics
+#     about twenty times a second over a run of its own, as shares of the samples (none,
+#     some, all CONNS), and the machine's idle and steal shares of CPU over that run
+#     (/proc/stat). Calls that cross the processes in one batch show as servers with all
+#     calls or none, and a machine left idle between the batches.
 #
 # Usage: bench/relay-profile.sh                    (from the repository root; builds release)
 #        BIN_DIR=target/release CONNS=16 DURATION=10s bench/relay-profile.sh
@@ -162,6 +167,44 @@ if [ "$PERF_RECORD" = 1 ]; then
     perf report -q -i "$work/perf.$p" --no-children -g none --percent-limit 1.5 --sort dso,symbol 2>/dev/null | cut -c1-120 | head -20
   done
 fi
+
+# 5. where the calls are: each tunnel server's calls in flight, sampled from its admin
+# listener (bash's /dev/tcp, so that sampling spawns no process per sample).
+declare -A ADMIN=([$TS1]=9441)
+[ "$SHAPE" = colocated ] || ADMIN[$TS2]=9442
+in_flight() { # admin port -> $v: the server's relay_tunnel_calls_in_flight (empty if unread)
+  local line
+  v=""
+  exec 3<>"/dev/tcp/127.0.0.1/$1" || return 0
+  printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+  while IFS= read -r line <&3; do
+    case $line in "relay_tunnel_calls_in_flight "*) v=${line#* } ;; esac
+  done
+  exec 3<&-
+  v=${v%%.*}
+}
+cpu_ticks() { awk '/^cpu / {t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $5 + $6, $9; exit}' /proc/stat; }
+wrk -t"${WRK_THREADS:-1}" -c"$CONNS" -d5s -H "$AUTH" "$URL" > /dev/null &
+WRK=$!
+sleep 0.5 # past wrk's connecting
+read -r t0 i0 s0 < <(cpu_ticks)
+for _ in $(seq 1 200); do
+  kill -0 "$WRK" 2>/dev/null || break
+  for p in "${!ADMIN[@]}"; do in_flight "${ADMIN[$p]}"; echo "$v" >> "$work/inflight.$p"; done
+  sleep 0.02
+done
+read -r t1 i1 s1 < <(cpu_ticks)
+wait "$WRK" || true
+echo
+echo "where the calls are (calls in flight per tunnel server, sampled about twenty times a second at $CONNS connections):"
+printf '%-16s %8s %8s %10s %10s %10s\n' process samples median "none" "some" "all"
+for p in "${!ADMIN[@]}"; do
+  sort -g "$work/inflight.$p" | awk -v c="$CONNS" -v name="${NAME[$p]}" '
+    $1 != "" {v[++n] = $1; if ($1 == 0) z++; else if ($1 >= c) a++; else s++}
+    END {if (n) printf "%-16s %8d %8d %9.0f%% %9.0f%% %9.0f%%\n", name, n, v[int((n + 1) / 2)], 100 * z / n, 100 * s / n, 100 * a / n}'
+done
+awk -v t=$((t1 - t0)) -v i=$((i1 - i0)) -v s=$((s1 - s0)) \
+  'BEGIN {if (t) printf "machine over that run: %.0f%% idle, %.0f%% steal\n", 100 * i / t, 100 * s / t}'
 
 echo
 echo "reached limit in the relay logs: $(cat "$work"/*.log | grep -c 'reached limit' || true)"
