@@ -19,7 +19,7 @@
 use crate::error::UpstreamError;
 use crate::filter::{log_path, short, Policy, Reason, Rejection};
 use crate::metrics::{AgentMetrics, CallOutcome};
-use crate::upstream::{Upstream, UpstreamRequest};
+use crate::upstream::{RequestBody, Upstream, UpstreamRequest};
 use bytes::Bytes;
 use relay_proto::agent_frame::Kind;
 use relay_proto::{
@@ -78,7 +78,7 @@ impl CallContext {
 pub(crate) async fn run_call(
     ctx: Arc<CallContext>,
     head: RequestHead,
-    body: Option<mpsc::Receiver<Bytes>>,
+    body: RequestBody,
     out: mpsc::Sender<AgentFrame>,
 ) -> CallOutcome {
     let call_id = head.call_id;

@@ -636,6 +636,7 @@ mod tests {
                     .collect(),
                 deadline_ms: 0,
                 end_of_stream: true,
+                ..Default::default()
             };
             policy.prepare(&head).map(|_| ()).map_err(|r| r.reason())
         };

@@ -408,8 +408,19 @@ impl Policy {
         let pq = origin_form(&head.path_and_query)?;
         let segments = path_segments(pq.path())?;
         let mut headers = header_map(head)?;
-        let content_length = framing(&headers, head.end_of_stream)?;
-        if let (Some(n), Some(max)) = (content_length, self.limits.max_body_bytes) {
+        // A whole small body may come inside the head (`RequestHead.body`).
+        let no_body = head.end_of_stream && head.body.is_empty();
+        let content_length = framing(&headers, no_body)?;
+        let inline = (!head.body.is_empty()).then_some(head.body.len() as u64);
+        if let (Some(declared), Some(n)) = (content_length, inline) {
+            if declared != n {
+                return Err(Rejection::refused(
+                    Reason::Smuggling,
+                    format!("content-length {declared} does not match the {n} bytes of the body"),
+                ));
+            }
+        }
+        if let (Some(n), Some(max)) = (content_length.or(inline), self.limits.max_body_bytes) {
             if n > max {
                 return Err(Rejection::refused(
                     Reason::BodySize,
@@ -422,7 +433,7 @@ impl Policy {
         let bodiless = BODILESS
             .iter()
             .any(|m| method.as_str().eq_ignore_ascii_case(m));
-        let body_on_bodiless = bodiless && !head.end_of_stream && content_length != Some(0);
+        let body_on_bodiless = bodiless && !no_body && content_length != Some(0);
         let call = Shape {
             body_on_bodiless,
             non_ascii: segments.iter().any(|s| !s.is_ascii()),

@@ -17,6 +17,7 @@ use crate::call::{call_error, run_call, CallContext};
 use crate::coverage::{CloseReason, Connector, Landing, StreamEvent, StreamLink};
 use crate::error::OpenError;
 use crate::metrics::{AgentMetrics, CallOutcome, OpenResult};
+use crate::upstream::RequestBody;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
@@ -334,10 +335,11 @@ pub(crate) async fn open(
     request
         .metadata_mut()
         .insert("authorization", dialer.auth.clone());
-    // Fleet news: this agent understands `Fleet` frames.
+    // Fleet news: this agent understands `Fleet` frames; and request heads that carry a
+    // small body whole (`RequestHead.body`).
     request.metadata_mut().insert(
         AGENT_FEATURES,
-        tonic::metadata::MetadataValue::from_static("fleet"),
+        tonic::metadata::MetadataValue::from_static("fleet,inline-body"),
     );
     // A server's frame over the limit ends the stream before it is decoded: a hostile
     // server cannot make the agent allocate for a huge head.
@@ -579,13 +581,30 @@ impl Session {
                         head.call_id, call.id
                     )));
                 }
+                if !head.body.is_empty() && !head.end_of_stream {
+                    return Err(CloseReason::Malformed(format!(
+                        "RequestHead for call {} carries a body but not its end",
+                        head.call_id
+                    )));
+                }
+                if head.body.len() > relay_proto::MAX_CHUNK {
+                    return Err(CloseReason::Malformed(format!(
+                        "RequestHead for call {} carries a body of {} bytes, over {}",
+                        head.call_id,
+                        head.body.len(),
+                        relay_proto::MAX_CHUNK
+                    )));
+                }
                 // A head that crossed our GoingAway on the wire is still served.
                 debug!(call_id = head.call_id, method = %head.method, "call started");
-                let (body_tx, body_rx) = if head.end_of_stream {
-                    (None, None)
+                let (body_tx, body) = if !head.body.is_empty() {
+                    // The head keeps it too: the accept filter checks it against the head.
+                    (None, RequestBody::Whole(head.body.clone()))
+                } else if head.end_of_stream {
+                    (None, RequestBody::None)
                 } else {
                     let (tx, rx) = mpsc::channel(BODY_CHUNKS);
-                    (Some(tx), Some(rx))
+                    (Some(tx), RequestBody::Streamed(rx))
                 };
                 self.ctx.metrics.calls_received.inc();
                 self.call = Some(ActiveCall {
@@ -597,7 +616,7 @@ impl Session {
                 self.call_fut = Some(Box::pin(run_call(
                     self.ctx.calls.clone(),
                     head,
-                    body_rx,
+                    body,
                     self.out.clone(),
                 )));
             }

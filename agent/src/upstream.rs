@@ -9,7 +9,8 @@
 //! configured origin: the URI's authority and `Host` come from config, never from the
 //! request. The client never follows redirects (hyper does not): a 3xx goes back to the
 //! caller as is, so a `Location` pointing elsewhere cannot make the agent reach that host.
-//! The streamed request body is counted against `limits.max_body_bytes`.
+//! The request body, whole (it came inside the request head) or streamed, is counted against
+//! `limits.max_body_bytes`.
 
 use crate::error::UpstreamError;
 use bytes::Bytes;
@@ -18,7 +19,7 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, StatusCode, Uri};
 use http_body::{Body as _, Frame};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -42,15 +43,25 @@ pub struct UpstreamRequest {
     pub path_and_query: String,
     /// Headers as the caller sent them; hop-by-hop ones and `Host` are replaced here.
     pub headers: HeaderMap,
-    /// Request body chunks, fed through a bounded channel; `None` for no body. The body
-    /// ends when the sender is dropped.
-    pub body: Option<mpsc::Receiver<Bytes>>,
+    /// Where the request body comes from.
+    pub body: RequestBody,
     /// Bound on the request body's bytes; past it the request is aborted and the call
     /// fails with `UpstreamError::BodyTooLarge`.
     pub body_limit: Option<u64>,
     /// Send `Connection: close` so the pooled connection is not reused after this call
     /// (a body the upstream may not have read, see `filter::Prepared::close_connection`).
     pub close_connection: bool,
+}
+
+/// An upstream request's body.
+#[derive(Debug)]
+pub enum RequestBody {
+    /// No body.
+    None,
+    /// The whole body, known when the call began (it came inside the request head).
+    Whole(Bytes),
+    /// Chunks fed through a bounded channel; the body ends when the sender is dropped.
+    Streamed(mpsc::Receiver<Bytes>),
 }
 
 /// The HTTP client to one origin. Cheap to clone.
@@ -183,7 +194,7 @@ impl Upstream {
             method: Method::GET,
             path_and_query: path.to_string(),
             headers: HeaderMap::new(),
-            body: None,
+            body: RequestBody::None,
             body_limit: None,
             close_connection: false,
         };
@@ -218,8 +229,14 @@ impl Upstream {
             .map_err(|e| UpstreamError::BadRequest(format!("invalid request target: {e}")))?;
         let hit = Arc::new(AtomicBool::new(false));
         let body: ReqBody = match req.body {
-            None => Empty::new().map_err(|e| match e {}).boxed_unsync(),
-            Some(rx) => LimitedBody {
+            RequestBody::None => Empty::new().map_err(|e| match e {}).boxed_unsync(),
+            RequestBody::Whole(data) => {
+                if let Some(limit) = req.body_limit.filter(|l| data.len() as u64 > *l) {
+                    return Err(UpstreamError::BodyTooLarge(limit));
+                }
+                Full::new(data).map_err(|e| match e {}).boxed_unsync()
+            }
+            RequestBody::Streamed(rx) => LimitedBody {
                 rx,
                 seen: 0,
                 limit: req.body_limit,
@@ -426,7 +443,7 @@ mod tests {
                 method: Method::GET,
                 path_and_query: target.into(),
                 headers: HeaderMap::new(),
-                body: None,
+                body: RequestBody::None,
                 body_limit: None,
                 close_connection: false,
             };

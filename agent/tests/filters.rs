@@ -374,6 +374,19 @@ async fn header_and_body_limits_refuse_the_call_and_the_stream_serves_the_next()
         .await;
     assert_refused(&a, "body_size");
 
+    // A body inside the head (no length) over the limit: refused alike, upstream untouched.
+    let mut inline = head(20, "POST", "/echo", true);
+    inline.body = Bytes::from(vec![b'a'; 1500]);
+    let a = conn.call(inline, vec![]).await;
+    assert_refused(&a, "body_size");
+    // Its length must be the one the head declares.
+    let mut inline = head(21, "POST", "/echo", true);
+    inline.headers = vec![Header::new("content-length", "10")];
+    inline.body = Bytes::from(vec![b'a'; 12]);
+    let a = conn.call(inline, vec![]).await;
+    assert_refused(&a, "smuggling");
+    assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+
     // A streamed body (no length) is cut when it passes the limit.
     let a = conn
         .call(
@@ -405,7 +418,8 @@ async fn header_and_body_limits_refuse_the_call_and_the_stream_serves_the_next()
             &agent,
             "relay_agent_filter_refusals_total{reason=\"body_size\"}"
         ),
-        2
+        3,
+        "the declared length, the body inside the head, the streamed body"
     );
     assert_eq!(
         metric(

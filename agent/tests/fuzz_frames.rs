@@ -72,9 +72,11 @@ fn frame() -> impl Strategy<Value = ServerFrame> {
         prop::collection::vec(header(), 0..4),
         prop_oneof![Just(0u32), 1u32..2000, Just(u32::MAX)],
         any::<bool>(),
+        // A body inside the head: none, or a few bytes (with or without end_of_stream).
+        prop_oneof![Just(Vec::new()), prop::collection::vec(any::<u8>(), 1..64)],
     )
         .prop_map(
-            |(call_id, method, path_and_query, headers, deadline_ms, end_of_stream)| {
+            |(call_id, method, path_and_query, headers, deadline_ms, end_of_stream, body)| {
                 ServerFrame::of(In::RequestHead(RequestHead {
                     call_id,
                     method,
@@ -82,6 +84,7 @@ fn frame() -> impl Strategy<Value = ServerFrame> {
                     headers,
                     deadline_ms,
                     end_of_stream,
+                    body: body.into(),
                 }))
             },
         );

@@ -72,6 +72,53 @@ async fn get_and_post_round_trip_byte_for_byte() {
     );
 }
 
+/// A small body inside the request head (`RequestHead.body`, which the agent announces
+/// it reads) reaches the upstream whole, with its length; a head that carries a body but
+/// not its end is a broken stream.
+#[tokio::test]
+async fn a_body_inside_the_request_head_reaches_the_upstream_whole() {
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let upstream = hyper_upstream().await;
+    let (_agent, _) = start_agent(config(&tunnel.url, &upstream, 1)).await;
+    let mut conn = tunnel.next_conn().await;
+    assert!(
+        conn.features.split(',').any(|f| f.trim() == "inline-body"),
+        "features announced: {:?}",
+        conn.features
+    );
+
+    let payload = pattern(40_000);
+    let mut post = head(1, "POST", "/echo", true);
+    post.headers = vec![Header::new("content-length", payload.len().to_string())];
+    post.body = Bytes::from(payload.clone());
+    let a = conn.call(post, vec![]).await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    assert!(
+        a.body == payload,
+        "echo is byte for byte ({} bytes)",
+        a.body.len()
+    );
+
+    // Without a Content-Length from the caller the upstream still gets the whole body.
+    let mut post = head(2, "POST", "/echo", true);
+    post.body = Bytes::from_static(b"no length given");
+    let a = conn.call(post, vec![]).await;
+    assert_eq!(a.status(), 200, "{a:?}");
+    assert_eq!(a.body, b"no length given");
+
+    // A body in a head that says more frames follow: the stream is broken, not guessed at.
+    let mut bad = head(3, "POST", "/echo", false);
+    bad.body = Bytes::from_static(b"half");
+    conn.send(In::RequestHead(bad)).await;
+    loop {
+        match conn.next().await {
+            None => break,
+            Some(Out::Pong(_) | Out::GoingAway(_)) => {}
+            Some(other) => panic!("expected the stream to end, got {other:?}"),
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_large_response_streams_in_bounded_chunks() {
     let mut tunnel = FakeTunnel::start(10_000, true).await;

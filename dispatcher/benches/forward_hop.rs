@@ -105,6 +105,7 @@ fn head(call_id: u64) -> ForwardRequest {
             ],
             deadline_ms: 30_000,
             end_of_stream: true,
+            ..Default::default()
         }),
         queue_handshake: true,
     }))

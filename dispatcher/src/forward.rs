@@ -364,6 +364,9 @@ impl Forwarder {
                         .unwrap_or(u32::MAX)
                         .max(1),
                     end_of_stream: plan.end_of_stream,
+                    // The body follows in its own frames; the tunnel server folds a small
+                    // one into the head for its agent (its `call` module).
+                    body: Default::default(),
                 }),
                 queue_handshake: true,
             }))

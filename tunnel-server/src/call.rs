@@ -30,12 +30,19 @@
 //! queued for less than that as unprotected on a crash as calls in progress. Request body
 //! frames stay in the call's stream (h2 flow control bounds them) until the head has gone
 //! to the agent.
+//!
+//! A small body that is whole when its call goes on a stream (its one frame, with `end`,
+//! came in with the head, as it does for the usual small POST) goes to the agent inside
+//! the request head (`RequestHead.body`) when the agent announced `inline-body`: one frame
+//! and one channel hand-off less for the agent and this server per call. An agent that did
+//! not announce it gets a body from a head as a body frame of its own.
 
 use crate::handle::CallSlot;
 use crate::hub::{AcquireError, Hub, Lease};
 use crate::outcome::Outcome;
 use dashmap::DashMap;
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
+use prost::Message;
 use relay_proto::{
     forward_request, forward_response, server_frame, BodyChunk, Cancel, ForwardRequest,
     ForwardResponse, Queued, RequestHead, ServerFrame, StreamReserved,
@@ -197,6 +204,13 @@ impl Call {
         I: Stream<Item = Result<ForwardRequest, Status>> + Send + Unpin,
     {
         let hub = self.hub.clone();
+        if !self.request.body.is_empty()
+            && (!self.request.end_of_stream || self.request.body.len() > relay_proto::MAX_CHUNK)
+        {
+            let why =
+                "a request head's body must be the whole body (end_of_stream) of at most 64 KiB";
+            return (Outcome::BadRequest(Status::invalid_argument(why)), None);
+        }
         let mut handshake = if self.handshake {
             Handshake::Possible
         } else {
@@ -244,11 +258,49 @@ impl Call {
             head.deadline_ms = left.as_millis().max(1) as u32;
         }
         let mut body_open = !head.end_of_stream;
+        // A frame read ahead of the loop below, which takes it first.
+        let mut ahead = None;
+        let mut split = None;
+        if stream.inline_body {
+            // The body's first frame has usually come in with the head: a whole small body
+            // goes to the agent inside the head, one frame instead of two. Small: the head
+            // with it stays within one body chunk's size, so it fits any `max_frame_bytes`
+            // (at least two chunks).
+            if body_open {
+                match inbound.next().now_or_never() {
+                    Some(Some(Ok(ForwardRequest {
+                        kind: Some(forward_request::Kind::Body(chunk)),
+                    }))) if chunk.end
+                        && chunk.data.len() + head.encoded_len() <= relay_proto::MAX_CHUNK =>
+                    {
+                        head.body = chunk.data;
+                        head.end_of_stream = true;
+                        body_open = false;
+                    }
+                    Some(msg) => ahead = Some(msg),
+                    None => {}
+                }
+            }
+        } else if !head.body.is_empty() {
+            // An agent that does not read a body inside the head gets it as its own frame.
+            head.end_of_stream = false;
+            let data = std::mem::take(&mut head.body);
+            split = Some(BodyChunk {
+                call_id,
+                data,
+                end: true,
+            });
+        }
         debug!(tunnel_id = %self.tunnel_id, call_id, stream_id = stream.id, "call on stream");
         // If the stream died, its reader ends the call as stream lost.
         let _ = stream
             .send(ServerFrame::of(server_frame::Kind::RequestHead(head)))
             .await;
+        if let Some(chunk) = split {
+            let _ = stream
+                .send(ServerFrame::of(server_frame::Kind::RequestBody(chunk)))
+                .await;
+        }
         let cancel = || ServerFrame::of(server_frame::Kind::Cancel(Cancel { call_id }));
         let gone = self.to_caller.closed();
         tokio::pin!(gone);
@@ -263,7 +315,7 @@ impl Call {
                 }
                 // A carrier's frames are watched to the call's end: the dispatcher closing
                 // the carrier mid-call is the caller leaving (see `crate::forward`).
-                msg = inbound.next(), if body_open || self.carrier => match msg.transpose() {
+                msg = next_frame(inbound, &mut ahead), if body_open || self.carrier => match msg.transpose() {
                     Ok(Some(ForwardRequest { kind: Some(forward_request::Kind::Body(mut chunk)) })) if body_open => {
                         if chunk.data.len() > relay_proto::MAX_CHUNK {
                             stream.try_send(cancel());
@@ -369,4 +421,18 @@ fn ended_with(ended: Result<Outcome, oneshot::error::RecvError>) -> Outcome {
     ended.unwrap_or(Outcome::StreamLost(
         "the agent stream carrying the call ended before the call did",
     ))
+}
+
+/// The call's next request frame: the one read ahead, if any, then the stream's.
+async fn next_frame<I>(
+    inbound: &mut I,
+    ahead: &mut Option<Option<Result<ForwardRequest, Status>>>,
+) -> Option<Result<ForwardRequest, Status>>
+where
+    I: Stream<Item = Result<ForwardRequest, Status>> + Unpin,
+{
+    match ahead.take() {
+        Some(msg) => msg,
+        None => inbound.next().await,
+    }
 }

@@ -37,6 +37,30 @@ struct Inner {
     call: Option<CallSlot>,
 }
 
+/// What an agent announced it understands, from its `relay-agent-features` metadata (a
+/// comma-separated list; names this server does not know are ignored).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AgentFeatures {
+    /// `fleet`: `Fleet` frames.
+    pub fleet: bool,
+    /// `inline-body`: a whole small request body inside `RequestHead.body`.
+    pub inline_body: bool,
+}
+
+impl AgentFeatures {
+    pub fn parse(list: &str) -> Self {
+        let mut features = AgentFeatures::default();
+        for name in list.split(',').map(str::trim) {
+            match name {
+                "fleet" => features.fleet = true,
+                "inline-body" => features.inline_body = true,
+                _ => {}
+            }
+        }
+        features
+    }
+}
+
 pub struct StreamHandle {
     pub id: u64,
     pub tunnel_id: Arc<str>,
@@ -46,6 +70,9 @@ pub struct StreamHandle {
     /// The agent asked for fleet news (`relay-agent-features: fleet`); older agents
     /// would take an unknown frame for a broken stream.
     pub wants_fleet: bool,
+    /// The agent reads a small request body inside the request head
+    /// (`relay-agent-features: inline-body`); older agents would drop it.
+    pub inline_body: bool,
     out: mpsc::Sender<OutFrame>,
     /// Shared with the outbound half, which reads the closing status once `closed` fires.
     inner: Arc<Mutex<Inner>>,
@@ -77,14 +104,15 @@ impl StreamHandle {
         id: u64,
         tunnel_id: Arc<str>,
         token_hash: [u8; 32],
-        wants_fleet: bool,
+        features: AgentFeatures,
         out: mpsc::Sender<OutFrame>,
     ) -> Self {
         StreamHandle {
             id,
             tunnel_id,
             token_hash,
-            wants_fleet,
+            wants_fleet: features.fleet,
+            inline_body: features.inline_body,
             out,
             inner: Arc::new(Mutex::new(Inner {
                 state: State::Open,
@@ -263,7 +291,10 @@ mod tests {
 
     fn handle() -> (StreamHandle, mpsc::Receiver<OutFrame>) {
         let (tx, rx) = mpsc::channel(4);
-        (StreamHandle::new(1, "t".into(), [0; 32], false, tx), rx)
+        (
+            StreamHandle::new(1, "t".into(), [0; 32], AgentFeatures::default(), tx),
+            rx,
+        )
     }
 
     fn slot(call_id: u64) -> (CallSlot, oneshot::Receiver<Outcome>) {

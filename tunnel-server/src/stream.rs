@@ -13,7 +13,7 @@
 //! network. A first ping goes out right after the hello so the figure is known within a
 //! round trip of the stream opening rather than a heartbeat later.
 
-use crate::handle::{OutFrame, StreamHandle};
+use crate::handle::{AgentFeatures, OutFrame, StreamHandle};
 use crate::hub::{AddError, Hub};
 use crate::outcome::Outcome;
 use futures::StreamExt;
@@ -102,17 +102,18 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
         };
         self.listener.authenticated(conn);
         let tunnel_id: Arc<str> = Arc::from(tunnel_id.as_str());
-        let wants_fleet = request
+        let features = request
             .metadata()
             .get(AGENT_FEATURES)
             .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.split(',').any(|f| f.trim() == "fleet"));
+            .map(AgentFeatures::parse)
+            .unwrap_or_default();
         let (out, out_rx) = mpsc::channel(OUT_BUFFER);
         let handle = Arc::new(StreamHandle::new(
             self.hub.next_stream_id(),
             tunnel_id.clone(),
             token_hash,
-            wants_fleet,
+            features,
             out,
         ));
         let hello = ServerHello {
@@ -129,7 +130,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
         // The hello goes first, then the fleet; the stream takes calls once the agent
         // confirms it (see `Hub::confirm`).
         handle.try_send(ServerFrame::of(server_frame::Kind::Hello(hello)));
-        if wants_fleet {
+        if features.fleet {
             if let Some(fleet) = self.hub.fleet_frame() {
                 handle.try_send(fleet);
             }

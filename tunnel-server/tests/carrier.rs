@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{channel, open, FakeStream};
+use common::{channel, open, open_with, FakeStream};
 use relay_proto::forward_client::ForwardClient;
 use relay_proto::*;
 use relay_tunnel_server::{Config, TokenStore, TunnelServerHandle};
@@ -45,6 +45,27 @@ impl Carrier {
                 path_and_query: path.into(),
                 deadline_ms: 5_000,
                 end_of_stream,
+                ..Default::default()
+            }),
+            queue_handshake: false,
+        };
+        self.tx
+            .send(ForwardRequest::of(forward_request::Kind::Head(head)))
+            .await
+            .unwrap();
+    }
+
+    /// Sends a call head to `acme` whose request carries `body` inside it, marked as the
+    /// whole body (`end_of_stream`) or not.
+    async fn head_with_body(&self, path: &str, body: &'static [u8], end_of_stream: bool) {
+        let head = CallHead {
+            tunnel_id: "acme".into(),
+            request: Some(RequestHead {
+                method: "POST".into(),
+                path_and_query: path.into(),
+                deadline_ms: 5_000,
+                end_of_stream,
+                body: body.into(),
                 ..Default::default()
             }),
             queue_handshake: false,
@@ -192,6 +213,105 @@ async fn calls_on_one_carrier_are_answered_one_after_another() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// Waits (bounded) until `n` calls of `acme` wait in the server's queue.
+async fn until_queued(s: &TunnelServerHandle, n: u32) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let queued = s
+            .hub()
+            .load()
+            .iter()
+            .find(|t| &*t.tunnel_id == "acme")
+            .map_or(0, |t| t.queued);
+        if queued == n {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{n} queued calls within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// An agent that announced `inline-body` gets a whole small body inside the request head
+/// (one frame); a body of several frames still goes frame by frame.
+#[tokio::test]
+async fn a_small_whole_body_goes_inside_the_head_to_an_agent_that_reads_it() {
+    let s = server().await;
+    let agent = channel(s.agent_addr).await;
+    let disp = channel(s.forward_addr).await;
+    let mut a = open_with(&agent, "good-token", Some("fleet, inline-body"))
+        .await
+        .unwrap();
+    common::until_idle(&s, "acme", 1).await;
+    // The one stream is busy, so the next call's head and body have both come in by the
+    // time it frees.
+    let mut first = carrier(&disp).await;
+    first.head("/first", true).await;
+    let h = request_head(&mut a).await;
+    let mut c = carrier(&disp).await;
+    c.head("/upload", false).await;
+    c.body(b"small payload", true).await;
+    until_queued(&s, 1).await;
+    answer_whole(&a, h.call_id, b"one").await;
+    assert_eq!(first.answer().await, Ok((200, b"one".to_vec())));
+
+    let h = request_head(&mut a).await;
+    assert_eq!(h.path_and_query, "/upload");
+    assert!(h.end_of_stream, "the whole body is in the head: {h:?}");
+    assert_eq!(&h.body[..], b"small payload");
+    answer_whole(&a, h.call_id, b"two").await;
+    assert_eq!(c.answer().await, Ok((200, b"two".to_vec())));
+
+    c.head("/parts", false).await;
+    c.body(b"part one", false).await;
+    c.body(b"part two", true).await;
+    let h = request_head(&mut a).await;
+    assert_eq!(h.path_and_query, "/parts");
+    assert!(!h.end_of_stream && h.body.is_empty(), "{h:?}");
+    let one = request_body(&mut a).await;
+    assert_eq!((&one.data[..], one.end), (&b"part one"[..], false));
+    let two = request_body(&mut a).await;
+    assert_eq!((&two.data[..], two.end), (&b"part two"[..], true));
+    answer_whole(&a, h.call_id, b"three").await;
+    assert_eq!(c.answer().await, Ok((200, b"three".to_vec())));
+}
+
+/// A body inside the dispatcher's call head reaches an agent that did not announce
+/// `inline-body` as a body frame of its own; a head whose body is not marked whole is a
+/// bad request that no agent sees.
+#[tokio::test]
+async fn a_body_inside_a_call_head_reaches_an_older_agent_as_its_own_frame() {
+    let s = server().await;
+    let agent = channel(s.agent_addr).await;
+    let disp = channel(s.forward_addr).await;
+    let mut a = open(&agent, "good-token").await.unwrap();
+    common::until_idle(&s, "acme", 1).await;
+
+    let mut bad = carrier(&disp).await;
+    bad.head_with_body("/half", b"half", false).await;
+    let answer = bad.answer().await;
+    assert!(
+        answer.as_ref().is_err_and(|e| e.contains("whole body")),
+        "{answer:?}"
+    );
+
+    let mut c = carrier(&disp).await;
+    c.head_with_body("/upload", b"inline payload", true).await;
+    let h = request_head(&mut a).await;
+    assert_eq!(
+        h.path_and_query, "/upload",
+        "the bad call never reached the agent"
+    );
+    assert!(!h.end_of_stream && h.body.is_empty(), "{h:?}");
+    let chunk = request_body(&mut a).await;
+    assert_eq!(chunk.call_id, h.call_id);
+    assert_eq!((&chunk.data[..], chunk.end), (&b"inline payload"[..], true));
+    answer_whole(&a, h.call_id, b"ok").await;
+    assert_eq!(c.answer().await, Ok((200, b"ok".to_vec())));
 }
 
 #[tokio::test]

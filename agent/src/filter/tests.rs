@@ -3,7 +3,7 @@
 //! panic and, when allowed, always build an upstream request for the configured origin.
 
 use super::*;
-use crate::upstream::{Upstream, UpstreamRequest};
+use crate::upstream::{RequestBody, Upstream, UpstreamRequest};
 use proptest::prelude::*;
 use relay_proto::Header;
 use std::time::Duration;
@@ -55,6 +55,7 @@ fn head(method: &str, target: &str, headers: &[(&str, &str)]) -> RequestHead {
             .collect(),
         deadline_ms: 0,
         end_of_stream: true,
+        ..Default::default()
     }
 }
 
@@ -1080,6 +1081,7 @@ fn request_head() -> impl Strategy<Value = RequestHead> {
                 headers,
                 deadline_ms: 0,
                 end_of_stream,
+                ..Default::default()
             },
         )
 }
@@ -1117,7 +1119,7 @@ proptest! {
                     method: ok.method,
                     path_and_query: ok.path_and_query.as_str().to_string(),
                     headers: ok.headers,
-                    body: None,
+                    body: RequestBody::None,
                     body_limit: None,
                     close_connection: false,
                 };

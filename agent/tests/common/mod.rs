@@ -37,6 +37,8 @@ pub const WAIT: Duration = Duration::from_secs(10);
 pub struct Conn {
     pub tx: mpsc::Sender<Result<ServerFrame, Status>>,
     pub rx: Streaming<AgentFrame>,
+    /// The agent's `relay-agent-features` metadata ("" when absent).
+    pub features: String,
 }
 
 impl Conn {
@@ -179,6 +181,12 @@ impl Tunnel for Svc {
             self.rejections.lock().unwrap().push(Instant::now());
             return Err(Status::unauthenticated("unknown token"));
         }
+        let features = req
+            .metadata()
+            .get("relay-agent-features")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
         let (tx, rx) = mpsc::channel(16);
         let hello = ServerHello {
             server_id: self.server_id.clone(),
@@ -197,6 +205,7 @@ impl Tunnel for Svc {
         let _ = self.conns.send(Conn {
             tx,
             rx: req.into_inner(),
+            features,
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -432,6 +441,7 @@ pub fn head(call_id: u64, method: &str, target: &str, end_of_stream: bool) -> Re
         headers: vec![],
         deadline_ms: 10_000,
         end_of_stream,
+        ..Default::default()
     }
 }
 

@@ -49,10 +49,23 @@ pub struct FakeStream {
 }
 
 pub async fn open(ch: &Channel, token: &str) -> Result<FakeStream, tonic::Status> {
+    open_with(ch, token, None).await
+}
+
+/// `open` for an agent that lists `features` in `relay-agent-features`.
+pub async fn open_with(
+    ch: &Channel,
+    token: &str,
+    features: Option<&str>,
+) -> Result<FakeStream, tonic::Status> {
     let (tx, rx) = mpsc::channel(16);
     let mut req = tonic::Request::new(ReceiverStream::new(rx));
     req.metadata_mut()
         .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    if let Some(features) = features {
+        req.metadata_mut()
+            .insert("relay-agent-features", features.parse().unwrap());
+    }
     let mut stream = TunnelClient::new(ch.clone())
         .max_encoding_message_size(64 * 1024 * 1024)
         .connect(req)
@@ -206,6 +219,7 @@ pub async fn call_with(
             headers: vec![],
             deadline_ms,
             end_of_stream,
+            ..Default::default()
         }),
         queue_handshake: handshake,
     };
