@@ -43,7 +43,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use parking_lot::{Mutex, MutexGuard};
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
-use relay_proto::{BodyChunk, ForwardRequest, ForwardResponse, MAX_CHUNK};
+use relay_proto::{BodyChunk, CallHead, ForwardRequest, ForwardResponse, MAX_CHUNK};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -158,6 +158,8 @@ impl RequestBody {
             body: self.clone(),
             attempt,
             head: Some(head),
+            inline: false,
+            next: None,
         }
     }
 
@@ -203,11 +205,54 @@ impl RequestBody {
 /// whole; and left pending, the RPC would stay open (hyper does not reset a request half
 /// when the response is dropped) with its agent stream and upstream request held until
 /// the tunnel server ends the call on its own.
+///
+/// A server that reads a body inside the call head (see [`AttemptStream::inline_body`])
+/// gets a whole small body there: when the body's first frame is at hand as the head goes
+/// out and is its last, it rides in `RequestHead.body` and the stream ends with the head.
+/// The frame still counts as sent (a retry replays it), so nothing else changes.
 pub struct AttemptStream {
     body: RequestBody,
     attempt: u32,
     head: Option<ForwardRequest>,
     abandoned: bool,
+    /// The server reads a whole small body inside the head.
+    inline: bool,
+    /// A frame pulled while the head went out, sent next.
+    next: Option<ForwardRequest>,
+}
+
+impl AttemptStream {
+    /// Lets this attempt carry a whole small body inside its head: for a server that said
+    /// it reads one there (`relay-forward-features: inline-body`, see `carrier`).
+    pub fn inline_body(&mut self) {
+        self.inline = true;
+    }
+
+    /// Puts the body inside `head` when its one frame is at hand and small enough that
+    /// the head with it stays within one body chunk's size; otherwise keeps what it pulled
+    /// for the next poll.
+    fn fold_body(&mut self, head: &mut ForwardRequest, cx: &mut Context<'_>) {
+        let Some(ReqKind::Head(CallHead {
+            request: Some(request),
+            ..
+        })) = head.kind.as_mut()
+        else {
+            return;
+        };
+        if request.end_of_stream {
+            return;
+        }
+        match self.pull(cx) {
+            Poll::Ready(Some(ForwardRequest {
+                kind: Some(ReqKind::Body(chunk)),
+            })) if chunk.end && relay_proto::body_fits_in_head(request, chunk.data.len()) => {
+                request.body = chunk.data;
+                request.end_of_stream = true;
+            }
+            Poll::Ready(Some(frame)) => self.next = Some(frame),
+            Poll::Ready(None) | Poll::Pending => {}
+        }
+    }
 }
 
 impl futures::Stream for AttemptStream {
@@ -215,9 +260,23 @@ impl futures::Stream for AttemptStream {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<ForwardRequest>> {
         let this = self.get_mut();
-        if let Some(head) = this.head.take() {
+        if let Some(mut head) = this.head.take() {
+            if this.inline {
+                this.fold_body(&mut head, cx);
+            }
             return Poll::Ready(Some(head));
         }
+        if let Some(frame) = this.next.take() {
+            return Poll::Ready(Some(frame));
+        }
+        this.pull(cx)
+    }
+}
+
+impl AttemptStream {
+    /// The next body frame: replayed ones first, then the caller's.
+    fn pull(&mut self, cx: &mut Context<'_>) -> Poll<Option<ForwardRequest>> {
+        let this = self;
         let call_id = this.body.call_id;
         let mut s = this.body.lock();
         if s.owner != this.attempt {
@@ -269,9 +328,7 @@ impl futures::Stream for AttemptStream {
             }
         }
     }
-}
 
-impl AttemptStream {
     /// The RPC's reset, once; then nothing more.
     fn abandon(&mut self) -> Poll<Option<ForwardRequest>> {
         if std::mem::replace(&mut self.abandoned, true) {
@@ -716,6 +773,81 @@ mod tests {
                 other => panic!("unexpected {other:?}"),
             })
             .collect()
+    }
+
+    fn post_head() -> ForwardRequest {
+        ForwardRequest::of(ReqKind::Head(CallHead {
+            tunnel_id: "demo".into(),
+            request: Some(relay_proto::RequestHead {
+                method: "POST".into(),
+                path_and_query: "/upload".into(),
+                ..Default::default()
+            }),
+            queue_handshake: true,
+        }))
+    }
+
+    fn whole(data: &'static [u8]) -> CallerBody {
+        http_body_util::Full::new(Bytes::from_static(data))
+            .map_err(|e| match e {})
+            .boxed_unsync()
+    }
+
+    /// The request head of a head frame: (its body, end_of_stream).
+    fn head_body(frame: &ForwardRequest) -> (Bytes, bool) {
+        match &frame.kind {
+            Some(ReqKind::Head(CallHead {
+                request: Some(r), ..
+            })) => (r.body.clone(), r.end_of_stream),
+            other => panic!("expected a call head, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_whole_small_body_rides_inside_the_head_only_where_the_server_reads_it() {
+        let body = RequestBody::new(Some(whole(b"payload")), 1, 1 << 20);
+        let mut first = body.attempt(0, post_head());
+        first.inline_body();
+        let frames: Vec<_> = first.collect().await;
+        assert_eq!(frames.len(), 1, "the head alone: {frames:?}");
+        assert_eq!(
+            head_body(&frames[0]),
+            (Bytes::from_static(b"payload"), true)
+        );
+        // A retry on a server that does not read it there replays it as a frame.
+        assert!(body.replayable());
+        let frames: Vec<_> = body.attempt(1, post_head()).collect().await;
+        assert_eq!(head_body(&frames[0]), (Bytes::new(), false));
+        assert_eq!(chunks(frames), [(7, true)]);
+        // And a retry on one that does gets it inside the head again.
+        let mut third = body.attempt(2, post_head());
+        third.inline_body();
+        let frames: Vec<_> = third.collect().await;
+        assert_eq!(frames.len(), 1);
+        assert_eq!(
+            head_body(&frames[0]),
+            (Bytes::from_static(b"payload"), true)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_of_several_frames_or_too_big_for_the_head_goes_as_frames() {
+        let parts = caller_body(vec![
+            Ok(Bytes::from_static(b"ab")),
+            Ok(Bytes::from_static(b"cd")),
+        ]);
+        let mut attempt = RequestBody::new(Some(parts), 1, 1 << 20).attempt(0, post_head());
+        attempt.inline_body();
+        let frames: Vec<_> = attempt.collect().await;
+        assert_eq!(head_body(&frames[0]), (Bytes::new(), false));
+        assert_eq!(chunks(frames), [(2, false), (2, false), (0, true)]);
+
+        static FULL: [u8; MAX_CHUNK] = [3; MAX_CHUNK];
+        let mut attempt = RequestBody::new(Some(whole(&FULL)), 1, 1 << 20).attempt(0, post_head());
+        attempt.inline_body();
+        let frames: Vec<_> = attempt.collect().await;
+        assert_eq!(head_body(&frames[0]), (Bytes::new(), false));
+        assert_eq!(chunks(frames), [(MAX_CHUNK, true)]);
     }
 
     #[tokio::test]

@@ -22,6 +22,14 @@
 //! reuse: one whose server ended it or whose connection broke while it idled is dropped, so
 //! a call never goes onto a carrier that is already known dead.
 //!
+//! A server that lists `inline-body` in a carrier's response metadata
+//! (`relay_proto::FORWARD_FEATURES`) reads a whole small request body inside the call head:
+//! calls on that carrier may put it there ([`AttemptStream::inline_body`]), one frame
+//! instead of two. A new carrier's first call goes out before the metadata comes back, so
+//! it sends its body as frames; the knowledge lives with the carrier, never with the
+//! server's address, so a server replaced by an older version is never sent a body it
+//! would drop.
+//!
 //! A server that answers `Forward.Carry` with UNIMPLEMENTED (an older version) is marked
 //! ([`Carriers::spoken`]) and gets one `Forward.Call` per call from then on.
 //!
@@ -87,6 +95,9 @@ struct Idle {
 struct Carrier {
     feed: Arc<Mutex<Feed>>,
     responses: Streaming<ForwardResponse>,
+    /// Its server reads a whole small request body inside the call head (it listed
+    /// `inline-body` in the carrier's response metadata, `relay_proto::FORWARD_FEATURES`).
+    inline_body: bool,
 }
 
 /// The request side of a carrier: the current call's frames, if any.
@@ -315,10 +326,13 @@ impl Carriers {
     pub async fn call(
         self: &Arc<Self>,
         client: &mut ForwardClient<Channel>,
-        request: AttemptStream,
+        mut request: AttemptStream,
         opened: &prometheus::IntCounter,
     ) -> Result<ResponseFrames, Status> {
         if let Some(carrier) = self.take() {
+            if carrier.inline_body {
+                request.inline_body();
+            }
             carrier.install(request);
             return Ok(OnCarrier::new(carrier, self.clone()).boxed());
         }
@@ -326,8 +340,17 @@ impl Carriers {
             call: Some(request),
             ..Feed::default()
         }));
-        let responses = match client.carry(FeedStream(feed.clone())).await {
-            Ok(r) => r.into_inner(),
+        // A new carrier's first call goes out before the server's metadata is in: it
+        // sends its body as frames, and the calls after it learn what the server reads.
+        let (responses, inline_body) = match client.carry(FeedStream(feed.clone())).await {
+            Ok(r) => {
+                let inline_body = r
+                    .metadata()
+                    .get(relay_proto::FORWARD_FEATURES)
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.split(',').any(|f| f.trim() == "inline-body"));
+                (r.into_inner(), inline_body)
+            }
             Err(status) => {
                 if status.code() == tonic::Code::Unimplemented
                     && std::error::Error::source(&status).is_none()
@@ -338,7 +361,12 @@ impl Carriers {
             }
         };
         opened.inc();
-        Ok(OnCarrier::new(Carrier { feed, responses }, self.clone()).boxed())
+        let carrier = Carrier {
+            feed,
+            responses,
+            inline_body,
+        };
+        Ok(OnCarrier::new(carrier, self.clone()).boxed())
     }
 }
 

@@ -364,8 +364,8 @@ impl Forwarder {
                         .unwrap_or(u32::MAX)
                         .max(1),
                     end_of_stream: plan.end_of_stream,
-                    // The body follows in its own frames; the tunnel server folds a small
-                    // one into the head for its agent (its `call` module).
+                    // A small whole body may be put here by the attempt's stream, for a
+                    // server that reads it here (`body::AttemptStream`).
                     body: Default::default(),
                 }),
                 queue_handshake: true,
@@ -421,7 +421,12 @@ impl Forwarder {
                 .call(request)
                 .await
                 .map(|r| r.into_inner().boxed()),
-            Hop::Local(server) => server.call(request.boxed()).await,
+            Hop::Local(server) => {
+                // The tunnel server in this process reads a body inside the head.
+                let mut request = request;
+                request.inline_body();
+                server.call(request.boxed()).await
+            }
         };
         let mut stream = match called {
             Ok(stream) => stream,

@@ -14,6 +14,19 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// several frames under gRPC/HTTP2 flow control.
 pub const MAX_CHUNK: usize = 64 * 1024;
 
+/// Whether a whole request body of `body_len` bytes may ride inside `head`
+/// (`RequestHead.body`): the head with it stays within one body chunk's size, so its frame
+/// fits any `max_frame_bytes` (at least two chunks, see [`check_max_frame_bytes`]).
+pub fn body_fits_in_head(head: &RequestHead, body_len: usize) -> bool {
+    body_len + prost::Message::encoded_len(head) <= MAX_CHUNK
+}
+
+/// Response metadata of `Forward.Carry` in which a tunnel server lists what it reads beyond
+/// the first version of the protocol: `inline-body`, a whole small request body inside the
+/// call head (`RequestHead.body`). A dispatcher puts a body there only on a carrier whose
+/// server listed it; older servers would drop it.
+pub const FORWARD_FEATURES: &str = "relay-forward-features";
+
 /// Why a `max_frame_bytes` setting is refused: below two body chunks, a frame could not
 /// carry a chunk plus its head. Every component's config checks it with this.
 pub fn check_max_frame_bytes(max_frame_bytes: usize) -> Result<(), String> {

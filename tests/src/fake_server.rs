@@ -104,6 +104,9 @@ struct FakeState {
     /// Set by [`FakeServer::start_carrying_one_call`]: carriers answer their first call,
     /// then end cleanly as the next head arrives.
     carry_one: bool,
+    /// Set by [`FakeServer::start_carrying_echo`]: carriers say they read a body inside
+    /// the call head (`inline-body`) and echo each call's request body whole.
+    carry_echo: bool,
     /// Carriers opened on a carrying fake.
     carriers: Arc<AtomicUsize>,
     /// [`Behaviour::Echo`] calls whose request stream was reset before a body chunk with
@@ -163,6 +166,66 @@ fn body_frame(data: impl Into<bytes::Bytes>, end: bool) -> ForwardResponse {
 type Out = mpsc::Sender<Result<ForwardResponse, Status>>;
 
 impl FakeState {
+    /// A carrier of [`FakeServer::start_carrying_echo`]: records each call (its head with
+    /// any body inside it, then its body frames) and answers a whole 200 echoing the body.
+    fn carry_echo(
+        &self,
+        mut inbound: Streaming<ForwardRequest>,
+    ) -> tonic::Response<ReceiverStream<Result<ForwardResponse, Status>>> {
+        self.carriers.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(4);
+        let seen = self.seen.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(ForwardRequest {
+                kind: Some(ReqKind::Head(call)),
+            })) = inbound.message().await
+            {
+                let head = call.request.unwrap_or_default();
+                let mut body = head.body.to_vec();
+                let mut record = Seen {
+                    tunnel_id: call.tunnel_id,
+                    head: head.clone(),
+                    chunk_sizes: vec![],
+                    body_len: body.len(),
+                    ended: head.end_of_stream,
+                };
+                while !record.ended {
+                    let Ok(Some(ForwardRequest {
+                        kind: Some(ReqKind::Body(chunk)),
+                    })) = inbound.message().await
+                    else {
+                        return;
+                    };
+                    record.chunk_sizes.push(chunk.data.len());
+                    record.body_len += chunk.data.len();
+                    record.ended = chunk.end;
+                    body.extend_from_slice(&chunk.data);
+                }
+                seen.lock().unwrap().push(record);
+                let answer = ResponseHead {
+                    call_id: head.call_id,
+                    status: 200,
+                    end_of_stream: true,
+                    body: body.into(),
+                    ..Default::default()
+                };
+                if tx
+                    .send(Ok(ForwardResponse::of(RespKind::Head(answer))))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+        let mut response = tonic::Response::new(ReceiverStream::new(rx));
+        response.metadata_mut().insert(
+            relay_proto::FORWARD_FEATURES,
+            tonic::metadata::MetadataValue::from_static("inline-body"),
+        );
+        response
+    }
+
     fn behaviour(&self) -> Behaviour {
         *self.behaviour.lock().unwrap()
     }
@@ -425,6 +488,9 @@ impl Forward for FakeForward {
         &self,
         request: tonic::Request<Streaming<ForwardRequest>>,
     ) -> Result<tonic::Response<Self::CarryStream>, Status> {
+        if self.0.carry_echo {
+            return Ok(self.0.carry_echo(request.into_inner()));
+        }
         if !self.0.carry_one {
             self.0.carry_refused.fetch_add(1, Ordering::Relaxed);
             return Err(Status::unimplemented("Forward.Carry"));
@@ -586,7 +652,18 @@ impl FakeServer {
         .await
     }
 
-    /// Carriers opened on a [`FakeServer::start_carrying_one_call`] fake.
+    /// A fake that speaks `Forward.Carry` only, as a server that reads a whole small
+    /// request body inside the call head (it lists `inline-body` in each carrier's
+    /// response metadata): every call gets a whole 200 echoing its request body.
+    pub async fn start_carrying_echo() -> FakeServer {
+        Self::start_with(FakeState {
+            carry_echo: true,
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// Carriers opened on a carrying fake.
     pub fn carriers(&self) -> usize {
         self.state.carriers.load(Ordering::SeqCst)
     }

@@ -343,6 +343,50 @@ async fn post_body_streams_through_in_bounded_chunks() {
     d.shutdown().await;
 }
 
+/// On a carrier whose server reads a body inside the call head (it said so in the
+/// carrier's metadata), a small whole POST body rides inside the head: one frame. The
+/// carrier's first call went out before that metadata came back and sends its body as a
+/// frame; a body too big for the head goes as frames too.
+#[tokio::test]
+async fn small_bodies_ride_inside_the_call_head_where_the_server_reads_them() {
+    let d = start_dispatcher().await;
+    let fake = FakeServer::start_carrying_echo().await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+
+    let small: [&'static [u8]; 3] = [b"first small body", b"second", b"third one"];
+    for body in small {
+        let answer = d.post("/relay/demo/upload", body).await;
+        assert_eq!(answer.status, StatusCode::OK);
+        assert_eq!(answer.body.unwrap().as_ref(), body);
+    }
+    let big: &'static [u8] = &[9u8; MAX_CHUNK];
+    let answer = d.post("/relay/demo/upload", big).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(answer.body.unwrap().as_ref(), big);
+
+    assert_eq!(fake.carriers(), 1, "one carrier, reused");
+    let seen = fake.seen();
+    assert_eq!(seen.len(), 4);
+    let first = &seen[0];
+    assert!(
+        first.head.body.is_empty() && !first.head.end_of_stream,
+        "{first:?}"
+    );
+    assert_eq!(first.chunk_sizes, [small[0].len()]);
+    for (s, body) in seen[1..3].iter().zip(&small[1..]) {
+        assert!(s.head.end_of_stream, "{s:?}");
+        assert_eq!(&s.head.body[..], *body);
+        assert!(s.chunk_sizes.is_empty(), "{s:?}");
+    }
+    let last = &seen[3];
+    assert!(
+        last.head.body.is_empty() && !last.head.end_of_stream,
+        "{last:?}"
+    );
+    assert_eq!(last.body_len, big.len());
+    d.shutdown().await;
+}
+
 /// A tunnel server that does not know carriers (it answers `Forward.Carry` with
 /// UNIMPLEMENTED, as servers before them do) gets every call as a `Forward.Call` of its
 /// own: the first call, whose POST body went out on the refused carrier, is replayed whole

@@ -42,7 +42,6 @@ use crate::hub::{AcquireError, Hub, Lease};
 use crate::outcome::Outcome;
 use dashmap::DashMap;
 use futures::{FutureExt, Stream, StreamExt};
-use prost::Message;
 use relay_proto::{
     forward_request, forward_response, server_frame, BodyChunk, Cancel, ForwardRequest,
     ForwardResponse, Queued, RequestHead, ServerFrame, StreamReserved,
@@ -271,7 +270,7 @@ impl Call {
                     Some(Some(Ok(ForwardRequest {
                         kind: Some(forward_request::Kind::Body(chunk)),
                     }))) if chunk.end
-                        && chunk.data.len() + head.encoded_len() <= relay_proto::MAX_CHUNK =>
+                        && relay_proto::body_fits_in_head(&head, chunk.data.len()) =>
                     {
                         head.body = chunk.data;
                         head.end_of_stream = true;

@@ -336,6 +336,12 @@ impl relay_proto::forward_server::Forward for ForwardService {
             tx,
             self.stop.clone(),
         ));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let mut response = Response::new(ReceiverStream::new(rx));
+        // This server reads a whole small request body inside the call head.
+        response.metadata_mut().insert(
+            relay_proto::FORWARD_FEATURES,
+            tonic::metadata::MetadataValue::from_static("inline-body"),
+        );
+        Ok(response)
     }
 }

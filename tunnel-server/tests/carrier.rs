@@ -23,6 +23,8 @@ async fn server() -> TunnelServerHandle {
 struct Carrier {
     tx: mpsc::Sender<ForwardRequest>,
     resp: Streaming<ForwardResponse>,
+    /// The server's `relay-forward-features` response metadata.
+    features: String,
 }
 
 async fn carrier(ch: &tonic::transport::Channel) -> Carrier {
@@ -30,9 +32,18 @@ async fn carrier(ch: &tonic::transport::Channel) -> Carrier {
     let resp = ForwardClient::new(ch.clone())
         .carry(ReceiverStream::new(rx))
         .await
-        .unwrap()
-        .into_inner();
-    Carrier { tx, resp }
+        .unwrap();
+    let features = resp
+        .metadata()
+        .get(FORWARD_FEATURES)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    Carrier {
+        tx,
+        resp: resp.into_inner(),
+        features,
+    }
 }
 
 impl Carrier {
@@ -253,6 +264,10 @@ async fn a_small_whole_body_goes_inside_the_head_to_an_agent_that_reads_it() {
     first.head("/first", true).await;
     let h = request_head(&mut a).await;
     let mut c = carrier(&disp).await;
+    assert_eq!(
+        c.features, "inline-body",
+        "the server says it reads bodies in heads"
+    );
     c.head("/upload", false).await;
     c.body(b"small payload", true).await;
     until_queued(&s, 1).await;
@@ -278,6 +293,15 @@ async fn a_small_whole_body_goes_inside_the_head_to_an_agent_that_reads_it() {
     assert_eq!((&two.data[..], two.end), (&b"part two"[..], true));
     answer_whole(&a, h.call_id, b"three").await;
     assert_eq!(c.answer().await, Ok((200, b"three".to_vec())));
+
+    // A body the dispatcher put inside the head reaches this agent as it came.
+    c.head_with_body("/inline", b"in the head", true).await;
+    let h = request_head(&mut a).await;
+    assert_eq!(h.path_and_query, "/inline");
+    assert!(h.end_of_stream, "{h:?}");
+    assert_eq!(&h.body[..], b"in the head");
+    answer_whole(&a, h.call_id, b"four").await;
+    assert_eq!(c.answer().await, Ok((200, b"four".to_vec())));
 }
 
 /// A body inside the dispatcher's call head reaches an agent that did not announce
