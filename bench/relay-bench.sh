@@ -25,6 +25,8 @@
 #        DURATION=5s CONNS="16 64" ROUNDS=3 bench/relay-bench.sh
 #        TARGETS="chain relay" bench/relay-bench.sh   (a subset of direct chain rathole relay colocated)
 #        WRK_THREADS=2 bench/relay-bench.sh   (wrk's threads; default 1)
+#        BODY_BYTES=200 bench/relay-bench.sh  (every call a POST with a body of that many bytes;
+#                                             default 0: GETs)
 # Needs: nginx, wrk (Debian packages nginx-light, wrk; installed when missing) and rathole
 # (`cargo install rathole` into $RATHOLE_ROOT, default ~/.cache/relay-bench, once).
 # Uses the fixed loopback ports of examples/local (8080, 8441-8452, 8460, 9080, 9090,
@@ -183,10 +185,19 @@ wants chain && PROCS[chain]="$(workers chain1) $(workers chain2) $(workers chain
 wants rathole && PROCS[rathole]="$RH_S $RH_C"
 wants colocated && PROCS[colocated]="$COLO $COLO_AGENT"
 
+# POSTs with a body of BODY_BYTES bytes instead of GETs, when set.
+BODY_BYTES=${BODY_BYTES:-0}
+WRK_SCRIPT=()
+if [ "$BODY_BYTES" -gt 0 ]; then
+  printf 'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/octet-stream"\nwrk.body = string.rep("x", %d)\n' \
+    "$BODY_BYTES" > "$work/post.lua"
+  WRK_SCRIPT=(-s "$work/post.lua")
+fi
+
 # wrk against $1 with $2 connections -> "rps p50_ms p99_ms requests errors"
 run_wrk() {
   local threads=$WRK_THREADS; [ "$2" -lt "$threads" ] && threads=$2
-  wrk -t"$threads" -c"$2" -d"$DURATION" --latency -H "$AUTH" "$1" > "$work/wrk.out"
+  wrk -t"$threads" -c"$2" -d"$DURATION" --latency -H "$AUTH" "${WRK_SCRIPT[@]}" "$1" > "$work/wrk.out"
   awk '
     function ms(v) { if (v ~ /us$/) return v / 1000; if (v ~ /ms$/) return v + 0; if (v ~ /s$/) return v * 1000; return v }
     /Requests\/sec/ {rps=$2}
@@ -223,7 +234,8 @@ median() { sort -g | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[
 col() { printf '%s' "${RES[$1,$2]}" | awk -v k="$3" 'NF {print $k}' | median; }
 
 echo
-echo "medians of $ROUNDS rounds, $DURATION each (wrk; nginx upstream returning 8 bytes)"
+what="GET"; [ "$BODY_BYTES" -gt 0 ] && what="POST of $BODY_BYTES bytes"
+echo "medians of $ROUNDS rounds, $DURATION each (wrk, $what; nginx upstream returning 8 bytes)"
 printf '%-10s %-6s %12s %10s %10s %14s %10s %10s %7s %7s\n' target conns calls/s p50-ms p99-ms "cpu/call(us)" "x chain" "x rathole" "idle%" "steal%"
 for c in $CONNS; do
   for t in $TARGETS; do

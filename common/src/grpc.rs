@@ -9,11 +9,17 @@
 //!   (`https://`, with the hop's [`TlsClient`]) or plain h2c.
 //!
 //! Small frames (heads, pings, reports) go out at once: TCP_NODELAY is on everywhere.
+//! Every connection a client dials runs on [`H2Io`] (the tunnel server's listeners wrap
+//! theirs alike), so a batch of calls' frames goes out in one write whatever their sizes
+//! (`h2io`).
 //! This module must not choose a hop's limits (`h2` does) nor open connections on its own:
 //! a lazy channel dials on first use, [`GrpcClient::connect`] when awaited.
 
 use crate::h2::H2Limits;
+use crate::h2io::H2Io;
 use crate::tls::TlsClient;
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint, Server};
 
@@ -96,7 +102,7 @@ impl GrpcClient {
     pub fn lazy(&self, endpoint: Endpoint) -> Channel {
         match &self.tls {
             Some(tls) => endpoint.connect_with_connector_lazy(tls.tonic_connector()),
-            None => endpoint.connect_lazy(),
+            None => endpoint.connect_with_connector_lazy(plain_connector()),
         }
     }
 
@@ -104,9 +110,39 @@ impl GrpcClient {
     pub async fn connect(&self, endpoint: Endpoint) -> Result<Channel, tonic::transport::Error> {
         match &self.tls {
             Some(tls) => endpoint.connect_with_connector(tls.tonic_connector()).await,
-            None => endpoint.connect().await,
+            None => endpoint.connect_with_connector(plain_connector()).await,
         }
     }
+}
+
+type PlainIo = hyper_util::rt::TokioIo<H2Io<tokio::net::TcpStream>>;
+
+/// Dials the URI's host and port over plain TCP, Nagle off, under [`H2Io`] (see
+/// `h2io`); tonic bounds the dial by the endpoint's `connect_timeout`.
+fn plain_connector() -> impl tower::Service<
+    http::Uri,
+    Response = PlainIo,
+    Error = std::io::Error,
+    Future = Pin<Box<dyn Future<Output = std::io::Result<PlainIo>> + Send>>,
+> + Clone
+       + Send
+       + 'static {
+    tower::service_fn(|uri: http::Uri| {
+        Box::pin(async move {
+            let host = uri
+                .host()
+                .ok_or_else(|| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, "url without a host")
+                })?
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string();
+            let port = uri.port_u16().unwrap_or(80);
+            let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+            tcp.set_nodelay(true)?;
+            Ok(hyper_util::rt::TokioIo::new(H2Io::new(tcp)))
+        }) as Pin<Box<dyn Future<Output = std::io::Result<PlainIo>> + Send>>
+    })
 }
 
 #[cfg(test)]

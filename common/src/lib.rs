@@ -11,6 +11,7 @@ pub mod devcerts;
 pub mod glob;
 pub mod grpc;
 pub mod h2;
+pub mod h2io;
 pub mod hop;
 pub mod listen;
 pub mod runtime;

@@ -430,7 +430,8 @@ impl Reload for TlsServer {
 }
 
 /// A dialed TLS connection, ready for hyper/tonic.
-pub type TlsIo = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>>;
+pub type TlsIo =
+    hyper_util::rt::TokioIo<crate::h2io::H2Io<tokio_rustls::client::TlsStream<TcpStream>>>;
 /// The future of one TLS dial.
 pub type ConnectFuture = Pin<Box<dyn std::future::Future<Output = std::io::Result<TlsIo>> + Send>>;
 
@@ -536,7 +537,7 @@ impl TlsClient {
                     format!("{host}:{port}")
                 };
                 let tls = me.connect(&host, &addr).await?;
-                Ok(hyper_util::rt::TokioIo::new(tls))
+                Ok(hyper_util::rt::TokioIo::new(crate::h2io::H2Io::new(tls)))
             }) as ConnectFuture
         })
     }

@@ -31,9 +31,11 @@ pub mod tokens;
 pub use config::Config;
 pub use tokens::{SharedTokens, TokenStore};
 
+use futures::StreamExt;
 use hub::{Hub, Limits};
 use metrics::ServerMetrics;
 use relay_common::config::ConfigError;
+use relay_common::h2io::H2Io;
 use relay_common::listen::{self, ListenerGuard, ListenerLimits, ListenerMetrics};
 use relay_common::tls::{self, TlsClient, TlsError, TlsServer};
 use relay_proto::{forward_server::ForwardServer, tunnel_server::TunnelServer, ServerIntro};
@@ -322,7 +324,8 @@ pub async fn start_with_front(
         let r = relay_common::grpc::server(&agent_h2)
             .add_service(tunnel)
             .serve_with_incoming_shutdown(
-                listen::incoming(listeners.agent, agent_tls, agent_guard, stop.clone()),
+                listen::incoming(listeners.agent, agent_tls, agent_guard, stop.clone())
+                    .map(|conn| conn.map(H2Io::new)),
                 stop.cancelled_owned(),
             )
             .await;
@@ -360,7 +363,8 @@ pub async fn start_with_front(
                     forward_tls.clone(),
                     forward_guard,
                     stop.clone(),
-                ),
+                )
+                .map(|conn| conn.map(H2Io::new)),
                 stop.cancelled_owned(),
             )
             .await;
