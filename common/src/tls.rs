@@ -522,14 +522,7 @@ impl TlsClient {
         tower::service_fn(move |uri: http::Uri| {
             let me = me.clone();
             Box::pin(async move {
-                let host = uri
-                    .host()
-                    .ok_or_else(|| {
-                        std::io::Error::new(std::io::ErrorKind::InvalidInput, "url without a host")
-                    })?
-                    .trim_start_matches('[')
-                    .trim_end_matches(']')
-                    .to_string();
+                let host = crate::grpc::dial_host(&uri)?;
                 let port = uri.port_u16().unwrap_or(443);
                 let addr = if host.contains(':') {
                     format!("[{host}]:{port}")
