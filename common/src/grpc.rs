@@ -117,17 +117,6 @@ impl GrpcClient {
 
 type PlainIo = hyper_util::rt::TokioIo<H2Io<tokio::net::TcpStream>>;
 
-/// The host a connector dials for `uri`, an IPv6 literal without its brackets.
-pub(crate) fn dial_host(uri: &http::Uri) -> std::io::Result<String> {
-    let host = uri.host().ok_or_else(|| {
-        std::io::Error::new(std::io::ErrorKind::InvalidInput, "url without a host")
-    })?;
-    Ok(host
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_string())
-}
-
 /// Dials the URI's host and port over plain TCP, Nagle off, under [`H2Io`] (see
 /// `h2io`); tonic bounds the dial by the endpoint's `connect_timeout`.
 fn plain_connector() -> impl tower::Service<
@@ -140,7 +129,7 @@ fn plain_connector() -> impl tower::Service<
        + 'static {
     tower::service_fn(|uri: http::Uri| {
         Box::pin(async move {
-            let host = dial_host(&uri)?;
+            let host = crate::tls::dial_host(&uri)?;
             let port = uri.port_u16().unwrap_or(80);
             let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
             tcp.set_nodelay(true)?;

@@ -429,6 +429,17 @@ impl Reload for TlsServer {
     }
 }
 
+/// The host a connector dials for `uri`, an IPv6 literal without its brackets.
+pub(crate) fn dial_host(uri: &http::Uri) -> std::io::Result<String> {
+    let host = uri.host().ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "url without a host")
+    })?;
+    Ok(host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string())
+}
+
 /// A dialed TLS connection, ready for hyper/tonic.
 pub type TlsIo =
     hyper_util::rt::TokioIo<crate::h2io::H2Io<tokio_rustls::client::TlsStream<TcpStream>>>;
@@ -522,7 +533,7 @@ impl TlsClient {
         tower::service_fn(move |uri: http::Uri| {
             let me = me.clone();
             Box::pin(async move {
-                let host = crate::grpc::dial_host(&uri)?;
+                let host = dial_host(&uri)?;
                 let port = uri.port_u16().unwrap_or(443);
                 let addr = if host.contains(':') {
                     format!("[{host}]:{port}")
