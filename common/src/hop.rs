@@ -32,12 +32,36 @@ pub fn drops(name: &HeaderName, named: &[HeaderName]) -> bool {
     is_hop_by_hop(name.as_str()) || named.contains(name)
 }
 
-/// Removes every hop-by-hop header from `headers`.
+/// Whether a `Connection` value among `connection` lists `name` (compared as bytes,
+/// ignoring ASCII case, as `HeaderName` would read the token).
+fn listed(connection: &http::header::GetAll<'_, http::HeaderValue>, name: &HeaderName) -> bool {
+    connection.iter().any(|v| {
+        v.as_bytes().split(|b| *b == b',').any(|t| {
+            t.trim_ascii()
+                .eq_ignore_ascii_case(name.as_str().as_bytes())
+        })
+    })
+}
+
+/// Removes every hop-by-hop header from `headers`. It runs on every message at every hop,
+/// so a message with none costs one look at each name and no allocation.
 pub fn strip(headers: &mut HeaderMap) {
-    let named = connection_named(headers);
+    // `Connection` is hop-by-hop itself: with no such header nothing is named.
+    if !headers.keys().any(|n| is_hop_by_hop(n.as_str())) {
+        return;
+    }
+    let connection = headers.get_all(CONNECTION);
+    // The usual values name no header left to look for: `close`, and `keep-alive`, which
+    // is hop-by-hop by itself.
+    let names_others = connection.iter().any(|v| {
+        v.as_bytes().split(|b| *b == b',').any(|t| {
+            let t = t.trim_ascii();
+            !t.eq_ignore_ascii_case(b"close") && !t.eq_ignore_ascii_case(b"keep-alive")
+        })
+    });
     let gone: Vec<HeaderName> = headers
         .keys()
-        .filter(|n| drops(n, &named))
+        .filter(|n| is_hop_by_hop(n.as_str()) || (names_others && listed(&connection, n)))
         .cloned()
         .collect();
     for n in gone {
@@ -78,5 +102,30 @@ mod tests {
         h.insert("x-private", HeaderValue::from_static("1"));
         strip(&mut h);
         assert!(h.is_empty(), "{h:?}");
+    }
+
+    #[test]
+    fn names_in_every_connection_value_go_in_any_case_and_spacing() {
+        let mut h = HeaderMap::new();
+        h.append("connection", HeaderValue::from_static("Keep-Alive ,  X-A"));
+        h.append("connection", HeaderValue::from_static("x-B"));
+        for name in ["keep-alive", "x-a", "x-b", "x-c"] {
+            h.append(name, HeaderValue::from_static("1"));
+        }
+        h.append("x-c", HeaderValue::from_static("2"));
+        strip(&mut h);
+        let left: Vec<(&str, &[u8])> = h.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
+        assert_eq!(left, [("x-c", &b"1"[..]), ("x-c", &b"2"[..])]);
+    }
+
+    #[test]
+    fn a_message_without_hop_headers_is_left_as_it_was() {
+        let mut h = HeaderMap::new();
+        h.append("content-type", HeaderValue::from_static("text/plain"));
+        h.append("x-keep", HeaderValue::from_static("a"));
+        h.append("x-keep", HeaderValue::from_static("b"));
+        let before = h.clone();
+        strip(&mut h);
+        assert_eq!(h, before);
     }
 }
