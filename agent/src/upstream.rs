@@ -1,4 +1,4 @@
-//! The HTTP/1.1 client to the customer's upstream origin: a pooled hyper-util client,
+//! The HTTP/1.1 client to the customer's upstream origin: keep-alive connections (`pool`),
 //! request building (origin + path, Host, hop-by-hop headers stripped), streamed request
 //! bodies from a bounded channel, the response head deadline and a re-chunking response
 //! body reader.
@@ -10,7 +10,11 @@
 //! request. The client never follows redirects (hyper does not): a 3xx goes back to the
 //! caller as is, so a `Location` pointing elsewhere cannot make the agent reach that host.
 //! The request body, whole (it came inside the request head) or streamed, is counted against
-//! `limits.max_body_bytes`.
+//! `limits.max_body_bytes`. A response hands its connection back to the pool when its body
+//! has been read to the end (and the request body went out whole); a response dropped
+//! before that closes its connection.
+
+mod pool;
 
 use crate::error::UpstreamError;
 use bytes::Bytes;
@@ -21,9 +25,7 @@ use http_body::{Body as _, Frame};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper::client::conn::http1::SendRequest;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -71,7 +73,7 @@ pub struct Upstream {
 }
 
 struct Inner {
-    client: Client<HttpConnector, ReqBody>,
+    pool: pool::Pool,
     scheme: Scheme,
     authority: Authority,
     host: HeaderValue,
@@ -85,10 +87,24 @@ pub struct UpstreamResponse {
     pub headers: HeaderMap,
     body: Incoming,
     pending: Bytes,
-    /// Set when the request body went past its limit (the request was aborted).
-    body_limit_hit: Arc<AtomicBool>,
+    /// The request body's progress (its limit hit, its end sent).
+    sent: Arc<SentBody>,
     body_limit: Option<u64>,
+    /// The connection, until it goes back to the pool (or closes with this response).
+    conn: Option<SendRequest<ReqBody>>,
+    /// Whether the connection may serve another call once this one ends.
+    reusable: bool,
+    pool: pool::Pool,
     _permit: Option<OwnedSemaphorePermit>,
+}
+
+/// What the upstream request's body reports back while hyper sends it.
+#[derive(Default)]
+struct SentBody {
+    /// The body went past its limit (the request was aborted).
+    limit_hit: AtomicBool,
+    /// The body has been handed to the connection whole.
+    ended: AtomicBool,
 }
 
 impl std::fmt::Debug for UpstreamResponse {
@@ -110,19 +126,11 @@ impl Upstream {
         let host = HeaderValue::from_str(authority.as_str()).map_err(|_| {
             relay_common::config::ConfigError::invalid("upstream", "host is not a valid header")
         })?;
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(connect_timeout));
-        connector.set_nodelay(true);
-        let mut builder = Client::builder(TokioExecutor::new());
-        builder.pool_idle_timeout(Duration::from_secs(90));
-        if let Some(n) = max_connections {
-            builder.pool_max_idle_per_host(n);
-        }
-        let client = builder.build(connector);
+        let pool = pool::Pool::new(&authority, connect_timeout, max_connections);
         let limit = max_connections.map(|n| Arc::new(Semaphore::new(n)));
         Ok(Upstream {
             inner: Arc::new(Inner {
-                client,
+                pool,
                 scheme,
                 authority,
                 host,
@@ -144,7 +152,8 @@ impl Upstream {
         deadline: Instant,
     ) -> Result<UpstreamResponse, UpstreamError> {
         let body_limit = req.body_limit;
-        let (request, body_limit_hit) = self.build(req)?;
+        let reusable = !req.close_connection;
+        let (request, sent) = self.build(req)?;
         let permit = match &self.inner.limit {
             None => None,
             Some(sem) => match tokio::time::timeout_at(deadline, sem.clone().acquire_owned()).await
@@ -156,12 +165,12 @@ impl Upstream {
                 Ok(Ok(p)) => Some(p),
             },
         };
-        let response =
-            match tokio::time::timeout_at(deadline, self.inner.client.request(request)).await {
+        let (response, conn) =
+            match tokio::time::timeout_at(deadline, self.inner.pool.send(request)).await {
                 Err(_) => return Err(UpstreamError::Timeout),
                 Ok(Err(e)) => {
                     return Err(match body_limit {
-                        Some(limit) if body_limit_hit.load(Ordering::SeqCst) => {
+                        Some(limit) if sent.limit_hit.load(Ordering::SeqCst) => {
                             UpstreamError::BodyTooLarge(limit)
                         }
                         _ => UpstreamError::Unreachable(error_chain(&e)),
@@ -177,8 +186,11 @@ impl Upstream {
             headers,
             body,
             pending: Bytes::new(),
-            body_limit_hit,
+            sent,
             body_limit,
+            conn: Some(conn),
+            reusable,
+            pool: self.inner.pool.clone(),
             _permit: permit,
         })
     }
@@ -199,18 +211,20 @@ impl Upstream {
             close_connection: false,
         };
         let (request, _) = self.build(req)?;
-        match tokio::time::timeout(timeout, self.inner.client.request(request)).await {
+        // The probe's body is not read: its connection closes with the response.
+        match tokio::time::timeout(timeout, self.inner.pool.send(request)).await {
             Err(_) => Err(UpstreamError::Timeout),
             Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
-            Ok(Ok(r)) => Ok((r.status(), started.elapsed())),
+            Ok(Ok((r, _))) => Ok((r.status(), started.elapsed())),
         }
     }
 
-    /// The hyper request for `req`, plus the flag its body sets when it passes its limit.
+    /// The hyper request for `req` (origin-form target: the pool dials the origin), plus
+    /// what its body reports while it is sent.
     fn build(
         &self,
         req: UpstreamRequest,
-    ) -> Result<(Request<ReqBody>, Arc<AtomicBool>), UpstreamError> {
+    ) -> Result<(Request<ReqBody>, Arc<SentBody>), UpstreamError> {
         // `filter::Policy::prepare` refuses these first; this is the last line of defence.
         if !req.path_and_query.starts_with('/') || req.path_and_query.starts_with("//") {
             return Err(UpstreamError::BadRequest(
@@ -221,26 +235,25 @@ impl Upstream {
             .path_and_query
             .parse()
             .map_err(|e| UpstreamError::BadRequest(format!("invalid request target: {e}")))?;
-        let uri = Uri::builder()
-            .scheme(self.inner.scheme.clone())
-            .authority(self.inner.authority.clone())
-            .path_and_query(pq)
-            .build()
-            .map_err(|e| UpstreamError::BadRequest(format!("invalid request target: {e}")))?;
-        let hit = Arc::new(AtomicBool::new(false));
+        let uri = Uri::from(pq);
+        let sent = Arc::new(SentBody::default());
         let body: ReqBody = match req.body {
-            RequestBody::None => Empty::new().map_err(|e| match e {}).boxed_unsync(),
+            RequestBody::None => {
+                sent.ended.store(true, Ordering::Relaxed);
+                Empty::new().map_err(|e| match e {}).boxed_unsync()
+            }
             RequestBody::Whole(data) => {
                 if let Some(limit) = req.body_limit.filter(|l| data.len() as u64 > *l) {
                     return Err(UpstreamError::BodyTooLarge(limit));
                 }
+                sent.ended.store(true, Ordering::Relaxed);
                 Full::new(data).map_err(|e| match e {}).boxed_unsync()
             }
             RequestBody::Streamed(rx) => LimitedBody {
                 rx,
                 seen: 0,
                 limit: req.body_limit,
-                hit: hit.clone(),
+                sent: sent.clone(),
                 done: false,
             }
             .boxed_unsync(),
@@ -255,13 +268,14 @@ impl Upstream {
         *request.method_mut() = req.method;
         *request.uri_mut() = uri;
         *request.headers_mut() = headers;
-        Ok((request, hit))
+        Ok((request, sent))
     }
 }
 
 #[cfg(test)]
 impl Upstream {
-    /// `build` for the property tests: (URI authority, Host header, has Transfer-Encoding).
+    /// `build` for the property tests: (where the request goes: the URI's authority if it
+    /// names one, else the origin the pool dials; Host header; has Transfer-Encoding).
     pub(crate) fn build_for_test(
         &self,
         req: UpstreamRequest,
@@ -271,7 +285,7 @@ impl Upstream {
             .uri()
             .authority()
             .map(|a| a.to_string())
-            .unwrap_or_default();
+            .unwrap_or_else(|| self.inner.authority.to_string());
         let host = r
             .headers()
             .get(header::HOST)
@@ -311,10 +325,13 @@ impl UpstreamResponse {
                 return Ok(Some((piece, last)));
             }
             match self.body.frame().await {
-                None => return Ok(None),
+                None => {
+                    self.release(true);
+                    return Ok(None);
+                }
                 Some(Err(e)) => {
                     return Err(match self.body_limit {
-                        Some(limit) if self.body_limit_hit.load(Ordering::SeqCst) => {
+                        Some(limit) if self.sent.limit_hit.load(Ordering::SeqCst) => {
                             UpstreamError::BodyTooLarge(limit)
                         }
                         _ => UpstreamError::Aborted(error_chain(&e)),
@@ -325,9 +342,31 @@ impl UpstreamResponse {
                     if let Ok(data) = frame.into_data() {
                         self.pending = data;
                     }
+                    if self.body.is_end_stream() {
+                        self.release(true);
+                    }
                 }
             }
         }
+    }
+
+    /// Gives the connection back to the pool if the exchange ended cleanly (`ended`: the
+    /// response body has been read to its end), else lets it close.
+    fn release(&mut self, ended: bool) {
+        if let Some(conn) = self.conn.take() {
+            if ended && self.reusable && self.sent.ended.load(Ordering::Relaxed) {
+                self.pool.put(conn);
+            }
+        }
+    }
+}
+
+impl Drop for UpstreamResponse {
+    fn drop(&mut self) {
+        // A body with nothing left to read (none at all, or read to its end) frees the
+        // connection; one dropped halfway closes it.
+        let ended = self.body.is_end_stream();
+        self.release(ended);
     }
 }
 
@@ -336,7 +375,7 @@ struct LimitedBody {
     rx: mpsc::Receiver<Bytes>,
     seen: u64,
     limit: Option<u64>,
-    hit: Arc<AtomicBool>,
+    sent: Arc<SentBody>,
     done: bool,
 }
 
@@ -359,6 +398,7 @@ impl http_body::Body for LimitedBody {
             Poll::Pending => Poll::Pending,
             Poll::Ready(None) => {
                 self.done = true;
+                self.sent.ended.store(true, Ordering::Relaxed);
                 Poll::Ready(None)
             }
             Poll::Ready(Some(data)) => {
@@ -367,7 +407,7 @@ impl http_body::Body for LimitedBody {
                 match self.limit {
                     Some(limit) if seen > limit => {
                         self.done = true;
-                        self.hit.store(true, Ordering::SeqCst);
+                        self.sent.limit_hit.store(true, Ordering::SeqCst);
                         Poll::Ready(Some(Err(Box::new(BodyLimit(limit)))))
                     }
                     _ => Poll::Ready(Some(Ok(Frame::data(data)))),
@@ -398,63 +438,4 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
-
-        /// A streamed body passes whole when within its limit, and otherwise ends in an
-        /// error (and the flag) no later than the chunk that crosses it.
-        #[test]
-        fn body_limit_passes_or_stops_at_the_crossing_chunk(
-            chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..64), 0..12),
-            limit in prop::option::of(0u64..400),
-        ) {
-            let total: u64 = chunks.iter().map(|c| c.len() as u64).sum();
-            let (tx, rx) = mpsc::channel(chunks.len().max(1));
-            for c in &chunks {
-                tx.try_send(Bytes::from(c.clone())).unwrap();
-            }
-            drop(tx);
-            let hit = Arc::new(AtomicBool::new(false));
-            let body = LimitedBody { rx, seen: 0, limit, hit: hit.clone(), done: false };
-            let got = futures::executor::block_on(body.collect());
-            match limit {
-                Some(l) if total > l => {
-                    prop_assert!(got.is_err());
-                    prop_assert!(hit.load(Ordering::SeqCst));
-                }
-                _ => {
-                    let bytes = got.map_err(|e| e.to_string()).unwrap().to_bytes();
-                    prop_assert_eq!(bytes.to_vec(), chunks.concat());
-                    prop_assert!(!hit.load(Ordering::SeqCst));
-                }
-            }
-        }
-    }
-
-    #[tokio::test]
-    async fn target_not_starting_with_slash_is_a_bad_request() {
-        let up = Upstream::new("http://127.0.0.1:9", Duration::from_secs(1), None).unwrap();
-        for target in ["http://evil.example/x", "x/y", "", "*", "//evil.example/x"] {
-            let req = UpstreamRequest {
-                method: Method::GET,
-                path_and_query: target.into(),
-                headers: HeaderMap::new(),
-                body: RequestBody::None,
-                body_limit: None,
-                close_connection: false,
-            };
-            let err = up
-                .send(req, Instant::now() + Duration::from_secs(1))
-                .await
-                .unwrap_err();
-            assert!(
-                matches!(err, UpstreamError::BadRequest(_)),
-                "{target}: {err}"
-            );
-        }
-    }
-}
+mod tests;
