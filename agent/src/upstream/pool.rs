@@ -125,7 +125,12 @@ impl Pool {
             !std::mem::replace(&mut idle.reaping, true)
         };
         if start_reaper {
-            tokio::spawn(reap(Arc::downgrade(&self.shared)));
+            // Outside a runtime (a response dropped on a plain thread) checkouts and returns
+            // still expire connections; the next return in a runtime starts the task.
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => drop(rt.spawn(reap(Arc::downgrade(&self.shared)))),
+                Err(_) => self.lock().reaping = false,
+            }
         }
     }
 

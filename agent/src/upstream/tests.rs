@@ -308,3 +308,20 @@ async fn an_origin_nobody_listens_on_is_unreachable_and_named() {
         other => panic!("{other}"),
     }
 }
+
+#[tokio::test]
+async fn a_bodiless_answer_dropped_off_the_runtime_still_returns_its_connection() {
+    let o = origin("HTTP/1.1 204 No Content\r\n\r\n", None).await;
+    let up = upstream_to(&o);
+    let r = up.send(get("/t"), soon()).await.unwrap();
+    assert!(r.is_empty());
+    // Dropped on a thread without a runtime: no task can start there, nothing panics.
+    std::thread::spawn(move || drop(r))
+        .join()
+        .expect("no panic");
+    assert_eq!(up.inner.pool.idle_len(), 1);
+    let r = up.send(get("/u"), soon()).await.unwrap();
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    drop(r);
+    assert_eq!(o.accepted.load(Ordering::SeqCst), 1);
+}
