@@ -197,8 +197,9 @@ impl Dialer {
     }
 }
 
-/// Request metadata listing the optional server frames this agent understands.
-pub const AGENT_FEATURES: &str = "relay-agent-features";
+/// What this agent lists in `relay_proto::AGENT_FEATURES` (`relay_proto::FEATURE_FLEET`,
+/// `relay_proto::FEATURE_INLINE_BODY`).
+const FEATURES: &str = "fleet,inline-body";
 
 /// Everything a stream task needs, shared by all of them.
 pub struct StreamContext {
@@ -338,8 +339,8 @@ pub(crate) async fn open(
     // Fleet news: this agent understands `Fleet` frames; and request heads that carry a
     // small body whole (`RequestHead.body`).
     request.metadata_mut().insert(
-        AGENT_FEATURES,
-        tonic::metadata::MetadataValue::from_static("fleet,inline-body"),
+        relay_proto::AGENT_FEATURES,
+        tonic::metadata::MetadataValue::from_static(FEATURES),
     );
     // A server's frame over the limit ends the stream before it is decoded: a hostile
     // server cannot make the agent allocate for a huge head.
@@ -731,4 +732,16 @@ async fn feed_body(call: Option<&ActiveCall>, pending: &mut Option<(Bytes, bool)
     let (data, end) = pending.take()?;
     permit.send(data);
     Some(end)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_agent_lists_the_features_it_reads() {
+        let listed: Vec<&str> = relay_proto::features(super::FEATURES).collect();
+        assert_eq!(
+            listed,
+            [relay_proto::FEATURE_FLEET, relay_proto::FEATURE_INLINE_BODY]
+        );
+    }
 }

@@ -276,10 +276,9 @@ impl futures::Stream for AttemptStream {
 impl AttemptStream {
     /// The next body frame: replayed ones first, then the caller's.
     fn pull(&mut self, cx: &mut Context<'_>) -> Poll<Option<ForwardRequest>> {
-        let this = self;
-        let call_id = this.body.call_id;
-        let mut s = this.body.lock();
-        if s.owner != this.attempt {
+        let call_id = self.body.call_id;
+        let mut s = self.body.lock();
+        if s.owner != self.attempt {
             return Poll::Ready(None);
         }
         if let Some(frame) = s.replay.get(s.cursor) {
@@ -290,7 +289,7 @@ impl AttemptStream {
         if s.failed.is_some() {
             // The driver aborts the whole call; never send a fake end.
             drop(s);
-            return this.abandon();
+            return self.abandon();
         }
         let Some(source) = s.source.as_mut() else {
             return Poll::Ready(None);
@@ -324,7 +323,7 @@ impl AttemptStream {
                     w.wake();
                 }
                 drop(s);
-                this.abandon()
+                self.abandon()
             }
         }
     }

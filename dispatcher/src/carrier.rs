@@ -348,7 +348,9 @@ impl Carriers {
                     .metadata()
                     .get(relay_proto::FORWARD_FEATURES)
                     .and_then(|v| v.to_str().ok())
-                    .is_some_and(|v| v.split(',').any(|f| f.trim() == "inline-body"));
+                    .is_some_and(|v| {
+                        relay_proto::features(v).any(|f| f == relay_proto::FEATURE_INLINE_BODY)
+                    });
                 (r.into_inner(), inline_body)
             }
             Err(status) => {

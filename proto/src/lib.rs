@@ -21,6 +21,24 @@ pub fn body_fits_in_head(head: &RequestHead, body_len: usize) -> bool {
     body_len + prost::Message::encoded_len(head) <= MAX_CHUNK
 }
 
+/// Request metadata of `Tunnel.Connect` in which an agent lists the optional server frames
+/// it understands ([`FEATURE_FLEET`], [`FEATURE_INLINE_BODY`]).
+pub const AGENT_FEATURES: &str = "relay-agent-features";
+
+/// Feature: `Fleet` frames (an agent that lists it gets the fleet's news).
+pub const FEATURE_FLEET: &str = "fleet";
+
+/// Feature: a whole small request body inside the call head (`RequestHead.body`), on the
+/// tunnel server -> agent hop (listed by agents) and the dispatcher -> tunnel server hop
+/// (listed by tunnel servers).
+pub const FEATURE_INLINE_BODY: &str = "inline-body";
+
+/// The features named in a feature list (`AGENT_FEATURES`, `FORWARD_FEATURES`): comma
+/// separated, surrounding spaces ignored, unknown names left to the reader to skip.
+pub fn features(list: &str) -> impl Iterator<Item = &str> {
+    list.split(',').map(str::trim)
+}
+
 /// Response metadata of `Forward.Carry` in which a tunnel server lists what it reads beyond
 /// the first version of the protocol: `inline-body`, a whole small request body inside the
 /// call head (`RequestHead.body`). A dispatcher puts a body there only on a carrier whose
@@ -267,6 +285,12 @@ impl ServerReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_feature_list_is_comma_separated_and_spaces_around_names_do_not_count() {
+        let got: Vec<&str> = features(" fleet ,inline-body,, later ").collect();
+        assert_eq!(got, ["fleet", "inline-body", "", "later"]);
+    }
 
     #[test]
     fn wire_headers_keep_every_name_and_value_in_order() {

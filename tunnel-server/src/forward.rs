@@ -340,7 +340,7 @@ impl relay_proto::forward_server::Forward for ForwardService {
         // This server reads a whole small request body inside the call head.
         response.metadata_mut().insert(
             relay_proto::FORWARD_FEATURES,
-            tonic::metadata::MetadataValue::from_static("inline-body"),
+            tonic::metadata::MetadataValue::from_static(relay_proto::FEATURE_INLINE_BODY),
         );
         Ok(response)
     }

@@ -50,10 +50,10 @@ pub struct AgentFeatures {
 impl AgentFeatures {
     pub fn parse(list: &str) -> Self {
         let mut features = AgentFeatures::default();
-        for name in list.split(',').map(str::trim) {
+        for name in relay_proto::features(list) {
             match name {
-                "fleet" => features.fleet = true,
-                "inline-body" => features.inline_body = true,
+                relay_proto::FEATURE_FLEET => features.fleet = true,
+                relay_proto::FEATURE_INLINE_BODY => features.inline_body = true,
                 _ => {}
             }
         }

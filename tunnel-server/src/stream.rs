@@ -34,9 +34,6 @@ use tracing::{debug, info, warn};
 /// Frames buffered toward one agent stream (64 KiB chunks at most each).
 const OUT_BUFFER: usize = 16;
 
-/// Request metadata in which an agent lists the optional server frames it understands.
-pub const AGENT_FEATURES: &str = "relay-agent-features";
-
 /// What the Connect handler needs.
 pub struct TunnelService {
     pub hub: Arc<Hub>,
@@ -104,7 +101,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
         let tunnel_id: Arc<str> = Arc::from(tunnel_id.as_str());
         let features = request
             .metadata()
-            .get(AGENT_FEATURES)
+            .get(relay_proto::AGENT_FEATURES)
             .and_then(|v| v.to_str().ok())
             .map(AgentFeatures::parse)
             .unwrap_or_default();
