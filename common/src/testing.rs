@@ -20,3 +20,13 @@ pub async fn until_refused(addrs: &[SocketAddr], within: Duration) {
         }
     }
 }
+
+/// Polls `cond` every few milliseconds until it holds; panics naming `what` if it does not
+/// within `within`.
+pub async fn until(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -152,11 +152,7 @@ impl Pool {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
-        // The lock guards a plain list: a panic elsewhere cannot leave it half-changed.
-        self.shared
-            .idle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.shared.lock()
     }
 
     /// A new connection, its driver spawned.
@@ -200,6 +196,15 @@ impl Pool {
     }
 }
 
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
+        // The lock guards a plain list: a panic elsewhere cannot leave it half-changed.
+        self.idle
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
 /// Closes the connections that waited longer than `IDLE_TIMEOUT`, every third of it, for
 /// as long as the pool lives.
 async fn reap(pool: Weak<Shared>) {
@@ -208,10 +213,7 @@ async fn reap(pool: Weak<Shared>) {
         let Some(shared) = pool.upgrade() else {
             return;
         };
-        let mut idle = shared
-            .idle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut idle = shared.lock();
         expire(&mut idle.conns, Instant::now());
         idle.conns.retain(|(c, _)| !c.is_closed());
     }

@@ -151,12 +151,8 @@ async fn exchange(up: &Upstream, req: UpstreamRequest) -> (StatusCode, Vec<u8>) 
     (r.status, body)
 }
 
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+async fn until(what: &str, cond: impl FnMut() -> bool) {
+    relay_common::testing::until(what, Duration::from_secs(10), cond).await;
 }
 
 const OK: &str = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
