@@ -24,6 +24,7 @@ use plan::{
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -196,6 +197,8 @@ impl ActorSettings {
 
 struct Entry {
     server: ServerKey,
+    /// The server's calls in flight, shared with its `ServerInfo`.
+    load: Arc<Load>,
     zone: String,
     busy: bool,
     opened_at: Instant,
@@ -224,11 +227,46 @@ struct ServerInfo {
     draining: bool,
     /// From the server's hello.
     direct_url: String,
-    /// Calls in flight on the server's streams now, and the most at once since the last
-    /// tick (see `ServerView::peak_in_flight`).
-    in_flight: u32,
-    peak: u32,
+    load: Arc<Load>,
 }
+
+/// Calls in flight on one server's streams now, and the most at once since the last tick
+/// (see `ServerView::peak_in_flight`). Each of the server's stream entries holds it, so a
+/// call's start and end (two events per call) count without a lookup by server key. Only
+/// the actor touches it; atomics because the actor is a `Send` task.
+#[derive(Default)]
+struct Load {
+    in_flight: AtomicU32,
+    peak: AtomicU32,
+}
+
+impl Load {
+    fn started(&self) {
+        let now = self.in_flight.load(Relaxed) + 1;
+        self.in_flight.store(now, Relaxed);
+        if now > self.peak.load(Relaxed) {
+            self.peak.store(now, Relaxed);
+        }
+    }
+
+    fn ended(&self) {
+        let now = self.in_flight.load(Relaxed).saturating_sub(1);
+        self.in_flight.store(now, Relaxed);
+    }
+
+    fn peak(&self) -> u32 {
+        self.peak.load(Relaxed)
+    }
+
+    /// The next tick's peak starts from the calls in flight now.
+    fn restart_peak(&self) {
+        self.peak.store(self.in_flight.load(Relaxed), Relaxed);
+    }
+}
+
+/// Most stream events the actor takes in one turn of its loop before it looks at shutdown,
+/// the tick and its tasks again.
+const EVENT_BATCH: usize = 256;
 
 /// How long a pressure hint counts without being refreshed.
 pub const PRESSURE_TTL: Duration = Duration::from_secs(3);
@@ -312,7 +350,15 @@ impl CoverageActor {
                 biased;
                 _ = &mut shutdown => break,
                 _ = ticker.tick() => self.tick(),
-                Some((id, ev)) = self.events_rx.recv() => self.on_event(id, ev, &mut ticker),
+                Some((id, ev)) = self.events_rx.recv() => {
+                    self.on_event(id, ev, &mut ticker);
+                    // The events that queued meanwhile, in the same wake-up: every call
+                    // sends two, and a turn of this loop polls each branch again.
+                    for _ in 1..EVENT_BATCH {
+                        let Ok((id, ev)) = self.events_rx.try_recv() else { break };
+                        self.on_event(id, ev, &mut ticker);
+                    }
+                }
                 Some(res) = self.tasks.join_next_with_id() => self.on_task_exit(res),
             }
         }
@@ -347,9 +393,11 @@ impl CoverageActor {
                 self.backoff.reset();
                 debug!(stream = id, server_id = %l.server_id, instance_id = %l.instance_id, zone = %l.zone, "tunnel stream landed");
                 let server = (l.server_id, l.instance_id);
-                self.servers.entry(server.clone()).or_default().direct_url = l.direct_url;
+                let info = self.servers.entry(server.clone()).or_default();
+                info.direct_url = l.direct_url;
                 let mut entry = Entry {
                     server,
+                    load: info.load.clone(),
                     zone: l.zone,
                     busy: false,
                     opened_at: now,
@@ -373,21 +421,14 @@ impl CoverageActor {
                 if let Some(e) = self.streams.get_mut(&id) {
                     if !e.busy {
                         e.busy = true;
-                        let info = match self.servers.get_mut(&e.server) {
-                            Some(info) => info,
-                            None => self.servers.entry(e.server.clone()).or_default(),
-                        };
-                        info.in_flight += 1;
-                        info.peak = info.peak.max(info.in_flight);
+                        e.load.started();
                     }
                 }
             }
             StreamEvent::CallEnded => {
                 if let Some(e) = self.streams.get_mut(&id) {
                     if e.busy {
-                        if let Some(info) = self.servers.get_mut(&e.server) {
-                            info.in_flight = info.in_flight.saturating_sub(1);
-                        }
+                        e.load.ended();
                     }
                     e.busy = false;
                     e.last_used = now;
@@ -475,9 +516,7 @@ impl CoverageActor {
         if !self.streams.values().any(|o| o.server == e.server) {
             self.servers.remove(&e.server);
         } else if e.busy {
-            if let Some(info) = self.servers.get_mut(&e.server) {
-                info.in_flight = info.in_flight.saturating_sub(1);
-            }
+            e.load.ended();
         }
     }
 
@@ -535,7 +574,7 @@ impl CoverageActor {
                     opening: direct_opening(&e.server),
                     streams: Vec::new(),
                     queued: info.filter(fresh).map_or(0, |i| i.queued),
-                    peak_in_flight: info.map_or(0, |i| i.peak),
+                    peak_in_flight: info.map_or(0, |i| i.load.peak()),
                     draining: info.is_some_and(|i| i.draining),
                 }
             });
@@ -591,8 +630,8 @@ impl CoverageActor {
         self.next_tick = now + self.settings.tick;
         let snap = self.snapshot(now);
         // The next tick's peak starts from the calls in flight now.
-        for info in self.servers.values_mut() {
-            info.peak = info.in_flight;
+        for info in self.servers.values() {
+            info.load.restart_peak();
         }
         let plan = self.planner.plan(&snap);
 
