@@ -58,6 +58,7 @@ use relay_common::config::ConfigError;
 use relay_common::glob::matches as glob;
 use relay_proto::RequestHead;
 use serde::Deserialize;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 /// One `[[allow]]` rule: a call is allowed when its method, path, required headers and
@@ -467,7 +468,7 @@ impl Policy {
         &self,
         method: &Method,
         pq: &PathAndQuery,
-        segments: &[Vec<u8>],
+        segments: &[Cow<'_, [u8]>],
         headers: &HeaderMap,
         call: Shape,
     ) -> Result<&Rule, Rejection> {
@@ -639,7 +640,7 @@ impl Rule {
         &self,
         method: &Method,
         path: &str,
-        segments: &[Vec<u8>],
+        segments: &[Cow<'_, [u8]>],
         headers: &HeaderMap,
         query: &[(Vec<u8>, Vec<u8>)],
         call: Shape,
@@ -769,7 +770,8 @@ fn compile_path(p: &str) -> Result<Vec<Seg>, String> {
             "." | ".." => return Err("must not contain '.' or '..' segments".into()),
             _ => Seg::Glob(
                 percent_decode(part, false)
-                    .ok_or_else(|| format!("bad percent-encoding in {part:?}"))?,
+                    .ok_or_else(|| format!("bad percent-encoding in {part:?}"))?
+                    .into_owned(),
             ),
         });
     }
@@ -796,15 +798,14 @@ fn origin_form(target: &str) -> Result<PathAndQuery, Rejection> {
 }
 
 /// The path's segments, percent-decoded, after the traversal checks.
-fn path_segments(path: &str) -> Result<Vec<Vec<u8>>, Rejection> {
+fn path_segments(path: &str) -> Result<Vec<Cow<'_, [u8]>>, Rejection> {
     let unsafe_path =
         |why: &str| Rejection::refused(Reason::UnsafePath, format!("unsafe path: {why}"));
     let rest = path.strip_prefix('/').unwrap_or(path);
-    let parts: Vec<&str> = rest.split('/').collect();
-    let last = parts.len() - 1;
-    let mut out = Vec::with_capacity(parts.len());
-    for (i, part) in parts.into_iter().enumerate() {
-        if part.is_empty() && i != last {
+    let mut out = Vec::with_capacity(rest.bytes().filter(|b| *b == b'/').count() + 1);
+    let mut parts = rest.split('/').peekable();
+    while let Some(part) = parts.next() {
+        if part.is_empty() && parts.peek().is_some() {
             return Err(unsafe_path("empty segment ('//')"));
         }
         let decoded =
@@ -974,14 +975,18 @@ fn framing(headers: &HeaderMap, no_body: bool) -> Result<Option<u64>, Rejection>
     Ok(length)
 }
 
+/// Which segment positions a pattern prefix reaches.
+type Reach = smallvec::SmallVec<[bool; 32]>;
+
 /// `Seg` patterns against decoded segments: a small NFA over segment positions, so
 /// several `**` cost O(patterns x segments), never backtracking.
-fn match_path(pattern: &[Seg], segments: &[Vec<u8>]) -> bool {
+fn match_path(pattern: &[Seg], segments: &[Cow<'_, [u8]>]) -> bool {
     let n = segments.len();
-    let mut reach = vec![false; n + 1];
+    // On the stack for paths of up to 31 segments: this runs per rule for every call.
+    let mut reach: Reach = smallvec::smallvec![false; n + 1];
     reach[0] = true;
     for seg in pattern {
-        let mut next = vec![false; n + 1];
+        let mut next: Reach = smallvec::smallvec![false; n + 1];
         match seg {
             Seg::Deep => {
                 // `**` spans any run of segments, but none holding a ';' (see module docs).
@@ -1030,15 +1035,24 @@ fn parse_query(q: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
         .filter(|p| !p.is_empty())
         .map(|p| {
             let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            let dec = |x: &str| percent_decode(x, true).unwrap_or_else(|| x.as_bytes().to_vec());
+            let dec = |x: &str| {
+                percent_decode(x, true).map_or_else(|| x.as_bytes().to_vec(), Cow::into_owned)
+            };
             (dec(k), dec(v))
         })
         .collect()
 }
 
-/// Percent-decodes `s`; `None` on a broken escape.
-fn percent_decode(s: &str, plus_is_space: bool) -> Option<Vec<u8>> {
+/// Percent-decodes `s`; `None` on a broken escape. Borrows `s` when there is nothing to
+/// decode (the usual path segment).
+fn percent_decode(s: &str, plus_is_space: bool) -> Option<Cow<'_, [u8]>> {
     let b = s.as_bytes();
+    if !b
+        .iter()
+        .any(|c| *c == b'%' || (plus_is_space && *c == b'+'))
+    {
+        return Some(Cow::Borrowed(b));
+    }
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
@@ -1060,7 +1074,7 @@ fn percent_decode(s: &str, plus_is_space: bool) -> Option<Vec<u8>> {
             }
         }
     }
-    Some(out)
+    Some(Cow::Owned(out))
 }
 
 /// At most 200 characters of `s`, for messages and logs.
