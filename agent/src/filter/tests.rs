@@ -746,7 +746,17 @@ fn path_patterns() {
         ("/f/a;b/**", "/f/a;b/c/d", true),
         ("/f/*/c", "/f/a;b/c", false),
     ];
-    for (pattern, path, want) in cases {
+    // Paths longer than the reach sets kept on the stack (31 segments) match alike.
+    let deep = format!("/a{}/z", "/b".repeat(40));
+    let deep_semicolon = format!("/a{}/c;d/z", "/b".repeat(40));
+    let long: &[(&str, &str, bool)] = &[
+        ("/a/**/z", &deep, true),
+        ("/a/**/y", &deep, false),
+        ("/**", &deep, true),
+        ("/a/**/*/z", &deep, true),
+        ("/a/**/z", &deep_semicolon, false),
+    ];
+    for (pattern, path, want) in cases.iter().chain(long) {
         let segs = compile_path(pattern).unwrap();
         let got = match path_segments(path) {
             Ok(s) => match_path(&segs, &s),
