@@ -12,23 +12,16 @@ use relay_common::devcerts::{write, DevCa};
 use relay_common::tls::{ClientTls, TlsClient, ALPN_HTTP};
 use relay_tests::certs::{generate, CertSet};
 use relay_tests::client::Caller;
+use relay_tests::procs::ScratchDir;
 use relay_tests::stack::{Stack, CALLER_KEY, TUNNEL_ID};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "relay-tls-e2e-{tag}-{}-{}",
-        std::process::id(),
-        rand::random::<u64>()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn certs(tag: &str) -> CertSet {
-    generate(&temp_dir(tag), &["localhost", "127.0.0.1"]).unwrap()
+/// A certificate set in a directory of its own, removed when the returned guard drops.
+fn certs(tag: &str) -> (ScratchDir, CertSet) {
+    let dir = ScratchDir::new(&format!("tls-e2e-{tag}")).unwrap();
+    let set = generate(dir.path(), &["localhost", "127.0.0.1"]).unwrap();
+    (dir, set)
 }
 
 /// A stack with TLS on every hop, from `set`.
@@ -129,7 +122,7 @@ async fn wait_routable(tls: &TlsClient, addr: SocketAddr) {
 
 #[tokio::test]
 async fn a_call_round_trips_with_tls_on_every_hop() {
-    let set = certs("all");
+    let (_dir, set) = certs("all");
     let stack = tls_stack(&set).await;
     let backend = client(&set.ca);
     wait_routable(&backend, stack.http).await;
@@ -146,7 +139,7 @@ async fn a_call_round_trips_with_tls_on_every_hop() {
 
 #[tokio::test]
 async fn refusals_wrong_ca_expired_certificate_plain_text_and_missing_client_certificate() {
-    let set = certs("refuse");
+    let (_dir, set) = certs("refuse");
     let stack = tls_stack(&set).await;
     let backend = client(&set.ca);
     wait_routable(&backend, stack.http).await;
@@ -256,7 +249,7 @@ async fn refusals_wrong_ca_expired_certificate_plain_text_and_missing_client_cer
 
 #[tokio::test]
 async fn an_expired_server_certificate_is_refused() {
-    let set = certs("expired");
+    let (_dir, set) = certs("expired");
     let ca_key = DevCa::new("expired-test ca").unwrap();
     let ca_path = write(&set.dir, "expired-ca.pem", &ca_key.cert_pem).unwrap();
     let leaf = ca_key.expired_server(&["localhost", "127.0.0.1"]).unwrap();
@@ -289,7 +282,7 @@ async fn an_expired_server_certificate_is_refused() {
 
 #[tokio::test]
 async fn a_rotated_certificate_is_used_for_new_connections_while_streams_stay_up() {
-    let set = certs("rotate");
+    let (_dir, set) = certs("rotate");
     let stack = tls_stack(&set).await;
     let backend = client(&set.ca);
     wait_routable(&backend, stack.http).await;
@@ -338,7 +331,7 @@ async fn a_rotated_certificate_is_used_for_new_connections_while_streams_stay_up
 async fn a_server_id_its_client_certificate_does_not_name_is_refused_by_the_registry() {
     // The tunnel servers' client certificate names "tunnel-server" and "ts-1": with
     // server_id_in_cert, ts-1 reports and ts-2 (same CA, same certificate) is refused.
-    let set = certs("id-in-cert");
+    let (_dir, set) = certs("id-in-cert");
     let (d_front, d_reg, d_fwd) = (
         set.dispatcher_front(),
         set.dispatcher_registry(),

@@ -236,15 +236,19 @@ async fn a_source_over_its_failure_budget_is_closed_and_refused_until_the_window
 }
 
 fn tls_pair(tag: &str) -> (crate::tls::TlsServer, TlsClient) {
-    let dir = std::env::temp_dir().join(format!("relay-listen-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    // Both ends read their files as they are built; the directory goes with this call.
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("relay-listen-{tag}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let ca = DevCa::new("relay listen test ca").unwrap();
     let leaf = ca.server(&["localhost"]).unwrap();
     let server = crate::tls::TlsServer::new(
         "test",
         ServerTls {
-            cert: write(&dir, "s.pem", &leaf.cert_pem).unwrap(),
-            key: write(&dir, "s.key", &leaf.key_pem).unwrap(),
+            cert: write(dir, "s.pem", &leaf.cert_pem).unwrap(),
+            key: write(dir, "s.key", &leaf.key_pem).unwrap(),
             client_ca: None,
             client_cert_optional: false,
             client_names: Vec::new(),
@@ -255,7 +259,7 @@ fn tls_pair(tag: &str) -> (crate::tls::TlsServer, TlsClient) {
     let client = TlsClient::new(
         "test",
         ClientTls {
-            ca: Some(write(&dir, "ca.pem", &ca.cert_pem).unwrap()),
+            ca: Some(write(dir, "ca.pem", &ca.cert_pem).unwrap()),
             cert: None,
             key: None,
             server_name: None,

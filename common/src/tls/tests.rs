@@ -5,30 +5,24 @@ use crate::devcerts::{write, DevCa};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Set {
+    /// Removed with the set.
+    _tmp: tempfile::TempDir,
     dir: PathBuf,
     ca: PathBuf,
     server: ServerTls,
 }
 
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "relay-tls-{tag}-{}-{}",
-        std::process::id(),
-        rand_suffix()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn rand_suffix() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u8(0);
-    h.finish()
+/// A directory of the test's own, removed when the returned guard drops.
+fn temp_dir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("relay-tls-{tag}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn set(tag: &str, mtls: bool) -> (Set, DevCa) {
-    let dir = temp_dir(tag);
+    let tmp = temp_dir(tag);
+    let dir = tmp.path().to_path_buf();
     let ca = DevCa::new("relay test ca").unwrap();
     let leaf = ca.server(&["localhost", "127.0.0.1"]).unwrap();
     let ca_path = write(&dir, "ca.pem", &ca.cert_pem).unwrap();
@@ -41,6 +35,7 @@ fn set(tag: &str, mtls: bool) -> (Set, DevCa) {
     };
     (
         Set {
+            _tmp: tmp,
             dir,
             ca: ca_path,
             server,
@@ -365,8 +360,9 @@ impl Reload for Counted {
 
 #[tokio::test]
 async fn reloads_follow_file_changes_until_stopped() {
-    let dir = temp_dir("reloads");
-    let path = write(&dir, "watched.pem", "one").unwrap();
+    let tmp = temp_dir("reloads");
+    let dir = tmp.path();
+    let path = write(dir, "watched.pem", "one").unwrap();
     let reloads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let count = || reloads.load(std::sync::atomic::Ordering::SeqCst);
     let stop = CancellationToken::new();
