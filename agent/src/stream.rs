@@ -27,8 +27,11 @@ use relay_common::Secret;
 use relay_proto::agent_frame::Kind as Out;
 use relay_proto::server_frame::Kind as In;
 use relay_proto::tunnel_client::TunnelClient;
-use relay_proto::{AgentFrame, CallErrorKind, GoingAway, Pong, ServerFrame, ServerHello};
+use relay_proto::{
+    AgentFrame, CallErrorKind, GoingAway, Pong, RequestHead, ServerFrame, ServerHello,
+};
 use std::collections::HashMap;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -268,7 +271,14 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             tunnel_id: hello.tunnel_id,
         };
         debug!(server_id = %landing.server_id, server_stream = landing.server_stream_id, "landed");
-        let session = Session::new(ctx.clone(), &link, out, inbound, landing.heartbeat);
+        let session = Session::new(
+            ctx.clone(),
+            &link,
+            out,
+            inbound,
+            landing.heartbeat,
+            run_call,
+        );
         link.emit(StreamEvent::Landed(landing.clone()));
         let reason = session.run(&mut link).await;
         if reason == CloseReason::HeartbeatMissed {
@@ -402,10 +412,45 @@ struct ActiveCall {
     started: Instant,
 }
 
-type CallFuture = BoxFuture<'static, CallOutcome>;
+/// How a stream starts a call (`run_call`; named here so the session can keep the call's
+/// future in a slot of its own type).
+type StartCall<F> = fn(Arc<CallContext>, RequestHead, RequestBody, mpsc::Sender<AgentFrame>) -> F;
+
+/// The future of the call in flight, in one allocation the stream keeps from its first call
+/// to its end. A call's future is about 2.6 KiB: boxing each one was an allocation past
+/// glibc's per-thread cache (with a consolidation of its free lists) and a free per call.
+struct CallSlot<F>(Option<Pin<Box<Option<F>>>>);
+
+impl<F: Future<Output = CallOutcome>> CallSlot<F> {
+    fn is_none(&self) -> bool {
+        self.0.as_ref().is_none_or(|f| f.is_none())
+    }
+
+    fn start(&mut self, call: F) {
+        match &mut self.0 {
+            Some(slot) => slot.set(Some(call)),
+            None => self.0 = Some(Box::pin(Some(call))),
+        }
+    }
+
+    /// Drops the call's future (and with it the upstream request); the slot stays.
+    fn clear(&mut self) {
+        if let Some(slot) = &mut self.0 {
+            slot.set(None);
+        }
+    }
+
+    /// The call's outcome; pends forever while no call is in flight.
+    async fn outcome(&mut self) -> CallOutcome {
+        match self.0.as_mut().and_then(|slot| slot.as_mut().as_pin_mut()) {
+            Some(call) => call.await,
+            None => std::future::pending().await,
+        }
+    }
+}
 
 /// A landed stream serving calls.
-struct Session {
+struct Session<F> {
     ctx: Arc<StreamContext>,
     out: mpsc::Sender<AgentFrame>,
     inbound: Streaming<ServerFrame>,
@@ -414,7 +459,8 @@ struct Session {
     dead: Pin<Box<Sleep>>,
     linger: Pin<Box<Sleep>>,
     call: Option<ActiveCall>,
-    call_fut: Option<CallFuture>,
+    start_call: StartCall<F>,
+    call_fut: CallSlot<F>,
     /// A request body chunk (and its end flag) waiting for room in the body channel.
     /// While it waits, no further frame is read: the server is pushed back by flow control.
     pending: Option<(Bytes, bool)>,
@@ -425,13 +471,14 @@ struct Session {
     events: mpsc::UnboundedSender<(crate::coverage::plan::StreamId, StreamEvent)>,
 }
 
-impl Session {
+impl<F: Future<Output = CallOutcome>> Session<F> {
     fn new(
         ctx: Arc<StreamContext>,
         link: &StreamLink,
         out: mpsc::Sender<AgentFrame>,
         inbound: Streaming<ServerFrame>,
         heartbeat: Duration,
+        start_call: StartCall<F>,
     ) -> Self {
         let silence = (!heartbeat.is_zero()).then(|| heartbeat.saturating_mul(3));
         let far = Instant::now() + Duration::from_secs(86_400 * 365);
@@ -444,7 +491,8 @@ impl Session {
             dead: Box::pin(tokio::time::sleep_until(dead_at)),
             linger: Box::pin(tokio::time::sleep_until(far)),
             call: None,
-            call_fut: None,
+            start_call,
+            call_fut: CallSlot(None),
             pending: None,
             last_ended: None,
             retire_seen: false,
@@ -467,7 +515,7 @@ impl Session {
                 // stream is free again. Then the actor's retire signal, then request body
                 // room, then the server's frames, then the timers.
                 biased;
-                outcome = poll_call(&mut self.call_fut) => self.call_done(id, outcome).await,
+                outcome = self.call_fut.outcome() => self.call_done(id, outcome).await,
                 _ = &mut link.retire, if !self.retire_seen => {
                     self.retire_seen = true;
                     self.going_away().await
@@ -482,7 +530,7 @@ impl Session {
             };
             if let Err(reason) = step {
                 if let Some(call) = self.call.take() {
-                    self.call_fut = None;
+                    self.call_fut.clear();
                     self.ctx.metrics.call_ended(
                         CallOutcome::StreamLost,
                         call.started.elapsed().as_secs_f64(),
@@ -512,7 +560,7 @@ impl Session {
     }
 
     async fn call_done(&mut self, id: u64, outcome: CallOutcome) -> Result<(), CloseReason> {
-        self.call_fut = None;
+        self.call_fut.clear();
         self.pending = None;
         if let Some(call) = self.call.take() {
             self.ctx
@@ -614,12 +662,12 @@ impl Session {
                     started: Instant::now(),
                 });
                 self.emit(id, StreamEvent::CallStarted);
-                self.call_fut = Some(Box::pin(run_call(
+                self.call_fut.start((self.start_call)(
                     self.ctx.calls.clone(),
                     head,
                     body,
                     self.out.clone(),
-                )));
+                ));
             }
             In::RequestBody(chunk) if chunk.data.len() > relay_proto::MAX_CHUNK => {
                 return Err(CloseReason::Malformed(format!(
@@ -661,7 +709,7 @@ impl Session {
             In::Cancel(cancel) => {
                 if self.call.as_ref().is_some_and(|c| c.id == cancel.call_id) {
                     // Dropping the call future drops the upstream request.
-                    self.call_fut = None;
+                    self.call_fut.clear();
                     self.pending = None;
                     if let Some(call) = self.call.take() {
                         self.ctx.metrics.call_ended(
@@ -709,13 +757,6 @@ impl Session {
             }
         }
         Ok(())
-    }
-}
-
-async fn poll_call(f: &mut Option<CallFuture>) -> CallOutcome {
-    match f {
-        Some(f) => f.await,
-        None => std::future::pending().await,
     }
 }
 
