@@ -318,14 +318,14 @@ impl Carriers {
         true
     }
 
-    /// Starts a call on an idle carrier, or on a new one through `client` (then counted in
-    /// `opened`): the call's request frames go out as the RPC's flow control allows, and
-    /// the answer's frames come back as the returned stream. Errors are opening a carrier's
-    /// (as opening a `Forward.Call`); UNIMPLEMENTED also marks the server as not speaking
-    /// carriers.
+    /// Starts a call on an idle carrier, or on a new one through the client `client` builds
+    /// (built only then; counted in `opened`): the call's request frames go out as the
+    /// RPC's flow control allows, and the answer's frames come back as the returned stream.
+    /// Errors are opening a carrier's (as opening a `Forward.Call`); UNIMPLEMENTED also
+    /// marks the server as not speaking carriers.
     pub async fn call(
         self: &Arc<Self>,
-        client: &mut ForwardClient<Channel>,
+        client: impl FnOnce() -> ForwardClient<Channel>,
         mut request: AttemptStream,
         opened: &prometheus::IntCounter,
     ) -> Result<ResponseFrames, Status> {
@@ -342,7 +342,7 @@ impl Carriers {
         }));
         // A new carrier's first call goes out before the server's metadata is in: it
         // sends its body as frames, and the calls after it learn what the server reads.
-        let (responses, inline_body) = match client.carry(FeedStream(feed.clone())).await {
+        let (responses, inline_body) = match client().carry(FeedStream(feed.clone())).await {
             Ok(r) => {
                 let inline_body = r
                     .metadata()
