@@ -8,6 +8,8 @@
 #   relay    dispatcher -> tunnel server -> agent (examples/local: two tunnel servers)
 #   colocated  the co-located mode: a tunnel server serving the dispatcher front itself ->
 #            agent (examples/colocated, moved to ports of its own)
+#   base     relay as `relay`, from the binaries in BASE_BIN_DIR (another build), on ports
+#            of its own: an A/B comparison whose runs alternate with relay's in every round
 # at 1, 16 and 64 connections. Each round runs every target once per connection count, in
 # turn; the table shows the median over ROUNDS rounds of calls/s, p50 and p99 latency, CPU
 # per call summed over each target's processes, and the ratio of relay's calls/s to the
@@ -17,21 +19,25 @@
 # to other machines, which makes a run slower than its neighbours). Then peak RSS per relay
 # process, a 64 MiB response streamed through the relay (peak RSS again), every non-2xx
 # answer or socket error wrk saw, and a search of every relay log for h2 connection guards
-# tripped (`reached limit`).
+# tripped (`reached limit`). With `base`, relay's calls/s over base's in each round (the two
+# ran seconds apart, so a slow minute of a shared machine slows both) and their median.
 #
 # Usage: bench/relay-bench.sh            (from the repository root; builds release binaries)
 #        BIN_DIR=/path bench/relay-bench.sh   (benchmarks the binaries in /path instead)
 #        POLICY=sticky bench/relay-bench.sh    (the dispatcher's [routing] policy)
 #        DURATION=5s CONNS="16 64" ROUNDS=3 bench/relay-bench.sh
 #        TARGETS="chain relay" bench/relay-bench.sh   (a subset of direct chain rathole relay colocated)
+#        BASE_BIN_DIR=/other/build TARGETS="chain relay base" bench/relay-bench.sh   (A/B)
 #        WRK_THREADS=2 bench/relay-bench.sh   (wrk's threads; default 1)
+#        WARMUP=3s bench/relay-bench.sh       (unmeasured load on every target first; default 3s)
 #        BODY_BYTES=200 bench/relay-bench.sh  (every call a POST with a body of that many bytes;
 #                                             default 0: GETs)
 # Needs: nginx, wrk (Debian packages nginx-light, wrk; installed when missing) and rathole
 # (`cargo install rathole` into $RATHOLE_ROOT, default ~/.cache/relay-bench, once).
 # Uses the fixed loopback ports of examples/local (8080, 8441-8452, 8460, 9080, 9090,
-# 9441-9442, 8000), 8090, 8443, 8453, 8470, 9081, 9091, 9443 for the co-located stack and
-# 8101-8103, 8201-8202 for the references.
+# 9441-9442, 8000), 8090, 8443, 8453, 8470, 9081, 9091, 9443 for the co-located stack,
+# 8084, 8444-8445, 8454-8455, 8464, 9084, 9094, 9444-9445 for the base stack and 8101-8103,
+# 8201-8202 for the references.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-10s}
@@ -59,11 +65,14 @@ if [ -z "${BIN_DIR:-}" ]; then
   cargo build --release --bins -q
 fi
 BIN=${BIN_DIR:-target/release}
+if wants base && [ ! -x "${BASE_BIN_DIR:-}/relay-agent" ]; then
+  echo "the base target needs BASE_BIN_DIR: a directory with another build's relay binaries"; exit 1
+fi
 
 # A listener left on one of the run's ports (an earlier run's nginx, say) would share it
 # (nginx listens with reuseport) and skew what is measured: refuse to start.
-for port in 8000 8080 8090 8101 8102 8103 8201 8202 8441 8442 8443 8451 8452 8453 8460 8470 \
-  9080 9081 9090 9091 9441 9442 9443; do
+for port in 8000 8080 8084 8090 8101 8102 8103 8201 8202 8441 8442 8443 8444 8445 8451 8452 \
+  8453 8454 8455 8460 8464 8470 9080 9081 9084 9090 9091 9094 9441 9442 9443 9444 9445; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
     echo "port $port is in use (a process left from an earlier run?): stop it first"; exit 1
   fi
@@ -154,6 +163,24 @@ if wants colocated; then
   $BIN/relay-agent --config "$work/colocated-agent.toml" >"$work/colocated-agent.log" 2>&1 & COLO_AGENT=$!; pids+=($COLO_AGENT)
 fi
 
+if wants base; then
+  # examples/local again, every port moved (8080 -> 8084, 8441 -> 8444, ...).
+  base_ports() {
+    sed -e 's/:8080"/:8084"/; s/:8460"/:8464"/g; s/:9080"/:9084"/' \
+      -e 's/:8441"/:8444"/g; s/:8442"/:8445"/g; s/:8451"/:8454"/; s/:8452"/:8455"/' \
+      -e 's/:9441"/:9444"/; s/:9442"/:9445"/; s/:9090"/:9094"/' "$1" > "$2"
+  }
+  base_ports "$DISPATCHER_CONFIG" "$work/base-dispatcher.toml"
+  base_ports examples/local/tunnel-server-1.toml "$work/base-ts1.toml"
+  base_ports examples/local/tunnel-server-2.toml "$work/base-ts2.toml"
+  base_ports examples/local/agent.toml "$work/base-agent.toml"
+  B=$BASE_BIN_DIR
+  $B/relay-dispatcher --config "$work/base-dispatcher.toml" >"$work/base-dispatcher.log" 2>&1 & B_DISP=$!; pids+=($B_DISP)
+  $B/relay-tunnel-server --config "$work/base-ts1.toml" >"$work/base-ts1.log" 2>&1 & B_TS1=$!; pids+=($B_TS1)
+  $B/relay-tunnel-server --config "$work/base-ts2.toml" >"$work/base-ts2.log" 2>&1 & B_TS2=$!; pids+=($B_TS2)
+  $B/relay-agent --config "$work/base-agent.toml" >"$work/base-agent.log" 2>&1 & B_AGENT=$!; pids+=($B_AGENT)
+fi
+
 AUTH='Authorization: Bearer dev-caller-key'
 declare -A URL=(
   [direct]=http://127.0.0.1:8000/
@@ -161,6 +188,7 @@ declare -A URL=(
   [rathole]=http://127.0.0.1:8202/
   [relay]=http://127.0.0.1:8080/relay/demo/
   [colocated]=http://127.0.0.1:8090/relay/demo/
+  [base]=http://127.0.0.1:8084/relay/demo/
 )
 for t in $TARGETS; do
   for _ in $(seq 1 200); do
@@ -184,6 +212,7 @@ declare -A PROCS=(
 wants chain && PROCS[chain]="$(workers chain1) $(workers chain2) $(workers chain3)"
 wants rathole && PROCS[rathole]="$RH_S $RH_C"
 wants colocated && PROCS[colocated]="$COLO $COLO_AGENT"
+wants base && PROCS[base]="$B_DISP $B_TS1 $B_TS2 $B_AGENT"
 
 # POSTs with a body of BODY_BYTES bytes instead of GETs, when set.
 BODY_BYTES=${BODY_BYTES:-0}
@@ -207,6 +236,15 @@ run_wrk() {
     /Socket errors/ {gsub(",", ""); e += $4 + $6 + $8 + $10}
     END {printf "%s %.3f %.3f %s %d\n", rps, p50, p99, n, e}' "$work/wrk.out"
 }
+
+# Warm-up, not measured: every target for WARMUP at the largest connection count, so that
+# each relay agent has grown its streams (a sizing tick a second) and every keep-alive pool
+# is full before the first round; otherwise the first round of each target measures that.
+WARMUP=${WARMUP:-3s}
+max_conns=$(printf '%s\n' $CONNS | sort -n | tail -1)
+for t in $TARGETS; do
+  wrk -t1 -c"$max_conns" -d"$WARMUP" -H "$AUTH" "${WRK_SCRIPT[@]}" "${URL[$t]}" > /dev/null
+done
 
 declare -A RES
 errors=0
@@ -241,7 +279,7 @@ for c in $CONNS; do
   for t in $TARGETS; do
     rps=$(col "$t" "$c" 1)
     vs_chain=-; vs_rh=-
-    if [ "$t" = relay ] || [ "$t" = colocated ]; then
+    if [ "$t" = relay ] || [ "$t" = colocated ] || [ "$t" = base ]; then
       wants chain && vs_chain=$(awk -v a="$rps" -v b="$(col chain "$c" 1)" 'BEGIN {printf "%.2f", a / b}')
       wants rathole && vs_rh=$(awk -v a="$rps" -v b="$(col rathole "$c" 1)" 'BEGIN {printf "%.2f", a / b}')
     fi
@@ -249,6 +287,15 @@ for c in $CONNS; do
       "$(col "$t" "$c" 3)" "$(col "$t" "$c" 4)" "$vs_chain" "$vs_rh" "$(col "$t" "$c" 5)" "$(col "$t" "$c" 6)"
   done
 done
+if wants base && wants relay; then
+  echo
+  for c in $CONNS; do
+    # Round by round: relay's calls/s over base's.
+    ratios=$(paste <(printf '%s' "${RES[relay,$c]}" | awk 'NF {print $1}') \
+      <(printf '%s' "${RES[base,$c]}" | awk 'NF {print $1}') | awk '{printf "%.2f\n", $1 / $2}')
+    echo "relay x base at $c connections, per round: $(echo $ratios); median $(echo "$ratios" | median)"
+  done
+fi
 echo
 echo "errors: $errors non-2xx answers or socket errors over every run"
 echo "peak RSS after load (KiB): dispatcher $(hwm $DISP)  tunnel-server-1 $(hwm $TS1)  tunnel-server-2 $(hwm $TS2)  agent $(hwm $AGENT)"
@@ -264,5 +311,8 @@ if wants colocated; then
   echo "64 MiB response relayed co-located: $bytes bytes"
   echo "peak RSS after 64 MiB (KiB): co-located tunnel server $(hwm $COLO)  agent $(hwm $COLO_AGENT)"
 fi
-limits=$(cat "$work"/dispatcher.log "$work"/ts*.log "$work"/agent.log "$work"/colocated*.log 2>/dev/null | grep -c 'reached limit' || true)
+if wants base; then
+  echo "RSS at rest after load (KiB), base: dispatcher $(rss $B_DISP)  tunnel-server-1 $(rss $B_TS1)  tunnel-server-2 $(rss $B_TS2)  agent $(rss $B_AGENT)"
+fi
+limits=$(cat "$work"/dispatcher.log "$work"/ts*.log "$work"/agent.log "$work"/colocated*.log "$work"/base-*.log 2>/dev/null | grep -c 'reached limit' || true)
 echo "h2 guards tripped (\`reached limit\` in the relay logs): $limits"
