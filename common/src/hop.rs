@@ -44,7 +44,8 @@ fn listed(connection: &http::header::GetAll<'_, http::HeaderValue>, name: &Heade
 }
 
 /// Removes every hop-by-hop header from `headers`. It runs on every message at every hop,
-/// so a message with none costs one look at each name and no allocation.
+/// so a message with none costs one look at each name and no allocation, and the names to
+/// remove of one with a few (the usual `Connection: keep-alive`) are listed on the stack.
 pub fn strip(headers: &mut HeaderMap) {
     // `Connection` is hop-by-hop itself: with no such header nothing is named.
     if !headers.keys().any(|n| is_hop_by_hop(n.as_str())) {
@@ -59,7 +60,7 @@ pub fn strip(headers: &mut HeaderMap) {
             !t.eq_ignore_ascii_case(b"close") && !t.eq_ignore_ascii_case(b"keep-alive")
         })
     });
-    let gone: Vec<HeaderName> = headers
+    let gone: smallvec::SmallVec<[HeaderName; 4]> = headers
         .keys()
         .filter(|n| is_hop_by_hop(n.as_str()) || (names_others && listed(&connection, n)))
         .cloned()
