@@ -356,7 +356,7 @@ impl BodyTimers {
 /// Records one call's outcome and duration once; dropping it unrecorded means the caller
 /// went away (`cancelled`).
 pub struct CallGuard {
-    metrics: Metrics,
+    metrics: Arc<Metrics>,
     start: Instant,
     recorded: bool,
     /// The tunnel server that answered (or the last one tried).
@@ -368,7 +368,7 @@ pub struct CallGuard {
 }
 
 impl CallGuard {
-    pub fn new(metrics: Metrics) -> Self {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
         metrics.calls_in_flight.inc();
         CallGuard {
             metrics,

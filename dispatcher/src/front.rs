@@ -74,7 +74,9 @@ pub struct Front {
     body_idle_timeout: Duration,
     routes: Arc<Registry>,
     forwarder: Forwarder,
-    metrics: Metrics,
+    /// Shared with every call's guard: one reference count per call, not a clone of every
+    /// metric handle.
+    metrics: Arc<Metrics>,
     next_call_id: AtomicU64,
 }
 
@@ -115,7 +117,7 @@ impl Front {
             body_idle_timeout: config.body_idle_timeout,
             routes,
             forwarder,
-            metrics,
+            metrics: Arc::new(metrics),
             next_call_id: AtomicU64::new(1),
         }
     }
