@@ -116,7 +116,7 @@ impl Pool {
         }
         let now = Instant::now();
         let start_reaper = {
-            let mut idle = self.lock();
+            let mut idle = self.shared.lock();
             expire(&mut idle.conns, now);
             if idle.conns.len() >= self.shared.max_idle {
                 return;
@@ -129,7 +129,7 @@ impl Pool {
             // still expire connections; the next return in a runtime starts the task.
             match tokio::runtime::Handle::try_current() {
                 Ok(rt) => drop(rt.spawn(reap(Arc::downgrade(&self.shared)))),
-                Err(_) => self.lock().reaping = false,
+                Err(_) => self.shared.lock().reaping = false,
             }
         }
     }
@@ -137,11 +137,11 @@ impl Pool {
     /// How many connections wait in the pool (for tests).
     #[cfg(test)]
     pub(super) fn idle_len(&self) -> usize {
-        self.lock().conns.len()
+        self.shared.lock().conns.len()
     }
 
     fn take_idle(&self) -> Option<SendRequest<ReqBody>> {
-        let mut idle = self.lock();
+        let mut idle = self.shared.lock();
         expire(&mut idle.conns, Instant::now());
         while let Some((conn, _)) = idle.conns.pop_back() {
             if !conn.is_closed() {
@@ -149,10 +149,6 @@ impl Pool {
             }
         }
         None
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
-        self.shared.lock()
     }
 
     /// A new connection, its driver spawned.

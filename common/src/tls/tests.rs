@@ -5,9 +5,8 @@ use crate::devcerts::{write, DevCa};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Set {
-    /// Removed with the set.
-    _tmp: tempfile::TempDir,
-    dir: PathBuf,
+    /// The set's files, removed with it.
+    dir: tempfile::TempDir,
     ca: PathBuf,
     server: ServerTls,
 }
@@ -22,21 +21,20 @@ fn temp_dir(tag: &str) -> tempfile::TempDir {
 
 fn set(tag: &str, mtls: bool) -> (Set, DevCa) {
     let tmp = temp_dir(tag);
-    let dir = tmp.path().to_path_buf();
+    let dir = tmp.path();
     let ca = DevCa::new("relay test ca").unwrap();
     let leaf = ca.server(&["localhost", "127.0.0.1"]).unwrap();
-    let ca_path = write(&dir, "ca.pem", &ca.cert_pem).unwrap();
+    let ca_path = write(dir, "ca.pem", &ca.cert_pem).unwrap();
     let server = ServerTls {
-        cert: write(&dir, "server.pem", &leaf.cert_pem).unwrap(),
-        key: write(&dir, "server.key", &leaf.key_pem).unwrap(),
+        cert: write(dir, "server.pem", &leaf.cert_pem).unwrap(),
+        key: write(dir, "server.key", &leaf.key_pem).unwrap(),
         client_ca: mtls.then(|| ca_path.clone()),
         client_cert_optional: false,
         client_names: Vec::new(),
     };
     (
         Set {
-            _tmp: tmp,
-            dir,
+            dir: tmp,
             ca: ca_path,
             server,
         },
@@ -105,7 +103,7 @@ async fn a_client_trusting_another_ca_is_refused() {
     let (s, _) = set("wrongca", false);
     let addr = serve(TlsServer::new("t", s.server.clone(), ALPN_H2).unwrap()).await;
     let other = DevCa::new("someone else").unwrap();
-    let other_ca = write(&s.dir, "other-ca.pem", &other.cert_pem).unwrap();
+    let other_ca = write(s.dir.path(), "other-ca.pem", &other.cert_pem).unwrap();
     let client = TlsClient::new(
         "c",
         ClientTls {
@@ -127,8 +125,8 @@ async fn an_expired_server_certificate_is_refused() {
     let (s, ca) = set("expired", false);
     let leaf = ca.expired_server(&["localhost"]).unwrap();
     let server = ServerTls {
-        cert: write(&s.dir, "expired.pem", &leaf.cert_pem).unwrap(),
-        key: write(&s.dir, "expired.key", &leaf.key_pem).unwrap(),
+        cert: write(s.dir.path(), "expired.pem", &leaf.cert_pem).unwrap(),
+        key: write(s.dir.path(), "expired.key", &leaf.key_pem).unwrap(),
         ..s.server.clone()
     };
     let addr = serve(TlsServer::new("t", server, ALPN_H2).unwrap()).await;
@@ -162,8 +160,8 @@ async fn mutual_tls_refuses_a_client_without_a_certificate_and_accepts_one_with(
     let leaf = ca.client("dispatcher-1").unwrap();
     let with_cert = ClientTls {
         ca: Some(s.ca.clone()),
-        cert: Some(write(&s.dir, "client.pem", &leaf.cert_pem).unwrap()),
-        key: Some(write(&s.dir, "client.key", &leaf.key_pem).unwrap()),
+        cert: Some(write(s.dir.path(), "client.pem", &leaf.cert_pem).unwrap()),
+        key: Some(write(s.dir.path(), "client.key", &leaf.key_pem).unwrap()),
         server_name: None,
     };
     talk(&TlsClient::new("c", with_cert, ALPN_H2).unwrap(), addr)
@@ -211,7 +209,7 @@ async fn reloading_swaps_the_certificate_for_new_handshakes_only() {
     tls.reload().unwrap();
     // New handshakes see the new certificate: the old trust fails, the new one works.
     assert!(talk(&client, addr).await.is_err());
-    let new_ca_path = write(&s.dir, "new-ca.pem", &new_ca.cert_pem).unwrap();
+    let new_ca_path = write(s.dir.path(), "new-ca.pem", &new_ca.cert_pem).unwrap();
     let rotated = TlsClient::new(
         "c",
         ClientTls {
@@ -310,7 +308,7 @@ async fn certificate_expiry_is_exported_per_file_and_follows_reloads() {
     assert_eq!(expiry_of(&registry, "forward_tls", "cert"), Some(END_2020));
     assert!(expiry_of(&registry, "forward_tls", "ca").is_some());
     drop(client);
-    assert!(earliest_expiry(&s.dir.join("missing.pem")).is_err());
+    assert!(earliest_expiry(&s.dir.path().join("missing.pem")).is_err());
 }
 
 #[tokio::test]
@@ -322,8 +320,8 @@ async fn a_listener_pinned_to_client_names_refuses_another_certificate_of_the_sa
         let leaf = ca.client(name).unwrap();
         let c = ClientTls {
             ca: Some(s.ca.clone()),
-            cert: Some(write(&s.dir, &format!("{name}.pem"), &leaf.cert_pem).unwrap()),
-            key: Some(write(&s.dir, &format!("{name}.key"), &leaf.key_pem).unwrap()),
+            cert: Some(write(s.dir.path(), &format!("{name}.pem"), &leaf.cert_pem).unwrap()),
+            key: Some(write(s.dir.path(), &format!("{name}.key"), &leaf.key_pem).unwrap()),
             server_name: None,
         };
         TlsClient::new("c", c, ALPN_H2).unwrap()
