@@ -430,6 +430,18 @@ async fn agent_error_messages_are_escaped_and_capped_in_logs_and_answers() {
         .with_max_level(tracing::Level::INFO)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
+    // tracing caches each log line's interest once for the whole process; while one
+    // dispatcher exists it asks the default of whichever thread reaches the line first,
+    // and a sibling test's thread has none, so the line would be off for this test too. A
+    // second live dispatcher makes that cache the union of both, and each line then goes to
+    // its own thread's default.
+    let _anchor = tracing::Dispatch::new(
+        tracing_subscriber::fmt()
+            .with_writer(std::io::sink)
+            .with_max_level(tracing::Level::INFO)
+            .finish(),
+    );
+    tracing::callsite::rebuild_interest_cache();
     let stack = Stack::builder()
         .servers(1)
         .without_agent()
