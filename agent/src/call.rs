@@ -22,9 +22,7 @@ use crate::metrics::{AgentMetrics, CallOutcome};
 use crate::upstream::{RequestBody, Upstream, UpstreamRequest};
 use bytes::Bytes;
 use relay_proto::agent_frame::Kind;
-use relay_proto::{
-    AgentFrame, BodyChunk, CallError, CallErrorKind, Header, RequestHead, ResponseHead,
-};
+use relay_proto::{AgentFrame, BodyChunk, CallError, CallErrorKind, RequestHead, ResponseHead};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, Semaphore};
@@ -199,9 +197,9 @@ pub(crate) async fn run_call(
     }
 }
 
-/// The upstream's response headers as wire headers, names and values slices of one
-/// buffer (see [`relay_proto::wire_headers`]).
-fn wire_headers(map: &http::HeaderMap) -> Vec<Header> {
+/// The upstream's response headers as a head's header records, slices of one buffer (see
+/// [`relay_proto::wire_headers`]).
+fn wire_headers(map: &http::HeaderMap) -> Vec<bytes::Bytes> {
     relay_proto::wire_headers(|| {
         map.iter()
             .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()))
@@ -309,7 +307,8 @@ mod tests {
         map.append("x-empty", "".parse().unwrap());
         map.append("etag", "\"abc\"".parse().unwrap());
         let wire: Vec<(String, Vec<u8>)> = wire_headers(&map)
-            .into_iter()
+            .iter()
+            .map(|r| relay_proto::Header::parse(r).unwrap())
             .map(|h| (h.name_str().into_owned(), h.value.to_vec()))
             .collect();
         let want: Vec<(String, Vec<u8>)> = map

@@ -632,7 +632,7 @@ mod tests {
                 path_and_query: target.into(),
                 headers: headers
                     .iter()
-                    .map(|(n, v)| relay_proto::Header::new(*n, v.to_string()))
+                    .map(|(n, v)| relay_proto::header(*n, v))
                     .collect(),
                 deadline_ms: 0,
                 end_of_stream: true,

@@ -360,13 +360,12 @@ impl Policy {
 
     /// Checks `head` against the limits, the safety rules and the allow rules.
     pub fn prepare(&self, head: &RequestHead) -> Result<Prepared, Rejection> {
-        let head_bytes = head.method.len()
-            + head.path_and_query.len()
-            + head
-                .headers
-                .iter()
-                .map(|h| h.name.len() + h.value.len() + 4)
-                .sum::<usize>();
+        // A header record that is not an encoded `Header` (no dispatcher writes one: they
+        // come from `relay_proto::wire_headers`) is refused as a bad request before
+        // anything else reads the head.
+        let header_bytes = relay_proto::head_bytes(&head.headers)
+            .map_err(|e| Rejection::BadRequest(format!("the request head has {e}")))?;
+        let head_bytes = head.method.len() + head.path_and_query.len() + header_bytes;
         if head_bytes > self.limits.max_header_bytes {
             return Err(Rejection::refused(
                 Reason::HeaderSize,
@@ -383,8 +382,13 @@ impl Policy {
                 "CR, LF or NUL in the request line",
             ));
         }
-        for h in &head.headers {
-            if h.name.iter().any(bad) || h.value.iter().any(bad) {
+        // Every record parsed above.
+        for (name, value) in head
+            .headers
+            .iter()
+            .flat_map(|r| relay_proto::parse_header(r))
+        {
+            if name.iter().any(bad) || value.iter().any(bad) {
                 return Err(Rejection::refused(
                     Reason::Injection,
                     "CR, LF or NUL in a request header",
@@ -869,12 +873,18 @@ const LOOKALIKES: [char; 8] = [
 fn header_map(head: &RequestHead) -> Result<HeaderMap, Rejection> {
     // Sized once by the count, which `limits.max_headers` bounds before this runs.
     let mut headers = HeaderMap::with_capacity(head.headers.len());
-    for h in &head.headers {
-        let name = HeaderName::from_bytes(&h.name).map_err(|_| {
-            Rejection::BadRequest(format!("invalid header name {:?}", short(&h.name_str())))
+    for record in &head.headers {
+        // `prepare` refused a head with a record that does not parse before this runs.
+        let (name, value) = relay_proto::parse_header(record)
+            .map_err(|e| Rejection::BadRequest(format!("the request head has {e}")))?;
+        let name = HeaderName::from_bytes(name).map_err(|_| {
+            Rejection::BadRequest(format!(
+                "invalid header name {:?}",
+                short(&String::from_utf8_lossy(name))
+            ))
         })?;
         // The value shares the frame's bytes (checked, not copied).
-        let value = HeaderValue::from_maybe_shared(h.value.clone())
+        let value = HeaderValue::from_maybe_shared(record.slice_ref(value))
             .map_err(|_| Rejection::BadRequest(format!("invalid value for header {name}")))?;
         let overrides = OVERRIDE_HEADERS.contains(&&*dashed(name.as_str()))
             || (name == http::header::FORWARDED

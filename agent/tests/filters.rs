@@ -80,7 +80,7 @@ fn filtered_config(tunnel: &str, upstream: &str, streams: u32) -> Config {
 fn with_headers(mut h: RequestHead, headers: &[(&str, &str)]) -> RequestHead {
     h.headers = headers
         .iter()
-        .map(|(n, v)| Header::new(*n, v.to_string()))
+        .map(|(n, v)| relay_proto::header(*n, v))
         .collect();
     h
 }
@@ -381,7 +381,7 @@ async fn header_and_body_limits_refuse_the_call_and_the_stream_serves_the_next()
     assert_refused(&a, "body_size");
     // Its length must be the one the head declares.
     let mut inline = head(21, "POST", "/echo", true);
-    inline.headers = vec![Header::new("content-length", "10")];
+    inline.headers = vec![relay_proto::header("content-length", "10")];
     inline.body = Bytes::from(vec![b'a'; 12]);
     let a = conn.call(inline, vec![]).await;
     assert_refused(&a, "smuggling");

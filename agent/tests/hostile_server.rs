@@ -11,22 +11,22 @@ use common::*;
 /// Hostile request heads: (what, headers, `limits.max_header_bytes`). Each has more than
 /// the default `limits.max_headers` (256) headers; the byte limit is raised where the
 /// count alone would otherwise pass it.
-fn hostile_heads() -> Vec<(&'static str, Vec<Header>, usize)> {
+fn hostile_heads() -> Vec<(&'static str, Vec<bytes::Bytes>, usize)> {
     vec![
         (
             "257 small headers",
-            vec![Header::new("x-a", "1"); 257],
+            vec![relay_proto::header("x-a", "1"); 257],
             64 * 1024,
         ),
         // `HeaderMap::with_capacity` panics from 24577 entries on: once sized by this count.
         (
             "24577 empty-valued headers",
-            vec![Header::new("x-a", ""); 24_577],
+            vec![relay_proto::header("x-a", ""); 24_577],
             1024 * 1024,
         ),
         (
             "40000 empty-valued headers",
-            vec![Header::new("x-a", ""); 40_000],
+            vec![relay_proto::header("x-a", ""); 40_000],
             1024 * 1024,
         ),
     ]
@@ -59,12 +59,35 @@ async fn request_heads_over_max_headers_are_refused_and_the_stream_serves_on() {
     }
 }
 
+/// A request head holding a header record that is not an encoded `Header` is answered with
+/// a BAD_REQUEST call error naming the record (the filter refuses it before any rule or the
+/// upstream sees the call), and the same stream serves the next call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_header_record_is_a_bad_request_and_the_stream_serves_on() {
+    let upstream = hyper_upstream().await;
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    let (_agent, _) = start_agent(config(&tunnel.url, &upstream, 1)).await;
+    let mut conn = tunnel.next_conn().await;
+    let mut h = head(1, "GET", "/hello", true);
+    h.headers = vec![
+        relay_proto::header("x-a", "1"),
+        // A value that claims 4 bytes and has 2.
+        bytes::Bytes::from_static(&[0x0a, 1, b'x', 0x12, 4, b'a', b'b']),
+    ];
+    let a = conn.call(h, vec![]).await;
+    assert_eq!(a.error_kind(), Some(CallErrorKind::BadRequest), "{a:?}");
+    let msg = &a.error.as_ref().unwrap().message;
+    assert!(msg.contains("malformed header (entry 1"), "{msg}");
+    let a = conn.call(head(2, "GET", "/hello", true), vec![]).await;
+    assert_eq!(a.status(), 200, "the same stream serves on: {a:?}");
+}
+
 /// Frames no agent should take in: (what, frames after a bodyless or bodied head). Each
 /// ends the stream (never a decoded 2 MiB head, never a body chunk over 64 KiB passed
 /// upstream); the agent opens a new stream that serves.
 fn hostile_frames() -> Vec<(&'static str, Vec<ServerFrame>)> {
     let huge = RequestHead {
-        headers: vec![Header::new("x-big", vec![b'a'; 2 * 1024 * 1024])],
+        headers: vec![relay_proto::header("x-big", vec![b'a'; 2 * 1024 * 1024])],
         ..head(1, "GET", "/hello", true)
     };
     let chunk = BodyChunk {

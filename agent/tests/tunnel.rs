@@ -17,10 +17,10 @@ async fn get_and_post_round_trip_byte_for_byte() {
 
     let mut get = head(1, "GET", "/hello?x=1&y=%20", true);
     get.headers = vec![
-        Header::new("x-custom", "v1"),
-        Header::new("connection", "x-private"),
-        Header::new("x-private", "secret-hop"),
-        Header::new("host", "evil.example"),
+        relay_proto::header("x-custom", "v1"),
+        relay_proto::header("connection", "x-private"),
+        relay_proto::header("x-private", "secret-hop"),
+        relay_proto::header("host", "evil.example"),
     ];
     let a = conn.call(get, vec![]).await;
     assert_eq!(a.status(), 200, "{a:?}");
@@ -89,7 +89,10 @@ async fn a_body_inside_the_request_head_reaches_the_upstream_whole() {
 
     let payload = pattern(40_000);
     let mut post = head(1, "POST", "/echo", true);
-    post.headers = vec![Header::new("content-length", payload.len().to_string())];
+    post.headers = vec![relay_proto::header(
+        "content-length",
+        payload.len().to_string(),
+    )];
     post.body = Bytes::from(payload.clone());
     let a = conn.call(post, vec![]).await;
     assert_eq!(a.status(), 200, "{a:?}");

@@ -24,7 +24,7 @@ use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
 use relay_proto::forward_server::{Forward, ForwardServer};
 use relay_proto::{
-    CallHead, ForwardRequest, ForwardResponse, Header, ProceedReply, ProceedRequest, RequestHead,
+    CallHead, ForwardRequest, ForwardResponse, ProceedReply, ProceedRequest, RequestHead,
     ResponseHead,
 };
 use std::time::Duration;
@@ -84,8 +84,8 @@ fn answer(call_id: u64) -> ForwardResponse {
         call_id,
         status: 200,
         headers: vec![
-            Header::new("content-type", "text/plain"),
-            Header::new("content-length", "8"),
+            relay_proto::header("content-type", "text/plain"),
+            relay_proto::header("content-length", "8"),
         ],
         end_of_stream: true,
         body: Bytes::from_static(b"12345678"),
@@ -100,8 +100,8 @@ fn head(call_id: u64) -> ForwardRequest {
             method: "GET".into(),
             path_and_query: "/".into(),
             headers: vec![
-                Header::new("host", "127.0.0.1:8080"),
-                Header::new("user-agent", "wrk"),
+                relay_proto::header("host", "127.0.0.1:8080"),
+                relay_proto::header("user-agent", "wrk"),
             ],
             deadline_ms: 30_000,
             end_of_stream: true,

@@ -57,7 +57,7 @@ use relay_proto::forward_client::ForwardClient;
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
 use relay_proto::{
-    CallHead, ForwardRequest, ForwardResponse, Header, ProceedRequest, RequestHead, ResponseHead,
+    CallHead, ForwardRequest, ForwardResponse, ProceedRequest, RequestHead, ResponseHead,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -219,7 +219,8 @@ pub struct CallPlan {
     pub tunnel_id: String,
     pub method: String,
     pub path_and_query: String,
-    pub headers: Vec<Header>,
+    /// Header records (`relay_proto::wire_headers`).
+    pub headers: Vec<bytes::Bytes>,
     pub end_of_stream: bool,
     pub deadline: Instant,
 }

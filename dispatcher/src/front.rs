@@ -387,12 +387,16 @@ impl Front {
                 return self.fail(guard, &f, Some(&tunnel_id));
             }
         };
-        if let Some(why) = self.head_limits.check(&answer.head.headers) {
+        if let Some(problem) = self.head_limits.check(&answer.head.headers) {
+            let limits = match problem {
+                relay_proto::HeadProblem::OverLimit(_) => {
+                    " (max_response_headers / max_response_header_bytes)"
+                }
+                relay_proto::HeadProblem::Malformed(_) => "",
+            };
             let f = Failure::new(
                 ErrorCode::BadResponse,
-                format!(
-                    "the response head has {why} (max_response_headers / max_response_header_bytes)"
-                ),
+                format!("the response head has {problem}{limits}"),
             );
             warn!(call_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
             return self.fail_after_head(guard, answer, &f, &tunnel_id);

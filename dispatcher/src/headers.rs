@@ -1,4 +1,5 @@
-//! Header translation between HTTP and the wire's `Header` list, in both directions.
+//! Header translation between HTTP and a head's list of `Header` records, in both
+//! directions.
 //!
 //! Hop-by-hop headers (`relay_common::hop`: RFC 9110 7.6.1, `proxy-*` and every header
 //! named in `Connection`) never cross the dispatcher. The caller's `authorization` and the dispatcher's own
@@ -7,8 +8,8 @@
 //!
 //! No I/O here.
 
+use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
-use relay_proto::Header;
 
 /// Header a caller uses to set its call's deadline, in milliseconds.
 pub const TIMEOUT_HEADER: &str = "x-relay-timeout-ms";
@@ -22,7 +23,7 @@ fn keep(name: &HeaderName, named: &[HeaderName], request: bool) -> bool {
 }
 
 /// The caller's request headers as they go to the tunnel server.
-pub fn request_to_wire(headers: &HeaderMap) -> Vec<Header> {
+pub fn request_to_wire(headers: &HeaderMap) -> Vec<Bytes> {
     let tokens = relay_common::hop::connection_named(headers);
     relay_proto::wire_headers(|| {
         headers
@@ -33,33 +34,37 @@ pub fn request_to_wire(headers: &HeaderMap) -> Vec<Header> {
 }
 
 /// The agent's response headers as they go to the caller. Headers that are not valid HTTP
-/// are skipped and counted in the returned number, and so are those past what a
-/// `HeaderMap` can hold.
+/// (or records that are not a `Header`) are skipped and counted in the returned number, and
+/// so are those past what a `HeaderMap` can hold.
 ///
 /// The caller checks the head against `max_response_headers` first; even so the map is
 /// sized by the peer's count only up to 64 (`HeaderMap::with_capacity` panics past 32768
 /// entries), and `try_append` never panics.
-pub fn response_from_wire(wire: &[Header]) -> (HeaderMap, usize) {
+pub fn response_from_wire(wire: &[Bytes]) -> (HeaderMap, usize) {
     // The names listed in the response's valid `Connection` values (`HeaderName` parsing
     // folds case, as `eq_ignore_ascii_case` does here).
     let tokens: Vec<HeaderName> = wire
         .iter()
-        .filter(|h| {
-            h.name
-                .eq_ignore_ascii_case(http::header::CONNECTION.as_str().as_bytes())
-                && HeaderValue::from_bytes(&h.value).is_ok()
+        .filter_map(|record| relay_proto::parse_header(record).ok())
+        .filter(|(name, value)| {
+            name.eq_ignore_ascii_case(http::header::CONNECTION.as_str().as_bytes())
+                && HeaderValue::from_bytes(value).is_ok()
         })
-        .flat_map(|h| h.value.split(|b| *b == b','))
+        .flat_map(|(_, value)| value.split(|b| *b == b','))
         .filter_map(|n| HeaderName::from_bytes(n.trim_ascii()).ok())
         .collect();
     // One map, sized once (a head is checked against `max_response_headers` before; the
     // bound keeps a huge head from reserving up front); values share the frame's bytes.
     let mut out = HeaderMap::with_capacity(wire.len().min(64));
     let mut invalid = 0;
-    for h in wire {
+    for record in wire {
+        let Ok((name, value)) = relay_proto::parse_header(record) else {
+            invalid += 1;
+            continue;
+        };
         match (
-            HeaderName::from_bytes(&h.name),
-            HeaderValue::from_maybe_shared(h.value.clone()),
+            HeaderName::from_bytes(name),
+            HeaderValue::from_maybe_shared(record.slice_ref(value)),
         ) {
             (Ok(name), Ok(value)) => {
                 if keep(&name, &tokens, false) && out.try_append(name, value).is_err() {
@@ -218,7 +223,8 @@ mod tests {
             ("x-bin", "v"),
         ]);
         let out: Vec<(String, Vec<u8>)> = request_to_wire(&h)
-            .into_iter()
+            .iter()
+            .map(|r| relay_proto::Header::parse(r).unwrap())
             .map(|h| (h.name_str().into_owned(), h.value.to_vec()))
             .collect();
         assert_eq!(
@@ -278,8 +284,8 @@ mod tests {
 
     #[test]
     fn response_past_what_a_header_map_holds_is_cut_not_a_panic() {
-        let wire: Vec<Header> = (0..40_000)
-            .map(|i| Header::new(format!("x-{i}"), ""))
+        let wire: Vec<Bytes> = (0..40_000)
+            .map(|i| relay_proto::header(format!("x-{i}"), ""))
             .collect();
         let (h, invalid) = response_from_wire(&wire);
         assert_eq!(h.len() + invalid, 40_000);
@@ -289,11 +295,11 @@ mod tests {
     #[test]
     fn response_drops_what_its_connection_values_name_whatever_the_case() {
         let wire = vec![
-            Header::new("Connection", "X-Private, close"),
-            Header::new("x-private", "1"),
-            Header::new("connection", vec![b'x', 0x7f]),
-            Header::new("x", "kept: its naming value is not valid HTTP"),
-            Header::new("content-type", "text/plain"),
+            relay_proto::header("Connection", "X-Private, close"),
+            relay_proto::header("x-private", "1"),
+            relay_proto::header("connection", vec![b'x', 0x7f]),
+            relay_proto::header("x", "kept: its naming value is not valid HTTP"),
+            relay_proto::header("content-type", "text/plain"),
         ];
         let (h, invalid) = response_from_wire(&wire);
         assert_eq!(invalid, 1);
@@ -305,14 +311,16 @@ mod tests {
     #[test]
     fn response_keeps_repeated_headers_and_skips_invalid_ones() {
         let wire = vec![
-            Header::new("set-cookie", "a=1"),
-            Header::new("transfer-encoding", "chunked"),
-            Header::new("set-cookie", "b=2"),
-            Header::new("bad name", "x"),
-            Header::new("x-ok", vec![0xff_u8]),
+            relay_proto::header("set-cookie", "a=1"),
+            relay_proto::header("transfer-encoding", "chunked"),
+            relay_proto::header("set-cookie", "b=2"),
+            relay_proto::header("bad name", "x"),
+            relay_proto::header("x-ok", vec![0xff_u8]),
+            // Not a `Header`: its name runs past its end.
+            Bytes::from_static(&[0x0a, 9, b'x']),
         ];
         let (h, invalid) = response_from_wire(&wire);
-        assert_eq!(invalid, 1);
+        assert_eq!(invalid, 2);
         let cookies: Vec<_> = h.get_all("set-cookie").iter().collect();
         assert_eq!(cookies, ["a=1", "b=2"]);
         assert!(h.get("transfer-encoding").is_none());

@@ -17,7 +17,7 @@ use relay_proto::registry_client::RegistryClient;
 use relay_proto::server_report::Kind as ReportKind;
 use relay_proto::{
     BodyChunk, CallErrorKind, ForwardError, ForwardErrorKind, ForwardRequest, ForwardResponse,
-    Header, RequestHead, ResponseHead, ServerIntro, ServerReport, TunnelUp, MAX_CHUNK,
+    RequestHead, ResponseHead, ServerIntro, ServerReport, TunnelUp, MAX_CHUNK,
 };
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -127,8 +127,9 @@ struct FakeForward(FakeState);
 pub fn header<'a>(head: &'a RequestHead, name: &str) -> Vec<&'a [u8]> {
     head.headers
         .iter()
-        .filter(|h| h.name == name)
-        .map(|h| &h.value[..])
+        .map(|r| relay_proto::parse_header(r).expect("a dispatcher's header record"))
+        .filter(|(n, _)| *n == name.as_bytes())
+        .map(|(_, v)| v)
         .collect()
 }
 
@@ -262,7 +263,7 @@ impl FakeState {
             let tx = tx.clone();
             async move { tx.send(Ok(f)).await.is_ok() }
         };
-        let response_head = |headers: Vec<Header>, end_of_stream: bool| {
+        let response_head = |headers: Vec<bytes::Bytes>, end_of_stream: bool| {
             ForwardResponse::of(RespKind::Head(ResponseHead {
                 call_id: head.call_id,
                 status: 200,
@@ -375,7 +376,10 @@ impl FakeState {
             }
             Behaviour::Big(total) => {
                 send(response_head(
-                    vec![Header::new("content-type", "application/octet-stream")],
+                    vec![relay_proto::header(
+                        "content-type",
+                        "application/octet-stream",
+                    )],
                     false,
                 ))
                 .await;
@@ -395,7 +399,7 @@ impl FakeState {
                 send(ForwardResponse::of(RespKind::Head(ResponseHead {
                     call_id: head.call_id,
                     status: 200,
-                    headers: vec![Header::new("content-length", len.to_string())],
+                    headers: vec![relay_proto::header("content-length", len.to_string())],
                     end_of_stream: inline,
                     body: if inline {
                         vec![7; len].into()
@@ -420,13 +424,13 @@ impl FakeState {
             Behaviour::Echo | Behaviour::ResetBeforeHeaders => {
                 // Echo: report what arrived in headers, stream the request body back.
                 let headers = vec![
-                    Header::new("x-seen-method", head.method.clone()),
-                    Header::new("x-seen-path", head.path_and_query.clone()),
-                    Header::new("set-cookie", "a=1"),
-                    Header::new("set-cookie", "b=2"),
-                    Header::new("keep-alive", "timeout=5"),
-                    Header::new("connection", "x-internal"),
-                    Header::new("x-internal", "secret-ish"),
+                    relay_proto::header("x-seen-method", head.method.clone()),
+                    relay_proto::header("x-seen-path", head.path_and_query.clone()),
+                    relay_proto::header("set-cookie", "a=1"),
+                    relay_proto::header("set-cookie", "b=2"),
+                    relay_proto::header("keep-alive", "timeout=5"),
+                    relay_proto::header("connection", "x-internal"),
+                    relay_proto::header("x-internal", "secret-ish"),
                 ];
                 send(response_head(headers, false)).await;
                 if head.end_of_stream {

@@ -12,7 +12,7 @@ use http::Method;
 use http_body_util::BodyExt;
 use relay_dispatcher::CallerConfig;
 use relay_proto::agent_frame::Kind as Out;
-use relay_proto::{BodyChunk, CallError, CallErrorKind, Header, RequestHead, ResponseHead};
+use relay_proto::{BodyChunk, CallError, CallErrorKind, RequestHead, ResponseHead};
 use relay_tests::client::{Answer, Caller};
 use relay_tests::hostile::HostileAgent;
 use relay_tests::procs::{metric, scrape};
@@ -68,7 +68,7 @@ async fn answered(answer: JoinHandle<anyhow::Result<Answer>>) -> Answer {
         .expect("the caller gets an HTTP answer (no dispatcher task panicked)")
 }
 
-fn head(call_id: u64, status: u32, headers: Vec<Header>, end: bool) -> Out {
+fn head(call_id: u64, status: u32, headers: Vec<Bytes>, end: bool) -> Out {
     Out::ResponseHead(ResponseHead {
         call_id,
         status,
@@ -81,19 +81,28 @@ fn head(call_id: u64, status: u32, headers: Vec<Header>, end: bool) -> Out {
 /// Hostile response heads: (what, headers). Each is over the default
 /// `max_response_headers` (256) or `max_response_header_bytes` (64 KiB), and under the
 /// default `max_frame_bytes` (1 MiB) so that it reaches the head checks.
-fn hostile_heads() -> Vec<(&'static str, Vec<Header>)> {
+fn hostile_heads() -> Vec<(&'static str, Vec<Bytes>)> {
     vec![
         // `HeaderMap::with_capacity(24577)` panics: the count once sized an allocation.
-        ("24577 empty headers", vec![Header::new("", ""); 24_577]),
-        ("40000 valid headers", vec![Header::new("x-a", "1"); 40_000]),
-        ("257 small headers", vec![Header::new("x-a", "1"); 257]),
+        (
+            "24577 empty headers",
+            vec![relay_proto::header("", ""); 24_577],
+        ),
+        (
+            "40000 valid headers",
+            vec![relay_proto::header("x-a", "1"); 40_000],
+        ),
+        (
+            "257 small headers",
+            vec![relay_proto::header("x-a", "1"); 257],
+        ),
         (
             "one 900 KiB header",
-            vec![Header::new("x-big", vec![b'a'; 900 * 1024])],
+            vec![relay_proto::header("x-big", vec![b'a'; 900 * 1024])],
         ),
         (
             "200 headers of 400 bytes",
-            vec![Header::new("x-b", vec![b'b'; 400]); 200],
+            vec![relay_proto::header("x-b", vec![b'b'; 400]); 200],
         ),
     ]
 }
@@ -153,6 +162,66 @@ async fn oversized_response_heads_are_refused_at_the_tunnel_server_with_one_502(
     stack.shutdown().await;
 }
 
+/// A response head holding a header record that is not an encoded `Header` is refused at
+/// the tunnel server, which reads each record's lengths for its limits: the caller gets one
+/// 502 `bad_response` naming the malformed header, the agent's stream ends with
+/// INVALID_ARGUMENT, and the next stream serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_header_record_is_refused_at_the_tunnel_server_with_one_502() {
+    let stack = Stack::builder()
+        .servers(1)
+        .without_agent()
+        .start()
+        .await
+        .unwrap();
+    let caller = stack.caller();
+    let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+    let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
+    // The second record's name claims 9 bytes and has 1.
+    let headers = vec![
+        relay_proto::header("x-ok", "1"),
+        Bytes::from_static(&[0x0a, 9, b'x']),
+    ];
+    agent
+        .send(head(req.call_id, 200, headers, true))
+        .await
+        .unwrap();
+    let a = answered(answer).await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(a.json()["error"], "bad_response", "{}", a.text());
+    let message = a.json()["message"].as_str().unwrap_or_default().to_string();
+    assert!(message.contains("malformed header (entry 1"), "{message}");
+    let status = agent
+        .ended(WAIT)
+        .await
+        .unwrap()
+        .expect_err("the stream ends with an error status");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
+    let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+    let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
+    agent
+        .send(head(
+            req.call_id,
+            204,
+            vec![relay_proto::header("x-ok", "1")],
+            true,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(answered(answer).await.status, 204);
+    let server = stack.servers[0].as_ref().unwrap();
+    let text = scrape(server.admin_addr).await.unwrap();
+    assert_eq!(
+        metric(
+            &text,
+            "relay_tunnel_calls_total",
+            &[("outcome", "bad_response")]
+        ),
+        1.0
+    );
+    stack.shutdown().await;
+}
+
 /// A tunnel server that passes hostile heads on (here: one configured with very large
 /// limits) still cannot hurt the dispatcher: the caller gets one 502 `bad_response`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -188,7 +257,12 @@ async fn the_dispatcher_refuses_oversized_response_heads_a_tunnel_server_passes_
     // The same stream serves a well-formed answer next.
     let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
     agent
-        .send(head(req.call_id, 204, vec![Header::new("x-ok", "1")], true))
+        .send(head(
+            req.call_id,
+            204,
+            vec![relay_proto::header("x-ok", "1")],
+            true,
+        ))
         .await
         .unwrap();
     assert_eq!(answered(answer).await.status, 204);
@@ -365,7 +439,7 @@ async fn redirects_into_another_tunnel_id_on_the_front_are_refused() {
             None,
         )
         .await;
-        let headers = vec![Header::new("location", location.clone())];
+        let headers = vec![relay_proto::header("location", location.clone())];
         agent
             .send(head(req.call_id, 302, headers, true))
             .await

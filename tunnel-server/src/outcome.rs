@@ -35,7 +35,8 @@ pub enum Outcome {
     /// `Proceed` in time.
     BadRequest(Status),
     /// The agent's response head broke `max_response_headers` or
-    /// `max_response_header_bytes`: why.
+    /// `max_response_header_bytes`, or holds a malformed header record: why, as the caller
+    /// reads it.
     BadResponse(String),
 }
 
@@ -94,12 +95,7 @@ impl Outcome {
                 ForwardErrorKind::BadRequest,
                 status.message().to_string(),
             )),
-            Outcome::BadResponse(why) => Some(error(
-                ForwardErrorKind::BadResponse,
-                format!(
-                    "{why} (the tunnel server's max_response_headers / max_response_header_bytes)"
-                ),
-            )),
+            Outcome::BadResponse(why) => Some(error(ForwardErrorKind::BadResponse, why)),
         }
     }
 

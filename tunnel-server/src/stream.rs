@@ -447,16 +447,27 @@ impl Reader {
     }
 
     /// The agent's response head broke `max_response_headers` or
-    /// `max_response_header_bytes`: the stream closes with the returned end, and the call
-    /// on it ends (in the reader's last word, like any call on a closing stream) with
-    /// BAD_RESPONSE, the caller's 502. A peer that sends such heads takes no further call
-    /// on that stream.
-    fn refuse_response(&self, call_id: u64, why: String) -> End {
-        let why = format!("the agent's response head has {why}");
+    /// `max_response_header_bytes` (RESOURCE_EXHAUSTED), or holds a header record that is
+    /// not an encoded `Header` (INVALID_ARGUMENT): the stream closes with the returned end,
+    /// and the call on it ends (in the reader's last word, like any call on a closing
+    /// stream) with BAD_RESPONSE, the caller's 502. A peer that sends such heads takes no
+    /// further call on that stream. The records themselves pass on to the dispatcher as
+    /// they came, without being decoded and encoded again.
+    fn refuse_response(&self, call_id: u64, problem: relay_proto::HeadProblem) -> End {
+        let why = format!("the agent's response head has {problem}");
         warn!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, call_id, reason = %why, "response head refused");
+        let (status, caller_reads) = match problem {
+            relay_proto::HeadProblem::OverLimit(_) => (
+                Status::resource_exhausted(why.clone()),
+                format!(
+                    "{why} (the tunnel server's max_response_headers / max_response_header_bytes)"
+                ),
+            ),
+            relay_proto::HeadProblem::Malformed(_) => (Status::invalid_argument(why.clone()), why),
+        };
         End::Protocol {
-            status: Status::resource_exhausted(why.clone()),
-            call: Some(Outcome::BadResponse(why)),
+            status,
+            call: Some(Outcome::BadResponse(caller_reads)),
         }
     }
 }

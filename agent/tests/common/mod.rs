@@ -143,8 +143,9 @@ impl Answer {
         let h = self.head.as_ref()?;
         h.headers
             .iter()
-            .find(|x| x.name == name)
-            .map(|x| String::from_utf8_lossy(&x.value).into_owned())
+            .map(|r| relay_proto::parse_header(r).expect("the agent's header record"))
+            .find(|(n, _)| *n == name.as_bytes())
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
     }
     pub fn error_kind(&self) -> Option<CallErrorKind> {
         self.error
