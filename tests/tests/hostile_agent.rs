@@ -24,6 +24,24 @@ use tokio::time::Instant;
 
 const WAIT: Duration = Duration::from_secs(20);
 
+/// A stack of one tunnel server and no agent of its own: the test's hostile agent is the
+/// only one.
+async fn one_server_without_agent() -> Stack {
+    Stack::builder()
+        .servers(1)
+        .without_agent()
+        .start()
+        .await
+        .unwrap()
+}
+
+/// The tunnel server's `relay_tunnel_calls_total` of `outcome`.
+async fn tunnel_calls(stack: &Stack, outcome: &str) -> f64 {
+    let server = stack.servers[0].as_ref().expect("server 0 runs");
+    let text = scrape(server.admin_addr).await.unwrap();
+    metric(&text, "relay_tunnel_calls_total", &[("outcome", outcome)])
+}
+
 fn agent_url(stack: &Stack) -> String {
     let server = stack.servers[0].as_ref().expect("server 0 runs");
     format!("http://{}", server.agent_addr)
@@ -78,6 +96,21 @@ fn head(call_id: u64, status: u32, headers: Vec<Bytes>, end: bool) -> Out {
     })
 }
 
+/// A call through `agent` answered with a well-formed head: the caller gets its 204.
+async fn serves_a_well_formed_answer(caller: &Caller, agent: &mut HostileAgent) {
+    let (answer, req) = call_via(caller, agent, Method::GET, "/relay/demo/x", None).await;
+    agent
+        .send(head(
+            req.call_id,
+            204,
+            vec![relay_proto::header("x-ok", "1")],
+            true,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(answered(answer).await.status, 204);
+}
+
 /// Hostile response heads: (what, headers). Each is over the default
 /// `max_response_headers` (256) or `max_response_header_bytes` (64 KiB), and under the
 /// default `max_frame_bytes` (1 MiB) so that it reaches the head checks.
@@ -112,12 +145,7 @@ fn hostile_heads() -> Vec<(&'static str, Vec<Bytes>)> {
 /// the tunnel server counts one `bad_response` per call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_response_heads_are_refused_at_the_tunnel_server_with_one_502() {
-    let stack = Stack::builder()
-        .servers(1)
-        .without_agent()
-        .start()
-        .await
-        .unwrap();
+    let stack = one_server_without_agent().await;
     let caller = stack.caller();
     let cases = hostile_heads();
     for (what, headers) in &cases {
@@ -140,25 +168,12 @@ async fn oversized_response_heads_are_refused_at_the_tunnel_server_with_one_502(
             "{what}: {status}"
         );
     }
-    let server = stack.servers[0].as_ref().unwrap();
-    let text = scrape(server.admin_addr).await.unwrap();
     assert_eq!(
-        metric(
-            &text,
-            "relay_tunnel_calls_total",
-            &[("outcome", "bad_response")]
-        ),
+        tunnel_calls(&stack, "bad_response").await,
         cases.len() as f64,
         "one outcome per call"
     );
-    assert_eq!(
-        metric(
-            &text,
-            "relay_tunnel_calls_total",
-            &[("outcome", "stream_lost")]
-        ),
-        0.0
-    );
+    assert_eq!(tunnel_calls(&stack, "stream_lost").await, 0.0);
     stack.shutdown().await;
 }
 
@@ -168,12 +183,7 @@ async fn oversized_response_heads_are_refused_at_the_tunnel_server_with_one_502(
 /// INVALID_ARGUMENT, and the next stream serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_header_record_is_refused_at_the_tunnel_server_with_one_502() {
-    let stack = Stack::builder()
-        .servers(1)
-        .without_agent()
-        .start()
-        .await
-        .unwrap();
+    let stack = one_server_without_agent().await;
     let caller = stack.caller();
     let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
     let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
@@ -198,27 +208,8 @@ async fn a_malformed_header_record_is_refused_at_the_tunnel_server_with_one_502(
         .expect_err("the stream ends with an error status");
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
     let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
-    let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
-    agent
-        .send(head(
-            req.call_id,
-            204,
-            vec![relay_proto::header("x-ok", "1")],
-            true,
-        ))
-        .await
-        .unwrap();
-    assert_eq!(answered(answer).await.status, 204);
-    let server = stack.servers[0].as_ref().unwrap();
-    let text = scrape(server.admin_addr).await.unwrap();
-    assert_eq!(
-        metric(
-            &text,
-            "relay_tunnel_calls_total",
-            &[("outcome", "bad_response")]
-        ),
-        1.0
-    );
+    serves_a_well_formed_answer(&caller, &mut agent).await;
+    assert_eq!(tunnel_calls(&stack, "bad_response").await, 1.0);
     stack.shutdown().await;
 }
 
@@ -255,17 +246,7 @@ async fn the_dispatcher_refuses_oversized_response_heads_a_tunnel_server_passes_
         );
     }
     // The same stream serves a well-formed answer next.
-    let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
-    agent
-        .send(head(
-            req.call_id,
-            204,
-            vec![relay_proto::header("x-ok", "1")],
-            true,
-        ))
-        .await
-        .unwrap();
-    assert_eq!(answered(answer).await.status, 204);
+    serves_a_well_formed_answer(&caller, &mut agent).await;
     let text = scrape(stack.dispatcher_admin).await.unwrap();
     assert_eq!(
         metric(
@@ -421,12 +402,7 @@ const LOCATIONS: &[(&str, bool)] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redirects_into_another_tunnel_id_on_the_front_are_refused() {
-    let stack = Stack::builder()
-        .servers(1)
-        .without_agent()
-        .start()
-        .await
-        .unwrap();
+    let stack = one_server_without_agent().await;
     let caller = stack.caller();
     let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
     for (location, refused) in LOCATIONS {
@@ -516,12 +492,7 @@ async fn agent_error_messages_are_escaped_and_capped_in_logs_and_answers() {
             .finish(),
     );
     tracing::callsite::rebuild_interest_cache();
-    let stack = Stack::builder()
-        .servers(1)
-        .without_agent()
-        .start()
-        .await
-        .unwrap();
+    let stack = one_server_without_agent().await;
     let caller = stack.caller();
     let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
     for (what, message) in hostile_messages() {
