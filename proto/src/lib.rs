@@ -163,9 +163,9 @@ pub fn parse_header(record: &[u8]) -> Result<(&[u8], &[u8]), MalformedHeader> {
     }
 }
 
-/// The record every encoder writes for a header with a name and a name and value shorter
-/// than 128 bytes: field 1, then field 2 (left out when the value is empty), each with a
-/// one-byte length, and nothing after.
+/// The record every encoder writes for a header whose name (not empty) and value are each
+/// shorter than 128 bytes: field 1, then field 2 (left out when the value is empty), each
+/// with a one-byte length, and nothing after.
 #[inline(always)]
 fn ordinary(record: &[u8]) -> Option<(&[u8], &[u8])> {
     let [0x0a, n, rest @ ..] = record else {
