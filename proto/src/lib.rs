@@ -425,17 +425,12 @@ pub use v1::*;
 
 impl Header {
     /// A header with a copy of `name` (for tests and reading; a head's list holds records,
-    /// see [`Header::record`] and [`header`]).
+    /// see [`header`] and [`Header::parse`]).
     pub fn new(name: impl AsRef<[u8]>, value: impl Into<Bytes>) -> Self {
         Header {
             name: Bytes::copy_from_slice(name.as_ref()),
             value: value.into(),
         }
-    }
-
-    /// This header as one record of a head's list.
-    pub fn record(&self) -> Bytes {
-        header(&self.name, &self.value)
     }
 
     /// The header a record holds, its name and value slices of the record (no copy).
@@ -552,11 +547,12 @@ mod tests {
             Header::new("x-long", vec![b'v'; 70_000]),
         ];
         for h in cases {
-            assert_eq!(h.record(), Bytes::from(h.encode_to_vec()), "{h:?}");
-            assert_eq!(Header::parse(&h.record()).unwrap(), h);
+            let record = header(&h.name, &h.value);
+            assert_eq!(record, Bytes::from(h.encode_to_vec()), "{h:?}");
+            assert_eq!(Header::parse(&record).unwrap(), h);
             assert_eq!(
-                Header::decode(h.record()).unwrap(),
-                Header::parse(&h.record()).unwrap()
+                Header::decode(record.clone()).unwrap(),
+                Header::parse(&record).unwrap()
             );
         }
         // A list of records is a `repeated Header` on the wire: a head encoded with records
