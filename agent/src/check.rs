@@ -446,7 +446,9 @@ async fn tunnel(
             return;
         }
     };
-    let (endpoint, channel, _) = dialer.pick();
+    let crate::stream::Picked {
+        endpoint, channel, ..
+    } = dialer.pick();
     let sent_at = relay_common::wall::now();
     let started = Instant::now();
     let opened =

@@ -50,10 +50,13 @@ const BODY_CHUNKS: usize = 4;
 /// How long a retired, idle stream waits for the server to close it before closing itself.
 const RETIRE_LINGER: Duration = Duration::from_secs(10);
 
-/// The tunnel endpoints and credentials, with one cached `Channel` per endpoint: every
-/// stream to that endpoint multiplexes on its HTTP/2 connection. Direct URLs that servers
-/// advertise (placement-aware growth) get channels of their own, dialed with the same
-/// TLS, token and limits.
+/// The tunnel endpoints and credentials, with the cached connections (`Channel`s) of each
+/// endpoint: streams to an endpoint multiplex on its HTTP/2 connections, at most
+/// `[tunnel_h2] max_concurrent_streams` a connection, so that every stream's window fits
+/// in its connection's (`relay_common::h2`, Isolation) and a call whose upload the
+/// upstream stops reading holds its own window only; a stream that finds every connection
+/// full gets a new one. Direct URLs that servers advertise (placement-aware growth) get
+/// connections of their own, dialed with the same TLS, token and limits.
 pub struct Dialer {
     endpoints: Vec<Endpoint>,
     auth: MetadataValue<Ascii>,
@@ -62,9 +65,37 @@ pub struct Dialer {
     client: GrpcClient,
     /// `max_frame_bytes`: the largest message sent to or decoded from a tunnel server.
     max_frame_bytes: usize,
-    /// Per endpoint URI: the cached channel and its generation (see [`Dialer::evict`]).
-    channels: Mutex<HashMap<String, (u64, Channel)>>,
+    /// Per endpoint URI: its connections, in the order they were opened.
+    channels: Mutex<HashMap<String, Vec<Conn>>>,
     next_generation: std::sync::atomic::AtomicU64,
+    /// Streams per connection (`[tunnel_h2] max_concurrent_streams`).
+    per_connection: usize,
+}
+
+/// One cached connection of an endpoint.
+struct Conn {
+    generation: u64,
+    channel: Channel,
+    /// Streams open on it (each a [`ConnSlot`]).
+    streams: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// A stream's place on its connection, given back when the stream ends (dropped).
+pub struct ConnSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A connection picked for a new stream: the endpoint, its channel, which connection it is
+/// (to evict it), and the stream's place on it.
+pub(crate) struct Picked {
+    pub endpoint: String,
+    pub channel: Channel,
+    pub id: ChannelId,
+    pub slot: ConnSlot,
 }
 
 /// Which cached connection a stream was opened on, so a stream that finds it dead can
@@ -127,11 +158,12 @@ impl Dialer {
             max_frame_bytes: relay_proto::DEFAULT_MAX_FRAME_BYTES,
             channels: Mutex::new(HashMap::new()),
             next_generation: std::sync::atomic::AtomicU64::new(1),
+            per_connection: h2.max_concurrent_streams.max(1) as usize,
         })
     }
 
-    /// A channel to a random endpoint (created lazily, then reused).
-    pub(crate) fn pick(&self) -> (String, Channel, ChannelId) {
+    /// A connection to a random endpoint (created lazily, then reused).
+    pub(crate) fn pick(&self) -> Picked {
         let i = if self.endpoints.len() == 1 {
             0
         } else {
@@ -144,7 +176,7 @@ impl Dialer {
     /// A channel straight to a server's advertised `direct_url`. Refused when its scheme
     /// does not match how the agent dials its tunnels: with `[tls]` the token only ever
     /// goes over TLS verified against the agent's trust.
-    fn pick_direct(&self, url: &str) -> Result<(String, Channel, ChannelId), OpenError> {
+    fn pick_direct(&self, url: &str) -> Result<Picked, OpenError> {
         let https = url.starts_with("https://");
         if https != self.client.is_tls() {
             return Err(OpenError::Other(format!(
@@ -164,39 +196,66 @@ impl Dialer {
         Ok(self.channel(e))
     }
 
-    fn channel(&self, endpoint: Endpoint) -> (String, Channel, ChannelId) {
+    /// The first connection of `endpoint` with a stream free (connections after the first
+    /// that carry nothing are closed on the way), or a new one when all are full.
+    fn channel(&self, endpoint: Endpoint) -> Picked {
+        use std::sync::atomic::Ordering::Relaxed;
         let key = endpoint.uri().to_string();
         let mut channels = self.channels.lock();
-        let (generation, channel) = channels
-            .entry(key.clone())
-            .or_insert_with(|| {
-                let g = self
-                    .next_generation
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                (g, self.client.lazy(endpoint))
-            })
-            .clone();
-        let id = ChannelId {
-            endpoint: key.clone(),
-            generation,
+        let conns = channels.entry(key.clone()).or_default();
+        let mut i = 1;
+        while i < conns.len() {
+            if conns[i].streams.load(Relaxed) == 0 {
+                conns.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        let free = conns
+            .iter()
+            .position(|c| c.streams.load(Relaxed) < self.per_connection);
+        let conn = match free {
+            Some(i) => &conns[i],
+            None => {
+                conns.push(Conn {
+                    generation: self.next_generation.fetch_add(1, Relaxed),
+                    channel: self.client.lazy(endpoint),
+                    streams: Arc::default(),
+                });
+                conns.last().expect("just pushed")
+            }
         };
-        (key, channel, id)
+        // Only taken under the dialer's lock, so the check and the take are one step.
+        conn.streams.fetch_add(1, Relaxed);
+        Picked {
+            endpoint: key.clone(),
+            channel: conn.channel.clone(),
+            id: ChannelId {
+                endpoint: key,
+                generation: conn.generation,
+            },
+            slot: ConnSlot(conn.streams.clone()),
+        }
     }
 
-    /// Forgets the cached connection `id` (if it is still the cached one), so the next
-    /// open to that endpoint dials a new connection. Used when a stream on it went silent
-    /// (missed heartbeats) or an open on it got no hello: a connection that a NAT or load
-    /// balancer dropped silently, or a frozen server, would otherwise take every new
-    /// stream until HTTP/2 keepalive notices (tens of seconds). Streams still on the old
-    /// connection keep it until they end.
+    /// Forgets the cached connection `id`, so the next open to that endpoint dials a new
+    /// connection. Used when a stream on it went silent (missed heartbeats) or an open on
+    /// it got no hello: a connection that a NAT or load balancer dropped silently, or a
+    /// frozen server, would otherwise take every new stream until HTTP/2 keepalive notices.
+    /// Streams still on the old connection keep it until they end.
     pub fn evict(&self, id: ChannelId) {
         let mut channels = self.channels.lock();
-        if channels
-            .get(&id.endpoint)
-            .is_some_and(|(g, _)| *g == id.generation)
-        {
-            channels.remove(&id.endpoint);
+        if let Some(conns) = channels.get_mut(&id.endpoint) {
+            conns.retain(|c| c.generation != id.generation);
+            if conns.is_empty() {
+                channels.remove(&id.endpoint);
+            }
         }
+    }
+
+    /// Connections cached for `endpoint` now (each carrying streams or dialing).
+    pub fn connections(&self, endpoint: &str) -> usize {
+        self.channels.lock().get(endpoint).map_or(0, Vec::len)
     }
 }
 
@@ -240,7 +299,12 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             Some(url) => ctx.dialer.pick_direct(url),
             None => Ok(ctx.dialer.pick()),
         };
-        let (endpoint, channel, channel_id) = match picked {
+        let Picked {
+            endpoint,
+            channel,
+            id: channel_id,
+            slot: _slot,
+        } = match picked {
             Ok(p) => p,
             Err(e) => {
                 drop(turn);

@@ -23,9 +23,37 @@
 //! dispatchers and tunnel servers: the peers there are the relay's own processes,
 //! authenticated by mutual TLS or a shared key, and a connection between them that dies
 //! costs every call on it. The agent listener keeps both guards, set far above what agents
-//! cause; the front keeps h2's own, since it faces callers. This module must not open connections itself;
-//! `grpc` applies these limits to tonic endpoints and servers, [`H2Limits::hyper_server`] to
-//! the front's hyper server.
+//! cause; the front keeps h2's own, since it faces callers.
+//!
+//! # Isolation: every stream's window fits in its connection's
+//!
+//! HTTP/2 flow control has two windows: one per stream and one per connection, shared by
+//! the connection's streams. A receiver gives window back only as its reader consumes the
+//! data, so a call whose reader stops (a caller who does not read its download, an upstream
+//! that does not read its upload) keeps up to one stream window of its connection's window
+//! for as long as it stalls. If the connection window is smaller than the stream windows of
+//! the streams the connection may carry, a few stalled calls take all of it and every other
+//! call on the connection stops (with 1 MiB stream windows and an 8 MiB connection window,
+//! eight stalled downloads stopped a whole dispatcher). So every hop keeps
+//!
+//! ```text
+//! connection_window_bytes >= max_concurrent_streams x stream_window_bytes
+//! ```
+//!
+//! The connection window defaults to that product, a smaller one is a configuration error,
+//! and the product must fit in HTTP/2's largest window (2^31 - 1). On the side that accepts
+//! connections, `max_concurrent_streams` is what the peer may open (SETTINGS); on the side
+//! that dials, it is also the most streams this side opens on one connection, opening
+//! another connection when all are full (the dispatcher's connections to a tunnel server,
+//! the agent's to a tunnel endpoint). A stalled call then holds its own stream window and
+//! nothing another call needs, whatever the number of stalled calls.
+//!
+//! The connection window is credit, not memory: what a process buffers for stalled calls
+//! is at most their stream windows (stalled calls x `stream_window_bytes` per hop), and the
+//! defaults keep that per call at 1 MiB (forward hop) or 256 KiB (every other hop).
+//!
+//! This module must not open connections itself; `grpc` applies these limits to tonic
+//! endpoints and servers, [`H2Limits::hyper_server`] to the front's hyper server.
 
 use crate::config::ConfigError;
 use serde::Deserialize;
@@ -35,12 +63,14 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct H2Limits {
     /// Streams the peer may have open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS
-    /// this side announces as a server; also bounds what a client side accepts).
+    /// this side announces as a server); on a dialing side, also the most streams it opens
+    /// on one connection before it opens another.
     pub max_concurrent_streams: u32,
     /// Receive window of each stream: what one call may have in flight towards this side
     /// before the sender waits.
     pub stream_window_bytes: u32,
-    /// Receive window of the whole connection, shared by its streams.
+    /// Receive window of the whole connection, shared by its streams: at least
+    /// `max_concurrent_streams x stream_window_bytes` (see the module docs).
     pub connection_window_bytes: u32,
     /// Largest header block accepted (SETTINGS_MAX_HEADER_LIST_SIZE).
     pub max_header_list_bytes: u32,
@@ -66,9 +96,9 @@ pub struct H2Limits {
 impl H2Limits {
     /// The dispatcher's HTTP front: callers on the open network. h2's guards stay on.
     pub const FRONT: H2Limits = H2Limits {
-        max_concurrent_streams: 1024,
-        stream_window_bytes: 1024 * 1024,
-        connection_window_bytes: 8 * 1024 * 1024,
+        max_concurrent_streams: 256,
+        stream_window_bytes: 256 * 1024,
+        connection_window_bytes: 256 * 256 * 1024,
         max_header_list_bytes: 64 * 1024,
         keepalive_interval: Duration::from_secs(20),
         keepalive_timeout: Duration::from_secs(10),
@@ -78,13 +108,14 @@ impl H2Limits {
         reset_stream_duration: Duration::from_secs(10),
     };
 
-    /// Dispatcher -> tunnel server (`Forward.Call`, one stream per call): every call of a
-    /// dispatcher to one server multiplexes on one connection, so it must carry thousands
-    /// of concurrent calls and hundreds of thousands of cancellations over its life.
+    /// Dispatcher -> tunnel server (carriers and `Forward.Call`, one stream per call in
+    /// flight): a dispatcher's calls to one server multiplex on its connections to it, 1024
+    /// streams each (more calls open another connection), and a connection carries hundreds
+    /// of thousands of cancellations over its life.
     pub const FORWARD: H2Limits = H2Limits {
-        max_concurrent_streams: 16_384,
+        max_concurrent_streams: 1024,
         stream_window_bytes: 1024 * 1024,
-        connection_window_bytes: 16 * 1024 * 1024,
+        connection_window_bytes: 1024 * 1024 * 1024,
         max_header_list_bytes: 64 * 1024,
         keepalive_interval: Duration::from_secs(20),
         keepalive_timeout: Duration::from_secs(10),
@@ -97,8 +128,8 @@ impl H2Limits {
     /// Tunnel server -> dispatcher registry (one long report stream per server).
     pub const REGISTRY: H2Limits = H2Limits {
         max_concurrent_streams: 64,
-        stream_window_bytes: 1024 * 1024,
-        connection_window_bytes: 4 * 1024 * 1024,
+        stream_window_bytes: 256 * 1024,
+        connection_window_bytes: 64 * 256 * 1024,
         max_header_list_bytes: 16 * 1024,
         keepalive_interval: Duration::from_secs(20),
         keepalive_timeout: Duration::from_secs(10),
@@ -114,11 +145,12 @@ impl H2Limits {
     /// them: the reset guards must allow for both. The agent listener may face the open
     /// network (a token is checked per stream, after the connection is up), so both of
     /// its reset guards stay on, far above what agents cause: a stream dies rarely, and
-    /// only then can a late frame meet a forgotten stream.
+    /// only then can a late frame meet a forgotten stream. 4096 streams a connection: twice
+    /// an agent's `max_streams`, so an agent dialing a server directly needs one connection.
     pub const TUNNEL: H2Limits = H2Limits {
-        max_concurrent_streams: 16_384,
+        max_concurrent_streams: 4096,
         stream_window_bytes: 256 * 1024,
-        connection_window_bytes: 8 * 1024 * 1024,
+        connection_window_bytes: 4096 * 256 * 1024,
         max_header_list_bytes: 16 * 1024,
         keepalive_interval: Duration::from_secs(20),
         keepalive_timeout: Duration::from_secs(10),
@@ -207,11 +239,8 @@ impl H2Settings {
                 defaults.stream_window_bytes,
                 "stream_window_bytes",
             )?,
-            connection_window_bytes: window(
-                self.connection_window_bytes,
-                defaults.connection_window_bytes,
-                "connection_window_bytes",
-            )?,
+            // Set below, from the resolved streams and stream window.
+            connection_window_bytes: 0,
             max_header_list_bytes: positive(
                 self.max_header_list_bytes.map(|v| v as usize),
                 defaults.max_header_list_bytes as usize,
@@ -248,12 +277,32 @@ impl H2Settings {
                 "reset_stream_duration",
             )?,
         };
-        if limits.connection_window_bytes < limits.stream_window_bytes {
+        let mut limits = limits;
+        let (streams, stream_window) = (
+            u64::from(limits.max_concurrent_streams),
+            u64::from(limits.stream_window_bytes),
+        );
+        let needed = streams * stream_window;
+        if needed > u64::from(MAX_WINDOW) {
             return Err(ConfigError::invalid(
-                key("connection_window_bytes"),
-                "must be at least stream_window_bytes",
+                key("max_concurrent_streams"),
+                format!(
+                    "max_concurrent_streams x stream_window_bytes ({streams} x {stream_window} = {needed} bytes) is over HTTP/2's largest connection window ({MAX_WINDOW}): lower either, so that every stream's window fits in its connection's"
+                ),
             ));
         }
+        limits.connection_window_bytes = match self.connection_window_bytes {
+            None => (needed as u32).max(MIN_WINDOW),
+            Some(c) if u64::from(c) < needed => {
+                return Err(ConfigError::invalid(
+                    key("connection_window_bytes"),
+                    format!(
+                        "must be at least max_concurrent_streams x stream_window_bytes ({streams} x {stream_window} = {needed} bytes): with less, calls that stop reading take the whole connection window and every other call on the connection stops"
+                    ),
+                ));
+            }
+            Some(c) => window(Some(c), c, "connection_window_bytes")?,
+        };
         Ok(limits)
     }
 }
@@ -283,6 +332,55 @@ mod tests {
         assert_eq!(l.max_local_error_resets, None);
         assert_eq!(l.keepalive_interval, Duration::from_secs(5));
         assert_eq!(l.stream_window_bytes, H2Limits::FRONT.stream_window_bytes);
+    }
+
+    #[test]
+    fn every_hops_connection_window_covers_all_its_streams_windows() {
+        for d in [
+            H2Limits::FRONT,
+            H2Limits::FORWARD,
+            H2Limits::REGISTRY,
+            H2Limits::TUNNEL,
+        ] {
+            assert!(
+                u64::from(d.connection_window_bytes)
+                    >= u64::from(d.max_concurrent_streams) * u64::from(d.stream_window_bytes),
+                "{d:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_connection_window_follows_the_streams_and_their_windows() {
+        let s: H2Settings =
+            toml::from_str("max_concurrent_streams = 8\nstream_window_bytes = 65535").unwrap();
+        let l = s.resolve(H2Limits::FORWARD, "forward_h2").unwrap();
+        assert_eq!(l.connection_window_bytes, 8 * 65_535);
+        // More than the product is allowed (credit, not memory).
+        let s: H2Settings = toml::from_str(
+            "max_concurrent_streams = 8\nstream_window_bytes = 65535\nconnection_window_bytes = 1048576",
+        )
+        .unwrap();
+        let l = s.resolve(H2Limits::FORWARD, "forward_h2").unwrap();
+        assert_eq!(l.connection_window_bytes, 1_048_576);
+    }
+
+    #[test]
+    fn a_connection_window_smaller_than_its_streams_windows_is_refused() {
+        let s: H2Settings = toml::from_str("connection_window_bytes = 8388608").unwrap();
+        let e = s
+            .resolve(H2Limits::FRONT, "front_h2")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("front_h2.connection_window_bytes"), "{e}");
+        assert!(e.contains("256 x 262144"), "{e}");
+        let s: H2Settings = toml::from_str("max_concurrent_streams = 16384").unwrap();
+        let e = s
+            .resolve(H2Limits::FORWARD, "forward_h2")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("forward_h2.max_concurrent_streams"), "{e}");
+        assert!(e.contains("largest connection window"), "{e}");
     }
 
     #[test]

@@ -31,16 +31,22 @@
 //! would drop.
 //!
 //! A server that answers `Forward.Carry` with UNIMPLEMENTED (an older version) is marked
-//! ([`Carriers::spoken`]) and gets one `Forward.Call` per call from then on.
+//! (`crate::pool`) and gets one `Forward.Call` per call from then on.
 //!
-//! Bounds: at most [`MAX_IDLE`] idle carriers per server (more are retired as they come
-//! back), and a carrier idle for `carrier_idle_timeout` ([`IDLE_FOR`] by default) is
+//! Each connection to a server has its own [`Carriers`], and every carrier holds its
+//! connection's [`Permit`] (one of the connection's streams, see `crate::pool`) from its
+//! open until its RPC is over, idle or busy, so a connection never carries more streams
+//! than its window covers.
+//!
+//! Bounds: at most [`MAX_IDLE`] idle carriers per connection (more are retired as they
+//! come back), and a carrier idle for `carrier_idle_timeout` ([`IDLE_FOR`] by default) is
 //! retired, by the pool's sweeper (a task that runs while the pool holds idle carriers) or
 //! when a call next takes one. Busy carriers are bounded by the calls in flight, as
 //! `Forward.Call` streams were.
 
 use crate::body::{AttemptStream, RPC_END_WAIT};
 use crate::hop::ResponseFrames;
+use crate::pool::Permit;
 use futures::{FutureExt, Stream, StreamExt};
 use parking_lot::Mutex;
 use relay_proto::forward_client::ForwardClient;
@@ -49,7 +55,6 @@ use relay_proto::forward_response::Kind as RespKind;
 use relay_proto::{ForwardRequest, ForwardResponse};
 use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
@@ -57,19 +62,17 @@ use tokio::time::Instant;
 use tonic::transport::Channel;
 use tonic::{Status, Streaming};
 
-/// Idle carriers kept per tunnel server.
+/// Idle carriers kept per connection to a tunnel server.
 pub const MAX_IDLE: usize = 256;
 
 /// An idle carrier unused this long is retired (`carrier_idle_timeout`'s default).
 pub const IDLE_FOR: Duration = Duration::from_secs(60);
 
-/// One tunnel server's idle carriers.
+/// The idle carriers of one connection to a tunnel server.
 pub struct Carriers {
     idle: Mutex<Pool>,
     /// `carrier_idle_timeout`.
     idle_for: Duration,
-    /// False once the server answered `Forward.Carry` with UNIMPLEMENTED.
-    spoken: AtomicBool,
 }
 
 #[derive(Default)]
@@ -98,6 +101,8 @@ struct Carrier {
     /// Its server reads a whole small request body inside the call head (it listed
     /// `inline-body` in the carrier's response metadata, `relay_proto::FORWARD_FEATURES`).
     inline_body: bool,
+    /// The connection's stream this carrier is, given back when the RPC is over.
+    permit: Permit,
 }
 
 /// The request side of a carrier: the current call's frames, if any.
@@ -206,9 +211,12 @@ impl Carrier {
             return;
         };
         let mut responses = self.responses;
+        let permit = self.permit;
         runtime.spawn(async move {
             let end = async { while let Some(Ok(_)) = responses.next().await {} };
             let _ = tokio::time::timeout(RPC_END_WAIT, end).await;
+            // The stream is over (or given up on): the connection may carry another.
+            drop(permit);
         });
     }
 }
@@ -252,13 +260,30 @@ impl Carriers {
         Carriers {
             idle: Mutex::new(Pool::default()),
             idle_for,
-            spoken: AtomicBool::new(true),
         }
     }
 
-    /// False once the server showed it does not know `Forward.Carry`.
-    pub fn spoken(&self) -> bool {
-        self.spoken.load(Ordering::Relaxed)
+    /// Idle carriers in the pool now.
+    pub fn idle(&self) -> usize {
+        self.idle.lock().carriers.len()
+    }
+
+    /// Starts the call in `request` on the most recently used idle carrier that is still
+    /// usable (stale ones retired), if there is one; `request` is taken then.
+    pub fn call_on_idle(
+        self: &Arc<Self>,
+        request: &mut Option<AttemptStream>,
+    ) -> Option<ResponseFrames> {
+        if request.is_none() {
+            return None;
+        }
+        let carrier = self.take()?;
+        let mut request = request.take()?;
+        if carrier.inline_body {
+            request.inline_body();
+        }
+        carrier.install(request);
+        Some(OnCarrier::new(carrier, self.clone()).boxed())
     }
 
     /// The most recently used idle carrier that is still usable; stale ones retired.
@@ -318,55 +343,37 @@ impl Carriers {
         true
     }
 
-    /// Starts a call on an idle carrier, or on a new one through the client `client` builds
-    /// (built only then; counted in `opened`): the call's request frames go out as the
-    /// RPC's flow control allows, and the answer's frames come back as the returned stream.
-    /// Errors are opening a carrier's (as opening a `Forward.Call`); UNIMPLEMENTED also
-    /// marks the server as not speaking carriers.
-    pub async fn call(
+    /// Starts a call on a new carrier opened through `client`, holding `permit` (the
+    /// connection's stream) for the RPC's life; counted in `opened`. The call's request
+    /// frames go out as the RPC's flow control allows, and the answer's frames come back as
+    /// the returned stream. Errors are opening a carrier's (as opening a `Forward.Call`).
+    pub async fn open(
         self: &Arc<Self>,
-        client: impl FnOnce() -> ForwardClient<Channel>,
-        mut request: AttemptStream,
+        mut client: ForwardClient<Channel>,
+        request: AttemptStream,
+        permit: Permit,
         opened: &prometheus::IntCounter,
     ) -> Result<ResponseFrames, Status> {
-        if let Some(carrier) = self.take() {
-            if carrier.inline_body {
-                request.inline_body();
-            }
-            carrier.install(request);
-            return Ok(OnCarrier::new(carrier, self.clone()).boxed());
-        }
         let feed = Arc::new(Mutex::new(Feed {
             call: Some(request),
             ..Feed::default()
         }));
         // A new carrier's first call goes out before the server's metadata is in: it
         // sends its body as frames, and the calls after it learn what the server reads.
-        let (responses, inline_body) = match client().carry(FeedStream(feed.clone())).await {
-            Ok(r) => {
-                let inline_body = r
-                    .metadata()
-                    .get(relay_proto::FORWARD_FEATURES)
-                    .and_then(|v| v.to_str().ok())
-                    .is_some_and(|v| {
-                        relay_proto::features(v).any(|f| f == relay_proto::FEATURE_INLINE_BODY)
-                    });
-                (r.into_inner(), inline_body)
-            }
-            Err(status) => {
-                if status.code() == tonic::Code::Unimplemented
-                    && std::error::Error::source(&status).is_none()
-                {
-                    self.spoken.store(false, Ordering::Relaxed);
-                }
-                return Err(status);
-            }
-        };
+        let r = client.carry(FeedStream(feed.clone())).await?;
+        let inline_body = r
+            .metadata()
+            .get(relay_proto::FORWARD_FEATURES)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| {
+                relay_proto::features(v).any(|f| f == relay_proto::FEATURE_INLINE_BODY)
+            });
         opened.inc();
         let carrier = Carrier {
             feed,
-            responses,
+            responses: r.into_inner(),
             inline_body,
+            permit,
         };
         Ok(OnCarrier::new(carrier, self.clone()).boxed())
     }

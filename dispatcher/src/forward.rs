@@ -1,6 +1,6 @@
 //! Forwarding one call to a tunnel server, retrying on another server while that is safe.
 //!
-//! It owns the per-server hops (one lazily connected gRPC `Channel` per `forward_url`, on
+//! It owns the per-server hops (the connections to each `forward_url`, see `pool`, on
 //! which calls travel on reused carriers, `Forward.Carry`, see `carrier`, or as one
 //! `Forward.Call` each to a server that does not know carriers; or the in-process tunnel
 //! server of the co-located mode, see `hop`) and the attempt logic up to the response head.
@@ -41,11 +41,12 @@
 //! [`Retry`] (`error.rs`); [`RetryRules::allows`] adds the configured half.
 
 use crate::body::RequestBody;
-use crate::carrier::{self, Carriers};
+use crate::carrier;
 use crate::config::RoutingPolicy;
 use crate::error::{ErrorCode, Failure, Retry};
 use crate::hop::{Local, LocalServer, ResponseFrames};
 use crate::metrics::Metrics;
+use crate::pool::{ConnId, Remote, RemoteParts};
 use crate::registry::Registry;
 use crate::routing::{Pick, Target};
 use futures::StreamExt;
@@ -53,17 +54,13 @@ use parking_lot::Mutex;
 use relay_common::grpc::GrpcClient;
 use relay_common::h2::H2Limits;
 use relay_common::tls::TlsClient;
-use relay_proto::forward_client::ForwardClient;
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
-use relay_proto::{
-    CallHead, ForwardRequest, ForwardResponse, ProceedRequest, RequestHead, ResponseHead,
-};
+use relay_proto::{CallHead, ForwardRequest, ForwardResponse, RequestHead, ResponseHead};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
-use tonic::transport::Channel;
 use tracing::{debug, info};
 
 /// The configured half of the retry decision; the failure's half is its [`Retry`].
@@ -106,24 +103,23 @@ pub fn idempotent(method: &str) -> bool {
     matches!(method, "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE")
 }
 
-/// One lazily connected channel per tunnel server `forward_url`, over TLS (`https://`
+/// The connections to each tunnel server `forward_url` (`pool`), over TLS (`https://`
 /// URLs, with the `[forward_tls]` client config) or plain h2c (`http://`, only with
-/// `[forward_tls] insecure = true`), with its idle carriers (`carrier`).
+/// `[forward_tls] insecure = true`), with their idle carriers (`carrier`).
 #[derive(Clone)]
 pub struct Channels {
     inner: Arc<Mutex<HashMap<String, Arc<Remote>>>>,
     client: GrpcClient,
+    /// Streams per connection: `[forward_h2] max_concurrent_streams`.
+    per_connection: usize,
     /// The co-located tunnel server, reached without gRPC.
     local: Option<Local>,
     /// `carrier_idle_timeout`.
     carrier_idle_timeout: Duration,
-}
-
-/// A tunnel server over gRPC: its channel and the carriers on it. Shared (`Arc`): a call
-/// that finds an idle carrier touches neither the channel nor a client.
-pub struct Remote {
-    pub channel: Channel,
-    pub carriers: Arc<Carriers>,
+    /// Largest gRPC message sent to or accepted from a tunnel server.
+    max_frame_bytes: usize,
+    /// `relay_dispatcher_forward_connections`.
+    connections: prometheus::IntGauge,
 }
 
 /// How one attempt reaches its tunnel server.
@@ -144,19 +140,39 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 impl Channels {
     /// `tls`: the client config for tunnel servers; `None` dials plain h2c. `h2`: the
     /// connections' HTTP/2 limits (`[forward_h2]`); the stream window bounds what one call
-    /// buffers while its caller reads slowly.
+    /// buffers while its caller reads slowly, `max_concurrent_streams` how many streams go
+    /// on one connection.
     pub fn new(tls: Option<TlsClient>, h2: H2Limits) -> Self {
         Channels {
             inner: Arc::default(),
-            client: GrpcClient::new(h2, CONNECT_TIMEOUT, tls),
+            client: GrpcClient::new(h2, CONNECT_TIMEOUT, tls).keepalive_while_idle(),
+            per_connection: h2.max_concurrent_streams as usize,
             local: None,
             carrier_idle_timeout: carrier::IDLE_FOR,
+            max_frame_bytes: relay_proto::DEFAULT_MAX_FRAME_BYTES,
+            connections: prometheus::IntGauge::new(
+                "relay_dispatcher_forward_connections",
+                "HTTP/2 connections open to tunnel servers",
+            )
+            .expect("a valid metric"),
         }
     }
 
     /// Carriers unused for `idle` are closed.
     pub fn with_carrier_idle_timeout(mut self, idle: Duration) -> Self {
         self.carrier_idle_timeout = idle;
+        self
+    }
+
+    /// The largest gRPC message sent to or accepted from a tunnel server.
+    pub fn with_max_frame_bytes(mut self, max: usize) -> Self {
+        self.max_frame_bytes = max;
+        self
+    }
+
+    /// Counts the open connections in `gauge`.
+    pub fn with_connections_gauge(mut self, gauge: prometheus::IntGauge) -> Self {
+        self.connections = gauge;
         self
     }
 
@@ -199,15 +215,19 @@ impl Channels {
             .client
             .endpoint(forward_url)
             .map_err(|e| e.to_string())?;
-        let remote = Arc::new(Remote {
-            channel: self.client.lazy(endpoint),
-            carriers: Arc::new(Carriers::new(self.carrier_idle_timeout)),
-        });
+        let remote = Arc::new(Remote::new(RemoteParts {
+            endpoint,
+            client: self.client.clone(),
+            per_connection: self.per_connection,
+            carrier_idle_timeout: self.carrier_idle_timeout,
+            max_frame_bytes: self.max_frame_bytes,
+            gauge: self.connections.clone(),
+        }));
         map.insert(forward_url.to_string(), remote.clone());
         Ok(Hop::Remote(remote))
     }
 
-    /// Drops the cached channel (and its idle carriers) of a server that left.
+    /// Drops the connections (and their idle carriers) of a server that left.
     pub fn evict(&self, forward_url: &str) {
         self.inner.lock().remove(forward_url);
     }
@@ -239,8 +259,6 @@ pub struct Forwarder {
     pub registry: Arc<Registry>,
     pub rules: RetryRules,
     pub max_attempts: usize,
-    /// Largest gRPC message sent to or accepted from a tunnel server.
-    pub max_frame_bytes: usize,
     /// Request body bytes kept for a retry (`body::replay_limit` of the forward stream
     /// window): enough that a call waiting in a queue stays replayable.
     pub replay_limit: usize,
@@ -316,22 +334,19 @@ impl Forwarder {
         Err((last, last_server))
     }
 
-    /// A call whose connection broke leaves that server's channel behind: the next call
-    /// to the server dials again. A broken connection is not torn down at once (its other
-    /// streams are still failing), and a call put on it meanwhile fails after it left, as
-    /// `stream_lost`, where a new dial fails before anything left (a refused connection,
-    /// safe to retry elsewhere) or reaches the server's new process. So a caller whose call
-    /// was lost with its server's connection never loses a second one there.
-    fn forget_broken(&self, forward_url: &str, status: &tonic::Status) {
-        if Retry::connection_lost(status) {
-            self.channels.evict(forward_url);
+    /// A call whose connection broke leaves that connection behind: the next call to the
+    /// server goes on another one, or dials again. A broken connection is not torn down at
+    /// once (its other streams are still failing), and a call put on it meanwhile fails
+    /// after it left, as `stream_lost`, where a new dial fails before anything left (a
+    /// refused connection, safe to retry elsewhere) or reaches the server's new process. So
+    /// a caller whose call was lost with its server's connection never loses a second one
+    /// there.
+    fn forget_broken(&self, hop: &Hop, conn: Option<ConnId>, status: &tonic::Status) {
+        if let (Hop::Remote(remote), Some(conn)) = (hop, conn) {
+            if Retry::connection_lost(status) {
+                remote.forget(conn);
+            }
         }
-    }
-
-    fn client(&self, channel: &Channel) -> ForwardClient<Channel> {
-        ForwardClient::new(channel.clone())
-            .max_decoding_message_size(self.max_frame_bytes)
-            .max_encoding_message_size(self.max_frame_bytes)
     }
 
     async fn attempt(
@@ -401,38 +416,30 @@ impl Forwarder {
             }
         };
         let called = match &hop {
-            Hop::Remote(remote) if remote.carriers.spoken() => {
-                let client = || self.client(&remote.channel);
-                match remote
-                    .carriers
-                    .call(client, request, &self.metrics.carriers_opened)
+            Hop::Remote(remote) => {
+                // A server without carriers: this call and the next ones go as
+                // `Forward.Call`, the request replayed from its start.
+                let replay = || body.replayable().then(|| body.attempt(attempt, head()));
+                remote
+                    .call(request, replay, &self.metrics.carriers_opened)
                     .await
-                {
-                    // A server without carriers: this call and the next ones go as
-                    // `Forward.Call`, the request replayed from its start.
-                    Err(_) if !remote.carriers.spoken() && body.replayable() => client()
-                        .call(body.attempt(attempt, head()))
-                        .await
-                        .map(|r| r.into_inner().boxed()),
-                    called => called,
-                }
+                    .map(|(frames, conn)| (frames, Some(conn)))
             }
-            Hop::Remote(remote) => self
-                .client(&remote.channel)
-                .call(request)
-                .await
-                .map(|r| r.into_inner().boxed()),
             Hop::Local(server) => {
                 // The tunnel server in this process reads a body inside the head.
                 let mut request = request;
                 request.inline_body();
-                server.call(request.boxed()).await
+                server
+                    .call(request.boxed())
+                    .await
+                    .map(|frames| (frames, None))
+                    .map_err(|status| (status, None))
             }
         };
-        let mut stream = match called {
-            Ok(stream) => stream,
-            Err(status) => {
-                self.forget_broken(&route.forward_url, &status);
+        let (mut stream, conn) = match called {
+            Ok(called) => called,
+            Err((status, conn)) => {
+                self.forget_broken(&hop, conn, &status);
                 let why =
                     relay_proto::escape_message(status.message(), relay_proto::MAX_PEER_MESSAGE);
                 // The co-located server's statuses carry no transport error: its own word.
@@ -464,7 +471,7 @@ impl Forwarder {
                     return Err((unreachable(status.message().to_string()), Retry::Safe))
                 }
                 Err(status) => {
-                    self.forget_broken(&route.forward_url, &status);
+                    self.forget_broken(&hop, conn, &status);
                     return Err(lost(
                         stage == Stage::Queued,
                         format!(
@@ -502,13 +509,9 @@ impl Forwarder {
                     // From here on the call may reach the agent, whatever the RPC's fate.
                     stage = Stage::Proceeded;
                     let proceeded = match &hop {
-                        Hop::Remote(remote) => self
-                            .client(&remote.channel)
-                            .proceed(ProceedRequest {
-                                reservation: r.reservation,
-                            })
-                            .await
-                            .map(drop),
+                        Hop::Remote(remote) => {
+                            remote.proceed(r.reservation).await.map_err(|(s, _)| s)
+                        }
                         Hop::Local(server) => server.proceed(r.reservation),
                     };
                     if let Err(status) = proceeded {

@@ -29,6 +29,7 @@ pub mod headers;
 pub mod hop;
 pub mod hosts;
 pub mod metrics;
+pub mod pool;
 pub mod quota;
 pub mod registry;
 pub mod report;
@@ -195,7 +196,9 @@ pub async fn start_with(
         .spawn(config.reload_interval, background_stop.clone());
     let channels = Channels::new(forward_tls, config.forward_h2()?)
         .with_local(local)
-        .with_carrier_idle_timeout(config.carrier_idle_timeout);
+        .with_carrier_idle_timeout(config.carrier_idle_timeout)
+        .with_max_frame_bytes(config.max_frame_bytes)
+        .with_connections_gauge(metrics.forward_connections.clone());
 
     let (http_addr, registry_addr, admin_addr) = (
         listeners.http.local_addr()?,
@@ -365,7 +368,6 @@ pub async fn start_with(
                 retry_idempotent: config.routing.retry_idempotent,
             },
             max_attempts: config.routing.max_attempts as usize,
-            max_frame_bytes: config.max_frame_bytes,
             replay_limit: body::replay_limit(config.forward_h2()?.stream_window_bytes),
         },
         metrics,

@@ -74,6 +74,9 @@ pub struct Metrics {
     pub queued: IntCounter,
     /// Carriers (`Forward.Carry`) opened to tunnel servers; calls reuse idle ones.
     pub carriers_opened: IntCounter,
+    /// HTTP/2 connections open to tunnel servers (`crate::pool`: one more when every
+    /// connection to a server carries `[forward_h2] max_concurrent_streams` streams).
+    pub forward_connections: IntGauge,
     /// Tunnel servers with an open report stream.
     pub tunnel_servers: IntGauge,
     /// Tunnel ids held by at least one tunnel server.
@@ -140,6 +143,10 @@ impl Metrics {
         let carriers_opened = IntCounter::new(
             "relay_dispatcher_forward_carriers_opened_total",
             "Carriers (Forward.Carry RPCs, each carrying calls one at a time) opened to tunnel servers",
+        )?;
+        let forward_connections = IntGauge::new(
+            "relay_dispatcher_forward_connections",
+            "HTTP/2 connections open to tunnel servers (another opens when every connection to a server carries forward_h2.max_concurrent_streams streams)",
         )?;
         let tunnel_servers = IntGauge::new(
             "relay_dispatcher_tunnel_servers",
@@ -222,6 +229,7 @@ impl Metrics {
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(queued.clone()))?;
         registry.register(Box::new(carriers_opened.clone()))?;
+        registry.register(Box::new(forward_connections.clone()))?;
         registry.register(Box::new(tunnel_servers.clone()))?;
         registry.register(Box::new(tunnels.clone()))?;
         registry.register(Box::new(calls_in_flight.clone()))?;
@@ -241,6 +249,7 @@ impl Metrics {
             retries,
             queued,
             carriers_opened,
+            forward_connections,
             tunnel_servers,
             tunnels,
             calls_in_flight,

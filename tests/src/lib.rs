@@ -13,6 +13,7 @@ pub mod certs;
 pub mod checks;
 pub mod client;
 pub mod fake_server;
+pub mod fault;
 pub mod fleet;
 pub mod haproxy;
 pub mod hostile;

@@ -12,6 +12,9 @@
 //! - `GET /slow/{ms}` -> waits `ms`, then `200 "slow\n"`
 //! - `GET /status/{code}` -> that status (200..=599), empty body
 //! - `GET /delay-body/{ms}` -> head immediately, body `"delayed body\n"` after `ms`
+//! - `ANY /stall-body/{ms}` -> reads nothing of the request body for `ms`, then reads it
+//!   all and answers `200 "read {n} bytes\n"`: an upstream that stops reading a body
+//!   (`crate::fault::StalledUpload`)
 //! - anything else -> `404` (`405` for a wrong method on a known path)
 //!
 //! Every request first waits the configured [`Latency`]. [`UpstreamStats`] counts
@@ -33,6 +36,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -106,6 +110,7 @@ pub struct UpstreamStats(Arc<Counters>);
 #[derive(Debug, Default)]
 struct Counters {
     served: AtomicU64,
+    body_bytes: AtomicU64,
     in_flight: AtomicU64,
     cancelled: AtomicU64,
 }
@@ -124,6 +129,12 @@ impl UpstreamStats {
     /// Requests whose client went away before the response was complete.
     pub fn cancelled(&self) -> u64 {
         self.0.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// Response body bytes handed to the connections so far: what stopped moving once
+    /// every download is held up somewhere on the way to its caller.
+    pub fn body_bytes(&self) -> u64 {
+        self.0.body_bytes.load(Ordering::Relaxed)
     }
 }
 
@@ -372,6 +383,30 @@ async fn route(req: Request<Incoming>) -> (StatusCode, HeaderMap, Kind) {
     let ms_arg = |s: &str| s.parse::<u64>().ok().map(Duration::from_millis);
     match segments.as_slice() {
         ["echo", ..] => echo(req),
+        ["stall-body", ms] => match ms_arg(ms) {
+            Some(d) => {
+                tokio::time::sleep(d).await;
+                let mut body = req.into_body();
+                let mut n = 0u64;
+                while let Some(frame) = body.frame().await {
+                    match frame {
+                        Ok(f) => n += f.data_ref().map_or(0, |d| d.len() as u64),
+                        Err(_) => return text(StatusCode::BAD_REQUEST, "request body broke\n"),
+                    }
+                }
+                let mut h = HeaderMap::new();
+                h.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; charset=utf-8"),
+                );
+                (
+                    StatusCode::OK,
+                    h,
+                    Kind::full(format!("read {n} bytes\n").into()),
+                )
+            }
+            None => text(StatusCode::BAD_REQUEST, "bad milliseconds\n"),
+        },
         [known, ..]
             if !is_get
                 && matches!(*known, "hello" | "bytes" | "slow" | "status" | "delay-body") =>
@@ -587,6 +622,14 @@ impl Body for UpBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         let polled = this.kind.poll(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            let n = frame.data_ref().map_or(0, |d| d.len() as u64);
+            this.guard
+                .stats
+                .0
+                .body_bytes
+                .fetch_add(n, Ordering::Relaxed);
+        }
         match &polled {
             Poll::Ready(None) => this.guard.complete(),
             Poll::Ready(Some(Ok(_))) if this.kind.is_end() => this.guard.complete(),

@@ -38,8 +38,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-/// Response frames buffered toward the dispatcher for one call (or one carrier).
-const CALL_BUFFER: usize = 16;
+/// Response frames buffered toward the dispatcher for one call (or one carrier): with the
+/// carrier's HTTP/2 window, what a call whose caller stops reading keeps here (at most
+/// 4 x 64 KiB beside the agent stream's window).
+const CALL_BUFFER: usize = 4;
 
 /// How long a carrier waits for the rest of a call's request body once the call is
 /// answered (the agent answered before reading it all) before it ends instead.

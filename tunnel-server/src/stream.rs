@@ -31,8 +31,10 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
-/// Frames buffered toward one agent stream (64 KiB chunks at most each).
-const OUT_BUFFER: usize = 16;
+/// Frames buffered toward one agent stream (64 KiB chunks at most each): room for the
+/// hello, fleet and first ping of a new stream, and what a call whose upload the upstream
+/// stops reading keeps here beside the forward stream's window (at most 8 x 64 KiB).
+const OUT_BUFFER: usize = 8;
 
 /// What the Connect handler needs.
 pub struct TunnelService {
