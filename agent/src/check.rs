@@ -451,8 +451,11 @@ async fn tunnel(
     } = dialer.pick();
     let sent_at = relay_common::wall::now();
     let started = Instant::now();
-    let opened =
-        tokio::time::timeout(timeout, crate::stream::open(&dialer, endpoint, channel)).await;
+    let opened = tokio::time::timeout(
+        timeout,
+        crate::stream::open(&dialer, endpoint, channel, None),
+    )
+    .await;
     let received_at = relay_common::wall::now();
     let took = started.elapsed();
     let (tx, mut inbound, hello) = match opened {

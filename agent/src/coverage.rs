@@ -63,6 +63,9 @@ pub enum CloseReason {
     Retired,
     /// The outbound half broke (the connection went away).
     Lost,
+    /// The path to the server went silent: no frame on it while a stream idled for three
+    /// of the server's liveness periods (`crate::liveness`).
+    Silent,
 }
 
 impl std::fmt::Display for CloseReason {
@@ -74,6 +77,9 @@ impl std::fmt::Display for CloseReason {
             CloseReason::HeartbeatMissed => f.write_str("no heartbeat from the server"),
             CloseReason::Retired => f.write_str("retired"),
             CloseReason::Lost => f.write_str("connection lost"),
+            CloseReason::Silent => {
+                f.write_str("the tunnel server stopped answering on this connection")
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod config;
 pub mod coverage;
 pub mod error;
 pub mod filter;
+pub mod liveness;
 pub mod metrics;
 pub mod stream;
 pub mod upstream;
@@ -149,6 +150,7 @@ pub fn start(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         metrics: metrics.clone(),
         connect_timeout: config.connect_timeout,
         opens: Arc::new(tokio::sync::Semaphore::new(config.max_opening)),
+        paths: Default::default(),
     };
     let planner = coverage::plan::Planner::new(config.coverage.clone());
     let (actor, coverage_rx) = CoverageActor::new(

@@ -70,6 +70,9 @@ pub struct Dialer {
     next_generation: std::sync::atomic::AtomicU64,
     /// Streams per connection (`[tunnel_h2] max_concurrent_streams`).
     per_connection: usize,
+    /// Random per dialer: with a connection's generation, the name the agent gives each
+    /// connection (`relay-agent-conn`), which servers prove alive (`crate::liveness`).
+    instance: u64,
 }
 
 /// One cached connection of an endpoint.
@@ -90,11 +93,12 @@ impl Drop for ConnSlot {
 }
 
 /// A connection picked for a new stream: the endpoint, its channel, which connection it is
-/// (to evict it), and the stream's place on it.
+/// (to evict it), its name for the servers, and the stream's place on it.
 pub(crate) struct Picked {
     pub endpoint: String,
     pub channel: Channel,
     pub id: ChannelId,
+    pub name: String,
     pub slot: ConnSlot,
 }
 
@@ -159,6 +163,7 @@ impl Dialer {
             channels: Mutex::new(HashMap::new()),
             next_generation: std::sync::atomic::AtomicU64::new(1),
             per_connection: h2.max_concurrent_streams.max(1) as usize,
+            instance: rand::random(),
         })
     }
 
@@ -230,6 +235,7 @@ impl Dialer {
         Picked {
             endpoint: key.clone(),
             channel: conn.channel.clone(),
+            name: format!("{:016x}-{}", self.instance, conn.generation),
             id: ChannelId {
                 endpoint: key,
                 generation: conn.generation,
@@ -273,6 +279,8 @@ pub struct StreamContext {
     pub connect_timeout: Duration,
     /// Turns to open a stream (`max_opening`): an open holds one from dial to hello.
     pub opens: Arc<tokio::sync::Semaphore>,
+    /// The paths to servers that prove them alive (`crate::liveness`).
+    pub paths: crate::liveness::Paths,
 }
 
 /// The real `Connector`: each open is a stream task running `run_stream`.
@@ -303,6 +311,7 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             endpoint,
             channel,
             id: channel_id,
+            name: conn_name,
             slot: _slot,
         } = match picked {
             Ok(p) => p,
@@ -311,8 +320,11 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
                 return open_failed(&ctx, &link, e);
             }
         };
-        let opened =
-            tokio::time::timeout(ctx.connect_timeout, open(&ctx.dialer, endpoint, channel)).await;
+        let opened = tokio::time::timeout(
+            ctx.connect_timeout,
+            open(&ctx.dialer, endpoint, channel, Some(&conn_name)),
+        )
+        .await;
         drop(turn);
         let (out, inbound, hello) = match opened {
             Ok(Ok(x)) => x,
@@ -334,6 +346,15 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             heartbeat: Duration::from_millis(u64::from(hello.heartbeat_ms)),
             tunnel_id: hello.tunnel_id,
         };
+        // A server that pings this connection for liveness: the stream joins its path.
+        let path = (hello.liveness_ms > 0).then(|| {
+            ctx.paths.join(
+                channel_id.generation,
+                &landing.server_id,
+                &landing.instance_id,
+                Duration::from_millis(u64::from(hello.liveness_ms)),
+            )
+        });
         debug!(server_id = %landing.server_id, server_stream = landing.server_stream_id, "landed");
         let session = Session::new(
             ctx.clone(),
@@ -341,11 +362,12 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             out,
             inbound,
             landing.heartbeat,
+            path,
             run_call,
         );
         link.emit(StreamEvent::Landed(landing.clone()));
         let reason = session.run(&mut link).await;
-        if reason == CloseReason::HeartbeatMissed {
+        if matches!(reason, CloseReason::HeartbeatMissed | CloseReason::Silent) {
             ctx.dialer.evict(channel_id);
         }
         match &reason {
@@ -397,6 +419,7 @@ pub(crate) async fn open(
     dialer: &Dialer,
     endpoint: String,
     channel: Channel,
+    conn_name: Option<&str>,
 ) -> Result<
     (
         mpsc::Sender<AgentFrame>,
@@ -416,6 +439,10 @@ pub(crate) async fn open(
         relay_proto::AGENT_FEATURES,
         tonic::metadata::MetadataValue::from_static(FEATURES),
     );
+    // The connection's name, so a server can prove it alive end to end (`crate::liveness`).
+    if let Some(v) = conn_name.and_then(|n| MetadataValue::try_from(n).ok()) {
+        request.metadata_mut().insert(relay_proto::AGENT_CONN, v);
+    }
     // A server's frame over the limit ends the stream before it is decoded: a hostile
     // server cannot make the agent allocate for a huge head.
     let response = TunnelClient::new(channel)
@@ -520,6 +547,8 @@ struct Session<F> {
     inbound: Streaming<ServerFrame>,
     /// Silence after which an idle stream counts as dead (`None`: no heartbeat announced).
     silence: Option<Duration>,
+    /// The stream's place on its path, when the server proves paths alive.
+    path: Option<crate::liveness::PathSlot>,
     dead: Pin<Box<Sleep>>,
     linger: Pin<Box<Sleep>>,
     call: Option<ActiveCall>,
@@ -542,6 +571,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
         out: mpsc::Sender<AgentFrame>,
         inbound: Streaming<ServerFrame>,
         heartbeat: Duration,
+        path: Option<crate::liveness::PathSlot>,
         start_call: StartCall<F>,
     ) -> Self {
         let silence = (!heartbeat.is_zero()).then(|| heartbeat.saturating_mul(3));
@@ -552,6 +582,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
             out,
             inbound,
             silence,
+            path,
             dead: Box::pin(tokio::time::sleep_until(dead_at)),
             linger: Box::pin(tokio::time::sleep_until(far)),
             call: None,
@@ -572,8 +603,19 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
 
     async fn run(mut self, link: &mut StreamLink) -> CloseReason {
         let id = link.id;
+        // Made once, not per frame (a wait made anew registers a waiter for every frame).
+        let silenced = self
+            .path
+            .as_ref()
+            .map(|slot| slot.path().token())
+            .unwrap_or_default()
+            .cancelled_owned();
+        tokio::pin!(silenced);
         loop {
             let idle = self.call_fut.is_none();
+            if let Some(slot) = self.path.as_mut() {
+                slot.set_idle(idle);
+            }
             let step = tokio::select! {
                 // The call finishing comes first: its terminal frame is queued and the
                 // stream is free again. Then the actor's retire signal, then request body
@@ -589,6 +631,9 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     Ok(())
                 }
                 frame = self.inbound.message(), if self.pending.is_none() => self.on_frame(id, frame).await,
+                // The path to the server went silent (`crate::liveness`): every stream on it
+                // ends, like the streams of a broken connection.
+                _ = &mut silenced => Err(CloseReason::Silent),
                 _ = &mut self.dead, if idle && self.silence.is_some() => Err(CloseReason::HeartbeatMissed),
                 _ = &mut self.linger, if idle && self.going_away_sent => Err(CloseReason::Retired),
             };
@@ -676,6 +721,9 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                 )))
             }
         };
+        if let Some(slot) = &self.path {
+            slot.path().seen();
+        }
         if let Some(s) = self.silence {
             self.dead.as_mut().reset(Instant::now() + s);
         }

@@ -35,6 +35,16 @@ pub const FEATURE_FLEET: &str = "fleet";
 /// (listed by tunnel servers).
 pub const FEATURE_INLINE_BODY: &str = "inline-body";
 
+/// Request metadata of `Tunnel.Connect` naming the agent's connection the stream is on
+/// (opaque, printable, at most [`MAX_AGENT_CONN`] bytes): a tunnel server that offers
+/// liveness (`ServerHello.liveness_ms`) proves each named connection alive with one ping
+/// per period on one of its idle streams.
+pub const AGENT_CONN: &str = "relay-agent-conn";
+
+/// Longest `relay-agent-conn` value a server accepts; a longer or unprintable one is
+/// ignored (the stream is then proved alive by its own heartbeat only).
+pub const MAX_AGENT_CONN: usize = 64;
+
 /// The features named in a feature list (`AGENT_FEATURES`, `FORWARD_FEATURES`): comma
 /// separated, surrounding spaces ignored, unknown names left to the reader to skip.
 pub fn features(list: &str) -> impl Iterator<Item = &str> {

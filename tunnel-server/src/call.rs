@@ -300,6 +300,10 @@ impl Call {
                 .send(ServerFrame::of(server_frame::Kind::RequestBody(chunk)))
                 .await;
         }
+        if !body_open {
+            // No body frame follows: the agent reads this stream freely from here on.
+            stream.request_sent_whole();
+        }
         let cancel = || ServerFrame::of(server_frame::Kind::Cancel(Cancel { call_id }));
         let gone = self.to_caller.closed();
         tokio::pin!(gone);

@@ -51,6 +51,15 @@ pub struct Config {
     #[serde(with = "humantime_serde")]
     pub heartbeat: Duration,
     pub heartbeat_misses: u32,
+    /// How often an agent connection from which nothing came for that long gets a liveness
+    /// ping on one of its idle streams (`crate::liveness`; the agent names its connection);
+    /// 0 turns liveness pings off.
+    #[serde(with = "humantime_serde")]
+    pub liveness_interval: Duration,
+    /// How long a liveness ping may go unanswered before every stream of that agent
+    /// connection is closed and the calls on them end as `stream_lost`.
+    #[serde(with = "humantime_serde")]
+    pub liveness_timeout: Duration,
     /// Longest a call waits for an idle stream (its own deadline may be shorter).
     #[serde(with = "humantime_serde")]
     pub queue_timeout: Duration,
@@ -142,6 +151,8 @@ impl Default for Config {
             token_store: None,
             heartbeat: Duration::from_secs(10),
             heartbeat_misses: 3,
+            liveness_interval: Duration::from_secs(1),
+            liveness_timeout: Duration::from_millis(1500),
             queue_timeout: Duration::from_secs(5),
             max_queue_per_tunnel: 1024,
             queue_handshake_after: Duration::ZERO,
@@ -277,6 +288,20 @@ impl Config {
         }
         if self.heartbeat < Duration::from_millis(10) {
             return Err(ConfigError::invalid("heartbeat", "must be at least 10ms"));
+        }
+        if !self.liveness_interval.is_zero() {
+            if self.liveness_interval < Duration::from_millis(100) {
+                return Err(ConfigError::invalid(
+                    "liveness_interval",
+                    "must be 0s (off) or at least 100ms",
+                ));
+            }
+            if self.liveness_timeout < Duration::from_millis(100) {
+                return Err(ConfigError::invalid(
+                    "liveness_timeout",
+                    "must be at least 100ms",
+                ));
+            }
         }
         if self.heartbeat_misses == 0 {
             return Err(ConfigError::invalid(

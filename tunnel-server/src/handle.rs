@@ -35,6 +35,14 @@ struct Inner {
     state: State,
     /// The call on the stream, if any.
     call: Option<CallSlot>,
+    /// Closed because the agent's connection stopped answering (`crate::liveness`).
+    silent: bool,
+    /// The call on the stream went to the agent whole in its head (no body frames follow):
+    /// the agent reads whatever else comes on the stream at once.
+    whole_request: bool,
+    /// The reader waits for the caller to take a frame of the answer: the agent's frames
+    /// on this stream wait on this server, not on the path.
+    reader_waits: bool,
 }
 
 /// What an agent announced it understands, from its `relay-agent-features` metadata (a
@@ -93,10 +101,12 @@ pub struct CallSlot {
     pub head_seen: bool,
 }
 
-/// What the reader needs to end a stream: the call on it and whether it was revoked.
+/// What the reader needs to end a stream: the call on it and whether it was revoked or
+/// its agent's connection went silent.
 pub struct Ending {
     pub call: Option<CallSlot>,
     pub revoked: bool,
+    pub silent: bool,
 }
 
 impl StreamHandle {
@@ -117,6 +127,9 @@ impl StreamHandle {
             inner: Arc::new(Mutex::new(Inner {
                 state: State::Open,
                 call: None,
+                silent: false,
+                whole_request: false,
+                reader_waits: false,
             })),
             closed: CancellationToken::new(),
         }
@@ -132,6 +145,30 @@ impl StreamHandle {
         self.inner.lock().call.is_none()
     }
 
+    /// A ping on this stream now would reach the agent and its answer would come back
+    /// without waiting on anything but the path (`crate::liveness`): the stream is open and
+    /// idle, or its call went to the agent whole (the agent reads the stream freely) and
+    /// the reader is not waiting on the caller.
+    pub fn is_probe_clear(&self) -> bool {
+        let inner = self.inner.lock();
+        matches!(inner.state, State::Open)
+            && !self.out.is_closed()
+            && (inner.call.is_none() || (inner.whole_request && !inner.reader_waits))
+    }
+
+    /// The call on the stream went to the agent whole in its head.
+    pub fn request_sent_whole(&self) {
+        let mut inner = self.inner.lock();
+        if inner.call.is_some() {
+            inner.whole_request = true;
+        }
+    }
+
+    /// The reader waits for (`true`), or got past (`false`), the caller taking a frame.
+    pub fn reader_waits(&self, waits: bool) {
+        self.inner.lock().reader_waits = waits;
+    }
+
     /// Ends the stream: the outbound half finishes with OK and the reader stops.
     pub fn close(&self) {
         self.close_with(None);
@@ -141,6 +178,13 @@ impl StreamHandle {
     /// UNAUTHENTICATED "token revoked".
     pub fn revoke(&self) {
         self.close_with(Some(Status::unauthenticated("token revoked")));
+    }
+
+    /// Ends the stream because its agent's connection stopped answering liveness pings
+    /// (`crate::liveness`): the call on it ends as lost at once.
+    pub fn close_silent(&self) {
+        self.inner.lock().silent = true;
+        self.close_with(None);
     }
 
     fn close_with(&self, why: Option<Status>) {
@@ -177,6 +221,8 @@ impl StreamHandle {
             return Err(slot);
         }
         inner.call = Some(slot);
+        inner.whole_request = false;
+        inner.reader_waits = false;
         Ok(())
     }
 
@@ -222,6 +268,7 @@ impl StreamHandle {
         Ending {
             call: inner.call.take(),
             revoked,
+            silent: inner.silent,
         }
     }
 

@@ -21,6 +21,7 @@ pub mod config;
 pub mod forward;
 pub mod handle;
 pub mod hub;
+pub mod liveness;
 pub mod metrics;
 pub mod outcome;
 pub mod report;
@@ -303,7 +304,23 @@ pub async fn start_with_front(
     }
     tasks.push(reloads.spawn(config.reload_interval, stop_serving.clone()));
 
+    let liveness = (!config.liveness_interval.is_zero()).then(|| {
+        Arc::new(liveness::Conns::new(
+            liveness::Settings {
+                interval: config.liveness_interval,
+                timeout: config.liveness_timeout,
+            },
+            hub.metrics.silent_connections.clone(),
+        ))
+    });
+    if let Some(conns) = &liveness {
+        tasks.push(tokio::spawn(liveness::run(
+            conns.clone(),
+            stop_serving.clone(),
+        )));
+    }
     let tunnel = stream::TunnelService {
+        liveness,
         hub: hub.clone(),
         tokens: tokens.clone(),
         server_id: server_id.clone(),

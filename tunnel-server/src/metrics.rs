@@ -35,8 +35,12 @@ pub struct ServerMetrics {
     pub opens: IntCounterVec,
     /// Streams closed by reason: agent_closed (the agent ended its stream, or it broke),
     /// retired (closed by the server: retired, shut down or given up on), revoked (its
-    /// token left the store), heartbeat (silent too long), protocol_error.
+    /// token left the store), heartbeat (silent too long), silent (its agent connection
+    /// stopped answering liveness pings), protocol_error.
     pub closes: IntCounterVec,
+    /// Agent connections whose streams were all closed because a liveness ping went
+    /// unanswered (`crate::liveness`).
+    pub silent_connections: prometheus::IntCounter,
 }
 
 impl ServerMetrics {
@@ -89,6 +93,10 @@ impl ServerMetrics {
                 ),
                 &["reason"],
             )?,
+            silent_connections: prometheus::IntCounter::new(
+                "relay_tunnel_silent_connections_total",
+                "Agent connections closed because a liveness ping went unanswered past liveness_timeout",
+            )?,
         };
         registry.register(Box::new(m.streams.clone()))?;
         registry.register(Box::new(m.queued.clone()))?;
@@ -98,6 +106,7 @@ impl ServerMetrics {
         registry.register(Box::new(m.carriers.clone()))?;
         registry.register(Box::new(m.opens.clone()))?;
         registry.register(Box::new(m.closes.clone()))?;
+        registry.register(Box::new(m.silent_connections.clone()))?;
         // Export every fixed label value from the start: a counter that first appears
         // already above zero loses that first step in `rate()`, so an alert on refused
         // tokens would miss the first burst.

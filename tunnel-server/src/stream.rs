@@ -50,6 +50,8 @@ pub struct TunnelService {
     /// The agent listener's guard: a refused token counts against its source's budget, an
     /// accepted one frees its connection from `auth_timeout`.
     pub listener: Arc<relay_common::listen::ListenerGuard>,
+    /// Liveness of the agents' named connections (`crate::liveness`); `None`: off.
+    pub liveness: Option<Arc<crate::liveness::Conns>>,
 }
 
 type ConnectStream = Pin<Box<dyn Stream<Item = Result<ServerFrame, Status>> + Send + 'static>>;
@@ -115,6 +117,30 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             features,
             out,
         ));
+        // The agent's connection, proved alive end to end when the agent names it.
+        let conn_name = request
+            .metadata()
+            .get(relay_proto::AGENT_CONN)
+            .and_then(|v| v.to_str().ok());
+        let membership = match (&self.liveness, conn_name) {
+            (Some(conns), Some(name)) => {
+                conns
+                    .join(token_hash, name, handle.clone())
+                    .map(|conn| ConnMembership {
+                        conns: conns.clone(),
+                        conn,
+                        stream: handle.clone(),
+                    })
+            }
+            _ => None,
+        };
+        let liveness_ms = membership.as_ref().map_or(0, |m| {
+            m.conns
+                .settings()
+                .interval
+                .as_millis()
+                .min(u32::MAX as u128) as u32
+        });
         let hello = ServerHello {
             server_id: self.server_id.clone(),
             zone: self.zone.clone(),
@@ -125,6 +151,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             instance_id: self.hub.instance_id.clone(),
             direct_url: self.direct_url.clone(),
             unix_time_ms: relay_common::wall::unix_ms(),
+            liveness_ms,
         };
         // The hello goes first, then the fleet; the stream takes calls once the agent
         // confirms it (see `Hub::confirm`).
@@ -170,6 +197,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             handle: handle.clone(),
             heartbeat: self.heartbeat,
             misses: self.heartbeat_misses,
+            conn: membership,
         };
         self.tracker.spawn(reader.run(request.into_inner()));
         // After a close, the RPC ends with the status a revocation left, if any.
@@ -190,6 +218,22 @@ struct Reader {
     handle: Arc<StreamHandle>,
     heartbeat: Duration,
     misses: u32,
+    /// The agent connection the stream is on, when the agent named it.
+    conn: Option<ConnMembership>,
+}
+
+/// A stream's place on its named agent connection (`crate::liveness`); leaves it when
+/// dropped, so a stream refused after joining leaves as surely as one that ends.
+struct ConnMembership {
+    conns: Arc<crate::liveness::Conns>,
+    conn: Arc<crate::liveness::AgentConn>,
+    stream: Arc<StreamHandle>,
+}
+
+impl Drop for ConnMembership {
+    fn drop(&mut self) {
+        self.conns.leave(&self.conn, &self.stream);
+    }
 }
 
 /// Why a stream ended: the `reason` of `relay_tunnel_stream_closes_total`, and how the
@@ -197,8 +241,9 @@ struct Reader {
 enum End {
     /// The agent ended its half, or its stream broke.
     AgentClosed,
-    /// The server closed it (retired, shut down, given up on, or its token revoked).
-    Closed { revoked: bool },
+    /// The server closed it (retired, shut down, given up on, its token revoked, or its
+    /// agent's connection silent).
+    Closed { revoked: bool, silent: bool },
     /// It missed `heartbeat_misses` heartbeats.
     Heartbeat,
     /// The agent broke the protocol; the status tells it why. `call`: how the call on the
@@ -213,8 +258,9 @@ impl End {
     fn as_str(&self) -> &'static str {
         match self {
             End::AgentClosed => "agent_closed",
-            End::Closed { revoked: true } => "revoked",
-            End::Closed { revoked: false } => "retired",
+            End::Closed { revoked: true, .. } => "revoked",
+            End::Closed { silent: true, .. } => "silent",
+            End::Closed { .. } => "retired",
             End::Heartbeat => "heartbeat",
             End::Protocol { .. } => "protocol_error",
         }
@@ -227,8 +273,11 @@ impl End {
                 return call.take().expect("checked");
             }
             End::Heartbeat => "the agent stream carrying the call stopped answering heartbeats",
-            End::Closed { revoked: true } => {
+            End::Closed { revoked: true, .. } => {
                 "the agent stream carrying the call was closed: its token was revoked"
+            }
+            End::Closed { silent: true, .. } => {
+                "the agent's connection carrying the call stopped answering liveness pings"
             }
             _ => "the agent stream carrying the call ended before the call did",
         };
@@ -256,10 +305,13 @@ impl Reader {
             tokio::select! {
                 // Order: a close wins over more frames; frames win over the heartbeat.
                 biased;
-                _ = &mut closed => break End::Closed { revoked: false },
+                _ = &mut closed => break End::Closed { revoked: false, silent: false },
                 msg = inbound.message() => match msg {
                     Ok(Some(frame)) => {
                         last_seen = Instant::now();
+                        if let Some(m) = &self.conn {
+                            m.conn.seen();
+                        }
                         if let Some(agent_frame::Kind::Pong(pong)) = &frame.kind {
                             self.on_pong(pong.seq, &mut timed, last_seen);
                         }
@@ -303,8 +355,9 @@ impl Reader {
             }
         };
         let ending = self.handle.end();
-        if let End::Closed { revoked } = &mut end {
+        if let End::Closed { revoked, silent } = &mut end {
             *revoked = ending.revoked;
+            *silent = ending.silent;
         }
         match &end {
             End::Protocol { status, .. } => {
@@ -358,6 +411,24 @@ impl Reader {
         }
     }
 
+    /// Hands a frame of the answer to the caller, marking the stream while the caller makes
+    /// the reader wait (its agent frames then wait here, not on the path).
+    async fn to_caller(
+        &self,
+        to_caller: &mpsc::Sender<Result<ForwardResponse, Status>>,
+        frame: ForwardResponse,
+    ) {
+        match to_caller.try_send(Ok(frame)) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+            Err(mpsc::error::TrySendError::Full(frame)) => {
+                self.handle.reader_waits(true);
+                let _ = to_caller.send(frame).await;
+                self.handle.reader_waits(false);
+            }
+        }
+    }
+
     /// Handles one agent frame; `Err` ends the stream.
     async fn on_frame(&self, frame: AgentFrame) -> Result<(), End> {
         use agent_frame::Kind;
@@ -407,7 +478,7 @@ impl Reader {
                 if end {
                     self.handle.end_call(Outcome::Ok(frame));
                 } else {
-                    let _ = to_caller.send(Ok(frame)).await;
+                    self.to_caller(&to_caller, frame).await;
                 }
                 Ok(())
             }
@@ -434,7 +505,7 @@ impl Reader {
                 if end {
                     self.handle.end_call(Outcome::Ok(frame));
                 } else {
-                    let _ = to_caller.send(Ok(frame)).await;
+                    self.to_caller(&to_caller, frame).await;
                 }
                 Ok(())
             }

@@ -199,6 +199,7 @@ impl Tunnel for Svc {
             instance_id: "fake-1".into(),
             direct_url: String::new(),
             unix_time_ms: 0,
+            liveness_ms: 0,
         };
         tx.send(Ok(ServerFrame::of(In::Hello(hello))))
             .await

@@ -45,6 +45,7 @@ impl Server {
             direct_url: String::new(),
             heartbeat: Duration::from_secs(30),
             heartbeat_misses: 3,
+            liveness: None,
             tracker: tokio_util::task::TaskTracker::new(),
             listener: relay_common::listen::ListenerGuard::new(
                 "agent",
