@@ -33,10 +33,10 @@
 //! A server that answers `Forward.Carry` with UNIMPLEMENTED (an older version) is marked
 //! (`crate::pool`) and gets one `Forward.Call` per call from then on.
 //!
-//! Each connection to a server has its own [`Carriers`], and every carrier holds its
-//! connection's [`Permit`] (one of the connection's streams, see `crate::pool`) from its
-//! open until its RPC is over, idle or busy, so a connection never carries more streams
-//! than its window covers.
+//! Each connection to a server has its own [`Carriers`], and every carrier holds what it
+//! was opened with ([`Held`]: its place among the connection's streams, see `pool`) from
+//! its open until its RPC is over, idle or busy, so a connection never carries more
+//! streams than its window covers.
 //!
 //! Bounds: at most [`MAX_IDLE`] idle carriers per connection (more are retired as they
 //! come back), and a carrier idle for `carrier_idle_timeout` ([`IDLE_FOR`] by default) is
@@ -46,7 +46,6 @@
 
 use crate::body::{AttemptStream, RPC_END_WAIT};
 use crate::hop::ResponseFrames;
-use crate::pool::Permit;
 use futures::{FutureExt, Stream, StreamExt};
 use parking_lot::Mutex;
 use relay_proto::forward_client::ForwardClient;
@@ -102,8 +101,11 @@ struct Carrier {
     /// `inline-body` in the carrier's response metadata, `relay_proto::FORWARD_FEATURES`).
     inline_body: bool,
     /// The connection's stream this carrier is, given back when the RPC is over.
-    permit: Permit,
+    permit: Held,
 }
+
+/// What a carrier holds for the life of its RPC (dropped when the RPC is over).
+pub type Held = Box<dyn std::any::Any + Send + Sync>;
 
 /// The request side of a carrier: the current call's frames, if any.
 #[derive(Default)]
@@ -351,7 +353,7 @@ impl Carriers {
         self: &Arc<Self>,
         mut client: ForwardClient<Channel>,
         request: AttemptStream,
-        permit: Permit,
+        permit: Held,
         opened: &prometheus::IntCounter,
     ) -> Result<ResponseFrames, Status> {
         let feed = Arc::new(Mutex::new(Feed {

@@ -214,6 +214,25 @@ impl Retry {
         false
     }
 
+    /// Why a call's transport error says the path to its server is dead, if it does: a
+    /// dial that failed, or a connection that went silent past its keep-alive. A server that
+    /// reset or closed a connection (it is restarting, say) answers the next dial itself.
+    pub fn path_dead(status: &tonic::Status) -> Option<String> {
+        let mut next = std::error::Error::source(status);
+        while let Some(e) = next {
+            if e.is::<tonic::ConnectError>() {
+                return Some(format!("dial failed: {e}"));
+            }
+            if let Some(h) = e.downcast_ref::<hyper::Error>() {
+                if h.is_timeout() {
+                    return Some("its connection went silent past the keep-alive".into());
+                }
+            }
+            next = e.source();
+        }
+        None
+    }
+
     /// A status the tunnel server itself answered `Forward.Call` with, before any response
     /// header: UNAVAILABLE, UNKNOWN and CANCELLED mean it did not take the call (it is
     /// stopping, or refused the RPC); any other status is its final word.

@@ -120,6 +120,8 @@ pub struct Channels {
     max_frame_bytes: usize,
     /// `relay_dispatcher_forward_connections`.
     connections: prometheus::IntGauge,
+    /// `relay_dispatcher_forward_servers_down`.
+    down: prometheus::IntGauge,
 }
 
 /// How one attempt reaches its tunnel server.
@@ -155,6 +157,11 @@ impl Channels {
                 "HTTP/2 connections open to tunnel servers",
             )
             .expect("a valid metric"),
+            down: prometheus::IntGauge::new(
+                "relay_dispatcher_forward_servers_down",
+                "Tunnel servers whose path is dead",
+            )
+            .expect("a valid metric"),
         }
     }
 
@@ -170,9 +177,14 @@ impl Channels {
         self
     }
 
-    /// Counts the open connections in `gauge`.
-    pub fn with_connections_gauge(mut self, gauge: prometheus::IntGauge) -> Self {
-        self.connections = gauge;
+    /// Counts the open connections in `connections` and the servers down in `down`.
+    pub fn with_gauges(
+        mut self,
+        connections: prometheus::IntGauge,
+        down: prometheus::IntGauge,
+    ) -> Self {
+        self.connections = connections;
+        self.down = down;
         self
     }
 
@@ -222,6 +234,8 @@ impl Channels {
             carrier_idle_timeout: self.carrier_idle_timeout,
             max_frame_bytes: self.max_frame_bytes,
             gauge: self.connections.clone(),
+            url: forward_url.to_string(),
+            down_gauge: self.down.clone(),
         }));
         map.insert(forward_url.to_string(), remote.clone());
         Ok(Hop::Remote(remote))
@@ -341,11 +355,17 @@ impl Forwarder {
     /// refused connection, safe to retry elsewhere) or reaches the server's new process. So
     /// a caller whose call was lost with its server's connection never loses a second one
     /// there.
+    /// A dead path (a dial that failed, a connection silent past its keep-alive) also
+    /// marks the server down (`pool`): the next calls go to other servers at once.
     fn forget_broken(&self, hop: &Hop, conn: Option<ConnId>, status: &tonic::Status) {
-        if let (Hop::Remote(remote), Some(conn)) = (hop, conn) {
+        let Hop::Remote(remote) = hop else { return };
+        if let Some(conn) = conn {
             if Retry::connection_lost(status) {
                 remote.forget(conn);
             }
+        }
+        if let Some(why) = Retry::path_dead(status) {
+            remote.mark_down(why);
         }
     }
 

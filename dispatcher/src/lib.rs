@@ -198,7 +198,10 @@ pub async fn start_with(
         .with_local(local)
         .with_carrier_idle_timeout(config.carrier_idle_timeout)
         .with_max_frame_bytes(config.max_frame_bytes)
-        .with_connections_gauge(metrics.forward_connections.clone());
+        .with_gauges(
+            metrics.forward_connections.clone(),
+            metrics.forward_servers_down.clone(),
+        );
 
     let (http_addr, registry_addr, admin_addr) = (
         listeners.http.local_addr()?,

@@ -77,6 +77,9 @@ pub struct Metrics {
     /// HTTP/2 connections open to tunnel servers (`crate::pool`: one more when every
     /// connection to a server carries `[forward_h2] max_concurrent_streams` streams).
     pub forward_connections: IntGauge,
+    /// Tunnel servers whose path went dead (`crate::pool`): calls skip them until one
+    /// answers a probe.
+    pub forward_servers_down: IntGauge,
     /// Tunnel servers with an open report stream.
     pub tunnel_servers: IntGauge,
     /// Tunnel ids held by at least one tunnel server.
@@ -147,6 +150,10 @@ impl Metrics {
         let forward_connections = IntGauge::new(
             "relay_dispatcher_forward_connections",
             "HTTP/2 connections open to tunnel servers (another opens when every connection to a server carries forward_h2.max_concurrent_streams streams)",
+        )?;
+        let forward_servers_down = IntGauge::new(
+            "relay_dispatcher_forward_servers_down",
+            "Tunnel servers whose path went dead (a failed dial, or a connection silent past its keep-alive): calls go to other servers until a probe is answered",
         )?;
         let tunnel_servers = IntGauge::new(
             "relay_dispatcher_tunnel_servers",
@@ -230,6 +237,7 @@ impl Metrics {
         registry.register(Box::new(queued.clone()))?;
         registry.register(Box::new(carriers_opened.clone()))?;
         registry.register(Box::new(forward_connections.clone()))?;
+        registry.register(Box::new(forward_servers_down.clone()))?;
         registry.register(Box::new(tunnel_servers.clone()))?;
         registry.register(Box::new(tunnels.clone()))?;
         registry.register(Box::new(calls_in_flight.clone()))?;
@@ -250,6 +258,7 @@ impl Metrics {
             queued,
             carriers_opened,
             forward_connections,
+            forward_servers_down,
             tunnel_servers,
             tunnels,
             calls_in_flight,

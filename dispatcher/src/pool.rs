@@ -13,6 +13,13 @@
 //! when the next call looks. A connection that broke is forgotten ([`Remote::forget`]):
 //! its calls end with it, the next ones dial afresh.
 //!
+//! A server whose path went dead (its connection went silent past the keep-alive, or a
+//! dial failed) is **down**: calls to it fail at once, as never having reached it, and go
+//! to the next server the router picked, instead of each waiting on a new dial into the
+//! same silence. A probe (`Forward.Proceed` for no reservation, which a live server
+//! answers NOT_FOUND) goes out in the background with a growing pause (0.25 s to 5 s), and
+//! the first answer brings the server back.
+//!
 //! This module must not decide retries or parse answers (`forward` does); it places
 //! streams on connections.
 
@@ -25,10 +32,19 @@ use relay_common::grpc::GrpcClient;
 use relay_proto::forward_client::ForwardClient;
 use relay_proto::ProceedRequest;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
+use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
+use tracing::{info, warn};
+
+/// First pause before probing a server that went down.
+const PROBE_FIRST: Duration = Duration::from_millis(250);
+/// Longest pause between probes.
+const PROBE_MAX: Duration = Duration::from_secs(5);
+/// How long a probe may take: a dead path leaves it unanswered.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// One HTTP/2 connection to a tunnel server, with the carriers on it.
 pub struct Conn {
@@ -44,6 +60,39 @@ pub struct Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         self.gauge.dec();
+    }
+}
+
+/// Probes a down server until it answers (or is gone), with a growing pause.
+async fn probe(remote: Weak<Remote>) {
+    let mut pause = PROBE_FIRST;
+    let started = Instant::now();
+    loop {
+        tokio::time::sleep(pause).await;
+        let Some(r) = remote.upgrade() else { return };
+        let answered = match tokio::time::timeout(PROBE_TIMEOUT, r.proceed(u64::MAX)).await {
+            // Any status of the server's own is an answer (NOT_FOUND: no such reservation).
+            Ok(Ok(())) => true,
+            Ok(Err((status, conn))) => {
+                let own = std::error::Error::source(&status).is_none();
+                if !own {
+                    r.forget(conn);
+                }
+                own
+            }
+            Err(_) => {
+                // Unanswered: that connection is as dead as the last one.
+                r.conns.lock().clear();
+                false
+            }
+        };
+        if answered {
+            *r.down.lock() = None;
+            r.down_gauge.dec();
+            info!(url = %r.url, down_ms = started.elapsed().as_millis() as u64, "tunnel server answers again");
+            return;
+        }
+        pause = (pause * 2).min(PROBE_MAX);
     }
 }
 
@@ -78,6 +127,12 @@ pub struct Remote {
     /// version): then every call is a `Forward.Call`.
     carries: AtomicBool,
     gauge: prometheus::IntGauge,
+    /// Why the server is down, while it is (see the module docs).
+    down: parking_lot::Mutex<Option<String>>,
+    /// `relay_dispatcher_forward_servers_down`.
+    down_gauge: prometheus::IntGauge,
+    /// For the logs and the calls' errors.
+    url: String,
 }
 
 /// What [`Remote::new`] takes.
@@ -89,6 +144,10 @@ pub struct RemoteParts {
     pub max_frame_bytes: usize,
     /// `relay_dispatcher_forward_connections`.
     pub gauge: prometheus::IntGauge,
+    /// The server's `forward_url`, for logs and errors.
+    pub url: String,
+    /// `relay_dispatcher_forward_servers_down`.
+    pub down_gauge: prometheus::IntGauge,
 }
 
 impl Remote {
@@ -103,7 +162,33 @@ impl Remote {
             next_id: AtomicU64::new(0),
             carries: AtomicBool::new(true),
             gauge: p.gauge,
+            down: parking_lot::Mutex::new(None),
+            down_gauge: p.down_gauge,
+            url: p.url,
         }
+    }
+
+    /// Why the server is down, if it is.
+    pub fn down(&self) -> Option<String> {
+        self.down.lock().clone()
+    }
+
+    /// The path to the server went dead (`why`): calls fail at once until a probe
+    /// answers. Starts the prober unless one runs.
+    pub fn mark_down(self: &Arc<Self>, why: String) {
+        {
+            let mut down = self.down.lock();
+            if down.is_some() {
+                return;
+            }
+            warn!(url = %self.url, reason = %why, "tunnel server unreachable: calls go to other servers until it answers a probe");
+            *down = Some(why);
+            self.down_gauge.inc();
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(probe(Arc::downgrade(self)));
     }
 
     /// Connections open (or being dialled) now.
@@ -159,6 +244,13 @@ impl Remote {
         replay: impl FnOnce() -> Option<AttemptStream>,
         opened: &prometheus::IntCounter,
     ) -> Result<(ResponseFrames, ConnId), (Status, Option<ConnId>)> {
+        if let Some(why) = self.down() {
+            // No transport error behind it: the call never left (safe to retry).
+            return Err((
+                Status::unavailable(format!("unreachable ({why}); probing it")),
+                None,
+            ));
+        }
         if !self.carries.load(Ordering::Relaxed) {
             return self.forward_call(request).await;
         }
@@ -177,7 +269,12 @@ impl Remote {
         let id = ConnId(conn.id);
         match conn
             .carriers
-            .open(self.client(&conn.channel), request, permit, opened)
+            .open(
+                self.client(&conn.channel),
+                request,
+                Box::new(permit),
+                opened,
+            )
             .await
         {
             Ok(frames) => Ok((frames, id)),
@@ -249,6 +346,8 @@ mod tests {
             carrier_idle_timeout: Duration::from_secs(60),
             max_frame_bytes: 1 << 20,
             gauge: prometheus::IntGauge::new("c", "c").unwrap(),
+            url: "http://127.0.0.1:9".into(),
+            down_gauge: prometheus::IntGauge::new("d", "d").unwrap(),
         })
     }
 

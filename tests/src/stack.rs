@@ -91,6 +91,9 @@ pub struct StackBuilder {
     lb_seed: u64,
     agent_addrs: Vec<SocketAddr>,
     agent_listeners: Vec<Option<std::net::TcpListener>>,
+    /// Per server: its forward listener (bound by the test), and the URL it tells the
+    /// dispatchers to dial (a fault forwarder in front of it, say).
+    forward_listeners: Vec<Option<(std::net::TcpListener, String)>>,
     direct: bool,
     colocated: bool,
 }
@@ -116,6 +119,7 @@ impl Default for StackBuilder {
             lb_seed: 7,
             agent_addrs: Vec::new(),
             agent_listeners: Vec::new(),
+            forward_listeners: Vec::new(),
             direct: false,
             colocated: false,
         }
@@ -224,6 +228,21 @@ impl StackBuilder {
     /// port in between, as one can between picking a free address and binding it.
     pub fn server_agent_listeners(mut self, listeners: Vec<std::net::TcpListener>) -> Self {
         self.agent_listeners = listeners.into_iter().map(Some).collect();
+        self
+    }
+
+    /// Server `i` serves its forward listener on `listener` and has dispatchers dial it at
+    /// `url` (a [`crate::fault::Forwarder`] in front of the listener, say).
+    pub fn server_forward_listener(
+        mut self,
+        i: usize,
+        listener: std::net::TcpListener,
+        url: String,
+    ) -> Self {
+        if self.forward_listeners.len() <= i {
+            self.forward_listeners.resize_with(i + 1, || None);
+        }
+        self.forward_listeners[i] = Some((listener, url));
         self
     }
 
@@ -359,7 +378,14 @@ impl StackBuilder {
                     (None, Some(a)) => TcpListener::bind(a).await?,
                     (None, None) => any().await?,
                 },
-                forward: any().await?,
+                forward: match self.forward_listeners.get_mut(i).and_then(Option::take) {
+                    Some((l, url)) => {
+                        l.set_nonblocking(true)?;
+                        cfg.forward_url = Some(url);
+                        TcpListener::from_std(l)?
+                    }
+                    None => any().await?,
+                },
                 admin: any().await?,
             };
             if self.direct {

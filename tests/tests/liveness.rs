@@ -309,3 +309,93 @@ async fn behind_an_l7_load_balancer_a_silent_server_is_found_by_the_agent_in_sec
     path.heal();
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_path_from_the_dispatcher_to_a_server_is_found_in_seconds_and_calls_go_elsewhere()
+{
+    let forward = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let path = Forwarder::start(forward.local_addr().unwrap())
+        .await
+        .unwrap();
+    let stack = Stack::builder()
+        .servers(2)
+        .server_forward_listener(0, forward, path.url())
+        .upstream_latency(CALL_TIME)
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    let r1 = stack.servers[0].as_ref().unwrap().registry.clone();
+    let r2 = stack.servers[1].as_ref().unwrap().registry.clone();
+    let calls = |r: &prometheus::Registry| value(r, "relay_tunnel_calls_total", &[]);
+    let load = load::start(
+        stack.caller(),
+        LoadSpec::new(50, format!("/relay/{TUNNEL_ID}/hello"), 20_000),
+    );
+    let (c1, c2) = (calls(&r1), calls(&r2));
+    relay_tests::eventually("both servers carry calls", Duration::from_secs(20), || {
+        let both = calls(&r1) > c1 + 20.0 && calls(&r2) > c2 + 20.0;
+        async move { both }
+    })
+    .await;
+    path.silence();
+    let t0 = Instant::now();
+    let admin = stack.dispatcher_admin;
+    let down = || async move {
+        let text = relay_tests::procs::scrape(admin)
+            .await
+            .expect("the dispatcher's /metrics answers");
+        relay_tests::procs::series(&text, "relay_dispatcher_forward_servers_down", &[])
+            .expect("the dispatcher exports relay_dispatcher_forward_servers_down")
+    };
+    let found = relay_tests::time_until(PARTITION, || async { down().await == 1.0 })
+        .await
+        .expect("the dispatcher did not find the silent path");
+    eprintln!("the dispatcher found the silent path after {found:?}");
+    assert!(found <= DETECTION + SLACK, "found after {found:?}");
+    tokio::time::sleep_until(t0 + PARTITION).await;
+    path.heal();
+    let healed = Instant::now();
+    relay_tests::eventually(
+        "the dispatcher finds the server again after the heal",
+        Duration::from_secs(10),
+        || async { down().await == 0.0 },
+    )
+    .await;
+    let ledger = load.stop().await;
+    eprintln!("{}", ledger.summary());
+    let found = t0 + found;
+    for call in ledger.calls() {
+        let ended = call.sent_at + call.took;
+        if call.sent_at < found {
+            // Held on the silent path: lost (the agent may have taken them), when found.
+            if call.status != 200 {
+                assert_eq!(
+                    call.code, "stream_lost",
+                    "a call held on the silent path ended with {}",
+                    call.status
+                );
+                assert!(
+                    ended <= found + SLACK,
+                    "a call held on the silent path ended {:?} after it was found",
+                    ended - found
+                );
+            }
+        } else if call.sent_at < healed {
+            assert_eq!(
+                call.status,
+                200,
+                "a call {:?} after the silence was found failed ({})",
+                call.sent_at - found,
+                call.code
+            );
+            assert!(
+                call.took <= CALL_TIME + Duration::from_secs(1),
+                "a call {:?} after the silence was found took {:?}",
+                call.sent_at - found,
+                call.took
+            );
+        }
+    }
+    stack.shutdown().await;
+}
