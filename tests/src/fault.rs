@@ -470,3 +470,93 @@ impl SilentConnection {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An echo server: every connection gets back what it sends.
+    async fn echo() -> SocketAddr {
+        let l = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                tokio::spawn(async move {
+                    let (mut r, mut w) = s.split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                });
+            }
+        });
+        addr
+    }
+
+    async fn round_trip(c: &mut TcpStream, msg: &[u8]) -> io::Result<Vec<u8>> {
+        c.write_all(msg).await?;
+        let mut back = vec![0u8; msg.len()];
+        c.read_exact(&mut back).await?;
+        Ok(back)
+    }
+
+    #[tokio::test]
+    async fn a_silent_path_holds_bytes_with_the_connection_open_and_a_heal_delivers_them() {
+        let f = Forwarder::start(echo().await).await.unwrap();
+        let mut c = TcpStream::connect(f.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut c, b"before").await.unwrap(), b"before");
+        f.silence();
+        c.write_all(b"during").await.unwrap();
+        let mut buf = [0u8; 6];
+        let read = tokio::time::timeout(Duration::from_millis(300), c.read(&mut buf)).await;
+        assert!(read.is_err(), "a byte crossed the silent path: {read:?}");
+        assert_eq!(f.open_connections(), 1, "the connection stays open");
+        f.heal();
+        c.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"during");
+    }
+
+    #[tokio::test]
+    async fn a_connection_made_while_silent_hears_nothing_until_the_heal() {
+        let f = Forwarder::start(echo().await).await.unwrap();
+        f.silence();
+        let mut c = TcpStream::connect(f.addr()).await.unwrap();
+        c.write_all(b"hello").await.unwrap();
+        let mut buf = [0u8; 5];
+        let read = tokio::time::timeout(Duration::from_millis(300), c.read(&mut buf)).await;
+        assert!(read.is_err(), "a byte crossed the silent path: {read:?}");
+        f.heal();
+        c.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"hello");
+    }
+
+    #[tokio::test]
+    async fn a_reset_ends_open_connections_with_rst_and_later_ones_pass() {
+        let f = Forwarder::start(echo().await).await.unwrap();
+        let mut c = TcpStream::connect(f.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut c, b"x").await.unwrap(), b"x");
+        f.reset_open_connections();
+        let mut buf = [0u8; 1];
+        let r = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf))
+            .await
+            .expect("the reset arrives");
+        assert!(
+            matches!(&r, Err(e) if e.kind() == io::ErrorKind::ConnectionReset),
+            "{r:?}"
+        );
+        let mut d = TcpStream::connect(f.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut d, b"y").await.unwrap(), b"y");
+    }
+
+    #[tokio::test]
+    async fn a_delayed_path_passes_bytes_after_the_delay() {
+        let f = Forwarder::start(echo().await).await.unwrap();
+        f.set(Mode::Delay(Duration::from_millis(200)));
+        let mut c = TcpStream::connect(f.addr()).await.unwrap();
+        let t = tokio::time::Instant::now();
+        assert_eq!(round_trip(&mut c, b"slow").await.unwrap(), b"slow");
+        // Delayed both ways.
+        assert!(
+            t.elapsed() >= Duration::from_millis(400),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+}

@@ -13,6 +13,11 @@
 //! `relay-fleet soak` drives calls at volume through the real release binaries (or a
 //! running stack), optionally with faults, and reports every failure, memory and h2's
 //! `reached limit` log lines (`relay_tests::soak`).
+//!
+//! `relay-fleet forward` and `relay-fleet stall` are the misbehaving peers of
+//! `relay_tests::fault` for a running stack: a TCP forwarder on a path that can go silent,
+//! delay or reset on a schedule, and callers that stop reading their downloads or send
+//! uploads an upstream does not read (`relay-fleet upstream` serves `/stall-body/{ms}`).
 
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
@@ -51,7 +56,8 @@ enum Command {
         once: bool,
     },
     /// Serve the sample upstream alone (for examples/local): /hello, /echo, /bytes/{n},
-    /// /slow/{ms}, /status/{code}.
+    /// /slow/{ms}, /status/{code}, /delay-body/{ms}, /stall-body/{ms} (reads no request
+    /// body for that long).
     Upstream {
         #[arg(long, default_value = "127.0.0.1:8000")]
         listen: SocketAddr,
@@ -127,6 +133,56 @@ enum Command {
     Tokens {
         #[arg(long, default_value_t = 1)]
         agents: usize,
+    },
+    /// A TCP forwarder on a path (e.g. agent -> tunnel server): passes bytes, and on a
+    /// schedule goes silent (connections stay open, nothing flows), heals, or resets every
+    /// open connection. Prints each step with its time. Runs until Ctrl-C.
+    Forward {
+        /// Where to listen (point the client side here).
+        #[arg(long)]
+        listen: SocketAddr,
+        /// Where to forward.
+        #[arg(long)]
+        to: SocketAddr,
+        /// Go silent this long after the start (e.g. 10s).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        silent_after: Option<Duration>,
+        /// Stay silent this long, then heal [default: until Ctrl-C].
+        #[arg(long, value_parser = humantime::parse_duration, requires = "silent_after")]
+        silent_for: Option<Duration>,
+        /// Reset (TCP RST) every open connection this long after the start.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        reset_after: Option<Duration>,
+        /// Delay every read by this much before passing it on.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        delay: Option<Duration>,
+    },
+    /// Callers that misbehave toward a dispatcher's front: N downloads whose callers read
+    /// the response head and then nothing, or (--upload) N uploads sent as fast as the
+    /// relay takes them (to a path whose upstream does not read them, e.g.
+    /// /relay/demo/stall-body/600000 on `relay-fleet upstream`). Holds them for --hold (or
+    /// until Ctrl-C), then closes them. Prints how many got a response head.
+    Stall {
+        /// The dispatcher's HTTP front.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        front: SocketAddr,
+        #[arg(long, default_value = "dev-caller-key", env = "RELAY_FLEET_CALLER_KEY")]
+        caller_key: String,
+        /// Path through the front, e.g. /relay/demo/bytes/268435456.
+        #[arg(long)]
+        path: String,
+        /// Stalled callers.
+        #[arg(long, default_value_t = 32)]
+        callers: usize,
+        /// Send uploads of this many bytes instead of downloads.
+        #[arg(long)]
+        upload: Option<u64>,
+        /// How long to hold them.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        hold: Option<Duration>,
+        /// The calls' deadline (x-relay-timeout-ms).
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        deadline: Duration,
     },
     /// Volume test against the real binaries: calls at a fixed concurrency over keep-alive
     /// connections, optional faults, every failure, VmRSS and `reached limit` log line
@@ -287,6 +343,23 @@ async fn main() -> std::process::ExitCode {
             once,
         } => demo(listen, servers, once).await,
         Command::Upstream { listen, latency_ms } => upstream(listen, latency_ms).await,
+        Command::Forward {
+            listen,
+            to,
+            silent_after,
+            silent_for,
+            reset_after,
+            delay,
+        } => forward(listen, to, silent_after, silent_for, reset_after, delay).await,
+        Command::Stall {
+            front,
+            caller_key,
+            path,
+            callers,
+            upload,
+            hold,
+            deadline,
+        } => stall(front, &caller_key, &path, callers, upload, hold, deadline).await,
         Command::Run {
             scenario,
             dispatcher,
@@ -481,6 +554,135 @@ async fn upstream(listen: SocketAddr, latency_ms: u64) -> anyhow::Result<()> {
         relay_common::shutdown::signal(),
     )
     .await;
+    Ok(())
+}
+
+async fn forward(
+    listen: SocketAddr,
+    to: SocketAddr,
+    silent_after: Option<Duration>,
+    silent_for: Option<Duration>,
+    reset_after: Option<Duration>,
+    delay: Option<Duration>,
+) -> anyhow::Result<()> {
+    use relay_tests::fault::{Forwarder, Mode};
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot bind {listen}: {e}"))?;
+    let f = Forwarder::on(listener, to);
+    let pass = match delay {
+        Some(d) => Mode::Delay(d),
+        None => Mode::Pass,
+    };
+    f.set(pass);
+    let t0 = Instant::now();
+    let say = |what: String| println!("{:>8.3}s  {what}", t0.elapsed().as_secs_f64());
+    say(format!(
+        "forwarding {listen} -> {to} ({pass:?}); Ctrl-C stops"
+    ));
+    // The schedule: (when, step).
+    let mut steps: Vec<(Duration, &str)> = Vec::new();
+    if let Some(at) = silent_after {
+        steps.push((at, "silent"));
+        if let Some(len) = silent_for {
+            steps.push((at + len, "heal"));
+        }
+    }
+    if let Some(at) = reset_after {
+        steps.push((at, "reset"));
+    }
+    steps.sort();
+    let schedule = async {
+        for (at, step) in steps {
+            tokio::time::sleep_until(t0 + at).await;
+            match step {
+                "silent" => f.silence(),
+                "heal" => f.set(pass),
+                _ => f.reset_open_connections(),
+            }
+            say(format!(
+                "{step} ({} connections open, {} bytes passed so far)",
+                f.open_connections(),
+                f.forwarded_bytes()
+            ));
+        }
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        _ = schedule => {}
+        _ = relay_common::shutdown::signal() => {}
+    }
+    say(format!(
+        "stopped: {} connections accepted, {} bytes passed",
+        f.accepted(),
+        f.forwarded_bytes()
+    ));
+    Ok(())
+}
+
+async fn stall(
+    front: SocketAddr,
+    key: &str,
+    path: &str,
+    callers: usize,
+    upload: Option<u64>,
+    hold: Option<Duration>,
+    deadline: Duration,
+) -> anyhow::Result<()> {
+    use relay_tests::fault::{StalledDownload, StalledUpload};
+    let t0 = Instant::now();
+    let mut downloads = Vec::new();
+    let mut uploads = Vec::new();
+    let mut no_head = 0usize;
+    let mut statuses: std::collections::BTreeMap<u16, usize> = Default::default();
+    for _ in 0..callers {
+        match upload {
+            Some(len) => uploads.push(StalledUpload::start(front, key, path, len, deadline).await?),
+            None => {
+                match StalledDownload::start(front, key, path, deadline, Duration::from_secs(10))
+                    .await
+                {
+                    Ok(d) => {
+                        *statuses.entry(d.status).or_default() += 1;
+                        downloads.push(d);
+                    }
+                    Err(e) => {
+                        no_head += 1;
+                        eprintln!("a stalled download got no response head: {e}");
+                    }
+                }
+            }
+        }
+    }
+    match upload {
+        Some(_) => println!(
+            "{:.3}s: {callers} uploads started; they send as fast as the relay takes them",
+            t0.elapsed().as_secs_f64()
+        ),
+        None => println!(
+            "{:.3}s: {} stalled downloads hold their response head (statuses {statuses:?}), {no_head} got none",
+            t0.elapsed().as_secs_f64(),
+            downloads.len()
+        ),
+    }
+    let wait = async {
+        match hold {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = wait => {}
+        _ = relay_common::shutdown::signal() => {}
+    }
+    if !uploads.is_empty() {
+        let sent: u64 = uploads.iter().map(StalledUpload::sent).sum();
+        println!("the relay took {sent} bytes of the uploads");
+    }
+    println!(
+        "{:.3}s: closing the stalled callers",
+        t0.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
