@@ -12,6 +12,8 @@
 //! - `GET /slow/{ms}` -> waits `ms`, then `200 "slow\n"`
 //! - `GET /status/{code}` -> that status (200..=599), empty body
 //! - `GET /delay-body/{ms}` -> head immediately, body `"delayed body\n"` after `ms`
+//! - `GET /trickle/{n}/{ms}` -> `n` chunks of 1 KiB of the [`pattern_byte`] pattern, one
+//!   every `ms`: a long answer whose bytes keep coming
 //! - `ANY /stall-body/{ms}` -> reads nothing of the request body for `ms`, then reads it
 //!   all and answers `200 "read {n} bytes\n"`: an upstream that stops reading a body
 //!   (`crate::fault::StalledUpload`)
@@ -409,7 +411,10 @@ async fn route(req: Request<Incoming>) -> (StatusCode, HeaderMap, Kind) {
         },
         [known, ..]
             if !is_get
-                && matches!(*known, "hello" | "bytes" | "slow" | "status" | "delay-body") =>
+                && matches!(
+                    *known,
+                    "hello" | "bytes" | "slow" | "status" | "delay-body" | "trickle"
+                ) =>
         {
             text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
         }
@@ -438,6 +443,22 @@ async fn route(req: Request<Incoming>) -> (StatusCode, HeaderMap, Kind) {
                 Err(_) => text(StatusCode::BAD_REQUEST, "bad status\n"),
             },
             None => text(StatusCode::BAD_REQUEST, "bad status\n"),
+        },
+        ["trickle", n, ms] => match (n.parse::<u64>(), ms_arg(ms)) {
+            (Ok(n), Some(every)) => {
+                let mut h = HeaderMap::new();
+                h.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/octet-stream"),
+                );
+                let kind = Kind::Trickle {
+                    left: n,
+                    every,
+                    sleep: Box::pin(tokio::time::sleep(every)),
+                };
+                (StatusCode::OK, h, kind)
+            }
+            _ => text(StatusCode::BAD_REQUEST, "bad chunk count or milliseconds\n"),
         },
         ["delay-body", ms] => match ms_arg(ms) {
             Some(d) => {
@@ -533,7 +554,16 @@ enum Kind {
         sleep: Pin<Box<Sleep>>,
         then: Option<Bytes>,
     },
+    /// `left` chunks of [`TRICKLE_CHUNK`] bytes, one every `every`.
+    Trickle {
+        left: u64,
+        every: Duration,
+        sleep: Pin<Box<Sleep>>,
+    },
 }
+
+/// Chunk size of `/trickle/{n}/{ms}` bodies.
+pub const TRICKLE_CHUNK: usize = 1024;
 
 impl Kind {
     fn full(b: Bytes) -> Self {
@@ -546,6 +576,7 @@ impl Kind {
             Kind::Echo(body) => body.is_end_stream(),
             Kind::Pattern { pos, len } => pos >= len,
             Kind::Delayed { then, .. } => then.is_none(),
+            Kind::Trickle { left, .. } => *left == 0,
         }
     }
 
@@ -574,6 +605,20 @@ impl Kind {
                     Poll::Pending => Poll::Pending,
                 }
             }
+            Kind::Trickle { left, every, sleep } => {
+                if *left == 0 {
+                    return Poll::Ready(None);
+                }
+                match sleep.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        *left -= 1;
+                        let next = tokio::time::Instant::now() + *every;
+                        sleep.as_mut().reset(next);
+                        Poll::Ready(Some(Ok(Frame::data(PATTERN.slice(0..TRICKLE_CHUNK)))))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 
@@ -585,6 +630,7 @@ impl Kind {
             Kind::Delayed { then, .. } => {
                 SizeHint::with_exact(then.as_ref().map_or(0, |b| b.len() as u64))
             }
+            Kind::Trickle { left, .. } => SizeHint::with_exact(left * TRICKLE_CHUNK as u64),
         }
     }
 }

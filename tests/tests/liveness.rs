@@ -399,3 +399,31 @@ async fn a_silent_path_from_the_dispatcher_to_a_server_is_found_in_seconds_and_c
     }
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_answer_while_the_server_has_nothing_to_send_is_not_taken_for_silence() {
+    let stack = Stack::builder().servers(1).start().await.unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    // 40 chunks, one every 100 ms: the agent sends for 4 s while the server, with no call
+    // to hand out, has nothing to send on the path but its liveness pings; the agent's
+    // idle streams on the same path must not take that for a silent server.
+    let chunks = 40u64;
+    let answer = stack
+        .caller()
+        .get(&format!("/relay/{TUNNEL_ID}/trickle/{chunks}/100"))
+        .await
+        .unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(
+        answer.body.len() as u64,
+        chunks * relay_tests::upstream::TRICKLE_CHUNK as u64,
+        "the answer was cut"
+    );
+    let r = &stack.servers[0].as_ref().unwrap().registry;
+    assert_eq!(
+        value(r, "relay_tunnel_stream_closes_total", &[]),
+        0.0,
+        "a stream closed during a healthy answer"
+    );
+    stack.shutdown().await;
+}

@@ -8,9 +8,11 @@
 //! and this server proves each named connection alive end to end, at a cost per
 //! connection and not per stream:
 //!
-//! - every `liveness_interval`, a connection from which no frame came for that long gets
-//!   one `Ping` on one of its streams that is *clear* (the agent answers every ping with a
-//!   `Pong`). Clear ([`StreamHandle::is_probe_clear`]): nothing but the path can hold the
+//! - every `liveness_interval`, each connection gets one `Ping` on one of its streams that
+//!   is *clear* (the agent answers every ping with a `Pong`). Every interval, not only when
+//!   the agent was silent: the pings are also how the agent knows this server is alive
+//!   (`relay_agent::liveness`), and the agent may be sending (a long download, say) while
+//!   this server has nothing to send it. Clear ([`StreamHandle::is_probe_clear`]): nothing but the path can hold the
 //!   ping or its answer back. An idle stream is; so is a busy one whose call went to the
 //!   agent whole in its head (the agent reads such a stream freely, where a streaming
 //!   upload can make it stop reading) while this server's reader is not waiting for the
@@ -80,6 +82,8 @@ pub struct AgentConn {
 struct ConnState {
     streams: Vec<Arc<StreamHandle>>,
     probe: Option<Probe>,
+    /// Milliseconds since the epoch when the last ping went out.
+    pinged_ms: Option<u64>,
 }
 
 /// An unanswered liveness ping.
@@ -105,21 +109,24 @@ pub enum Verdict {
 }
 
 /// The liveness rules for one connection (see the module docs). `probe_idle`: the stream
-/// the outstanding ping went on is still on the connection and clear.
+/// the outstanding ping went on is still on the connection and clear; `pinged_ms`: when
+/// the last ping went out.
 pub fn judge(
     probe: Option<Probe>,
     probe_idle: bool,
+    pinged_ms: Option<u64>,
     last_seen_ms: u64,
     now_ms: u64,
     s: Settings,
 ) -> Verdict {
     let (interval, timeout) = (s.interval.as_millis() as u64, s.timeout.as_millis() as u64);
     match probe {
+        // Heard since the ping, and the next one is due: send it now.
         Some(p) if last_seen_ms >= p.sent_ms => Verdict::Clear,
         Some(p) if now_ms.saturating_sub(p.sent_ms) < timeout => Verdict::Wait,
         Some(_) if probe_idle => Verdict::Silent,
         Some(_) => Verdict::Clear,
-        None if now_ms.saturating_sub(last_seen_ms) >= interval => Verdict::Ping,
+        None if pinged_ms.is_none_or(|at| now_ms.saturating_sub(at) >= interval) => Verdict::Ping,
         None => Verdict::Wait,
     }
 }
@@ -213,7 +220,14 @@ impl Conns {
                         .iter()
                         .any(|s| s.id == p.stream && s.is_probe_clear())
                 });
-                match judge(st.probe, probe_idle, last_seen, now_ms, self.settings) {
+                match judge(
+                    st.probe,
+                    probe_idle,
+                    st.pinged_ms,
+                    last_seen,
+                    now_ms,
+                    self.settings,
+                ) {
                     Verdict::Wait => None,
                     Verdict::Clear => {
                         st.probe = None;
@@ -233,6 +247,7 @@ impl Conns {
                                     stream: s.id,
                                     sent_ms: now_ms,
                                 });
+                                st.pinged_ms = Some(now_ms);
                             }
                         }
                         None
@@ -294,43 +309,77 @@ mod tests {
     }
 
     #[test]
-    fn a_connection_heard_within_the_interval_is_not_pinged() {
-        assert_eq!(judge(None, false, 1_000, 1_999, S), Verdict::Wait);
-        assert_eq!(judge(None, false, 1_000, 2_000, S), Verdict::Ping);
+    fn a_connection_is_pinged_every_interval_heard_or_not() {
+        assert_eq!(judge(None, false, None, 1_000, 1_000, S), Verdict::Ping);
+        assert_eq!(
+            judge(None, false, Some(1_000), 1_900, 1_999, S),
+            Verdict::Wait
+        );
+        assert_eq!(
+            judge(None, false, Some(1_000), 1_900, 2_000, S),
+            Verdict::Ping
+        );
     }
 
     #[test]
     fn any_frame_after_the_ping_clears_it() {
-        assert_eq!(judge(probe(5_000), true, 5_000, 9_000, S), Verdict::Clear);
-        assert_eq!(judge(probe(5_000), true, 5_300, 5_301, S), Verdict::Clear);
+        let at = Some(5_000);
+        assert_eq!(
+            judge(probe(5_000), true, at, 5_000, 9_000, S),
+            Verdict::Clear
+        );
+        assert_eq!(
+            judge(probe(5_000), true, at, 5_300, 5_301, S),
+            Verdict::Clear
+        );
     }
 
     #[test]
-    fn an_unanswered_ping_on_an_idle_stream_is_silence_at_the_timeout() {
-        assert_eq!(judge(probe(5_000), true, 4_000, 6_499, S), Verdict::Wait);
-        assert_eq!(judge(probe(5_000), true, 4_000, 6_500, S), Verdict::Silent);
+    fn an_unanswered_ping_on_a_clear_stream_is_silence_at_the_timeout() {
+        let at = Some(5_000);
+        assert_eq!(
+            judge(probe(5_000), true, at, 4_000, 6_499, S),
+            Verdict::Wait
+        );
+        assert_eq!(
+            judge(probe(5_000), true, at, 4_000, 6_500, S),
+            Verdict::Silent
+        );
     }
 
     #[test]
-    fn a_ping_whose_stream_took_a_call_proves_nothing() {
-        assert_eq!(judge(probe(5_000), false, 4_000, 6_500, S), Verdict::Clear);
+    fn a_ping_whose_stream_stopped_being_clear_proves_nothing() {
+        let at = Some(5_000);
+        assert_eq!(
+            judge(probe(5_000), false, at, 4_000, 6_500, S),
+            Verdict::Clear
+        );
+    }
+
+    /// Checks every 250 ms from 0 with the last frame at `last_frame`: when silence is
+    /// found, if it is.
+    fn found_after(last_frame: u64) -> Option<u64> {
+        let (mut probe_at, mut pinged) = (None, None);
+        for now in (0..10_000).step_by(250) {
+            match judge(probe_at, true, pinged, last_frame.min(now), now, S) {
+                Verdict::Ping => {
+                    probe_at = probe(now);
+                    pinged = Some(now);
+                }
+                Verdict::Clear => probe_at = None,
+                Verdict::Silent => return Some(now),
+                Verdict::Wait => {}
+            }
+        }
+        None
     }
 
     #[test]
     fn silence_is_found_within_interval_plus_timeout_of_the_last_frame() {
-        // The last frame at 0; checks every 250 ms: a ping at 1 s, silent at 2.5 s.
-        let mut probe_at = None;
-        let mut found = None;
-        for now in (0..10_000).step_by(250) {
-            match judge(probe_at, true, 0, now, S) {
-                Verdict::Ping => probe_at = probe(now),
-                Verdict::Silent => {
-                    found = Some(now);
-                    break;
-                }
-                _ => {}
-            }
-        }
-        assert_eq!(found, Some(2_500));
+        // Pings at 0, 1 s, 2 s...: the last frame at 1.1 s answers the one at 1 s; the
+        // one at 2 s goes unanswered and is found at 3.5 s.
+        assert_eq!(found_after(1_100), Some(3_500));
+        // A frame at each check (the agent is there): never silent.
+        assert_eq!(found_after(u64::MAX), None);
     }
 }
