@@ -214,9 +214,11 @@ impl Retry {
         false
     }
 
-    /// Why a call's transport error says the path to its server is dead, if it does: a
-    /// dial that failed, or a connection that went silent past its keep-alive. A server that
-    /// reset or closed a connection (it is restarting, say) answers the next dial itself.
+    /// Why a call's transport error says the path to its server may be dead, if it does: a
+    /// dial that failed, a connection that went silent past its keep-alive, or a
+    /// connection that broke (the streams of a connection the keep-alive closed see a
+    /// broken pipe). A server that closed a connection gracefully (GOAWAY: it is draining
+    /// or restarting) is not: the next call dials it again.
     pub fn path_dead(status: &tonic::Status) -> Option<String> {
         let mut next = std::error::Error::source(status);
         while let Some(e) = next {
@@ -227,6 +229,17 @@ impl Retry {
                 if h.is_timeout() {
                     return Some("its connection went silent past the keep-alive".into());
                 }
+            }
+            if let Some(h) = e.downcast_ref::<h2::Error>() {
+                if h.is_go_away() {
+                    return None;
+                }
+                if h.is_io() {
+                    return Some(format!("its connection broke: {h}"));
+                }
+            }
+            if e.is::<std::io::Error>() {
+                return Some(format!("its connection broke: {e}"));
             }
             next = e.source();
         }

@@ -1,6 +1,6 @@
 //! Silence is a fault, found in seconds: a path that stops carrying bytes while its
 //! connections stay open (a partition, a NAT or load balancer that lost the flow) is found
-//! by HTTP/2 PINGs within `keepalive_interval + keepalive_timeout` (2.5 s by default) on both
+//! by HTTP/2 PINGs within `keepalive_interval + keepalive_timeout` (2.75 s by default) on both
 //! ends. The calls an agent had taken on it end then with a clear 502 `stream_lost`, the
 //! calls that come later go to the servers the agent still reaches, and the lost server is
 //! filled back to its reserve once it answers again.
@@ -18,8 +18,9 @@ use tokio::time::Instant;
 const CALL_TIME: Duration = Duration::from_millis(50);
 /// How long the path stays silent.
 const PARTITION: Duration = Duration::from_secs(10);
-/// The default HTTP/2 keep-alive: a PING after 1 s without a frame, 1.5 s to answer it.
-const DETECTION: Duration = Duration::from_millis(2500);
+/// The default HTTP/2 keep-alive: a PING after 750 ms without a frame, 2 s to answer it;
+/// the tunnel servers' liveness pings alike.
+const DETECTION: Duration = Duration::from_millis(2750);
 /// Slack for the test's own polling and a busy machine.
 const SLACK: Duration = Duration::from_millis(500);
 

@@ -303,6 +303,7 @@ mod tests {
         interval: Duration::from_secs(1),
         timeout: Duration::from_millis(1500),
     };
+    // (The rules' arithmetic in round numbers; the defaults are 750 ms and 2 s.)
 
     fn probe(sent_ms: u64) -> Option<Probe> {
         Some(Probe { stream: 1, sent_ms })
