@@ -72,13 +72,35 @@ impl CallContext {
     }
 }
 
+/// Where a call's frames go: the stream's outbound half, and the response-body credit the
+/// server gave the call, on a stream that uses body credit (`ServerHello.response_credit`).
+pub(crate) struct CallOut {
+    pub tx: mpsc::Sender<AgentFrame>,
+    pub credit: Option<Arc<Semaphore>>,
+}
+
+impl CallOut {
+    /// Sends a frame carrying `body` bytes of the response body, first waiting for that much
+    /// credit; `Err` once the stream is gone.
+    async fn send_body(&self, frame: AgentFrame, body: usize) -> Result<(), ()> {
+        if let (Some(credit), true) = (&self.credit, body > 0) {
+            match credit.acquire_many(body as u32).await {
+                Ok(p) => p.forget(),
+                Err(_) => return Err(()),
+            }
+        }
+        self.tx.send(frame).await.map_err(drop)
+    }
+}
+
 /// Runs one call to its terminal frame and returns how it ended.
 pub(crate) async fn run_call(
     ctx: Arc<CallContext>,
     head: RequestHead,
     body: RequestBody,
-    out: mpsc::Sender<AgentFrame>,
+    call_out: CallOut,
 ) -> CallOutcome {
+    let out = &call_out.tx;
     let call_id = head.call_id;
     let Ok(_permit) = ctx.inflight.clone().try_acquire_owned() else {
         let refusal = Rejection::Refused {
@@ -88,7 +110,7 @@ pub(crate) async fn run_call(
                 ctx.max_inflight
             ),
         };
-        return reject(&ctx, &out, &head, refusal).await;
+        return reject(&ctx, out, &head, refusal).await;
     };
     let asked = if head.deadline_ms > 0 {
         Duration::from_millis(u64::from(head.deadline_ms))
@@ -108,11 +130,11 @@ pub(crate) async fn run_call(
                 ctx.max_headers
             ),
         };
-        return reject(&ctx, &out, &head, refusal).await;
+        return reject(&ctx, out, &head, refusal).await;
     }
     let prepared = match ctx.policy.prepare(&head) {
         Ok(p) => p,
-        Err(r) => return reject(&ctx, &out, &head, r).await,
+        Err(r) => return reject(&ctx, out, &head, r).await,
     };
     tracing::debug!(call_id, rule = %prepared.rule, "call allowed");
     let request = UpstreamRequest {
@@ -125,7 +147,7 @@ pub(crate) async fn run_call(
     };
     let mut response = match ctx.upstream.send(request, deadline).await {
         Ok(r) => r,
-        Err(e) => return fail(&ctx, &out, call_id, &e, capped).await,
+        Err(e) => return fail(&ctx, out, call_id, &e, capped).await,
     };
 
     let mut empty = response.is_empty();
@@ -145,8 +167,8 @@ pub(crate) async fn run_call(
             }
             Ok(Ok(Some((data, false)))) => first = Some(data),
             Ok(Ok(None)) => empty = true,
-            Ok(Err(e)) => return fail(&ctx, &out, call_id, &e, capped).await,
-            Err(_) => return fail(&ctx, &out, call_id, &UpstreamError::Timeout, capped).await,
+            Ok(Err(e)) => return fail(&ctx, out, call_id, &e, capped).await,
+            Err(_) => return fail(&ctx, out, call_id, &UpstreamError::Timeout, capped).await,
         }
     }
     let head = ResponseHead {
@@ -156,8 +178,9 @@ pub(crate) async fn run_call(
         end_of_stream: empty,
         body: whole,
     };
-    if out
-        .send(AgentFrame::of(Kind::ResponseHead(head)))
+    // A body inside the head ends the call: the server takes it whole, without credit.
+    if call_out
+        .send_body(AgentFrame::of(Kind::ResponseHead(head)), 0)
         .await
         .is_err()
     {
@@ -179,8 +202,11 @@ pub(crate) async fn run_call(
                 Ok(None) => (Bytes::new(), true),
                 Err(e) => return Err(e),
             };
+            let n = data.len();
             let frame = AgentFrame::of(Kind::ResponseBody(BodyChunk { call_id, data, end }));
-            if out.send(frame).await.is_err() {
+            // The last chunk ends the call: it needs no credit (the server takes it whole).
+            let credit = if end { 0 } else { n };
+            if call_out.send_body(frame, credit).await.is_err() {
                 return Ok(false);
             }
             if end {
@@ -192,8 +218,8 @@ pub(crate) async fn run_call(
     match streamed {
         Ok(Ok(true)) => CallOutcome::Ok,
         Ok(Ok(false)) => CallOutcome::StreamLost,
-        Ok(Err(e)) => fail(&ctx, &out, call_id, &e, capped).await,
-        Err(_) => fail(&ctx, &out, call_id, &UpstreamError::Timeout, capped).await,
+        Ok(Err(e)) => fail(&ctx, out, call_id, &e, capped).await,
+        Err(_) => fail(&ctx, out, call_id, &UpstreamError::Timeout, capped).await,
     }
 }
 

@@ -73,6 +73,9 @@ pub struct Dialer {
     /// Random per dialer: with a connection's generation, the name the agent gives each
     /// connection (`relay-agent-conn`), which servers prove alive (`crate::liveness`).
     instance: u64,
+    /// The request-body credit a call gives its server (`relay-agent-credit`):
+    /// `relay_proto::body_credit` of `[tunnel_h2] stream_window_bytes`.
+    request_credit: u32,
 }
 
 /// One cached connection of an endpoint.
@@ -164,6 +167,7 @@ impl Dialer {
             next_generation: std::sync::atomic::AtomicU64::new(1),
             per_connection: h2.max_concurrent_streams.max(1) as usize,
             instance: rand::random(),
+            request_credit: relay_proto::body_credit(h2.stream_window_bytes),
         })
     }
 
@@ -356,6 +360,10 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             )
         });
         debug!(server_id = %landing.server_id, server_stream = landing.server_stream_id, "landed");
+        let credit = (hello.response_credit > 0).then_some(Credit {
+            response: hello.response_credit,
+            request: ctx.dialer.request_credit,
+        });
         let session = Session::new(
             ctx.clone(),
             &link,
@@ -363,6 +371,7 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             inbound,
             landing.heartbeat,
             path,
+            credit,
             run_call,
         );
         link.emit(StreamEvent::Landed(landing.clone()));
@@ -443,6 +452,10 @@ pub(crate) async fn open(
     if let Some(v) = conn_name.and_then(|n| MetadataValue::try_from(n).ok()) {
         request.metadata_mut().insert(relay_proto::AGENT_CONN, v);
     }
+    // Body credit both ways (`ServerHello.response_credit`), with this request credit.
+    request
+        .metadata_mut()
+        .insert(relay_proto::AGENT_CREDIT, dialer.request_credit.into());
     // A server's frame over the limit ends the stream before it is decoded: a hostile
     // server cannot make the agent allocate for a huge head.
     let response = TunnelClient::new(channel)
@@ -501,11 +514,22 @@ struct ActiveCall {
     /// Feeds the upstream request body; `None` once the body ended or is no longer read.
     body: Option<mpsc::Sender<Bytes>>,
     started: Instant,
+    /// The response-body credit the server gave the call (with body credit).
+    credit: Option<Arc<tokio::sync::Semaphore>>,
+}
+
+/// Body credit both ways on a stream that uses it (`ServerHello.response_credit`).
+#[derive(Clone, Copy, Debug)]
+struct Credit {
+    /// Response-body bytes a call may send beyond what the server gave back.
+    response: u32,
+    /// Request-body bytes the server may send a call beyond what this agent gave back.
+    request: u32,
 }
 
 /// How a stream starts a call (`run_call`; named here so the session can keep the call's
 /// future in a slot of its own type).
-type StartCall<F> = fn(Arc<CallContext>, RequestHead, RequestBody, mpsc::Sender<AgentFrame>) -> F;
+type StartCall<F> = fn(Arc<CallContext>, RequestHead, RequestBody, crate::call::CallOut) -> F;
 
 /// The future of the call in flight, in one allocation the stream keeps from its first call
 /// to its end. A call's future is about 2.6 KiB: boxing each one was an allocation past
@@ -554,9 +578,18 @@ struct Session<F> {
     call: Option<ActiveCall>,
     start_call: StartCall<F>,
     call_fut: CallSlot<F>,
-    /// A request body chunk (and its end flag) waiting for room in the body channel.
-    /// While it waits, no further frame is read: the server is pushed back by flow control.
-    pending: Option<(Bytes, bool)>,
+    /// Request body chunks (and their end flags) waiting for room in the body channel.
+    /// Without body credit at most one waits, and while it does no further frame is read:
+    /// the server is pushed back by flow control. With body credit every frame is read (a
+    /// server's credit frame must never wait behind a body the upstream reads slowly), and
+    /// the server sends no more than the credit this agent gave back.
+    pending: std::collections::VecDeque<(Bytes, bool)>,
+    /// Body credit on this stream, if the server offered it.
+    credit: Option<Credit>,
+    /// Request-body bytes of the call in flight received and not yet given back.
+    request_unacked: u32,
+    /// Of those, bytes handed to the upstream and not yet given back.
+    request_passed: u32,
     last_ended: Option<u64>,
     retire_seen: bool,
     going_away_sent: bool,
@@ -572,6 +605,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
         inbound: Streaming<ServerFrame>,
         heartbeat: Duration,
         path: Option<crate::liveness::PathSlot>,
+        credit: Option<Credit>,
         start_call: StartCall<F>,
     ) -> Self {
         let silence = (!heartbeat.is_zero()).then(|| heartbeat.saturating_mul(3));
@@ -588,7 +622,10 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
             call: None,
             start_call,
             call_fut: CallSlot(None),
-            pending: None,
+            pending: Default::default(),
+            credit,
+            request_unacked: 0,
+            request_passed: 0,
             last_ended: None,
             retire_seen: false,
             going_away_sent: false,
@@ -627,10 +664,9 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     self.going_away().await
                 }
                 delivered = feed_body(self.call.as_ref(), &mut self.pending) => {
-                    self.body_room(delivered);
-                    Ok(())
+                    self.body_room(delivered).await
                 }
-                frame = self.inbound.message(), if self.pending.is_none() => self.on_frame(id, frame).await,
+                frame = self.inbound.message(), if self.credit.is_some() || self.pending.is_empty() => self.on_frame(id, frame).await,
                 // The path to the server went silent (`crate::liveness`): every stream on it
                 // ends, like the streams of a broken connection.
                 _ = &mut silenced => Err(CloseReason::Silent),
@@ -670,7 +706,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
 
     async fn call_done(&mut self, id: u64, outcome: CallOutcome) -> Result<(), CloseReason> {
         self.call_fut.clear();
-        self.pending = None;
+        self.clear_body();
         if let Some(call) = self.call.take() {
             self.ctx
                 .metrics
@@ -695,14 +731,55 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
         }
     }
 
-    /// The pending chunk went out (`Some(end)`), or the upstream stopped reading the body
-    /// (`None`: it answered already, or failed).
-    fn body_room(&mut self, delivered: Option<bool>) {
-        if delivered != Some(false) {
-            if let Some(call) = self.call.as_mut() {
-                call.body = None;
+    /// The oldest pending chunk (`Some((len, end))`) went to the upstream, or the upstream
+    /// stopped reading the body (`None`: it answered already, or failed).
+    async fn body_room(&mut self, delivered: Option<(usize, bool)>) -> Result<(), CloseReason> {
+        match delivered {
+            Some((len, end)) => {
+                if end {
+                    if let Some(call) = self.call.as_mut() {
+                        call.body = None;
+                    }
+                }
+                self.passed_upstream(len).await
+            }
+            None => {
+                if let Some(call) = self.call.as_mut() {
+                    call.body = None;
+                }
+                self.pending.clear();
+                Ok(())
             }
         }
+    }
+
+    /// Forgets the request body of the call that ended.
+    fn clear_body(&mut self) {
+        self.pending.clear();
+        self.request_unacked = 0;
+        self.request_passed = 0;
+    }
+
+    /// With body credit: `len` request-body bytes went to the upstream; once a step's worth
+    /// did, they are given back to the server.
+    async fn passed_upstream(&mut self, len: usize) -> Result<(), CloseReason> {
+        if self.credit.is_none() {
+            return Ok(());
+        }
+        let Some(call_id) = self.call.as_ref().map(|c| c.id) else {
+            return Ok(());
+        };
+        self.request_passed = self.request_passed.saturating_add(len as u32);
+        if (self.request_passed as usize) < relay_proto::CREDIT_STEP {
+            return Ok(());
+        }
+        let bytes = std::mem::take(&mut self.request_passed);
+        self.request_unacked = self.request_unacked.saturating_sub(bytes);
+        self.send(AgentFrame::of(Out::Credit(relay_proto::Credit {
+            call_id,
+            bytes,
+        })))
+        .await
     }
 
     async fn on_frame(
@@ -768,17 +845,29 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     (Some(tx), RequestBody::Streamed(rx))
                 };
                 self.ctx.metrics.calls_received.inc();
+                let credit = self
+                    .credit
+                    .map(|c| Arc::new(tokio::sync::Semaphore::new(c.response as usize)));
+                self.clear_body();
+                // A body inside the head counts against the request credit like any other,
+                // and goes to the upstream with the head.
+                self.request_unacked = head.body.len() as u32;
                 self.call = Some(ActiveCall {
                     id: head.call_id,
                     body: body_tx,
                     started: Instant::now(),
+                    credit: credit.clone(),
                 });
                 self.emit(id, StreamEvent::CallStarted);
+                let call_out = crate::call::CallOut {
+                    tx: self.out.clone(),
+                    credit,
+                };
                 self.call_fut.start((self.start_call)(
                     self.ctx.calls.clone(),
                     head,
                     body,
-                    self.out.clone(),
+                    call_out,
                 ));
             }
             In::RequestBody(chunk) if chunk.data.len() > relay_proto::MAX_CHUNK => {
@@ -792,11 +881,28 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                 Some(call) if call.id == chunk.call_id => {
                     let Some(tx) = &call.body else { return Ok(()) };
                     let data = chunk.data;
+                    let len = data.len();
+                    if let Some(c) = self.credit {
+                        // The server sends no more than the credit it was given back.
+                        let after = self.request_unacked.saturating_add(len as u32);
+                        if !chunk.end && after > c.request {
+                            return Err(CloseReason::Malformed(format!(
+                                "request body of call {} beyond the agent's credit ({} bytes)",
+                                chunk.call_id, c.request
+                            )));
+                        }
+                        self.request_unacked = after;
+                    }
+                    if !self.pending.is_empty() {
+                        // Behind the chunks already waiting, in order.
+                        self.pending.push_back((data, chunk.end));
+                        return Ok(());
+                    }
                     if !data.is_empty() {
                         match tx.try_send(data) {
                             Ok(()) => {}
                             Err(mpsc::error::TrySendError::Full(data)) => {
-                                self.pending = Some((data, chunk.end));
+                                self.pending.push_back((data, chunk.end));
                                 return Ok(());
                             }
                             Err(mpsc::error::TrySendError::Closed(_)) => {
@@ -808,6 +914,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     if chunk.end {
                         call.body = None;
                     }
+                    self.passed_upstream(len).await?;
                 }
                 // The call ended before its body did (the upstream answered early): drop.
                 _ if self.last_ended == Some(chunk.call_id) => {}
@@ -818,11 +925,23 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     )))
                 }
             },
+            In::Credit(c) => {
+                if let (Some(call), Some(limit)) = (&self.call, self.credit.map(|c| c.response)) {
+                    if let (true, Some(sem)) = (call.id == c.call_id, &call.credit) {
+                        // More than the server could owe is capped.
+                        let room = (limit as usize).saturating_sub(sem.available_permits());
+                        let add = (c.bytes as usize).min(room);
+                        if add > 0 {
+                            sem.add_permits(add);
+                        }
+                    }
+                }
+            }
             In::Cancel(cancel) => {
                 if self.call.as_ref().is_some_and(|c| c.id == cancel.call_id) {
                     // Dropping the call future drops the upstream request.
                     self.call_fut.clear();
-                    self.pending = None;
+                    self.clear_body();
                     if let Some(call) = self.call.take() {
                         self.ctx.metrics.call_ended(
                             CallOutcome::Cancelled,
@@ -872,19 +991,25 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
     }
 }
 
-/// Waits for room in the body channel and hands it the pending chunk: `Some(end)` once
-/// delivered, `None` if the upstream stopped reading. Pends forever when nothing waits.
-/// The chunk is taken only together with the room, so losing the race to another branch
-/// of the stream's `select!` loses no data.
-async fn feed_body(call: Option<&ActiveCall>, pending: &mut Option<(Bytes, bool)>) -> Option<bool> {
-    if pending.is_none() {
+/// Waits for room in the body channel and hands it the oldest pending chunk: `Some((len,
+/// end))` once delivered, `None` if the upstream stopped reading. Pends forever when nothing
+/// waits. The chunk is taken only together with the room, so losing the race to another
+/// branch of the stream's `select!` loses no data.
+async fn feed_body(
+    call: Option<&ActiveCall>,
+    pending: &mut std::collections::VecDeque<(Bytes, bool)>,
+) -> Option<(usize, bool)> {
+    if pending.is_empty() {
         return std::future::pending().await;
     }
     let tx = call.and_then(|c| c.body.as_ref())?;
     let permit = tx.reserve().await.ok()?;
-    let (data, end) = pending.take()?;
-    permit.send(data);
-    Some(end)
+    let (data, end) = pending.pop_front()?;
+    let len = data.len();
+    if !data.is_empty() {
+        permit.send(data);
+    }
+    Some((len, end))
 }
 
 #[cfg(test)]

@@ -41,6 +41,23 @@ pub const FEATURE_INLINE_BODY: &str = "inline-body";
 /// per period on one of its idle streams.
 pub const AGENT_CONN: &str = "relay-agent-conn";
 
+/// Request metadata of `Tunnel.Connect` in which an agent asks for body credit and gives
+/// the request-body credit the server may use (decimal bytes; see
+/// `ServerHello.response_credit`).
+pub const AGENT_CREDIT: &str = "relay-agent-credit";
+
+/// Body credit given back once this many bytes were passed on (or the sender may be
+/// waiting): a credit of at least two chunks never waits on a grant held back.
+pub const CREDIT_STEP: usize = MAX_CHUNK / 4;
+
+/// The body credit a receiver with stream window `window` gives a sender: what fits in the
+/// window beside a head and a frame's overhead, and at least two chunks (so that a grant
+/// held back below [`CREDIT_STEP`] never stops a chunk).
+pub fn body_credit(window: u32) -> u32 {
+    let fit = (window as usize).saturating_sub(2 * MAX_CHUNK);
+    fit.max(2 * MAX_CHUNK).min(u32::MAX as usize) as u32
+}
+
 /// Longest `relay-agent-conn` value a server accepts; a longer or unprintable one is
 /// ignored (the stream is then proved alive by its own heartbeat only).
 pub const MAX_AGENT_CONN: usize = 64;

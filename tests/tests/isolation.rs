@@ -88,6 +88,18 @@ enum Stall {
 
 /// Runs the check on a stack built by `builder`, with `k` calls stalled.
 async fn check(builder: StackBuilder, k: usize, stall: Stall, what: &str) {
+    check_tunnels(builder, k, stall, TUNNEL_ID, what).await
+}
+
+/// [`check`] with the stalled calls to `stalled_tunnel` (the small calls go to
+/// [`TUNNEL_ID`]).
+async fn check_tunnels(
+    builder: StackBuilder,
+    k: usize,
+    stall: Stall,
+    stalled_tunnel: &str,
+    what: &str,
+) {
     let _serial = SERIAL.lock().await;
     let stack = builder.start().await.unwrap();
     stack.wait_routable(Duration::from_secs(20)).await.unwrap();
@@ -104,7 +116,7 @@ async fn check(builder: StackBuilder, k: usize, stall: Stall, what: &str) {
                 let d = StalledDownload::start(
                     stack.http,
                     CALLER_KEY,
-                    &format!("/relay/{TUNNEL_ID}/bytes/{DOWNLOAD_BYTES}"),
+                    &format!("/relay/{stalled_tunnel}/bytes/{DOWNLOAD_BYTES}"),
                     STALL_DEADLINE,
                     Duration::from_secs(10),
                 )
@@ -121,7 +133,7 @@ async fn check(builder: StackBuilder, k: usize, stall: Stall, what: &str) {
                     StalledUpload::start(
                         stack.http,
                         CALLER_KEY,
-                        &format!("/relay/{TUNNEL_ID}/stall-body/3600000"),
+                        &format!("/relay/{stalled_tunnel}/stall-body/3600000"),
                         UPLOAD_BYTES,
                         STALL_DEADLINE,
                     )
@@ -232,4 +244,54 @@ async fn stalled_downloads_and_uploads_stay_their_own_in_the_colocated_mode() {
     };
     check(colocated(), k, Stall::Downloads, "co-located, downloads").await;
     check(colocated(), k, Stall::Uploads, "co-located, uploads").await;
+}
+
+/// A stack whose agents reach one tunnel server through a real HAProxy (`mode http`,
+/// HTTP/2 both sides, the example config's settings): HAProxy's own per-stream buffers sit
+/// between the agents and the server, and HAProxy 2.6 (Debian 12's) stops reading a whole
+/// connection when one stream's buffer is full. The relay's body credit keeps every call's
+/// bytes in flight within the receiving hop's window, so that buffer never fills.
+async fn behind_haproxy(agents: usize) -> (StackBuilder, relay_tests::haproxy::Haproxy) {
+    use relay_tests::haproxy::{Backend, Haproxy};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let haproxy = Haproxy::start(vec![Backend {
+        name: "ts-1".into(),
+        addr: listener.local_addr().unwrap(),
+        admin: None,
+        weight: 100,
+        disabled: false,
+    }])
+    .await
+    .unwrap();
+    let url = haproxy.url();
+    let builder = Stack::builder()
+        .servers(1)
+        .agents(agents)
+        .server_agent_listeners(vec![listener])
+        .agent_config(move |c| c.tunnels = vec![url]);
+    (builder, haproxy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_downloads_through_haproxy_leave_the_agents_other_calls_flowing() {
+    let (builder, _haproxy) = behind_haproxy(1).await;
+    let k = one_more_than_the_window_holds(H2Limits::TUNNEL);
+    check(builder, k, Stall::Downloads, "through HAProxy, downloads").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_uploads_of_one_tenant_through_haproxy_leave_another_tenants_calls_flowing() {
+    // Both agents' streams share HAProxy's connections to the tunnel server: a full stream
+    // buffer there would stop the other tenant's calls.
+    let (builder, _haproxy) = behind_haproxy(2).await;
+    let k = one_more_than_the_window_holds(H2Limits::TUNNEL);
+    let other = relay_tests::stack::agent_identity(1).1;
+    check_tunnels(
+        builder,
+        k,
+        Stall::Uploads,
+        &other,
+        "through HAProxy, uploads",
+    )
+    .await;
 }

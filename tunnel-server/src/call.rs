@@ -37,7 +37,7 @@
 //! and one channel hand-off less for the agent and this server per call. An agent that did
 //! not announce it gets a body from a head as a body frame of its own.
 
-use crate::handle::CallSlot;
+use crate::handle::{CallCredit, CallSlot};
 use crate::hub::{AcquireError, Hub, Lease};
 use crate::outcome::Outcome;
 use dashmap::DashMap;
@@ -215,7 +215,7 @@ impl Call {
         } else {
             Handshake::Clear
         };
-        let (lease, call_id, mut done) = loop {
+        let (lease, call_id, mut done, request_credit) = loop {
             let lease = match self.acquire(started, &mut handshake).await {
                 Ok(lease) => lease,
                 Err(outcome) => return (outcome, None),
@@ -231,16 +231,19 @@ impl Call {
             }
             let call_id = hub.next_call_id();
             let (done_tx, done) = oneshot::channel();
+            let credit = lease.stream().credit.map(|c| CallCredit::new(c.request));
+            let request_credit = credit.as_ref().map(|c| c.request.clone());
             let slot = CallSlot {
                 call_id,
                 to_caller: self.to_caller.clone(),
                 done: done_tx,
                 head_seen: false,
+                credit,
             };
             // A stream closed between acquire and now saw no call: drop its lease (the hub
             // closes it) and take another.
             if lease.begin_call(slot).is_ok() {
-                break (lease, call_id, done);
+                break (lease, call_id, done, request_credit);
             }
         };
         let on_stream = OnStream {
@@ -291,11 +294,15 @@ impl Call {
             });
         }
         debug!(tunnel_id = %self.tunnel_id, call_id, stream_id = stream.id, "call on stream");
+        // A body in the head counts against the request credit (at least two chunks, so it
+        // is there at once).
+        take_credit(&request_credit, head.body.len()).await;
         // If the stream died, its reader ends the call as stream lost.
         let _ = stream
             .send(ServerFrame::of(server_frame::Kind::RequestHead(head)))
             .await;
         if let Some(chunk) = split {
+            take_credit(&request_credit, chunk.data.len()).await;
             let _ = stream
                 .send(ServerFrame::of(server_frame::Kind::RequestBody(chunk)))
                 .await;
@@ -326,7 +333,20 @@ impl Call {
                         }
                         body_open = !chunk.end;
                         chunk.call_id = call_id;
-                        let _ = stream.send(ServerFrame::of(server_frame::Kind::RequestBody(chunk))).await;
+                        // With body credit, no more of the body than the agent gave credit
+                        // for goes out (a call that left the stream gets none: its end is
+                        // next). The caller leaving still cancels meanwhile.
+                        let taken = tokio::select! {
+                            biased;
+                            _ = &mut gone => {
+                                stream.try_send(cancel());
+                                break;
+                            }
+                            taken = take_credit(&request_credit, chunk.data.len()) => taken,
+                        };
+                        if taken {
+                            let _ = stream.send(ServerFrame::of(server_frame::Kind::RequestBody(chunk))).await;
+                        }
                     }
                     Ok(None) if body_open => {
                         // The dispatcher ended its half without an end flag: end the body.
@@ -437,5 +457,20 @@ where
     match ahead.take() {
         Some(msg) => msg,
         None => inbound.next().await,
+    }
+}
+
+/// Takes `n` bytes of a call's request credit (nothing to take when the stream has no
+/// credit); false when the call left the stream meanwhile (its credit is closed then).
+async fn take_credit(credit: &Option<Arc<tokio::sync::Semaphore>>, n: usize) -> bool {
+    match credit {
+        Some(s) if n > 0 => match s.acquire_many(n as u32).await {
+            Ok(p) => {
+                p.forget();
+                true
+            }
+            Err(_) => false,
+        },
+        _ => true,
     }
 }

@@ -81,12 +81,23 @@ pub struct StreamHandle {
     /// The agent reads a small request body inside the request head
     /// (`relay-agent-features: inline-body`); older agents would drop it.
     pub inline_body: bool,
+    /// Body credit on this stream (`ServerHello.response_credit`), when the agent asked.
+    pub credit: Option<StreamCredit>,
     out: mpsc::Sender<OutFrame>,
     /// Shared with the outbound half, which reads the closing status once `closed` fires.
     inner: Arc<Mutex<Inner>>,
     /// Fires on the move to `Closed` (except a reader ending on a protocol error, whose
     /// status is queued on `out`): wakes the reader and ends the outbound half.
     closed: CancellationToken,
+}
+
+/// The body credit both ways on a stream that uses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamCredit {
+    /// Request-body bytes a call may have sent the agent beyond its `Credit` frames.
+    pub request: u32,
+    /// Response-body bytes the agent may have sent beyond this server's `Credit` frames.
+    pub response: u32,
 }
 
 /// Where the agent's frames for the call on a stream go.
@@ -99,6 +110,43 @@ pub struct CallSlot {
     pub done: oneshot::Sender<Outcome>,
     /// The agent's response head went through.
     pub head_seen: bool,
+    /// Body credit on a stream that uses it (`ServerHello.response_credit`).
+    pub credit: Option<CallCredit>,
+}
+
+/// A call's body credit, both ways (see `ServerHello.response_credit` in `tunnel.proto`).
+#[derive(Debug)]
+pub struct CallCredit {
+    /// Request-body bytes the server may still send the agent; the call's task takes from
+    /// it before each body frame, the agent's `Credit` frames give back. Closed when the call
+    /// leaves the stream, so a task waiting on it stops.
+    pub request: Arc<tokio::sync::Semaphore>,
+    /// The agent's request-body credit: the most `request` may hold.
+    pub request_limit: u32,
+    /// Response-body bytes the agent sent that this server has not given back.
+    pub response_unacked: u32,
+    /// Of those, bytes passed on to the caller and not yet given back.
+    pub response_passed: u32,
+}
+
+impl CallCredit {
+    pub fn new(request_limit: u32) -> Self {
+        CallCredit {
+            request: Arc::new(tokio::sync::Semaphore::new(request_limit as usize)),
+            request_limit,
+            response_unacked: 0,
+            response_passed: 0,
+        }
+    }
+
+    /// The agent gave back `bytes` of request credit; more than it could owe is capped.
+    pub fn give_back_request(&self, bytes: u32) {
+        let room = (self.request_limit as usize).saturating_sub(self.request.available_permits());
+        let add = (bytes as usize).min(room);
+        if add > 0 {
+            self.request.add_permits(add);
+        }
+    }
 }
 
 /// What the reader needs to end a stream: the call on it and whether it was revoked or
@@ -123,6 +171,7 @@ impl StreamHandle {
             token_hash,
             wants_fleet: features.fleet,
             inline_body: features.inline_body,
+            credit: None,
             out,
             inner: Arc::new(Mutex::new(Inner {
                 state: State::Open,
@@ -133,6 +182,12 @@ impl StreamHandle {
             })),
             closed: CancellationToken::new(),
         }
+    }
+
+    /// The stream uses body credit (`ServerHello.response_credit`).
+    pub fn with_credit(mut self, credit: Option<StreamCredit>) -> Self {
+        self.credit = credit;
+        self
     }
 
     /// Open and its agent still listening: the hub may hand it a call.
@@ -162,6 +217,18 @@ impl StreamHandle {
         if inner.call.is_some() {
             inner.whole_request = true;
         }
+    }
+
+    /// The credit of call `call_id`, if it is the call on the stream and the stream uses
+    /// credit.
+    pub fn call_credit<T>(&self, call_id: u64, f: impl FnOnce(&mut CallCredit) -> T) -> Option<T> {
+        let mut inner = self.inner.lock();
+        inner
+            .call
+            .as_mut()
+            .filter(|c| c.call_id == call_id)
+            .and_then(|c| c.credit.as_mut())
+            .map(f)
     }
 
     /// The reader waits for (`true`), or got past (`false`), the caller taking a frame.
@@ -253,6 +320,9 @@ impl StreamHandle {
     pub fn end_call(&self, outcome: Outcome) {
         let slot = self.inner.lock().call.take();
         if let Some(slot) = slot {
+            if let Some(c) = &slot.credit {
+                c.request.close();
+            }
             let _ = slot.done.send(outcome);
         }
     }
@@ -265,8 +335,12 @@ impl StreamHandle {
         if !matches!(inner.state, State::Closed { .. }) {
             inner.state = State::Closed { status: None };
         }
+        let call = inner.call.take();
+        if let Some(c) = call.as_ref().and_then(|c| c.credit.as_ref()) {
+            c.request.close();
+        }
         Ending {
-            call: inner.call.take(),
+            call,
             revoked,
             silent: inner.silent,
         }
@@ -352,6 +426,7 @@ mod tests {
             to_caller,
             done,
             head_seen: false,
+            credit: None,
         };
         (slot, rx)
     }

@@ -321,6 +321,7 @@ pub async fn start_with_front(
     }
     let tunnel = stream::TunnelService {
         liveness,
+        response_credit: relay_proto::body_credit(agent_h2.stream_window_bytes),
         hub: hub.clone(),
         tokens: tokens.clone(),
         server_id: server_id.clone(),

@@ -13,7 +13,7 @@
 //! network. A first ping goes out right after the hello so the figure is known within a
 //! round trip of the stream opening rather than a heartbeat later.
 
-use crate::handle::{AgentFeatures, OutFrame, StreamHandle};
+use crate::handle::{AgentFeatures, OutFrame, StreamCredit, StreamHandle};
 use crate::hub::{AddError, Hub};
 use crate::outcome::Outcome;
 use futures::StreamExt;
@@ -52,6 +52,9 @@ pub struct TunnelService {
     pub listener: Arc<relay_common::listen::ListenerGuard>,
     /// Liveness of the agents' named connections (`crate::liveness`); `None`: off.
     pub liveness: Option<Arc<crate::liveness::Conns>>,
+    /// The response-body credit offered to an agent that asks for body credit
+    /// (`relay_proto::body_credit` of `[agent_h2] stream_window_bytes`).
+    pub response_credit: u32,
 }
 
 type ConnectStream = Pin<Box<dyn Stream<Item = Result<ServerFrame, Status>> + Send + 'static>>;
@@ -109,14 +112,28 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             .and_then(|v| v.to_str().ok())
             .map(AgentFeatures::parse)
             .unwrap_or_default();
+        // Body credit, when the agent asks for it with a credit of at least two chunks.
+        let credit = request
+            .metadata()
+            .get(relay_proto::AGENT_CREDIT)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|&c| c as usize >= 2 * relay_proto::MAX_CHUNK)
+            .map(|request| StreamCredit {
+                request,
+                response: self.response_credit,
+            });
         let (out, out_rx) = mpsc::channel(OUT_BUFFER);
-        let handle = Arc::new(StreamHandle::new(
-            self.hub.next_stream_id(),
-            tunnel_id.clone(),
-            token_hash,
-            features,
-            out,
-        ));
+        let handle = Arc::new(
+            StreamHandle::new(
+                self.hub.next_stream_id(),
+                tunnel_id.clone(),
+                token_hash,
+                features,
+                out,
+            )
+            .with_credit(credit),
+        );
         // The agent's connection, proved alive end to end when the agent names it.
         let conn_name = request
             .metadata()
@@ -152,6 +169,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             direct_url: self.direct_url.clone(),
             unix_time_ms: relay_common::wall::unix_ms(),
             liveness_ms,
+            response_credit: credit.map_or(0, |c| c.response),
         };
         // The hello goes first, then the fleet; the stream takes calls once the agent
         // confirms it (see `Hub::confirm`).
@@ -411,6 +429,48 @@ impl Reader {
         }
     }
 
+    /// With body credit: whether `n` more response-body bytes of the call stay within the
+    /// credit this server gave (they are counted then). True on a stream without credit.
+    fn response_credit_allows(&self, call_id: u64, n: u32) -> bool {
+        let Some(limit) = self.handle.credit.map(|c| c.response) else {
+            return true;
+        };
+        self.handle
+            .call_credit(call_id, |c| {
+                let after = c.response_unacked.saturating_add(n);
+                let ok = after <= limit;
+                if ok {
+                    c.response_unacked = after;
+                }
+                ok
+            })
+            .unwrap_or(true)
+    }
+
+    /// With body credit: `n` response-body bytes of the call went on to the caller; once a
+    /// step's worth did, they are given back to the agent.
+    async fn passed_on(&self, call_id: u64, n: u32) {
+        let grant = self
+            .handle
+            .call_credit(call_id, |c| {
+                c.response_passed = c.response_passed.saturating_add(n);
+                if (c.response_passed as usize) < relay_proto::CREDIT_STEP {
+                    return None;
+                }
+                let g = std::mem::take(&mut c.response_passed);
+                c.response_unacked = c.response_unacked.saturating_sub(g);
+                Some(g)
+            })
+            .flatten();
+        if let Some(bytes) = grant {
+            let credit = relay_proto::Credit { call_id, bytes };
+            let _ = self
+                .handle
+                .send(ServerFrame::of(server_frame::Kind::Credit(credit)))
+                .await;
+        }
+    }
+
     /// Hands a frame of the answer to the caller, marking the stream while the caller makes
     /// the reader wait (its agent frames then wait here, not on the path).
     async fn to_caller(
@@ -440,6 +500,12 @@ impl Reader {
         };
         match kind {
             Kind::Pong(_) => Ok(()),
+            Kind::Credit(c) => {
+                // Credit for a call that already left the stream is moot.
+                self.handle
+                    .call_credit(c.call_id, |credit| credit.give_back_request(c.bytes));
+                Ok(())
+            }
             Kind::GoingAway(_) => {
                 if self.handle.going_away() {
                     self.hub.retire(&self.handle);
@@ -501,11 +567,18 @@ impl Reader {
                         "response body chunk larger than 64 KiB",
                     )));
                 }
+                let n = chunk.data.len() as u32;
+                if !end && !self.response_credit_allows(call_id, n) {
+                    return Err(protocol(Status::invalid_argument(format!(
+                        "response body of call {call_id} beyond the server's credit"
+                    ))));
+                }
                 let frame = ForwardResponse::of(forward_response::Kind::Body(chunk));
                 if end {
                     self.handle.end_call(Outcome::Ok(frame));
                 } else {
                     self.to_caller(&to_caller, frame).await;
+                    self.passed_on(call_id, n).await;
                 }
                 Ok(())
             }

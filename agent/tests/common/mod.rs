@@ -121,6 +121,8 @@ impl Conn {
                     a.error = Some(e);
                     return a;
                 }
+                // The fake server offers no body credit: an agent never sends it any.
+                Out::Credit(c) => panic!("credit on a stream without body credit: {c:?}"),
                 Out::Pong(_) | Out::GoingAway(_) => {}
             }
         }
@@ -200,6 +202,7 @@ impl Tunnel for Svc {
             direct_url: String::new(),
             unix_time_ms: 0,
             liveness_ms: 0,
+            response_credit: 0,
         };
         tx.send(Ok(ServerFrame::of(In::Hello(hello))))
             .await

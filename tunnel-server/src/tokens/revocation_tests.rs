@@ -46,6 +46,7 @@ impl Server {
             heartbeat: Duration::from_secs(30),
             heartbeat_misses: 3,
             liveness: None,
+            response_credit: 0,
             tracker: tokio_util::task::TaskTracker::new(),
             listener: relay_common::listen::ListenerGuard::new(
                 "agent",
