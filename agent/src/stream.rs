@@ -369,9 +369,11 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             &link,
             out,
             inbound,
-            landing.heartbeat,
-            path,
-            credit,
+            Terms {
+                heartbeat: landing.heartbeat,
+                path,
+                credit,
+            },
             run_call,
         );
         link.emit(StreamEvent::Landed(landing.clone()));
@@ -518,6 +520,14 @@ struct ActiveCall {
     credit: Option<Arc<tokio::sync::Semaphore>>,
 }
 
+/// What a stream's hello agreed: the server's heartbeat (zero: none announced), the
+/// stream's place on its path when the server proves paths alive, and body credit.
+struct Terms {
+    heartbeat: Duration,
+    path: Option<crate::liveness::PathSlot>,
+    credit: Option<Credit>,
+}
+
 /// Body credit both ways on a stream that uses it (`ServerHello.response_credit`).
 #[derive(Clone, Copy, Debug)]
 struct Credit {
@@ -603,11 +613,14 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
         link: &StreamLink,
         out: mpsc::Sender<AgentFrame>,
         inbound: Streaming<ServerFrame>,
-        heartbeat: Duration,
-        path: Option<crate::liveness::PathSlot>,
-        credit: Option<Credit>,
+        terms: Terms,
         start_call: StartCall<F>,
     ) -> Self {
+        let Terms {
+            heartbeat,
+            path,
+            credit,
+        } = terms;
         let silence = (!heartbeat.is_zero()).then(|| heartbeat.saturating_mul(3));
         let far = Instant::now() + Duration::from_secs(86_400 * 365);
         let dead_at = silence.map_or(far, |s| Instant::now() + s);

@@ -8,9 +8,11 @@
 //! calls per second they had alone, with none failing. "Alone" is measured before the
 //! stall and again after the stalled calls ended (their callers left, or their deadline
 //! passed: an HTTP/1.1 caller that leaves in the middle of an upload it cannot finish is
-//! seen only at the deadline), and the lower of the two is the reference, so that a busy
-//! neighbour on the machine during one window is not taken for the relay's doing. The
-//! tests of this file run one at a time.
+//! seen only at the deadline), and the lower of the two is the reference; the calls with
+//! the stall are measured in two windows and the better one counts. So a busy neighbour
+//! on the machine during one window is not taken for the relay's doing, while a stall
+//! that takes the connection's window stops every window alike. The tests of this file
+//! run one at a time.
 
 use relay_common::h2::{H2Limits, H2Settings};
 use relay_tests::fault::{StalledDownload, StalledUpload};
@@ -31,8 +33,8 @@ const WORKERS: usize = 8;
 /// Large enough that no buffer on the way (kernel socket buffers included) absorbs it.
 const DOWNLOAD_BYTES: u64 = 64 * 1024 * 1024;
 const UPLOAD_BYTES: u64 = 64 * 1024 * 1024;
-/// The stalled calls' deadline: they hold on through the measure, then end.
-const STALL_DEADLINE: Duration = Duration::from_secs(20);
+/// The stalled calls' deadline: they hold on through the measures, then end.
+const STALL_DEADLINE: Duration = Duration::from_secs(25);
 
 /// The tests of this file, one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -152,7 +154,11 @@ async fn check_tunnels(
             }
         }
     }
-    let (stalled, failed) = small_calls(&stack).await;
+    // Two windows with the calls stalled; the better one counts (a neighbour on the
+    // machine slows a window, a stall would slow both).
+    let (first, failed_first) = small_calls(&stack).await;
+    let (second, failed_second) = small_calls(&stack).await;
+    let (stalled, failed) = (first.max(second), failed_first + failed_second);
     assert_eq!(
         failed, 0,
         "{what}: calls failed while {k} calls were stalled"
