@@ -99,9 +99,10 @@ pub struct UpstreamCheckConfig {
     pub timeout: Duration,
 }
 
-/// Largest `limits.max_headers` accepted: a request's headers become one `HeaderMap`,
-/// which holds at most 32768 entries (and panics when sized past 24576).
-pub const MAX_HEADERS_BOUND: usize = 16_384;
+/// Largest `limits.max_headers` accepted: the protocol's bound on a head's records (a frame
+/// with more is refused as it is decoded); a request's headers also become one
+/// `HeaderMap`, which holds at most 32768 entries (and panics when sized past 24576).
+pub const MAX_HEADERS_BOUND: usize = relay_proto::MAX_HEAD_RECORDS;
 
 /// `[limits]`. The concurrent-call cap is `coverage.max_inflight`.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
