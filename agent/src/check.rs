@@ -446,7 +446,7 @@ async fn tunnel(
             return;
         }
     };
-    let (endpoint, channel, _) = dialer.pick();
+    let (endpoint, channel, _, _) = dialer.pick();
     let sent_at = relay_common::wall::now();
     let started = Instant::now();
     let opened =

@@ -22,7 +22,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use relay_common::config::ConfigError;
-use relay_common::grpc::GrpcClient;
+use relay_common::grpc::{GrpcClient, PeerAddr};
 use relay_common::Secret;
 use relay_proto::agent_frame::Kind as Out;
 use relay_proto::server_frame::Kind as In;
@@ -62,10 +62,15 @@ pub struct Dialer {
     client: GrpcClient,
     /// `max_frame_bytes`: the largest message sent to or decoded from a tunnel server.
     max_frame_bytes: usize,
-    /// Per endpoint URI: the cached channel and its generation (see [`Dialer::evict`]).
-    channels: Mutex<HashMap<String, (u64, Channel)>>,
+    /// Per endpoint URI: the cached channel, its generation (see [`Dialer::evict`]) and
+    /// the remote address of its connection.
+    channels: Mutex<HashMap<String, (u64, Channel, PeerAddr)>>,
     next_generation: std::sync::atomic::AtomicU64,
 }
+
+/// A picked endpoint: its URI, channel, which cached connection it is, and that
+/// connection's remote address.
+pub(crate) type Picked = (String, Channel, ChannelId, PeerAddr);
 
 /// Which cached connection a stream was opened on, so a stream that finds it dead can
 /// have it replaced.
@@ -131,7 +136,7 @@ impl Dialer {
     }
 
     /// A channel to a random endpoint (created lazily, then reused).
-    pub(crate) fn pick(&self) -> (String, Channel, ChannelId) {
+    pub(crate) fn pick(&self) -> Picked {
         let i = if self.endpoints.len() == 1 {
             0
         } else {
@@ -144,7 +149,7 @@ impl Dialer {
     /// A channel straight to a server's advertised `direct_url`. Refused when its scheme
     /// does not match how the agent dials its tunnels: with `[tls]` the token only ever
     /// goes over TLS verified against the agent's trust.
-    fn pick_direct(&self, url: &str) -> Result<(String, Channel, ChannelId), OpenError> {
+    fn pick_direct(&self, url: &str) -> Result<Picked, OpenError> {
         let https = url.starts_with("https://");
         if https != self.client.is_tls() {
             return Err(OpenError::Other(format!(
@@ -164,23 +169,24 @@ impl Dialer {
         Ok(self.channel(e))
     }
 
-    fn channel(&self, endpoint: Endpoint) -> (String, Channel, ChannelId) {
+    fn channel(&self, endpoint: Endpoint) -> Picked {
         let key = endpoint.uri().to_string();
         let mut channels = self.channels.lock();
-        let (generation, channel) = channels
+        let (generation, channel, peer) = channels
             .entry(key.clone())
             .or_insert_with(|| {
                 let g = self
                     .next_generation
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                (g, self.client.lazy(endpoint))
+                let peer = PeerAddr::default();
+                (g, self.client.lazy_observed(endpoint, peer.clone()), peer)
             })
             .clone();
         let id = ChannelId {
             endpoint: key.clone(),
             generation,
         };
-        (key, channel, id)
+        (key, channel, id, peer)
     }
 
     /// Forgets the cached connection `id` (if it is still the cached one), so the next
@@ -193,7 +199,7 @@ impl Dialer {
         let mut channels = self.channels.lock();
         if channels
             .get(&id.endpoint)
-            .is_some_and(|(g, _)| *g == id.generation)
+            .is_some_and(|(g, _, _)| *g == id.generation)
         {
             channels.remove(&id.endpoint);
         }
@@ -240,7 +246,7 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             Some(url) => ctx.dialer.pick_direct(url),
             None => Ok(ctx.dialer.pick()),
         };
-        let (endpoint, channel, channel_id) = match picked {
+        let (endpoint, channel, channel_id, peer) = match picked {
             Ok(p) => p,
             Err(e) => {
                 drop(turn);
@@ -271,6 +277,9 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             tunnel_id: hello.tunnel_id,
         };
         debug!(server_id = %landing.server_id, server_stream = landing.server_stream_id, "landed");
+        // The connection the hello came on: its remote address is what `$tunnel_peer`
+        // stands for in the calls this stream serves.
+        let tunnel_peer = peer.get().map(|a| a.ip());
         let session = Session::new(
             ctx.clone(),
             &link,
@@ -278,7 +287,8 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             inbound,
             landing.heartbeat,
             run_call,
-        );
+        )
+        .with_tunnel_peer(tunnel_peer);
         link.emit(StreamEvent::Landed(landing.clone()));
         let reason = session.run(&mut link).await;
         if reason == CloseReason::HeartbeatMissed {
@@ -414,7 +424,13 @@ struct ActiveCall {
 
 /// How a stream starts a call (`run_call`; named here so the session can keep the call's
 /// future in a slot of its own type).
-type StartCall<F> = fn(Arc<CallContext>, RequestHead, RequestBody, mpsc::Sender<AgentFrame>) -> F;
+type StartCall<F> = fn(
+    Arc<CallContext>,
+    RequestHead,
+    RequestBody,
+    Option<std::net::IpAddr>,
+    mpsc::Sender<AgentFrame>,
+) -> F;
 
 /// The future of the call in flight, in one allocation the stream keeps from its first call
 /// to its end. A call's future is about 2.6 KiB: boxing each one was an allocation past
@@ -461,6 +477,8 @@ struct Session<F> {
     call: Option<ActiveCall>,
     start_call: StartCall<F>,
     call_fut: CallSlot<F>,
+    /// The remote address of this stream's connection, handed to its calls.
+    tunnel_peer: Option<std::net::IpAddr>,
     /// A request body chunk (and its end flag) waiting for room in the body channel.
     /// While it waits, no further frame is read: the server is pushed back by flow control.
     pending: Option<(Bytes, bool)>,
@@ -493,6 +511,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
             call: None,
             start_call,
             call_fut: CallSlot(None),
+            tunnel_peer: None,
             pending: None,
             last_ended: None,
             retire_seen: false,
@@ -500,6 +519,11 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
             draining: false,
             events: link.events_sender(),
         }
+    }
+
+    fn with_tunnel_peer(mut self, peer: Option<std::net::IpAddr>) -> Self {
+        self.tunnel_peer = peer;
+        self
     }
 
     fn emit(&self, id: crate::coverage::plan::StreamId, ev: StreamEvent) {
@@ -666,6 +690,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     self.ctx.calls.clone(),
                     head,
                     body,
+                    self.tunnel_peer,
                     self.out.clone(),
                 ));
             }

@@ -529,9 +529,26 @@ impl TlsClient {
     > + Clone
            + Send
            + 'static {
+        self.tonic_connector_to(None)
+    }
+
+    /// [`TlsClient::tonic_connector`] that also records each connection's remote address
+    /// in `peer`.
+    pub fn tonic_connector_to(
+        &self,
+        peer: Option<crate::grpc::PeerAddr>,
+    ) -> impl tower::Service<
+        http::Uri,
+        Response = TlsIo,
+        Error = std::io::Error,
+        Future = ConnectFuture,
+    > + Clone
+           + Send
+           + 'static {
         let me = self.clone();
         tower::service_fn(move |uri: http::Uri| {
             let me = me.clone();
+            let peer = peer.clone();
             Box::pin(async move {
                 let host = dial_host(&uri)?;
                 let port = uri.port_u16().unwrap_or(443);
@@ -541,6 +558,9 @@ impl TlsClient {
                     format!("{host}:{port}")
                 };
                 let tls = me.connect(&host, &addr).await?;
+                if let Some(peer) = &peer {
+                    peer.set(tls.get_ref().0.peer_addr().ok());
+                }
                 Ok(hyper_util::rt::TokioIo::new(crate::h2io::H2Io::new(tls)))
             }) as ConnectFuture
         })
