@@ -320,20 +320,37 @@ fn open_failed(ctx: &StreamContext, link: &StreamLink, e: OpenError) {
     link.emit(StreamEvent::OpenFailed(e));
 }
 
+/// A tunnel server's words (a status message) as they may enter a log line, an error or
+/// `relay-agent check`'s table: control characters (newlines, ANSI escapes) escaped and
+/// cut to `MAX_PEER_MESSAGE` characters, so a server cannot forge log lines.
+pub(crate) fn server_text(message: &str) -> String {
+    relay_proto::escape_message(message, relay_proto::MAX_PEER_MESSAGE)
+}
+
 fn status_to_open_error(s: &tonic::Status) -> OpenError {
+    let message = server_text(s.message());
     match s.code() {
-        tonic::Code::Unauthenticated => OpenError::Unauthenticated(s.message().to_string()),
+        tonic::Code::Unauthenticated => OpenError::Unauthenticated(message),
         tonic::Code::ResourceExhausted => {
             let md = s.metadata();
-            let text = |k: &str| md.get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
-            let refused = text("relay-server-id").map(|server_id| crate::error::Refused {
+            // Names that reach log lines and plans: only printable ones.
+            let name = |k: &str| {
+                md.get(k)
+                    .and_then(|v| v.to_str().ok())
+                    .filter(|v| relay_common::server_id::is_valid(v))
+                    .map(str::to_string)
+            };
+            let refused = name("relay-server-id").map(|server_id| crate::error::Refused {
                 server_id,
-                instance_id: text("relay-instance-id").unwrap_or_default(),
-                cap: text("relay-max-streams").and_then(|c| c.parse().ok()),
+                instance_id: name("relay-instance-id").unwrap_or_default(),
+                cap: md
+                    .get("relay-max-streams")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|c| c.parse().ok()),
             });
-            OpenError::Exhausted(s.message().to_string(), refused)
+            OpenError::Exhausted(message, refused)
         }
-        code => OpenError::Other(format!("{code:?}: {}", s.message())),
+        code => OpenError::Other(format!("{code:?}: {message}")),
     }
 }
 
@@ -632,7 +649,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                 return Err(CloseReason::Status(format!(
                     "{:?}: {}",
                     s.code(),
-                    s.message()
+                    server_text(s.message())
                 )))
             }
         };
@@ -669,7 +686,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     )));
                 }
                 // A head that crossed our GoingAway on the wire is still served.
-                debug!(call_id = head.call_id, method = %head.method, "call started");
+                debug!(call_id = head.call_id, method = ?head.method, "call started");
                 let (body_tx, body) = if !head.body.is_empty() {
                     // The head keeps it too: the accept filter checks it against the head.
                     (None, RequestBody::Whole(head.body.clone()))

@@ -163,6 +163,8 @@ pub struct Svc {
     pub next_stream: Arc<AtomicU64>,
     /// The `server_id` of every hello.
     pub server_id: String,
+    /// The message of the UNAUTHENTICATED status a refused open gets.
+    pub refusal: Arc<Mutex<String>>,
 }
 
 #[tonic::async_trait]
@@ -180,7 +182,8 @@ impl Tunnel for Svc {
             .unwrap_or("");
         if auth != format!("Bearer {TOKEN}") || !self.accept.load(Ordering::SeqCst) {
             self.rejections.lock().unwrap().push(Instant::now());
-            return Err(Status::unauthenticated("unknown token"));
+            let message = self.refusal.lock().unwrap().clone();
+            return Err(Status::unauthenticated(message));
         }
         let features = req
             .metadata()
@@ -217,6 +220,8 @@ pub struct FakeTunnel {
     pub conns: mpsc::UnboundedReceiver<Conn>,
     pub accept: Arc<AtomicBool>,
     pub rejections: Arc<Mutex<Vec<Instant>>>,
+    /// The message of the UNAUTHENTICATED status a refused open gets.
+    pub refusal: Arc<Mutex<String>>,
     pub _stop: oneshot::Sender<()>,
 }
 
@@ -232,6 +237,7 @@ impl FakeTunnel {
         let (conns_tx, conns) = mpsc::unbounded_channel();
         let accept = Arc::new(AtomicBool::new(accept));
         let rejections = Arc::new(Mutex::new(Vec::new()));
+        let refusal = Arc::new(Mutex::new("unknown token".to_string()));
         let svc = Svc {
             conns: conns_tx,
             accept: accept.clone(),
@@ -239,6 +245,7 @@ impl FakeTunnel {
             heartbeat_ms,
             next_stream: Arc::new(AtomicU64::new(1)),
             server_id: server_id.to_string(),
+            refusal: refusal.clone(),
         };
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(
@@ -253,6 +260,7 @@ impl FakeTunnel {
             conns,
             accept,
             rejections,
+            refusal,
             _stop: stop,
         }
     }
