@@ -23,6 +23,7 @@ use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use relay_common::config::ConfigError;
 use relay_common::grpc::{GrpcClient, PeerAddr};
+use relay_common::hosts::{Host, HostRule};
 use relay_common::Secret;
 use relay_proto::agent_frame::Kind as Out;
 use relay_proto::server_frame::Kind as In;
@@ -62,10 +63,30 @@ pub struct Dialer {
     client: GrpcClient,
     /// `max_frame_bytes`: the largest message sent to or decoded from a tunnel server.
     max_frame_bytes: usize,
+    /// Hosts a server's `direct_url` may name (`direct_hosts`, or the hosts of `tunnels`).
+    direct_hosts: Vec<HostRule>,
     /// Per endpoint URI: the cached channel, its generation (see [`Dialer::evict`]) and
     /// the remote address of its connection.
     channels: Mutex<HashMap<String, (u64, Channel, PeerAddr)>>,
     next_generation: std::sync::atomic::AtomicU64,
+}
+
+/// Why a server's `direct_url` is not dialed.
+#[derive(Debug)]
+enum DirectRefusal {
+    /// Its host is not one `direct_hosts` allows (counted in
+    /// `relay_agent_direct_urls_refused_total`).
+    Host(String),
+    /// Its scheme does not match the agent's `[tls]`, or it is no URL tonic can dial.
+    Other(String),
+}
+
+impl DirectRefusal {
+    fn into_message(self) -> String {
+        match self {
+            DirectRefusal::Host(m) | DirectRefusal::Other(m) => m,
+        }
+    }
 }
 
 /// A picked endpoint: its URI, channel, which cached connection it is, and that
@@ -93,6 +114,13 @@ impl Dialer {
     /// The largest gRPC message a stream sends or decodes (`max_frame_bytes`).
     pub fn with_max_frame_bytes(mut self, max: usize) -> Self {
         self.max_frame_bytes = max;
+        self
+    }
+
+    /// The hosts a server's advertised `direct_url` may name (`Config::direct_host_rules`);
+    /// without, no direct URL is dialed.
+    pub fn with_direct_hosts(mut self, rules: Vec<HostRule>) -> Self {
+        self.direct_hosts = rules;
         self
     }
 
@@ -130,6 +158,7 @@ impl Dialer {
             auth,
             client,
             max_frame_bytes: relay_proto::DEFAULT_MAX_FRAME_BYTES,
+            direct_hosts: Vec::new(),
             channels: Mutex::new(HashMap::new()),
             next_generation: std::sync::atomic::AtomicU64::new(1),
         })
@@ -146,13 +175,25 @@ impl Dialer {
         self.channel(endpoint)
     }
 
-    /// A channel straight to a server's advertised `direct_url`. Refused when its scheme
-    /// does not match how the agent dials its tunnels: with `[tls]` the token only ever
-    /// goes over TLS verified against the agent's trust.
-    fn pick_direct(&self, url: &str) -> Result<Picked, OpenError> {
+    /// A channel straight to a server's advertised `direct_url`. Refused when its host is
+    /// not one `direct_hosts` allows (a tunnel server or dispatcher must not steer the
+    /// agent to hosts inside its network), and when its scheme does not match how the
+    /// agent dials its tunnels: with `[tls]` the token only ever goes over TLS verified
+    /// against the agent's trust.
+    fn pick_direct(&self, url: &str) -> Result<Picked, DirectRefusal> {
+        let shown = server_text(url);
+        let host = Host::of_url(url)
+            .ok_or_else(|| DirectRefusal::Host(format!("direct url {shown} names no host")))?;
+        if !self.direct_hosts.iter().any(|r| r.allows(&host)) {
+            return Err(DirectRefusal::Host(format!(
+                "direct url {shown} names host {}, which direct_hosts does not allow (default: the hosts of tunnels); not dialed",
+                server_text(&host.to_string())
+            )));
+        }
+        let url = shown.as_str();
         let https = url.starts_with("https://");
         if https != self.client.is_tls() {
-            return Err(OpenError::Other(format!(
+            return Err(DirectRefusal::Other(format!(
                 "direct url {url} is {} but the agent dials its tunnels {}",
                 if https { "https" } else { "plain http" },
                 if self.client.is_tls() {
@@ -165,7 +206,7 @@ impl Dialer {
         let e = self
             .client
             .endpoint(url)
-            .map_err(|e| OpenError::Other(format!("direct url {url}: {e}")))?;
+            .map_err(|e| DirectRefusal::Other(format!("direct url {url}: {e}")))?;
         Ok(self.channel(e))
     }
 
@@ -243,7 +284,12 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         // Wait for a turn (`max_opening`), so a big growth step goes out in waves.
         let turn = ctx.opens.clone().acquire_owned().await;
         let picked = match &link.target {
-            Some(url) => ctx.dialer.pick_direct(url),
+            Some(url) => ctx.dialer.pick_direct(url).map_err(|refusal| {
+                if let DirectRefusal::Host(_) = &refusal {
+                    ctx.metrics.direct_urls_refused.inc();
+                }
+                OpenError::Other(refusal.into_message())
+            }),
             None => Ok(ctx.dialer.pick()),
         };
         let (endpoint, channel, channel_id, peer) = match picked {

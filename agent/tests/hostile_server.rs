@@ -253,3 +253,80 @@ async fn status_messages_from_a_tunnel_server_are_escaped_in_the_agents_logs() {
         "{text}"
     );
 }
+
+/// A metric's value from the agent's `/metrics` (0 when the series is missing).
+async fn agent_metric(admin: SocketAddr, name: &str) -> f64 {
+    let (status, text) = http_get(admin, "/metrics").await;
+    assert_eq!(status, 200);
+    text.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A listener on an address inside the agent's network (127.0.0.2 stands for any internal
+/// host) that counts the connections it gets.
+async fn internal_host() -> (SocketAddr, Arc<AtomicU64>) {
+    let listener = TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            drop(sock);
+        }
+    });
+    (addr, accepted)
+}
+
+/// A tunnel server (or the dispatcher behind its fleet news) advertising a `direct_url` on a
+/// host inside the customer's network cannot make the agent dial it: with direct growth on,
+/// the agent fills through the endpoints it was given, counts and logs the refusal, and
+/// never connects there. Listed in `direct_hosts`, the same host is dialed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_url_outside_the_allowed_hosts_is_never_dialed() {
+    let upstream = hyper_upstream().await;
+    let (internal, accepted) = internal_host().await;
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    *tunnel.direct_url.lock().unwrap() = format!("http://{internal}");
+    let mut cfg = config(&tunnel.url, &upstream, 1);
+    cfg.coverage = CoverageConfig {
+        direct_growth: true,
+        tick: Duration::from_millis(50),
+        ..CoverageConfig::default()
+    };
+    let (_agent, admin) = start_agent(cfg.clone()).await;
+    let _first = tunnel.next_conn().await;
+    // Filling toward the reserve goes to the server's direct URL: refused, counted.
+    let deadline = Instant::now() + WAIT;
+    while agent_metric(admin, "relay_agent_direct_urls_refused_total").await < 1.0 {
+        assert!(Instant::now() < deadline, "no direct open was refused");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The agent grows through its tunnel endpoint instead.
+    let _second = tunnel.next_conn().await;
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        0,
+        "the agent dialed {internal}"
+    );
+    drop(_agent);
+
+    // The same host, allowed by the customer's config, is dialed.
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    *tunnel.direct_url.lock().unwrap() = format!("http://{internal}");
+    cfg.tunnels = vec![tunnel.url.clone()];
+    cfg.direct_hosts = vec!["127.0.0.2".into()];
+    let (_agent, admin) = start_agent(cfg).await;
+    let _first = tunnel.next_conn().await;
+    eventually("the agent dials the allowed direct URL", || {
+        accepted.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    assert_eq!(
+        agent_metric(admin, "relay_agent_direct_urls_refused_total").await,
+        0.0
+    );
+}

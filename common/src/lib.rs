@@ -13,6 +13,7 @@ pub mod grpc;
 pub mod h2;
 pub mod h2io;
 pub mod hop;
+pub mod hosts;
 pub mod listen;
 pub mod runtime;
 pub mod secret;

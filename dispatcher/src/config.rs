@@ -677,7 +677,7 @@ impl Config {
             ));
         }
         for (i, h) in r.forward_hosts.iter().enumerate() {
-            if let Err(why) = crate::hosts::HostRule::parse(h) {
+            if let Err(why) = relay_common::hosts::HostRule::parse(h) {
                 return Err(ConfigError::invalid(
                     format!("registry.forward_hosts[{i}]"),
                     why,

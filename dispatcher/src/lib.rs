@@ -27,7 +27,6 @@ pub mod forward;
 pub mod front;
 pub mod headers;
 pub mod hop;
-pub mod hosts;
 pub mod metrics;
 pub mod quota;
 pub mod registry;

@@ -165,6 +165,8 @@ pub struct Svc {
     pub server_id: String,
     /// The message of the UNAUTHENTICATED status a refused open gets.
     pub refusal: Arc<Mutex<String>>,
+    /// The `direct_url` every hello advertises ("" for none).
+    pub direct_url: Arc<Mutex<String>>,
 }
 
 #[tonic::async_trait]
@@ -200,7 +202,7 @@ impl Tunnel for Svc {
             tunnel_id: "demo".into(),
             protocol_version: relay_proto::PROTOCOL_VERSION,
             instance_id: "fake-1".into(),
-            direct_url: String::new(),
+            direct_url: self.direct_url.lock().unwrap().clone(),
             unix_time_ms: 0,
         };
         tx.send(Ok(ServerFrame::of(In::Hello(hello))))
@@ -222,6 +224,8 @@ pub struct FakeTunnel {
     pub rejections: Arc<Mutex<Vec<Instant>>>,
     /// The message of the UNAUTHENTICATED status a refused open gets.
     pub refusal: Arc<Mutex<String>>,
+    /// The `direct_url` every hello advertises ("" for none).
+    pub direct_url: Arc<Mutex<String>>,
     pub _stop: oneshot::Sender<()>,
 }
 
@@ -238,6 +242,7 @@ impl FakeTunnel {
         let accept = Arc::new(AtomicBool::new(accept));
         let rejections = Arc::new(Mutex::new(Vec::new()));
         let refusal = Arc::new(Mutex::new("unknown token".to_string()));
+        let direct_url = Arc::new(Mutex::new(String::new()));
         let svc = Svc {
             conns: conns_tx,
             accept: accept.clone(),
@@ -246,6 +251,7 @@ impl FakeTunnel {
             next_stream: Arc::new(AtomicU64::new(1)),
             server_id: server_id.to_string(),
             refusal: refusal.clone(),
+            direct_url: direct_url.clone(),
         };
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(
@@ -261,6 +267,7 @@ impl FakeTunnel {
             accept,
             rejections,
             refusal,
+            direct_url,
             _stop: stop,
         }
     }
