@@ -711,6 +711,37 @@ impl ListenerTls {
     }
 }
 
+impl ListenerTls {
+    /// Checks that a mutual-TLS listener whose client certificate is the peer's whole
+    /// authentication pins an identity: `client_names` lists the names a client
+    /// certificate must carry. Without it any certificate the CA signed (an agent's, another
+    /// service's) would be let in. `alternative` names another setting that pins the
+    /// identity instead (the dispatcher's `registry.server_id_in_cert`); when it is set the
+    /// check passes. Plain text (`insecure = true`) has nothing to pin.
+    pub fn require_pinned(
+        &self,
+        section: &str,
+        alternative: Option<(&str, bool)>,
+    ) -> Result<(), ConfigError> {
+        if self.insecure || !self.client_names.is_empty() {
+            return Ok(());
+        }
+        match alternative {
+            Some((_, true)) => Ok(()),
+            Some((key, false)) => Err(ConfigError::invalid(
+                format!("{section}.client_names"),
+                format!(
+                    "must name the client certificates allowed here (DNS or URI names), or set {key} = true: with neither, any certificate of client_ca is accepted"
+                ),
+            )),
+            None => Err(ConfigError::invalid(
+                format!("{section}.client_names"),
+                "must name the client certificates allowed here (DNS or URI names): without it, any certificate of client_ca is accepted",
+            )),
+        }
+    }
+}
+
 /// A dialer's TLS section (`[tls]` of the agent, `[forward_tls]` of the dispatcher...):
 /// TLS settings for `https://` URLs, or `insecure = true` for plain `http://` URLs.
 #[derive(Clone, Debug, Deserialize, PartialEq, Default)]
