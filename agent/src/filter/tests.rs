@@ -1102,7 +1102,9 @@ fn query_names_match_exactly_unless_the_rule_ignores_their_case() {
     };
     let exact = Policy::new(&[exact], LIMITS).unwrap();
     let folded = Policy::new(&[folded], LIMITS).unwrap();
-    let cases: &[(&str, Result<(), Option<Reason>>, Result<(), Option<Reason>>)] = &[
+    type Outcome = Result<(), Option<Reason>>;
+    // (target, with exact names, with query_ignore_case)
+    let cases: &[(&str, Outcome, Outcome)] = &[
         ("/search?ref=main", Ok(()), Ok(())),
         // Another spelling of the name: the exact rule does not look at it.
         (
