@@ -9,8 +9,9 @@ mod common;
 use common::*;
 
 /// Hostile request heads: (what, headers, `limits.max_header_bytes`). Each has more than
-/// the default `limits.max_headers` (256) headers; the byte limit is raised where the
-/// count alone would otherwise pass it.
+/// the default `limits.max_headers` (256) headers and at most the protocol's
+/// `MAX_HEAD_RECORDS` (more never get decoded: see `hostile_frames`); the byte limit is
+/// raised where the count alone would otherwise pass it.
 fn hostile_heads() -> Vec<(&'static str, Vec<bytes::Bytes>, usize)> {
     vec![
         (
@@ -18,15 +19,9 @@ fn hostile_heads() -> Vec<(&'static str, Vec<bytes::Bytes>, usize)> {
             vec![relay_proto::header("x-a", "1"); 257],
             64 * 1024,
         ),
-        // `HeaderMap::with_capacity` panics from 24577 entries on: once sized by this count.
         (
-            "24577 empty-valued headers",
-            vec![relay_proto::header("x-a", ""); 24_577],
-            1024 * 1024,
-        ),
-        (
-            "40000 empty-valued headers",
-            vec![relay_proto::header("x-a", ""); 40_000],
+            "16384 empty-valued headers",
+            vec![relay_proto::header("x-a", ""); relay_proto::MAX_HEAD_RECORDS],
             1024 * 1024,
         ),
     ]
@@ -95,10 +90,25 @@ fn hostile_frames() -> Vec<(&'static str, Vec<ServerFrame>)> {
         data: vec![b'b'; relay_proto::MAX_CHUNK + 1].into(),
         end: true,
     };
+    // Over the protocol's bound on a head's records: counted on the frame's bytes and
+    // refused before decoding (`HeaderMap::with_capacity` panics from 24577 entries on: a
+    // head was once sized by this count).
+    let many = |n: usize| RequestHead {
+        headers: vec![relay_proto::header("x-a", ""); n],
+        ..head(1, "GET", "/hello", true)
+    };
     vec![
         (
             "a 2 MiB request head (over max_frame_bytes)",
             vec![ServerFrame::of(In::RequestHead(huge))],
+        ),
+        (
+            "24577 empty-valued headers (over MAX_HEAD_RECORDS)",
+            vec![ServerFrame::of(In::RequestHead(many(24_577)))],
+        ),
+        (
+            "a head of 1 MiB of empty records",
+            vec![ServerFrame::of(In::RequestHead(many(500_000)))],
         ),
         (
             "a request body chunk over 64 KiB",
@@ -167,91 +177,6 @@ async fn a_hello_whose_server_id_would_forge_log_lines_ends_the_stream() {
     let mut conn = tunnel.next_conn().await;
     let a = conn.call(head(1, "GET", "/hello", true), vec![]).await;
     assert_eq!(a.status(), 200, "{a:?}");
-}
-
-/// A log sink for the test's own thread (the agent runs on it: a current-thread runtime).
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Logs {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
-    type Writer = Logs;
-    fn make_writer(&'a self) -> Logs {
-        self.clone()
-    }
-}
-
-/// What a hostile tunnel server puts in a status message to forge a log line of the
-/// agent's (a newline, then a line in the log's own format) and to drive an operator's
-/// terminal (ANSI escapes).
-const FORGED: &str =
-    "bye\n2030-01-01T00:00:00.000000Z  INFO relay_agent: FORGED all is well\u{1b}[2J\u{1b}]0;title\u{7}";
-
-/// Status messages a tunnel server sends (the end of a stream, the refusal of an open)
-/// reach the agent's log lines with their control characters escaped: no forged line, no
-/// escape sequence, and the message is still there to read.
-#[tokio::test]
-async fn status_messages_from_a_tunnel_server_are_escaped_in_the_agents_logs() {
-    let logs = Logs::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(logs.clone())
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    let upstream = hyper_upstream().await;
-    let mut tunnel = FakeTunnel::start(10_000, true).await;
-    *tunnel.refusal.lock().unwrap() = FORGED.to_string();
-    let (_agent, _) = start_agent(config(&tunnel.url, &upstream, 1)).await;
-    let conn = tunnel.next_conn().await;
-    // Refuse the agent's next opens with the forged message, then end its stream with it.
-    tunnel.accept.store(false, Ordering::SeqCst);
-    conn.tx
-        .send(Err(Status::internal(FORGED)))
-        .await
-        .expect("stream open");
-    let rejections = tunnel.rejections.clone();
-    eventually("the agent's open was refused", || {
-        !rejections.lock().unwrap().is_empty()
-    })
-    .await;
-    eventually("both messages reached the agent's log", || {
-        let text = logs.text();
-        text.contains("server error: Internal: bye") && text.contains("token refused")
-    })
-    .await;
-    let text = logs.text();
-    assert!(
-        text.contains(
-            "bye\\n2030-01-01T00:00:00.000000Z  INFO relay_agent: FORGED all is well\\u{1b}[2J"
-        ),
-        "the message is kept, escaped:\n{text}"
-    );
-    for line in text.lines() {
-        assert!(
-            !line.starts_with("2030-01-01"),
-            "a forged line in the agent's log: {line}\n{text}"
-        );
-    }
-    assert!(
-        !text.contains('\u{1b}') && !text.contains('\u{7}'),
-        "{text}"
-    );
 }
 
 /// A metric's value from the agent's `/metrics` (0 when the series is missing).
