@@ -17,6 +17,7 @@
 
 use crate::h2::H2Limits;
 use crate::h2io::H2Io;
+pub use crate::peer::PeerAddr;
 use crate::tls::TlsClient;
 use std::future::Future;
 use std::pin::Pin;
@@ -125,23 +126,6 @@ impl GrpcClient {
 }
 
 type PlainIo = hyper_util::rt::TokioIo<H2Io<tokio::net::TcpStream>>;
-
-/// The remote address of the connection a channel last dialed (see
-/// [`GrpcClient::lazy_observed`]): what a connection's peer is to the side that dialed
-/// it, the load balancer's address when there is one.
-#[derive(Clone, Debug, Default)]
-pub struct PeerAddr(std::sync::Arc<parking_lot::Mutex<Option<std::net::SocketAddr>>>);
-
-impl PeerAddr {
-    /// The address, once a connection was made.
-    pub fn get(&self) -> Option<std::net::SocketAddr> {
-        *self.0.lock()
-    }
-
-    pub(crate) fn set(&self, addr: Option<std::net::SocketAddr>) {
-        *self.0.lock() = addr;
-    }
-}
 
 /// Dials the URI's host and port over plain TCP, Nagle off, under [`H2Io`] (see
 /// `h2io`); tonic bounds the dial by the endpoint's `connect_timeout`. Records the

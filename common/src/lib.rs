@@ -15,6 +15,7 @@ pub mod h2io;
 pub mod hop;
 pub mod hosts;
 pub mod listen;
+pub mod peer;
 pub mod runtime;
 pub mod secret;
 pub mod server_id;

@@ -536,7 +536,7 @@ impl TlsClient {
     /// in `peer`.
     pub fn tonic_connector_to(
         &self,
-        peer: Option<crate::grpc::PeerAddr>,
+        peer: Option<crate::peer::PeerAddr>,
     ) -> impl tower::Service<
         http::Uri,
         Response = TlsIo,
