@@ -94,10 +94,14 @@ impl CallOut {
 }
 
 /// Runs one call to its terminal frame and returns how it ended.
+///
+/// `tunnel_peer` is the remote address of the tunnel connection the call came on (what
+/// `$tunnel_peer` stands for in a rule's `set_headers`).
 pub(crate) async fn run_call(
     ctx: Arc<CallContext>,
     head: RequestHead,
     body: RequestBody,
+    tunnel_peer: Option<std::net::IpAddr>,
     call_out: CallOut,
 ) -> CallOutcome {
     let out = &call_out.tx;
@@ -132,7 +136,7 @@ pub(crate) async fn run_call(
         };
         return reject(&ctx, out, &head, refusal).await;
     }
-    let prepared = match ctx.policy.prepare(&head) {
+    let prepared = match ctx.policy.prepare_call(&head, tunnel_peer) {
         Ok(p) => p,
         Err(r) => return reject(&ctx, out, &head, r).await,
     };

@@ -13,7 +13,11 @@
 //!   a handshake verified against `[tls]`, with the client certificate when configured),
 //!   `token` (a real `Tunnel.Connect` with the agent's token, up to the server's hello,
 //!   which names the tunnel id the token opens), and `clock` (the server's clock from the
-//!   hello against ours).
+//!   hello against ours);
+//! - `streams`: whether any endpoint accepted the check's stream. A server that answers
+//!   but takes no stream (draining, or at its per-token cap) is a warning on its own
+//!   `token` row; when no endpoint takes one, the agent could not serve a call, and this
+//!   row fails.
 //!
 //! The stream the `token` check opens takes no call: a tunnel server hands a stream calls
 //! only after the agent's first frame, and the check's first frame is `GoingAway`, on which
@@ -228,8 +232,31 @@ pub async fn run(config: &Config, source: &str, opts: &CheckOptions) -> Report {
             return report;
         }
     };
+    let mut accepted = 0;
     for url in &config.tunnels {
-        tunnel(config, url, tls.as_ref(), opts, &mut report).await;
+        if tunnel(config, url, tls.as_ref(), opts, &mut report).await {
+            accepted += 1;
+        }
+    }
+    // The agent serves only on streams a server took: endpoints that all answer (every
+    // server draining, or at its per-token cap) but take none leave it unable to serve.
+    let endpoints = config.tunnels.len();
+    if accepted == 0 {
+        report.push(
+            "streams",
+            "tunnels",
+            Outcome::Fail,
+            format!(
+                "no tunnel endpoint accepted a stream (0 of {endpoints}): the agent could not serve a call now; see the rows above (a server that is draining or at its per-token cap takes none)"
+            ),
+        );
+    } else {
+        report.push(
+            "streams",
+            "tunnels",
+            Outcome::Ok,
+            format!("{accepted} of {endpoints} tunnel endpoint(s) accepted a stream"),
+        );
     }
     report
 }
@@ -298,14 +325,15 @@ async fn upstream(config: &Config, report: &mut Report) {
     }
 }
 
-/// `tcp`, `tls`, `token` and `clock` rows of one tunnel endpoint.
+/// `tcp`, `tls`, `token` and `clock` rows of one tunnel endpoint; true when a server
+/// behind it accepted the check's stream (its hello came).
 async fn tunnel(
     config: &Config,
     url: &str,
     tls: Option<&relay_common::tls::TlsClient>,
     opts: &CheckOptions,
     report: &mut Report,
-) {
+) -> bool {
     let timeout = config.connect_timeout;
     let skip_rest = |report: &mut Report, from: &[&'static str], why: &str| {
         for check in from {
@@ -314,7 +342,7 @@ async fn tunnel(
     };
     let Some((host, port)) = host_port(url) else {
         report.push("tcp", url, Outcome::Fail, "not a URL with a host".into());
-        return;
+        return false;
     };
 
     // tcp: resolve and connect, as the agent's dialer will.
@@ -330,7 +358,7 @@ async fn tunnel(
                     format!("cannot resolve {host}: {e}"),
                 );
                 skip_rest(report, &["tls", "token", "clock"], "tcp failed");
-                return;
+                return false;
             }
             Err(_) => {
                 report.push(
@@ -340,7 +368,7 @@ async fn tunnel(
                     format!("resolving {host} timed out"),
                 );
                 skip_rest(report, &["tls", "token", "clock"], "tcp failed");
-                return;
+                return false;
             }
         };
     let mut last_err = format!("{host} resolves to no address");
@@ -363,7 +391,7 @@ async fn tunnel(
     let Some(addr) = connected else {
         report.push("tcp", url, Outcome::Fail, last_err);
         skip_rest(report, &["tls", "token", "clock"], "tcp failed");
-        return;
+        return false;
     };
     report.push(
         "tcp",
@@ -407,7 +435,7 @@ async fn tunnel(
                 Ok(Err(e)) => {
                     report.push("tls", url, Outcome::Fail, format!("handshake failed: {e}"));
                     skip_rest(report, &["token", "clock"], "tls failed");
-                    return;
+                    return false;
                 }
                 Err(_) => {
                     report.push(
@@ -420,7 +448,7 @@ async fn tunnel(
                         ),
                     );
                     skip_rest(report, &["token", "clock"], "tls failed");
-                    return;
+                    return false;
                 }
             }
         }
@@ -435,7 +463,7 @@ async fn tunnel(
             Ok(h2) => h2,
             Err(e) => {
                 report.push("token", url, Outcome::Fail, e.to_string());
-                return;
+                return false;
             }
         },
         tls.cloned(),
@@ -443,7 +471,7 @@ async fn tunnel(
         Ok(d) => d.with_max_frame_bytes(config.max_frame_bytes),
         Err(e) => {
             report.push("token", url, Outcome::Fail, e.to_string());
-            return;
+            return false;
         }
     };
     let crate::stream::Picked {
@@ -470,7 +498,7 @@ async fn tunnel(
                 ),
             );
             skip_rest(report, &["clock"], "token refused");
-            return;
+            return false;
         }
         Ok(Err(OpenError::Exhausted(msg, refused))) => {
             let server = refused
@@ -483,7 +511,7 @@ async fn tunnel(
                 format!("accepted, but the server{server} takes no stream now: {msg}"),
             );
             skip_rest(report, &["clock"], "no hello");
-            return;
+            return false;
         }
         Ok(Err(OpenError::Other(msg))) => {
             report.push(
@@ -493,7 +521,7 @@ async fn tunnel(
                 format!("could not open a tunnel stream: {msg}"),
             );
             skip_rest(report, &["clock"], "no hello");
-            return;
+            return false;
         }
         Err(_) => {
             report.push(
@@ -506,7 +534,7 @@ async fn tunnel(
                 ),
             );
             skip_rest(report, &["clock"], "no hello");
-            return;
+            return false;
         }
     };
     // Retire at once: GoingAway as the first frame means the server never hands this
@@ -529,7 +557,7 @@ async fn tunnel(
         if closed { Outcome::Ok } else { Outcome::Warn },
         format!(
             "accepted: tunnel id {} on server {}{zone}, protocol {}, hello in {}{}",
-            hello.tunnel_id,
+            crate::stream::server_text(&hello.tunnel_id),
             hello.server_id,
             hello.protocol_version,
             ms(took),
@@ -549,7 +577,7 @@ async fn tunnel(
             Outcome::Skipped,
             "the server does not send its time (an older tunnel server); compare `date -u` on both hosts".into(),
         );
-        return;
+        return true;
     }
     let server = UNIX_EPOCH + Duration::from_millis(hello.unix_time_ms);
     let (skew, uncertainty) = skew(server, sent_at, received_at);
@@ -570,6 +598,7 @@ async fn tunnel(
     } else {
         report.push("clock", url, Outcome::Ok, text);
     }
+    true
 }
 
 /// The server's clock minus ours in seconds, against the middle of `[sent, received]`,

@@ -9,6 +9,7 @@ use crate::filter::{Policy, SizeLimits};
 use http::Uri;
 use relay_common::config::ConfigError;
 use relay_common::h2::{H2Limits, H2Settings};
+use relay_common::hosts::{Host, HostRule};
 use relay_common::tls::{ClientCerts, DialerTls};
 use relay_common::Secret;
 use serde::Deserialize;
@@ -23,6 +24,14 @@ pub struct Config {
     /// Tunnel server endpoints (`http://host:port`). Each new stream dials one at random,
     /// so a single load-balancer address and a list of servers both work.
     pub tunnels: Vec<String>,
+    /// Hosts a tunnel server's advertised `direct_url` may name for the agent to dial it
+    /// (placement-aware growth, `coverage.direct_growth`): host names or patterns (`*`
+    /// matches any run of characters, `"*.relay.example"`), addresses and address ranges
+    /// (`"203.0.113.0/24"`). Empty (the default): the hosts of `tunnels`. A direct URL on
+    /// any other host is never dialed, so no tunnel server or dispatcher can send the agent
+    /// to a host inside its network; each refusal is logged and counted
+    /// (`relay_agent_direct_urls_refused_total`).
+    pub direct_hosts: Vec<String>,
     /// The agent's secret token, sent as `authorization: Bearer <token>`; never logged.
     pub token: Secret,
     /// A file holding the token (surrounding whitespace ignored), read once at start: keeps
@@ -99,9 +108,10 @@ pub struct UpstreamCheckConfig {
     pub timeout: Duration,
 }
 
-/// Largest `limits.max_headers` accepted: a request's headers become one `HeaderMap`,
-/// which holds at most 32768 entries (and panics when sized past 24576).
-pub const MAX_HEADERS_BOUND: usize = 16_384;
+/// Largest `limits.max_headers` accepted: the protocol's bound on a head's records (a frame
+/// with more is refused as it is decoded); a request's headers also become one
+/// `HeaderMap`, which holds at most 32768 entries (and panics when sized past 24576).
+pub const MAX_HEADERS_BOUND: usize = relay_proto::MAX_HEAD_RECORDS;
 
 /// `[limits]`. The concurrent-call cap is `coverage.max_inflight`.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -146,6 +156,7 @@ impl Default for Config {
                 "http://127.0.0.1:8441".into(),
                 "http://127.0.0.1:8442".into(),
             ],
+            direct_hosts: Vec::new(),
             token: Secret::new(""),
             token_file: None,
             upstream: "http://127.0.0.1:8000".into(),
@@ -174,6 +185,30 @@ impl Config {
     /// The tunnel connections' HTTP/2 limits (validated by `validate`).
     pub fn tunnel_h2(&self) -> Result<H2Limits, ConfigError> {
         self.tunnel_h2.resolve(H2Limits::TUNNEL, "tunnel_h2")
+    }
+
+    /// The hosts a `direct_url` may name: `direct_hosts`, or the hosts of `tunnels` when it
+    /// is empty. `private` is refused: it would allow every internal address.
+    pub fn direct_host_rules(&self) -> Result<Vec<HostRule>, ConfigError> {
+        if self.direct_hosts.is_empty() {
+            return Ok(self
+                .tunnels
+                .iter()
+                .filter_map(|t| Host::of_url(t))
+                .map(|h| h.exact())
+                .collect());
+        }
+        self.direct_hosts
+            .iter()
+            .map(|h| match HostRule::parse(h) {
+                Ok(HostRule::Private) => Err(ConfigError::invalid(
+                    "direct_hosts",
+                    "\"private\" would let a tunnel server send the agent to any internal address; list the tunnel servers' names, addresses or ranges",
+                )),
+                Ok(rule) => Ok(rule),
+                Err(why) => Err(ConfigError::invalid("direct_hosts", why)),
+            })
+            .collect()
     }
 
     /// Plain `http://` tunnels (`[tls] insecure = true`): tests and the local example.
@@ -223,6 +258,7 @@ impl Config {
             self.tls.check_url("tls", &format!("tunnels[{i}]"), t)?;
         }
         self.tls.resolve("tls", ClientCerts::Optional)?;
+        self.direct_host_rules()?;
         if self.reload_interval < Duration::from_millis(10) {
             return Err(ConfigError::invalid(
                 "reload_interval",
@@ -698,6 +734,37 @@ mod tests {
     }
 
     #[test]
+    fn direct_urls_may_name_the_hosts_of_tunnels_or_of_direct_hosts() {
+        use relay_common::hosts::Host;
+        let host = |url: &str| Host::of_url(url).unwrap();
+        let cfg = Config {
+            tunnels: vec![
+                "https://relay.example:8443".into(),
+                "https://10.0.0.7:8443".into(),
+            ],
+            ..Config::default()
+        };
+        let rules = cfg.direct_host_rules().unwrap();
+        let allowed = |url: &str| rules.iter().any(|r| r.allows(&host(url)));
+        assert!(allowed("https://RELAY.example.:9443"));
+        assert!(allowed("https://10.0.0.7:1"));
+        assert!(allowed("https://[::ffff:10.0.0.7]:1"));
+        assert!(!allowed("https://ts-1.relay.example:8443"));
+        assert!(!allowed("https://10.0.0.8:8443"));
+        assert!(!allowed("https://127.0.0.1:8443"));
+        let cfg = Config {
+            direct_hosts: vec!["*.relay.example".into(), "203.0.113.0/24".into()],
+            ..cfg
+        };
+        let rules = cfg.direct_host_rules().unwrap();
+        let allowed = |url: &str| rules.iter().any(|r| r.allows(&host(url)));
+        assert!(allowed("https://ts-1.relay.example:8443"));
+        assert!(allowed("https://203.0.113.9:8443"));
+        assert!(!allowed("https://relay.example:8443"));
+        assert!(!allowed("https://10.0.0.7:8443"));
+    }
+
+    #[test]
     fn bad_values_name_their_key() {
         let cases: Vec<(Config, &str)> = vec![
             (
@@ -761,6 +828,27 @@ mod tests {
                     ..valid()
                 },
                 "`max_frame_bytes`",
+            ),
+            (
+                Config {
+                    direct_hosts: vec!["private".into()],
+                    ..valid()
+                },
+                "`direct_hosts`",
+            ),
+            (
+                Config {
+                    direct_hosts: vec!["10.0.0.0/33".into()],
+                    ..valid()
+                },
+                "`direct_hosts`",
+            ),
+            (
+                Config {
+                    direct_hosts: vec!["relay example".into()],
+                    ..valid()
+                },
+                "`direct_hosts`",
             ),
             (
                 Config {

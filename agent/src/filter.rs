@@ -23,12 +23,18 @@
 //!    and no `Connection` naming `Content-Length` (`smuggling`), and a declared length
 //!    within `limits.max_body_bytes` (`body_size`);
 //! 8. the hop-by-hop headers and every header named in `Connection` are removed, then the
-//!    spoofing headers ([`SPOOFING_HEADERS`] and any header that reads as one with `_` for
-//!    `-`) except those the rule being tried lists in `pass_headers`: rules match only
-//!    headers the upstream will receive;
+//!    client-identity family ([`SPOOFING_FAMILY`]: every `x-forwarded-*`, every
+//!    `*-client-ip`, `forwarded`, vendor names such as `cf-connecting-ip`; their `_`
+//!    spellings always) except those the rule being tried lists in `pass_headers`: rules
+//!    match only headers the upstream will receive. The allowing rule's `set_headers` are
+//!    written last;
 //! 9. the `[[allow]]` rules (`path`, `method`, `header`, `query`, a body on GET, HEAD
 //!    or OPTIONS only where the rule lists the method in `body_methods`: `body`, and a
 //!    non-ASCII path only where the rule sets `utf8_paths`: `unsafe_path`): default deny.
+//!
+//! The method is read in upper case (`get` is GET), matched and sent that way, so the
+//! method a rule allows is the method the upstream runs. Query parameter names are
+//! compared exactly (after percent-decoding) unless the rule sets `query_ignore_case`.
 //!
 //! The `Host` header the cloud side sends is never used: the upstream client always sets it
 //! to the configured origin. Rules match the path exactly as it is sent upstream, segment
@@ -87,11 +93,26 @@ pub struct AllowRule {
     /// (`+` is a space). Every occurrence must match, and at least one must exist.
     #[serde(default)]
     pub query: BTreeMap<String, String>,
-    /// Spoofing headers (see [`SPOOFING_HEADERS`]) this rule lets reach the upstream, by
-    /// their `-` spelling, e.g. `["x-forwarded-for"]`. Default: none, every one is
-    /// stripped. A `_` spelling (`X_Forwarded_For`) is stripped even when listed.
+    /// Query parameter names are compared ignoring ASCII letter case (`REF=x` is checked
+    /// against the pattern for `ref`), for upstreams that read names that way (ASP.NET,
+    /// many PHP and Java frameworks). Default false: names are compared exactly, byte for
+    /// byte after percent-decoding, so `REF` is a parameter the rule does not look at.
+    #[serde(default)]
+    pub query_ignore_case: bool,
+    /// Client-identity headers (the family [`is_spoofing`] names: `X-Forwarded-*`,
+    /// `*-Client-IP`, `Forwarded`, `X-Real-IP`, `CF-Connecting-IP`, ...) this rule lets
+    /// reach the upstream as the caller sent them, by their `-` spelling, e.g.
+    /// `["x-forwarded-for"]`. Default: none, every one is stripped. A `_` spelling
+    /// (`X_Forwarded_For`) is stripped even when listed.
     #[serde(default)]
     pub pass_headers: Vec<String>,
+    /// Client-identity headers the agent writes itself on the calls this rule allows,
+    /// replacing whatever the caller sent: name -> value. `$tunnel_peer` in a value stands
+    /// for the IP address of the connection the call came in on (the tunnel server's, or
+    /// the load balancer's in front of it), e.g. `{ "x-forwarded-for" = "$tunnel_peer" }`.
+    /// Default: none.
+    #[serde(default)]
+    pub set_headers: BTreeMap<String, String>,
     /// Methods among GET, HEAD and OPTIONS on which this rule allows a request body.
     /// Default: none (such a body is refused with reason `body`). Other methods may always
     /// carry a body. The upstream connection that carried such a body is closed after the
@@ -261,21 +282,48 @@ const OVERRIDE_HEADERS: [&str; 10] = [
     "x-method-override",
 ];
 
-/// Headers that tell an upstream who the client is, how it connected or which proxy to
-/// use. Stripped before the upstream unless the allowing rule lists one in `pass_headers`;
-/// a header whose name reads as one of these with `_` for `-` is always stripped (CGI-style
-/// upstreams turn both spellings into the same `HTTP_*` variable). `Proxy` is httpoxy:
-/// CGI turns it into `HTTP_PROXY`, which many HTTP clients take as their proxy.
-pub const SPOOFING_HEADERS: [&str; 8] = [
-    "x-forwarded-for",
-    "x-real-ip",
-    "true-client-ip",
+/// The client-identity family, one rule list: headers that tell an upstream who the client
+/// is, where it connected from, how it connected or which proxy to use. Frameworks trust
+/// several of them (scheme, port and prefix for the URLs they build) and IP allow-lists
+/// trust the address ones. Each entry is a pattern (`*` matches any run of characters)
+/// over the lowercase name with `_` read as `-`. Stripped before the upstream unless the
+/// allowing rule lists a name in `pass_headers` or sets it in `set_headers`; the `_`
+/// spelling of any of them is always stripped (CGI-style upstreams turn both spellings into
+/// the same `HTTP_*` variable). `Proxy` is httpoxy: CGI turns it into `HTTP_PROXY`, which
+/// many HTTP clients take as their proxy. (`X-Forwarded-Host` and `X-Forwarded-Server`
+/// match too, but are refused before stripping: see [`OVERRIDE_HEADERS`].)
+pub const SPOOFING_FAMILY: [&str; 20] = [
     "forwarded",
-    "x-forwarded-proto",
-    "x-forwarded-prefix",
+    "x-forwarded",
+    "x-forwarded-*",
+    "client-ip",
+    "*-client-ip",
+    "x-real-ip",
+    "cf-connecting-ip",
+    "cf-connecting-ipv6",
+    "cf-pseudo-ipv4",
+    "x-original-forwarded-for",
+    "x-originating-ip",
+    "x-remote-ip",
+    "x-remote-addr",
+    "x-proxyuser-ip",
+    "x-envoy-external-address",
+    "x-azure-clientip",
+    "x-azure-socketip",
+    "x-arr-clientip",
     "x-original-uri",
     "proxy",
 ];
+
+/// Whether a lowercase header name, `_` read as `-`, is of the client-identity family.
+pub fn is_spoofing(dashed: &str) -> bool {
+    SPOOFING_FAMILY
+        .iter()
+        .any(|p| relay_common::glob::matches_str(p, dashed))
+}
+
+/// The variable of a `set_headers` value: the IP address of the call's tunnel connection.
+pub const TUNNEL_PEER: &str = "$tunnel_peer";
 
 /// Methods whose requests carry no body on their own; one is refused unless a rule's
 /// `body_methods` allows it. (TRACE is refused always.)
@@ -294,14 +342,10 @@ fn dashed(name: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// The canonical spoofing header `name` stands for, if any, and whether it is spelled
-/// with an underscore.
-fn spoofing(name: &str) -> Option<(&'static str, bool)> {
-    let d = dashed(name);
-    SPOOFING_HEADERS
-        .iter()
-        .find(|s| **s == d)
-        .map(|s| (*s, name.contains('_')))
+/// Whether the lowercase header `name` is of the client-identity family (see
+/// [`SPOOFING_FAMILY`]), and if so whether it is spelled with an underscore.
+fn spoofing(name: &str) -> Option<bool> {
+    is_spoofing(&dashed(name)).then(|| name.contains('_'))
 }
 
 /// The compiled `[[allow]]` rules plus the size limits. Built once at start.
@@ -319,12 +363,79 @@ struct Rule {
     path: Vec<Seg>,
     headers: Vec<(HeaderName, Vec<u8>)>,
     query: Vec<(Vec<u8>, Vec<u8>)>,
-    /// Spoofing headers (canonical names) this rule passes.
-    pass: Vec<&'static str>,
+    /// Query names are compared ignoring ASCII case.
+    query_ignore_case: bool,
+    /// Client-identity headers (lowercase, `-` spelling) this rule passes.
+    pass: Vec<String>,
+    /// Client-identity headers this rule writes itself.
+    set: Vec<(HeaderName, SetValue)>,
     /// Paths with non-ASCII (valid UTF-8) characters may match.
     utf8_paths: bool,
     /// Uppercase bodiless methods on which a body is allowed.
     body_methods: Vec<String>,
+}
+
+/// A `set_headers` value: literal text around the `$tunnel_peer` variable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SetValue(Vec<Piece>);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Piece {
+    Text(String),
+    TunnelPeer,
+}
+
+impl SetValue {
+    /// Parses a value; every `$` must start `$tunnel_peer`.
+    fn parse(value: &str) -> Result<SetValue, String> {
+        let mut pieces = Vec::new();
+        let mut rest = value;
+        while let Some(at) = rest.find('$') {
+            if !rest[at..].starts_with(TUNNEL_PEER) {
+                return Err(format!(
+                    "{value:?}: the only variable is {TUNNEL_PEER} (the IP address of the call's tunnel connection)"
+                ));
+            }
+            if at > 0 {
+                pieces.push(Piece::Text(rest[..at].to_string()));
+            }
+            pieces.push(Piece::TunnelPeer);
+            rest = &rest[at + TUNNEL_PEER.len()..];
+        }
+        if !rest.is_empty() {
+            pieces.push(Piece::Text(rest.to_string()));
+        }
+        let value = SetValue(pieces);
+        // Checked with the longest address the variable can stand for.
+        let sample = std::net::IpAddr::from([0xffff_u16; 8]);
+        if value.render(Some(sample)).is_none() {
+            return Err(format!("{:?} is not a valid header value", value.text()));
+        }
+        Ok(value)
+    }
+
+    /// The header value for a call; `None` when it needs the tunnel peer and that is not
+    /// known (the header is then left out rather than half written).
+    fn render(&self, tunnel_peer: Option<std::net::IpAddr>) -> Option<HeaderValue> {
+        let mut out = String::new();
+        for piece in &self.0 {
+            match piece {
+                Piece::Text(t) => out.push_str(t),
+                Piece::TunnelPeer => out.push_str(&tunnel_peer?.to_canonical().to_string()),
+            }
+        }
+        HeaderValue::from_str(&out).ok()
+    }
+
+    fn text(&self) -> String {
+        self.0
+            .iter()
+            .map(|p| match p {
+                Piece::Text(t) => t.as_str(),
+                Piece::TunnelPeer => TUNNEL_PEER,
+            })
+            .collect()
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -360,6 +471,17 @@ impl Policy {
 
     /// Checks `head` against the limits, the safety rules and the allow rules.
     pub fn prepare(&self, head: &RequestHead) -> Result<Prepared, Rejection> {
+        self.prepare_call(head, None)
+    }
+
+    /// [`Policy::prepare`] for a call that came in on a tunnel connection to
+    /// `tunnel_peer` (the address `$tunnel_peer` stands for in `set_headers`; `None`
+    /// leaves headers that need it out).
+    pub fn prepare_call(
+        &self,
+        head: &RequestHead,
+        tunnel_peer: Option<std::net::IpAddr>,
+    ) -> Result<Prepared, Rejection> {
         // A header record that is not an encoded `Header` (no dispatcher writes one: they
         // come from `relay_proto::wire_headers`) is refused as a bad request before
         // anything else reads the head.
@@ -407,9 +529,12 @@ impl Policy {
                 ),
             ));
         }
-        let method = Method::from_bytes(head.method.as_bytes()).map_err(|_| {
-            Rejection::BadRequest(format!("invalid method {:?}", short(&head.method)))
-        })?;
+        // One spelling per method, matched and sent: `get` is GET to the rules and to the
+        // upstream, so a rule's methods mean what the upstream runs.
+        let method =
+            Method::from_bytes(head.method.to_ascii_uppercase().as_bytes()).map_err(|_| {
+                Rejection::BadRequest(format!("invalid method {:?}", short(&head.method)))
+            })?;
         let pq = origin_form(&head.path_and_query)?;
         let segments = path_segments(pq.path())?;
         let mut headers = header_map(head)?;
@@ -445,17 +570,22 @@ impl Policy {
         };
         let rule = self.allowed(&method, &pq, &segments, &headers, call)?;
         headers.remove(http::header::HOST);
-        // One look at each name the call has, rather than a lookup of each spoofing name.
+        // One look at each name the call has (its `_` spellings went before matching).
         let spoofed: Vec<HeaderName> = headers
             .keys()
             .filter(|n| {
                 let n = n.as_str();
-                SPOOFING_HEADERS.contains(&n) && !rule.pass.contains(&n)
+                is_spoofing(n) && !rule.pass.iter().any(|p| p == n)
             })
             .cloned()
             .collect();
         for name in spoofed {
             headers.remove(name);
+        }
+        for (name, value) in &rule.set {
+            if let Some(v) = value.render(tunnel_peer) {
+                headers.insert(name.clone(), v);
+            }
         }
         Ok(Prepared {
             method,
@@ -540,29 +670,46 @@ impl Rule {
             Some(out)
         };
         let path = compile_path(&r.path).map_err(|m| ConfigError::invalid(key("path"), m))?;
+        let family = |k: &str, name: &str| -> Result<String, ConfigError> {
+            let lower = name.to_ascii_lowercase();
+            if OVERRIDE_HEADERS.contains(&&*dashed(&lower)) {
+                return Err(ConfigError::invalid(
+                    key(k),
+                    format!(
+                        "{name:?} asks the upstream for another host, URL or method: the agent refuses it (override_header) and no rule can pass or set it"
+                    ),
+                ));
+            }
+            if lower.contains('_') || !is_spoofing(&lower) {
+                return Err(ConfigError::invalid(
+                    key(k),
+                    format!(
+                        "{name:?} is not a client-identity header the agent strips; name one by its '-' spelling, of the family {}",
+                        SPOOFING_FAMILY.join(", ")
+                    ),
+                ));
+            }
+            Ok(lower)
+        };
         let mut pass = Vec::with_capacity(r.pass_headers.len());
         for name in &r.pass_headers {
-            let lower = name.to_ascii_lowercase();
-            match SPOOFING_HEADERS.iter().find(|s| **s == lower) {
-                Some(s) => pass.push(*s),
-                None if OVERRIDE_HEADERS.contains(&&*dashed(&lower)) => {
-                    return Err(ConfigError::invalid(
-                        key("pass_headers"),
-                        format!(
-                            "{name:?} asks the upstream for another host, URL or method: the agent refuses it (override_header) and no rule can pass it"
-                        ),
-                    ))
-                }
-                None => {
-                    return Err(ConfigError::invalid(
-                        key("pass_headers"),
-                        format!(
-                            "{name:?} is not a header the agent strips; list any of {}",
-                            SPOOFING_HEADERS.join(", ")
-                        ),
-                    ))
-                }
+            pass.push(family("pass_headers", name)?);
+        }
+        let mut set = Vec::with_capacity(r.set_headers.len());
+        for (name, value) in &r.set_headers {
+            let lower = family("set_headers", name)?;
+            if pass.contains(&lower) {
+                return Err(ConfigError::invalid(
+                    key("set_headers"),
+                    format!("{name:?} is also in pass_headers: pass the caller's value or set one, not both"),
+                ));
             }
+            let value =
+                SetValue::parse(value).map_err(|m| ConfigError::invalid(key("set_headers"), m))?;
+            let name = HeaderName::from_bytes(lower.as_bytes()).map_err(|_| {
+                ConfigError::invalid(key("set_headers"), format!("{name:?} is not a header name"))
+            })?;
+            set.push((name, value));
         }
         let mut body_methods = Vec::with_capacity(r.body_methods.len());
         for m in &r.body_methods {
@@ -598,13 +745,13 @@ impl Rule {
                 ));
             }
             match spoofing(n.as_str()) {
-                Some((_, true)) => {
+                Some(true) => {
                     return Err(ConfigError::invalid(
                         key("headers"),
                         format!("{n} is always stripped by the agent and cannot be required"),
                     ))
                 }
-                Some((canonical, false)) if !pass.contains(&canonical) => {
+                Some(false) if !pass.iter().any(|p| p == n.as_str()) => {
                     return Err(ConfigError::invalid(
                         key("headers"),
                         format!(
@@ -633,7 +780,9 @@ impl Rule {
             path,
             headers,
             query,
+            query_ignore_case: r.query_ignore_case,
             pass,
+            set,
             body_methods,
             utf8_paths: r.utf8_paths,
         })
@@ -700,7 +849,14 @@ impl Rule {
             }
         }
         for (name, pattern) in &self.query {
-            let mut values = query.iter().filter(|(k, _)| k == name).peekable();
+            let same = |k: &[u8]| {
+                if self.query_ignore_case {
+                    k.eq_ignore_ascii_case(name)
+                } else {
+                    k == name.as_slice()
+                }
+            };
+            let mut values = query.iter().filter(|(k, _)| same(k)).peekable();
             let ok = values.peek().is_some() && values.all(|(_, v)| glob(pattern, v));
             if !ok {
                 return Err((
@@ -922,7 +1078,7 @@ fn strip_connection_headers(headers: &mut HeaderMap) -> Result<(), Rejection> {
     relay_common::hop::strip(headers);
     let underscored: Vec<HeaderName> = headers
         .keys()
-        .filter(|n| spoofing(n.as_str()).is_some_and(|(_, underscore)| underscore))
+        .filter(|n| spoofing(n.as_str()) == Some(true))
         .cloned()
         .collect();
     for n in underscored {

@@ -127,7 +127,8 @@ pub fn start(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         config.tunnel_h2()?,
         tls.clone(),
     )?
-    .with_max_frame_bytes(config.max_frame_bytes);
+    .with_max_frame_bytes(config.max_frame_bytes)
+    .with_direct_hosts(config.direct_host_rules()?);
     let policy = config.policy()?;
     if policy.rule_count() == 0 {
         tracing::warn!(

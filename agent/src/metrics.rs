@@ -107,6 +107,9 @@ pub struct AgentMetrics {
     pub stream_opens: IntCounterVec,
     /// `relay_agent_filter_refusals_total{reason}`.
     pub filter_refusals: IntCounterVec,
+    /// `relay_agent_direct_urls_refused_total`: direct URLs of tunnel servers not dialed
+    /// because `direct_hosts` does not allow their host.
+    pub direct_urls_refused: IntCounter,
 }
 
 impl AgentMetrics {
@@ -181,6 +184,11 @@ impl AgentMetrics {
             ),
             &["reason"],
         )?;
+        let direct_urls_refused = IntCounter::new(
+            "relay_agent_direct_urls_refused_total",
+            "Direct URLs advertised by tunnel servers that the agent did not dial because direct_hosts does not allow their host",
+        )?;
+        registry.register(Box::new(direct_urls_refused.clone()))?;
         registry.register(Box::new(server_streams.clone()))?;
         registry.register(Box::new(coverage_state.clone()))?;
         registry.register(Box::new(coverage_actions.clone()))?;
@@ -217,6 +225,7 @@ impl AgentMetrics {
             call_duration,
             stream_opens,
             filter_refusals,
+            direct_urls_refused,
         })
     }
 

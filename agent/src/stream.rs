@@ -22,7 +22,8 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use relay_common::config::ConfigError;
-use relay_common::grpc::GrpcClient;
+use relay_common::grpc::{GrpcClient, PeerAddr};
+use relay_common::hosts::{Host, HostRule};
 use relay_common::Secret;
 use relay_proto::agent_frame::Kind as Out;
 use relay_proto::server_frame::Kind as In;
@@ -65,6 +66,8 @@ pub struct Dialer {
     client: GrpcClient,
     /// `max_frame_bytes`: the largest message sent to or decoded from a tunnel server.
     max_frame_bytes: usize,
+    /// Hosts a server's `direct_url` may name (`direct_hosts`, or the hosts of `tunnels`).
+    direct_hosts: Vec<HostRule>,
     /// Per endpoint URI: its connections, in the order they were opened.
     channels: Mutex<HashMap<String, Vec<Conn>>>,
     next_generation: std::sync::atomic::AtomicU64,
@@ -82,6 +85,8 @@ pub struct Dialer {
 struct Conn {
     generation: u64,
     channel: Channel,
+    /// Its remote address, once dialed.
+    peer: PeerAddr,
     /// Streams open on it (each a [`ConnSlot`]).
     streams: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -96,13 +101,34 @@ impl Drop for ConnSlot {
 }
 
 /// A connection picked for a new stream: the endpoint, its channel, which connection it is
-/// (to evict it), its name for the servers, and the stream's place on it.
+/// (to evict it), its name for the servers, its remote address, and the stream's place on
+/// it.
 pub(crate) struct Picked {
     pub endpoint: String,
     pub channel: Channel,
     pub id: ChannelId,
     pub name: String,
+    /// The remote address of the connection, once it is dialed.
+    pub peer: PeerAddr,
     pub slot: ConnSlot,
+}
+
+/// Why a server's `direct_url` is not dialed.
+#[derive(Debug)]
+enum DirectRefusal {
+    /// Its host is not one `direct_hosts` allows (counted in
+    /// `relay_agent_direct_urls_refused_total`).
+    Host(String),
+    /// Its scheme does not match the agent's `[tls]`, or it is no URL tonic can dial.
+    Other(String),
+}
+
+impl DirectRefusal {
+    fn into_message(self) -> String {
+        match self {
+            DirectRefusal::Host(m) | DirectRefusal::Other(m) => m,
+        }
+    }
 }
 
 /// Which cached connection a stream was opened on, so a stream that finds it dead can
@@ -126,6 +152,13 @@ impl Dialer {
     /// The largest gRPC message a stream sends or decodes (`max_frame_bytes`).
     pub fn with_max_frame_bytes(mut self, max: usize) -> Self {
         self.max_frame_bytes = max;
+        self
+    }
+
+    /// The hosts a server's advertised `direct_url` may name (`Config::direct_host_rules`);
+    /// without, no direct URL is dialed.
+    pub fn with_direct_hosts(mut self, rules: Vec<HostRule>) -> Self {
+        self.direct_hosts = rules;
         self
     }
 
@@ -163,6 +196,7 @@ impl Dialer {
             auth,
             client,
             max_frame_bytes: relay_proto::DEFAULT_MAX_FRAME_BYTES,
+            direct_hosts: Vec::new(),
             channels: Mutex::new(HashMap::new()),
             next_generation: std::sync::atomic::AtomicU64::new(1),
             per_connection: h2.max_concurrent_streams.max(1) as usize,
@@ -182,13 +216,25 @@ impl Dialer {
         self.channel(endpoint)
     }
 
-    /// A channel straight to a server's advertised `direct_url`. Refused when its scheme
-    /// does not match how the agent dials its tunnels: with `[tls]` the token only ever
-    /// goes over TLS verified against the agent's trust.
-    fn pick_direct(&self, url: &str) -> Result<Picked, OpenError> {
+    /// A channel straight to a server's advertised `direct_url`. Refused when its host is
+    /// not one `direct_hosts` allows (a tunnel server or dispatcher must not steer the
+    /// agent to hosts inside its network), and when its scheme does not match how the
+    /// agent dials its tunnels: with `[tls]` the token only ever goes over TLS verified
+    /// against the agent's trust.
+    fn pick_direct(&self, url: &str) -> Result<Picked, DirectRefusal> {
+        let shown = server_text(url);
+        let host = Host::of_url(url)
+            .ok_or_else(|| DirectRefusal::Host(format!("direct url {shown} names no host")))?;
+        if !self.direct_hosts.iter().any(|r| r.allows(&host)) {
+            return Err(DirectRefusal::Host(format!(
+                "direct url {shown} names host {}, which direct_hosts does not allow (default: the hosts of tunnels); not dialed",
+                server_text(&host.to_string())
+            )));
+        }
+        let url = shown.as_str();
         let https = url.starts_with("https://");
         if https != self.client.is_tls() {
-            return Err(OpenError::Other(format!(
+            return Err(DirectRefusal::Other(format!(
                 "direct url {url} is {} but the agent dials its tunnels {}",
                 if https { "https" } else { "plain http" },
                 if self.client.is_tls() {
@@ -201,7 +247,7 @@ impl Dialer {
         let e = self
             .client
             .endpoint(url)
-            .map_err(|e| OpenError::Other(format!("direct url {url}: {e}")))?;
+            .map_err(|e| DirectRefusal::Other(format!("direct url {url}: {e}")))?;
         Ok(self.channel(e))
     }
 
@@ -226,9 +272,11 @@ impl Dialer {
         let conn = match free {
             Some(i) => &conns[i],
             None => {
+                let peer = PeerAddr::default();
                 conns.push(Conn {
                     generation: self.next_generation.fetch_add(1, Relaxed),
-                    channel: self.client.lazy(endpoint),
+                    channel: self.client.lazy_observed(endpoint, peer.clone()),
+                    peer,
                     streams: Arc::default(),
                 });
                 conns.last().expect("just pushed")
@@ -244,6 +292,7 @@ impl Dialer {
                 endpoint: key,
                 generation: conn.generation,
             },
+            peer: conn.peer.clone(),
             slot: ConnSlot(conn.streams.clone()),
         }
     }
@@ -308,7 +357,12 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         // Wait for a turn (`max_opening`), so a big growth step goes out in waves.
         let turn = ctx.opens.clone().acquire_owned().await;
         let picked = match &link.target {
-            Some(url) => ctx.dialer.pick_direct(url),
+            Some(url) => ctx.dialer.pick_direct(url).map_err(|refusal| {
+                if let DirectRefusal::Host(_) = &refusal {
+                    ctx.metrics.direct_urls_refused.inc();
+                }
+                OpenError::Other(refusal.into_message())
+            }),
             None => Ok(ctx.dialer.pick()),
         };
         let Picked {
@@ -316,6 +370,7 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             channel,
             id: channel_id,
             name: conn_name,
+            peer,
             slot: _slot,
         } = match picked {
             Ok(p) => p,
@@ -364,6 +419,9 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             response: hello.response_credit,
             request: ctx.dialer.request_credit,
         });
+        // The connection the hello came on: its remote address is what `$tunnel_peer`
+        // stands for in the calls this stream serves.
+        let tunnel_peer = peer.get().map(|a| a.ip());
         let session = Session::new(
             ctx.clone(),
             &link,
@@ -375,7 +433,8 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
                 credit,
             },
             run_call,
-        );
+        )
+        .with_tunnel_peer(tunnel_peer);
         link.emit(StreamEvent::Landed(landing.clone()));
         let reason = session.run(&mut link).await;
         if matches!(reason, CloseReason::HeartbeatMissed | CloseReason::Silent) {
@@ -407,20 +466,37 @@ fn open_failed(ctx: &StreamContext, link: &StreamLink, e: OpenError) {
     link.emit(StreamEvent::OpenFailed(e));
 }
 
+/// A tunnel server's words (a status message) as they may enter a log line, an error or
+/// `relay-agent check`'s table: control characters (newlines, ANSI escapes) escaped and
+/// cut to `MAX_PEER_MESSAGE` characters, so a server cannot forge log lines.
+pub(crate) fn server_text(message: &str) -> String {
+    relay_proto::escape_message(message, relay_proto::MAX_PEER_MESSAGE)
+}
+
 fn status_to_open_error(s: &tonic::Status) -> OpenError {
+    let message = server_text(s.message());
     match s.code() {
-        tonic::Code::Unauthenticated => OpenError::Unauthenticated(s.message().to_string()),
+        tonic::Code::Unauthenticated => OpenError::Unauthenticated(message),
         tonic::Code::ResourceExhausted => {
             let md = s.metadata();
-            let text = |k: &str| md.get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
-            let refused = text("relay-server-id").map(|server_id| crate::error::Refused {
+            // Names that reach log lines and plans: only printable ones.
+            let name = |k: &str| {
+                md.get(k)
+                    .and_then(|v| v.to_str().ok())
+                    .filter(|v| relay_common::server_id::is_valid(v))
+                    .map(str::to_string)
+            };
+            let refused = name("relay-server-id").map(|server_id| crate::error::Refused {
                 server_id,
-                instance_id: text("relay-instance-id").unwrap_or_default(),
-                cap: text("relay-max-streams").and_then(|c| c.parse().ok()),
+                instance_id: name("relay-instance-id").unwrap_or_default(),
+                cap: md
+                    .get("relay-max-streams")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|c| c.parse().ok()),
             });
-            OpenError::Exhausted(s.message().to_string(), refused)
+            OpenError::Exhausted(message, refused)
         }
-        code => OpenError::Other(format!("{code:?}: {}", s.message())),
+        code => OpenError::Other(format!("{code:?}: {message}")),
     }
 }
 
@@ -539,7 +615,13 @@ struct Credit {
 
 /// How a stream starts a call (`run_call`; named here so the session can keep the call's
 /// future in a slot of its own type).
-type StartCall<F> = fn(Arc<CallContext>, RequestHead, RequestBody, crate::call::CallOut) -> F;
+type StartCall<F> = fn(
+    Arc<CallContext>,
+    RequestHead,
+    RequestBody,
+    Option<std::net::IpAddr>,
+    crate::call::CallOut,
+) -> F;
 
 /// The future of the call in flight, in one allocation the stream keeps from its first call
 /// to its end. A call's future is about 2.6 KiB: boxing each one was an allocation past
@@ -588,6 +670,8 @@ struct Session<F> {
     call: Option<ActiveCall>,
     start_call: StartCall<F>,
     call_fut: CallSlot<F>,
+    /// The remote address of this stream's connection, handed to its calls.
+    tunnel_peer: Option<std::net::IpAddr>,
     /// Request body chunks (and their end flags) waiting for room in the body channel.
     /// Without body credit at most one waits, and while it does no further frame is read:
     /// the server is pushed back by flow control. With body credit every frame is read (a
@@ -635,6 +719,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
             call: None,
             start_call,
             call_fut: CallSlot(None),
+            tunnel_peer: None,
             pending: Default::default(),
             credit,
             request_unacked: 0,
@@ -645,6 +730,11 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
             draining: false,
             events: link.events_sender(),
         }
+    }
+
+    fn with_tunnel_peer(mut self, peer: Option<std::net::IpAddr>) -> Self {
+        self.tunnel_peer = peer;
+        self
     }
 
     fn emit(&self, id: crate::coverage::plan::StreamId, ev: StreamEvent) {
@@ -807,7 +897,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                 return Err(CloseReason::Status(format!(
                     "{:?}: {}",
                     s.code(),
-                    s.message()
+                    server_text(s.message())
                 )))
             }
         };
@@ -847,7 +937,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     )));
                 }
                 // A head that crossed our GoingAway on the wire is still served.
-                debug!(call_id = head.call_id, method = %head.method, "call started");
+                debug!(call_id = head.call_id, method = ?head.method, "call started");
                 let (body_tx, body) = if !head.body.is_empty() {
                     // The head keeps it too: the accept filter checks it against the head.
                     (None, RequestBody::Whole(head.body.clone()))
@@ -880,6 +970,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     self.ctx.calls.clone(),
                     head,
                     body,
+                    self.tunnel_peer,
                     call_out,
                 ));
             }

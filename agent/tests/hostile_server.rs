@@ -9,8 +9,9 @@ mod common;
 use common::*;
 
 /// Hostile request heads: (what, headers, `limits.max_header_bytes`). Each has more than
-/// the default `limits.max_headers` (256) headers; the byte limit is raised where the
-/// count alone would otherwise pass it.
+/// the default `limits.max_headers` (256) headers and at most the protocol's
+/// `MAX_HEAD_RECORDS` (more never get decoded: see `hostile_frames`); the byte limit is
+/// raised where the count alone would otherwise pass it.
 fn hostile_heads() -> Vec<(&'static str, Vec<bytes::Bytes>, usize)> {
     vec![
         (
@@ -18,15 +19,9 @@ fn hostile_heads() -> Vec<(&'static str, Vec<bytes::Bytes>, usize)> {
             vec![relay_proto::header("x-a", "1"); 257],
             64 * 1024,
         ),
-        // `HeaderMap::with_capacity` panics from 24577 entries on: once sized by this count.
         (
-            "24577 empty-valued headers",
-            vec![relay_proto::header("x-a", ""); 24_577],
-            1024 * 1024,
-        ),
-        (
-            "40000 empty-valued headers",
-            vec![relay_proto::header("x-a", ""); 40_000],
+            "16384 empty-valued headers",
+            vec![relay_proto::header("x-a", ""); relay_proto::MAX_HEAD_RECORDS],
             1024 * 1024,
         ),
     ]
@@ -95,10 +90,25 @@ fn hostile_frames() -> Vec<(&'static str, Vec<ServerFrame>)> {
         data: vec![b'b'; relay_proto::MAX_CHUNK + 1].into(),
         end: true,
     };
+    // Over the protocol's bound on a head's records: counted on the frame's bytes and
+    // refused before decoding (`HeaderMap::with_capacity` panics from 24577 entries on: a
+    // head was once sized by this count).
+    let many = |n: usize| RequestHead {
+        headers: vec![relay_proto::header("x-a", ""); n],
+        ..head(1, "GET", "/hello", true)
+    };
     vec![
         (
             "a 2 MiB request head (over max_frame_bytes)",
             vec![ServerFrame::of(In::RequestHead(huge))],
+        ),
+        (
+            "24577 empty-valued headers (over MAX_HEAD_RECORDS)",
+            vec![ServerFrame::of(In::RequestHead(many(24_577)))],
+        ),
+        (
+            "a head of 1 MiB of empty records",
+            vec![ServerFrame::of(In::RequestHead(many(500_000)))],
         ),
         (
             "a request body chunk over 64 KiB",
@@ -167,4 +177,81 @@ async fn a_hello_whose_server_id_would_forge_log_lines_ends_the_stream() {
     let mut conn = tunnel.next_conn().await;
     let a = conn.call(head(1, "GET", "/hello", true), vec![]).await;
     assert_eq!(a.status(), 200, "{a:?}");
+}
+
+/// A metric's value from the agent's `/metrics` (0 when the series is missing).
+async fn agent_metric(admin: SocketAddr, name: &str) -> f64 {
+    let (status, text) = http_get(admin, "/metrics").await;
+    assert_eq!(status, 200);
+    text.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A listener on an address inside the agent's network (127.0.0.2 stands for any internal
+/// host) that counts the connections it gets.
+async fn internal_host() -> (SocketAddr, Arc<AtomicU64>) {
+    let listener = TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            drop(sock);
+        }
+    });
+    (addr, accepted)
+}
+
+/// A tunnel server (or the dispatcher behind its fleet news) advertising a `direct_url` on a
+/// host inside the customer's network cannot make the agent dial it: with direct growth on,
+/// the agent fills through the endpoints it was given, counts and logs the refusal, and
+/// never connects there. Listed in `direct_hosts`, the same host is dialed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_url_outside_the_allowed_hosts_is_never_dialed() {
+    let upstream = hyper_upstream().await;
+    let (internal, accepted) = internal_host().await;
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    *tunnel.direct_url.lock().unwrap() = format!("http://{internal}");
+    let mut cfg = config(&tunnel.url, &upstream, 1);
+    cfg.coverage = CoverageConfig {
+        direct_growth: true,
+        tick: Duration::from_millis(50),
+        ..CoverageConfig::default()
+    };
+    let (_agent, admin) = start_agent(cfg.clone()).await;
+    let _first = tunnel.next_conn().await;
+    // Filling toward the reserve goes to the server's direct URL: refused, counted.
+    let deadline = Instant::now() + WAIT;
+    while agent_metric(admin, "relay_agent_direct_urls_refused_total").await < 1.0 {
+        assert!(Instant::now() < deadline, "no direct open was refused");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The agent grows through its tunnel endpoint instead.
+    let _second = tunnel.next_conn().await;
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        0,
+        "the agent dialed {internal}"
+    );
+    drop(_agent);
+
+    // The same host, allowed by the customer's config, is dialed.
+    let mut tunnel = FakeTunnel::start(10_000, true).await;
+    *tunnel.direct_url.lock().unwrap() = format!("http://{internal}");
+    cfg.tunnels = vec![tunnel.url.clone()];
+    cfg.direct_hosts = vec!["127.0.0.2".into()];
+    let (_agent, admin) = start_agent(cfg).await;
+    let _first = tunnel.next_conn().await;
+    eventually("the agent dials the allowed direct URL", || {
+        accepted.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    assert_eq!(
+        agent_metric(admin, "relay_agent_direct_urls_refused_total").await,
+        0.0
+    );
 }

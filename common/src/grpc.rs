@@ -17,6 +17,7 @@
 
 use crate::h2::H2Limits;
 use crate::h2io::H2Io;
+pub use crate::peer::PeerAddr;
 use crate::tls::TlsClient;
 use std::future::Future;
 use std::pin::Pin;
@@ -102,7 +103,16 @@ impl GrpcClient {
     pub fn lazy(&self, endpoint: Endpoint) -> Channel {
         match &self.tls {
             Some(tls) => endpoint.connect_with_connector_lazy(tls.tonic_connector()),
-            None => endpoint.connect_with_connector_lazy(plain_connector()),
+            None => endpoint.connect_with_connector_lazy(plain_connector(None)),
+        }
+    }
+
+    /// [`GrpcClient::lazy`], recording the remote address of each connection it dials in
+    /// `peer` (a channel holds one connection at a time, so `peer` names the current one).
+    pub fn lazy_observed(&self, endpoint: Endpoint, peer: PeerAddr) -> Channel {
+        match &self.tls {
+            Some(tls) => endpoint.connect_with_connector_lazy(tls.tonic_connector_to(Some(peer))),
+            None => endpoint.connect_with_connector_lazy(plain_connector(Some(peer))),
         }
     }
 
@@ -110,7 +120,7 @@ impl GrpcClient {
     pub async fn connect(&self, endpoint: Endpoint) -> Result<Channel, tonic::transport::Error> {
         match &self.tls {
             Some(tls) => endpoint.connect_with_connector(tls.tonic_connector()).await,
-            None => endpoint.connect_with_connector(plain_connector()).await,
+            None => endpoint.connect_with_connector(plain_connector(None)).await,
         }
     }
 }
@@ -118,8 +128,11 @@ impl GrpcClient {
 type PlainIo = hyper_util::rt::TokioIo<H2Io<tokio::net::TcpStream>>;
 
 /// Dials the URI's host and port over plain TCP, Nagle off, under [`H2Io`] (see
-/// `h2io`); tonic bounds the dial by the endpoint's `connect_timeout`.
-fn plain_connector() -> impl tower::Service<
+/// `h2io`); tonic bounds the dial by the endpoint's `connect_timeout`. Records the
+/// connection's remote address in `peer`, when given.
+fn plain_connector(
+    peer: Option<PeerAddr>,
+) -> impl tower::Service<
     http::Uri,
     Response = PlainIo,
     Error = std::io::Error,
@@ -127,12 +140,16 @@ fn plain_connector() -> impl tower::Service<
 > + Clone
        + Send
        + 'static {
-    tower::service_fn(|uri: http::Uri| {
+    tower::service_fn(move |uri: http::Uri| {
+        let peer = peer.clone();
         Box::pin(async move {
             let host = crate::tls::dial_host(&uri)?;
             let port = uri.port_u16().unwrap_or(80);
             let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
             tcp.set_nodelay(true)?;
+            if let Some(peer) = &peer {
+                peer.set(tcp.peer_addr().ok());
+            }
             Ok(hyper_util::rt::TokioIo::new(H2Io::new(tcp)))
         }) as Pin<Box<dyn Future<Output = std::io::Result<PlainIo>> + Send>>
     })

@@ -529,9 +529,26 @@ impl TlsClient {
     > + Clone
            + Send
            + 'static {
+        self.tonic_connector_to(None)
+    }
+
+    /// [`TlsClient::tonic_connector`] that also records each connection's remote address
+    /// in `peer`.
+    pub fn tonic_connector_to(
+        &self,
+        peer: Option<crate::peer::PeerAddr>,
+    ) -> impl tower::Service<
+        http::Uri,
+        Response = TlsIo,
+        Error = std::io::Error,
+        Future = ConnectFuture,
+    > + Clone
+           + Send
+           + 'static {
         let me = self.clone();
         tower::service_fn(move |uri: http::Uri| {
             let me = me.clone();
+            let peer = peer.clone();
             Box::pin(async move {
                 let host = dial_host(&uri)?;
                 let port = uri.port_u16().unwrap_or(443);
@@ -541,6 +558,9 @@ impl TlsClient {
                     format!("{host}:{port}")
                 };
                 let tls = me.connect(&host, &addr).await?;
+                if let Some(peer) = &peer {
+                    peer.set(tls.get_ref().0.peer_addr().ok());
+                }
                 Ok(hyper_util::rt::TokioIo::new(crate::h2io::H2Io::new(tls)))
             }) as ConnectFuture
         })
@@ -688,6 +708,37 @@ impl ListenerTls {
             client_cert_optional: self.client_cert_optional,
             client_names: self.client_names.clone(),
         }))
+    }
+}
+
+impl ListenerTls {
+    /// Checks that a mutual-TLS listener whose client certificate is the peer's whole
+    /// authentication pins an identity: `client_names` lists the names a client
+    /// certificate must carry. Without it any certificate the CA signed (an agent's, another
+    /// service's) would be let in. `alternative` names another setting that pins the
+    /// identity instead (the dispatcher's `registry.server_id_in_cert`); when it is set the
+    /// check passes. Plain text (`insecure = true`) has nothing to pin.
+    pub fn require_pinned(
+        &self,
+        section: &str,
+        alternative: Option<(&str, bool)>,
+    ) -> Result<(), ConfigError> {
+        if self.insecure || !self.client_names.is_empty() {
+            return Ok(());
+        }
+        match alternative {
+            Some((_, true)) => Ok(()),
+            Some((key, false)) => Err(ConfigError::invalid(
+                format!("{section}.client_names"),
+                format!(
+                    "must name the client certificates allowed here (DNS or URI names), or set {key} = true: with neither, any certificate of client_ca is accepted"
+                ),
+            )),
+            None => Err(ConfigError::invalid(
+                format!("{section}.client_names"),
+                "must name the client certificates allowed here (DNS or URI names): without it, any certificate of client_ca is accepted",
+            )),
+        }
     }
 }
 

@@ -382,13 +382,41 @@ impl Config {
         self
     }
 
+    /// Whether the registry listener on `addr` may run without `[registry] server_key`:
+    /// `Err` naming the key when `addr` is not a loopback address (anyone who can reach it
+    /// could report any `forward_url` and tunnel ids and so steer calls), `Ok(true)` when it
+    /// runs without one on loopback (worth a warning), `Ok(false)` with a key.
+    pub fn registry_key_needed(&self, addr: SocketAddr) -> Result<bool, ConfigError> {
+        if self.registry.server_key_digest().is_some() {
+            return Ok(false);
+        }
+        if addr.ip().is_loopback() {
+            return Ok(true);
+        }
+        Err(ConfigError::invalid(
+            "registry.server_key",
+            format!(
+                "is required when the registry listens on a non-loopback address ({addr}): without it anyone who reaches the listener can report any forward_url and tunnel ids; set the same secret as the tunnel servers' dispatcher_key"
+            ),
+        ))
+    }
+
     /// Checks the TLS sections.
     pub fn transport(&self) -> Result<Transport, ConfigError> {
+        let registry = self
+            .registry_tls
+            .resolve("registry_tls", ClientCerts::Required)?;
+        // A tunnel server's certificate authenticates its reports: pin which ones.
+        self.registry_tls.require_pinned(
+            "registry_tls",
+            Some((
+                "registry.server_id_in_cert",
+                self.registry.server_id_in_cert,
+            )),
+        )?;
         Ok(Transport {
             front: self.tls.resolve("tls", ClientCerts::Optional)?,
-            registry: self
-                .registry_tls
-                .resolve("registry_tls", ClientCerts::Required)?,
+            registry,
             forward: self
                 .forward_tls
                 .resolve("forward_tls", ClientCerts::Required)?,
@@ -621,6 +649,7 @@ impl Config {
                 "set at most one of server_key and server_key_sha256",
             ));
         }
+        self.registry_key_needed(self.registry_listen)?;
         if r.backend == RegistryBackend::Redis {
             let Some(url) = &r.url else {
                 return Err(ConfigError::invalid(
@@ -677,7 +706,7 @@ impl Config {
             ));
         }
         for (i, h) in r.forward_hosts.iter().enumerate() {
-            if let Err(why) = crate::hosts::HostRule::parse(h) {
+            if let Err(why) = relay_common::hosts::HostRule::parse(h) {
                 return Err(ConfigError::invalid(
                     format!("registry.forward_hosts[{i}]"),
                     why,
@@ -939,6 +968,19 @@ mod tests {
         };
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("`registry_tls.client_ca`"), "{err}");
+        // Mutual TLS pins the tunnel servers' certificates: by name, or by their server id.
+        c.registry_tls.client_ca = Some("ca.pem".into());
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`registry_tls.client_names`")
+                && err.contains("registry.server_id_in_cert"),
+            "{err}"
+        );
+        c.registry.server_id_in_cert = true;
+        c.validate().unwrap();
+        c.registry.server_id_in_cert = false;
+        c.registry_tls.client_names = vec!["tunnel-server".into()];
+        c.validate().unwrap();
         let mut c = base();
         c.forward_tls = DialerTls {
             ca: Some("ca.pem".into()),
@@ -956,6 +998,34 @@ mod tests {
         c.tls.insecure = true;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("`tls.insecure`"), "{err}");
+    }
+
+    #[test]
+    fn a_registry_off_loopback_needs_a_server_key() {
+        let mut c = Config {
+            callers: vec![CallerConfig::allow_all("c", "k")],
+            registry_listen: "0.0.0.0:8460".parse().unwrap(),
+            ..Config::default().insecure()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("`registry.server_key`") && err.contains("0.0.0.0:8460"),
+            "{err}"
+        );
+        c.registry_listen = "10.0.0.5:8460".parse().unwrap();
+        assert!(c.validate().is_err());
+        // On loopback it runs, with a warning.
+        c.registry_listen = "127.0.0.1:8460".parse().unwrap();
+        c.validate().unwrap();
+        assert!(c.registry_key_needed(c.registry_listen).unwrap());
+        assert!(c
+            .registry_key_needed("[::1]:8460".parse().unwrap())
+            .unwrap());
+        // A key (in clear or as its SHA-256) is all it takes.
+        c.registry_listen = "0.0.0.0:8460".parse().unwrap();
+        c.registry.server_key = Some(KeyDigest::of(b"secret"));
+        c.validate().unwrap();
+        assert!(!c.registry_key_needed(c.registry_listen).unwrap());
     }
 
     #[test]

@@ -82,106 +82,70 @@ pub fn response_from_wire(wire: &[Bytes]) -> (HeaderMap, usize) {
 /// into another tenant's tunnel, so the front refuses such a response (502
 /// `bad_response`).
 ///
-/// `location` is resolved the way a browser or an HTTP client library resolves it against
-/// the request (`request_path` on `request_host`): tabs and newlines dropped, `\` read as
-/// `/`, absolute (`http(s)://host/...`, compared with the request's host name, port
-/// ignored), scheme-relative (`//host/...`), absolute-path and relative references
-/// (`../other/x`), dot segments removed (`%2e` counts as a dot), and the tunnel id segment
-/// percent-decoded. Locations on other hosts, other schemes and paths outside `/relay/`
-/// pass unchanged.
+/// `location` is resolved against the request (`request_path` on `request_host`) by the
+/// `url` crate, the WHATWG URL parser that reqwest, browsers and Node's fetch follow: tabs
+/// and newlines dropped, `\` read as `/`, dot segments removed (`%2e` counts as a dot),
+/// relative, scheme-relative and absolute references alike. The hosts are compared after
+/// WHATWG host parsing, as a client that connects would see them: percent-decoded and
+/// IDNA-mapped names (`%72elay.example`, fullwidth letters), IPv4 in any form
+/// (`2130706433`, `0x7f.1`, `0177.0.0.1`), IPv4-mapped IPv6 (`[::ffff:127.0.0.1]`) as the
+/// IPv4 address it reaches, a trailing dot ignored; ports are ignored. The front cannot
+/// know which scheme its caller used (TLS may end at a load balancer before it), so the
+/// location is resolved against both `http` and `https` and refused when either reading
+/// leads into another tunnel (`https:/relay/other/x` is relative under `https`). The tunnel
+/// id segment is percent-decoded. Locations on other hosts, other schemes and paths outside
+/// `/relay/` pass unchanged.
 pub fn redirect_into_other_tunnel(
     location: &[u8],
     request_path: &str,
     request_host: Option<&str>,
     tunnel_id: &str,
 ) -> Option<String> {
-    let raw: String = String::from_utf8_lossy(location)
-        .trim()
-        .chars()
-        .filter(|c| !matches!(c, '\t' | '\n' | '\r'))
-        .map(|c| if c == '\\' { '/' } else { c })
-        .collect();
-    let mut rest = raw.as_str();
-    if let Some(colon) = scheme_end(rest) {
-        let scheme = rest[..colon].to_ascii_lowercase();
-        if scheme != "http" && scheme != "https" {
+    let location = String::from_utf8_lossy(location);
+    // The front's own host as a client parses it. A request without one (HTTP/1.0 without
+    // `Host`) still resolves relative references against a name no real host has.
+    let host = request_host.unwrap_or("relay-front.invalid");
+    ["https", "http"].into_iter().find_map(|scheme| {
+        let base = url::Url::parse(&format!("{scheme}://{host}/"))
+            .ok()?
+            .join(request_path)
+            .ok()?;
+        let target = base.join(&location).ok()?;
+        if !matches!(target.scheme(), "http" | "https") || !same_host(&base, &target) {
             return None;
         }
-        rest = &rest[colon + 1..];
-    }
-    let path = if let Some(after) = rest.strip_prefix("//") {
-        let end = after.find(['/', '?', '#']).unwrap_or(after.len());
-        let authority = &after[..end];
-        let host = authority.rsplit('@').next().unwrap_or(authority);
-        if !same_host(host, request_host?) {
+        let mut segments = target.path_segments()?;
+        if segments.next() != Some("relay") {
             return None;
         }
-        after[end..].to_string()
-    } else if rest.starts_with('/') {
-        rest.to_string()
-    } else {
-        // Relative to the request path's directory.
-        let dir = &request_path[..request_path.rfind('/').map_or(0, |i| i + 1)];
-        format!("{dir}{rest}")
-    };
-    let path = &path[..path.find(['?', '#']).unwrap_or(path.len())];
-    let mut segments: Vec<&str> = Vec::new();
-    for seg in path.split('/').skip(1) {
-        match seg.to_ascii_lowercase().replace("%2e", ".").as_str() {
-            "." => {}
-            ".." => {
-                segments.pop();
-            }
-            _ => segments.push(seg),
-        }
-    }
-    if segments.first() != Some(&"relay") {
-        return None;
-    }
-    let id = percent_decode(segments.get(1)?);
-    (id != tunnel_id).then_some(id)
+        let id = percent_encoding::percent_decode_str(segments.next()?)
+            .decode_utf8_lossy()
+            .into_owned();
+        (id != tunnel_id).then_some(id)
+    })
 }
 
-/// Where a URL's scheme ends (the `:`), if it starts with one.
-fn scheme_end(s: &str) -> Option<usize> {
-    let colon = s.find(':')?;
-    let scheme = &s[..colon];
-    let mut chars = scheme.chars();
-    (chars.next()?.is_ascii_alphabetic()
-        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
-    .then_some(colon)
-}
-
-/// Whether two `host[:port]` name one host (ports ignored, case-insensitive).
-fn same_host(a: &str, b: &str) -> bool {
-    fn name(h: &str) -> &str {
-        if let Some(v6) = h.strip_prefix('[') {
-            return v6.split(']').next().unwrap_or(v6);
+/// Whether two parsed URLs name one host, ports ignored: the `url` crate has already
+/// lowercased, percent-decoded and IDNA-mapped names and read IPv4 in every form; an
+/// IPv4-mapped IPv6 address is the IPv4 address it reaches, and a name's trailing dot is
+/// the same name.
+fn same_host(a: &url::Url, b: &url::Url) -> bool {
+    use std::net::IpAddr;
+    use url::Host;
+    fn canonical(h: Host<&str>) -> Host<String> {
+        match h {
+            Host::Domain(d) => Host::Domain(d.trim_end_matches('.').to_string()),
+            Host::Ipv4(v4) => Host::Ipv4(v4),
+            Host::Ipv6(v6) => match IpAddr::V6(v6).to_canonical() {
+                IpAddr::V4(v4) => Host::Ipv4(v4),
+                IpAddr::V6(v6) => Host::Ipv6(v6),
+            },
         }
-        h.rsplit_once(':').map_or(h, |(n, _)| n)
     }
-    name(a)
-        .trim_end_matches('.')
-        .eq_ignore_ascii_case(name(b).trim_end_matches('.'))
-}
-
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let hex = |c: u8| (c as char).to_digit(16);
-        if b[i] == b'%' && i + 2 < b.len() {
-            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
+    match (a.host(), b.host()) {
+        (Some(a), Some(b)) => canonical(a) == canonical(b),
+        _ => false,
     }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Bytes of a request head as counted against `max_header_bytes`.
@@ -267,19 +231,94 @@ mod tests {
         ("mailto:x@relay.example", None),
         ("/relayother/x", None),
         ("", None),
+        // Host spellings a WHATWG parser (reqwest, browsers, Node's fetch) reads as this
+        // front: percent-encoded, IDNA-mapped, a trailing dot, the scheme's slashes left out.
+        ("https://%72elay.example/relay/other/x", Some("other")),
+        ("https://relay%2Eexample:8443/relay/other/x", Some("other")),
+        ("https://RELAY.EXAMPLE.:8443/relay/other/x", Some("other")),
+        (
+            "https://\u{ff52}\u{ff45}lay.example/relay/other/x",
+            Some("other"),
+        ),
+        ("https://relay\u{3002}example/relay/other/x", Some("other")),
+        ("http:relay.example/relay/other/x", Some("other")),
+        ("https:\\\\relay.example\\relay\\other", Some("other")),
+        (
+            "https://relay.example:8443@relay.example/relay/other/x",
+            Some("other"),
+        ),
+        (
+            "https://relay.example\\@elsewhere.example/relay/other/x",
+            None,
+        ),
+        ("https://relay.example.evil/relay/other/x", None),
+        (
+            "https://relay.example@elsewhere.example/relay/other/x",
+            None,
+        ),
+        ("https://xn--relay-.example/relay/other/x", None),
+    ];
+
+    /// The same for a front reached at `127.0.0.1:8443`: an address has many spellings.
+    const REDIRECTS_BY_ADDRESS: &[(&str, Option<&str>)] = &[
+        ("https://127.0.0.1:8443/relay/other/x", Some("other")),
+        ("https://2130706433:8443/relay/other/x", Some("other")),
+        (
+            "https://[::ffff:127.0.0.1]:8443/relay/other/x",
+            Some("other"),
+        ),
+        ("https://[::ffff:7f00:1]/relay/other/x", Some("other")),
+        (
+            "https://[0:0:0:0:0:ffff:127.0.0.1]/relay/other/x",
+            Some("other"),
+        ),
+        ("https://0x7f.1/relay/other/x", Some("other")),
+        ("https://0x7f000001/relay/other/x", Some("other")),
+        ("https://0177.0.0.1/relay/other/x", Some("other")),
+        ("https://127.1/relay/other/x", Some("other")),
+        ("https://127.0.1/relay/other/x", Some("other")),
+        ("https://127.0.0.1./relay/other/x", Some("other")),
+        ("https://%31%32%37.0.0.1/relay/other/x", Some("other")),
+        (
+            "http://\u{ff11}\u{ff12}\u{ff17}.0.0.1/relay/other/x",
+            Some("other"),
+        ),
+        ("https://127.0.0.1:8443/relay/demo/x", None),
+        ("https://127.0.0.2/relay/other/x", None),
+        ("https://[::1]/relay/other/x", None),
+        ("https://[::127.0.0.1]/relay/other/x", None),
+        ("https://localhost.example/relay/other/x", None),
     ];
 
     #[test]
     fn redirects_into_another_tunnel_id_on_this_front_are_found() {
-        for (location, want) in REDIRECTS {
-            let got = redirect_into_other_tunnel(
-                location.as_bytes(),
-                "/relay/demo/app/page",
-                Some("relay.example:8443"),
-                "demo",
-            );
-            assert_eq!(got.as_deref(), *want, "Location: {location:?}");
+        let tables = [
+            ("relay.example:8443", REDIRECTS),
+            ("127.0.0.1:8443", REDIRECTS_BY_ADDRESS),
+            // The front's own host given in another spelling reads the same.
+            ("2130706433:8443", REDIRECTS_BY_ADDRESS),
+        ];
+        for (host, table) in tables {
+            for (location, want) in table {
+                let got = redirect_into_other_tunnel(
+                    location.as_bytes(),
+                    "/relay/demo/app/page",
+                    Some(host),
+                    "demo",
+                );
+                assert_eq!(got.as_deref(), *want, "Location: {location:?} on {host}");
+            }
         }
+    }
+
+    #[test]
+    fn without_a_request_host_only_references_to_this_front_are_found() {
+        let got = |location: &str| {
+            redirect_into_other_tunnel(location.as_bytes(), "/relay/demo/a", None, "demo")
+        };
+        assert_eq!(got("../other/x").as_deref(), Some("other"));
+        assert_eq!(got("/relay/other/x").as_deref(), Some("other"));
+        assert_eq!(got("https://relay.example/relay/other/x"), None);
     }
 
     #[test]

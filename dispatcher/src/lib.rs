@@ -27,7 +27,6 @@ pub mod forward;
 pub mod front;
 pub mod headers;
 pub mod hop;
-pub mod hosts;
 pub mod metrics;
 pub mod pool;
 pub mod quota;
@@ -151,6 +150,14 @@ pub async fn start_with(
 ) -> Result<DispatcherHandle, RunError> {
     config.validate()?;
     let transport = config.transport()?;
+    // The address the registry really listens on (a caller may bind another than
+    // `registry_listen`).
+    if config.registry_key_needed(listeners.registry.local_addr()?)? {
+        tracing::warn!(
+            registry = %listeners.registry.local_addr()?,
+            "the registry listener has no [registry] server_key: any local process can report as a tunnel server; set one (the tunnel servers' dispatcher_key)"
+        );
+    }
     let prometheus = prometheus::Registry::new();
     let metrics = metrics::Metrics::register(&prometheus)?;
     let expiry = tls::CertExpiry::register(&prometheus)?;

@@ -9,6 +9,11 @@
 //! response heads, small inline bodies) fit in far less, and a buffer grows on demand for
 //! a larger message (a 64 KiB body chunk), so the buffers start at [`BUFFER_BYTES`].
 //!
+//! Before prost reads a message, the counts of its bounded repeated fields (a head's
+//! header records, a fleet's members) are checked on its bytes ([`crate::bounds`]): a
+//! message over a bound is refused with RESOURCE_EXHAUSTED, so a frame of tiny records is
+//! never inflated into memory many times its size.
+//!
 //! A request stream cannot yield an error to tonic, and an RPC whose request stream is
 //! left pending is never reset by hyper (dropping the response does not end the request
 //! half). So a client that must abandon an RPC mid-request hands it a message that
@@ -18,6 +23,7 @@
 //! to cancel a `Forward.Call` whose caller's body broke off: a clean end there would end
 //! the call's body as if whole).
 
+use crate::bounds::{Bounded, OverBound};
 use bytes::Buf;
 use prost::Message;
 use std::marker::PhantomData;
@@ -113,16 +119,12 @@ impl<T: Message + Abandons> Encoder for RelayEncoder<T> {
 #[derive(Debug)]
 pub struct RelayDecoder<U>(PhantomData<U>);
 
-impl<U: Message + Default> Decoder for RelayDecoder<U> {
+impl<U: Message + Default + Bounded> Decoder for RelayDecoder<U> {
     type Item = U;
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        let message = buf.copy_to_bytes(buf.remaining());
-        U::decode(message)
-            .map(Some)
-            // A message that does not parse is INTERNAL, as gRPC's status codes say.
-            .map_err(|e| Status::internal(e.to_string()))
+        decode_message(buf.copy_to_bytes(buf.remaining())).map(Some)
     }
 
     fn buffer_settings(&self) -> BufferSettings {
@@ -130,10 +132,23 @@ impl<U: Message + Default> Decoder for RelayDecoder<U> {
     }
 }
 
+/// Decodes one whole message as every relay hop does: its bounded repeated fields are
+/// counted on the bytes first (see [`crate::bounds`]), so a message over a bound is refused
+/// with RESOURCE_EXHAUSTED before anything of it is allocated; then prost reads it.
+pub fn decode_message<U: Message + Default + Bounded>(message: bytes::Bytes) -> Result<U, Status> {
+    match crate::bounds::check(&message, U::BOUNDS) {
+        Ok(()) => {}
+        Err(e @ OverBound::Over(_)) => return Err(Status::resource_exhausted(e.to_string())),
+        Err(e @ OverBound::Malformed(_)) => return Err(Status::internal(e.to_string())),
+    }
+    // A message that does not parse is INTERNAL, as gRPC's status codes say.
+    U::decode(message).map_err(|e| Status::internal(e.to_string()))
+}
+
 impl<T, U> Codec for RelayCodec<T, U>
 where
     T: Message + Abandons + Send + 'static,
-    U: Message + Default + Send + 'static,
+    U: Message + Default + Bounded + Send + 'static,
 {
     type Encode = T;
     type Decode = U;

@@ -96,6 +96,16 @@ pub const DEFAULT_MAX_HEADERS: usize = 256;
 /// (`max_response_header_bytes` at the tunnel server and the dispatcher).
 pub const DEFAULT_MAX_HEAD_BYTES: usize = 64 * 1024;
 
+/// Most header records one head may carry on any hop, whatever a config allows: a frame
+/// holding more is refused as it is decoded, before any record is allocated (see
+/// [`bounds`]). Each hop's own limit (`max_response_headers`, `limits.max_headers`) is at
+/// most this and is checked after decoding.
+pub const MAX_HEAD_RECORDS: usize = 16 * 1024;
+
+/// Most members one `Fleet` frame may list: a tunnel server sends at most this many, an
+/// agent refuses a frame with more as it is decoded (see [`bounds`]).
+pub const MAX_FLEET_MEMBERS: usize = 4096;
+
 /// Longest peer-supplied error message kept, in characters, after [`escape_message`].
 pub const MAX_PEER_MESSAGE: usize = 512;
 
@@ -233,7 +243,7 @@ fn parse_any(record: &[u8]) -> Result<(&[u8], &[u8]), MalformedHeader> {
     Ok((name, value))
 }
 
-const MALFORMED: MalformedHeader = MalformedHeader { index: None };
+pub(crate) const MALFORMED: MalformedHeader = MalformedHeader { index: None };
 
 /// Groups nested deeper than this are refused, as prost refuses messages nested past its
 /// recursion limit.
@@ -254,7 +264,7 @@ fn varint(rest: &mut &[u8]) -> Result<u64, MalformedHeader> {
 
 /// A field's number and wire type.
 #[inline]
-fn field_key(rest: &mut &[u8]) -> Result<(u64, u64), MalformedHeader> {
+pub(crate) fn field_key(rest: &mut &[u8]) -> Result<(u64, u64), MalformedHeader> {
     let key = varint(rest)?;
     let (field, wire_type) = (key >> 3, key & 7);
     if field == 0 || field > u64::from(u32::MAX >> 3) {
@@ -265,7 +275,7 @@ fn field_key(rest: &mut &[u8]) -> Result<(u64, u64), MalformedHeader> {
 
 /// A length-delimited field's bytes.
 #[inline]
-fn length_delimited<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], MalformedHeader> {
+pub(crate) fn length_delimited<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], MalformedHeader> {
     let len = usize::try_from(varint(rest)?).map_err(|_| MALFORMED)?;
     if len > rest.len() {
         return Err(MALFORMED);
@@ -276,7 +286,7 @@ fn length_delimited<'a>(rest: &mut &'a [u8]) -> Result<&'a [u8], MalformedHeader
 }
 
 /// Skips the value of a field this reader does not know.
-fn skip_field(
+pub(crate) fn skip_field(
     rest: &mut &[u8],
     field: u64,
     wire_type: u64,
@@ -391,6 +401,12 @@ impl HeadLimits {
                 message: "must be at least 1",
             });
         }
+        if self.max_headers > MAX_HEAD_RECORDS {
+            return Err(InvalidHeadLimit {
+                key: "max_response_headers",
+                message: "must be at most 16384 (the protocol's bound on a head's headers)",
+            });
+        }
         if self.max_bytes < Self::MIN_BYTES {
             return Err(InvalidHeadLimit {
                 key: "max_response_header_bytes",
@@ -441,6 +457,7 @@ pub fn escape_message(msg: &str, max: usize) -> String {
     out
 }
 
+pub mod bounds;
 pub mod codec;
 
 pub mod v1 {
@@ -738,6 +755,13 @@ mod tests {
         assert_eq!(
             limits(1, 1023).validate().map_err(|e| e.key),
             Err("max_response_header_bytes")
+        );
+        assert_eq!(limits(MAX_HEAD_RECORDS, 1024).validate(), Ok(()));
+        assert_eq!(
+            limits(MAX_HEAD_RECORDS + 1, 1024)
+                .validate()
+                .map_err(|e| e.key),
+            Err("max_response_headers")
         );
         let head = |n: usize| -> Vec<Bytes> {
             (0..n)

@@ -7,6 +7,14 @@ use relay_common::devcerts::{write, DevCa};
 use relay_common::tls::{ClientTls, DialerTls, ListenerTls, ServerTls};
 use std::path::{Path, PathBuf};
 
+/// The name in the dispatcher's client certificate (tunnel servers' `[forward_tls]
+/// client_names`).
+pub const DISPATCHER_CLIENT: &str = "dispatcher";
+
+/// The role name in the tunnel servers' client certificate (the dispatcher's
+/// `[registry_tls] client_names`).
+pub const TUNNEL_SERVER_CLIENT: &str = "tunnel-server";
+
 /// The files of a generated set (all PEM).
 #[derive(Clone, Debug)]
 pub struct CertSet {
@@ -21,6 +29,9 @@ pub struct CertSet {
     pub tunnel_server: (PathBuf, PathBuf),
     /// Client certificate tunnel servers present to the dispatcher (`Registry.Report`).
     pub tunnel_server_client: (PathBuf, PathBuf),
+    /// A client certificate of the same CA for an agent (`[agent_tls] client_ca`), naming
+    /// `agent-demo`: what a shared CA also signs, which the mutual-TLS hops must refuse.
+    pub agent_client: (PathBuf, PathBuf),
 }
 
 /// Writes a new set into `dir` (created if missing). `names`: DNS names or IP addresses
@@ -39,24 +50,26 @@ pub fn generate(dir: &Path, names: &[&str]) -> anyhow::Result<CertSet> {
         dir: dir.to_path_buf(),
         ca: write(dir, "ca.pem", &ca.cert_pem)?,
         dispatcher: pair("dispatcher", ca.server(names)?)?,
-        dispatcher_client: pair("dispatcher-client", ca.client("dispatcher")?)?,
+        dispatcher_client: pair("dispatcher-client", ca.client(DISPATCHER_CLIENT)?)?,
         tunnel_server: pair("tunnel-server", ca.server(names)?)?,
         // Names the role and the first test server's id (`[registry] server_id_in_cert`).
         tunnel_server_client: pair(
             "tunnel-server-client",
-            ca.client_for(&["tunnel-server", "ts-1"])?,
+            ca.client_for(&[TUNNEL_SERVER_CLIENT, "ts-1"])?,
         )?,
+        agent_client: pair("agent-client", ca.client("agent-demo")?)?,
     })
 }
 
 impl CertSet {
-    fn server(&self, (cert, key): &(PathBuf, PathBuf), mutual: bool) -> ListenerTls {
+    /// A listener with `pair`; with `clients`, mutual TLS pinned to those names.
+    fn server(&self, (cert, key): &(PathBuf, PathBuf), clients: Option<&str>) -> ListenerTls {
         ListenerTls::tls(ServerTls {
             cert: cert.clone(),
             key: key.clone(),
-            client_ca: mutual.then(|| self.ca.clone()),
+            client_ca: clients.map(|_| self.ca.clone()),
             client_cert_optional: false,
-            client_names: Vec::new(),
+            client_names: clients.map(|n| vec![n.to_string()]).unwrap_or_default(),
         })
     }
 
@@ -71,12 +84,13 @@ impl CertSet {
 
     /// Dispatcher `[tls]` (the HTTP front; no client certificates).
     pub fn dispatcher_front(&self) -> ListenerTls {
-        self.server(&self.dispatcher, false)
+        self.server(&self.dispatcher, None)
     }
 
-    /// Dispatcher `[registry_tls]` (mutual TLS).
+    /// Dispatcher `[registry_tls]` (mutual TLS, pinned to the tunnel servers' client
+    /// certificate).
     pub fn dispatcher_registry(&self) -> ListenerTls {
-        self.server(&self.dispatcher, true)
+        self.server(&self.dispatcher, Some(TUNNEL_SERVER_CLIENT))
     }
 
     /// Dispatcher `[forward_tls]` (with its client certificate).
@@ -86,12 +100,13 @@ impl CertSet {
 
     /// Tunnel server `[agent_tls]` (server authentication only).
     pub fn tunnel_agent(&self) -> ListenerTls {
-        self.server(&self.tunnel_server, false)
+        self.server(&self.tunnel_server, None)
     }
 
-    /// Tunnel server `[forward_tls]` (mutual TLS).
+    /// Tunnel server `[forward_tls]` (mutual TLS, pinned to the dispatcher's client
+    /// certificate).
     pub fn tunnel_forward(&self) -> ListenerTls {
-        self.server(&self.tunnel_server, true)
+        self.server(&self.tunnel_server, Some(DISPATCHER_CLIENT))
     }
 
     /// Tunnel server `[dispatcher_tls]` (with its client certificate).

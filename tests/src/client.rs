@@ -87,3 +87,47 @@ impl Caller {
             .await
     }
 }
+
+/// Runs `curl` (the command-line client a person or a script would use) with `args` plus
+/// `-sS -i`, and reads its one answer: status, headers and body. Fails when curl itself
+/// fails (no answer).
+pub async fn curl(args: &[&str]) -> anyhow::Result<Answer> {
+    let out = tokio::process::Command::new("curl")
+        .args(["-sS", "-i", "--max-time", "30"])
+        .args(args)
+        .kill_on_drop(true)
+        .output()
+        .await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "curl {args:?} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let raw = out.stdout;
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| anyhow::anyhow!("curl printed no response head"))?;
+    let head = std::str::from_utf8(&raw[..end])?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or_default();
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .ok_or_else(|| anyhow::anyhow!("no status in {status_line:?}"))?;
+    let mut headers = HeaderMap::new();
+    for line in lines {
+        if let Some((name, value)) = line.split_once(':') {
+            headers.append(
+                http::HeaderName::from_bytes(name.trim().as_bytes())?,
+                http::HeaderValue::from_str(value.trim())?,
+            );
+        }
+    }
+    Ok(Answer {
+        status: StatusCode::from_bytes(status.as_bytes())?,
+        headers,
+        body: Bytes::copy_from_slice(&raw[end + 4..]),
+    })
+}

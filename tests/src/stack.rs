@@ -487,6 +487,7 @@ impl StackBuilder {
         Ok(Stack {
             http,
             dispatcher_admin,
+            registry,
             agent_admin,
             servers,
             lb,
@@ -531,6 +532,8 @@ pub struct Stack {
     /// The dispatcher's HTTP front.
     pub http: SocketAddr,
     pub dispatcher_admin: SocketAddr,
+    /// The dispatcher's registry listener (tunnel servers' reports).
+    pub registry: SocketAddr,
     pub agent_admin: Option<SocketAddr>,
     /// Tunnel servers; `None` once killed.
     pub servers: Vec<Option<TunnelServerHandle>>,

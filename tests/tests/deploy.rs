@@ -465,6 +465,7 @@ impl TlsStack {
                  [registry]\nserver_key = {SERVER_KEY:?}\n\n\
                  [tls]\ninsecure = true\n\
                  [registry_tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n\
+                 client_names = [\"tunnel-server\"]\n\
                  [forward_tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
                 ports[0],
                 ports[1],
@@ -500,6 +501,7 @@ impl TlsStack {
                      reload_interval = \"200ms\"\nshutdown_grace = \"5s\"\n\n\
                      [agent_tls]\ncert = {:?}\nkey = {:?}\n\
                      [forward_tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n\
+                     client_names = [\"dispatcher\"]\n\
                      [dispatcher_tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
                     ports[0],
                     ports[1],

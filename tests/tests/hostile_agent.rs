@@ -177,6 +177,42 @@ async fn oversized_response_heads_are_refused_at_the_tunnel_server_with_one_502(
     stack.shutdown().await;
 }
 
+/// A 1 MiB frame of empty header records (2 bytes each on the wire, 32 bytes each once
+/// decoded) is refused by the tunnel server's codec, which counts the records before it
+/// decodes any: the caller gets one 502 `bad_response` naming the protocol's bound, the
+/// agent's stream ends with RESOURCE_EXHAUSTED, and the next stream serves. (The bound on
+/// what decoding such a frame allocates is measured in `proto/tests/decode_allocation.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_mib_head_of_empty_records_is_refused_before_it_is_decoded() {
+    let stack = one_server_without_agent().await;
+    let caller = stack.caller();
+    let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+    let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
+    // 2 bytes a record plus a dozen of head and frame: within the default max_frame_bytes
+    // (1 MiB), so the frame reaches the codec's count.
+    let records = (1024 * 1024 - 64) / 2;
+    let frame = head(req.call_id, 200, vec![Bytes::new(); records], true);
+    agent.send(frame).await.unwrap();
+    let a = answered(answer).await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(a.json()["error"], "bad_response", "{}", a.text());
+    let message = a.json()["message"].as_str().unwrap_or_default().to_string();
+    assert!(
+        message.contains("more than 16384 header records in a response head"),
+        "{message}"
+    );
+    let status = agent
+        .ended(WAIT)
+        .await
+        .unwrap()
+        .expect_err("the stream ends with an error status");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status}");
+    let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+    serves_a_well_formed_answer(&caller, &mut agent).await;
+    assert_eq!(tunnel_calls(&stack, "bad_response").await, 1.0);
+    stack.shutdown().await;
+}
+
 /// A response head holding a header record that is not an encoded `Header` is refused at
 /// the tunnel server, which reads each record's lengths for its limits: the caller gets one
 /// 502 `bad_response` naming the malformed header, the agent's stream ends with
@@ -213,15 +249,16 @@ async fn a_malformed_header_record_is_refused_at_the_tunnel_server_with_one_502(
     stack.shutdown().await;
 }
 
-/// A tunnel server that passes hostile heads on (here: one configured with very large
-/// limits) still cannot hurt the dispatcher: the caller gets one 502 `bad_response`.
+/// A tunnel server that passes hostile heads on (here: one configured with the largest
+/// limits) still cannot hurt the dispatcher: the caller gets one 502 `bad_response`. (Heads
+/// of more than `MAX_HEAD_RECORDS` records never get past the tunnel server's codec.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dispatcher_refuses_oversized_response_heads_a_tunnel_server_passes_on() {
     let stack = Stack::builder()
         .servers(1)
         .without_agent()
         .tunnel_config(|c| {
-            c.max_response_headers = 1_000_000;
+            c.max_response_headers = relay_proto::MAX_HEAD_RECORDS;
             c.max_response_header_bytes = 16 * 1024 * 1024;
         })
         .start()
@@ -229,7 +266,11 @@ async fn the_dispatcher_refuses_oversized_response_heads_a_tunnel_server_passes_
         .unwrap();
     let caller = stack.caller();
     let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
-    let cases = hostile_heads();
+    let cases: Vec<_> = hostile_heads()
+        .into_iter()
+        .filter(|(_, headers)| headers.len() <= relay_proto::MAX_HEAD_RECORDS)
+        .collect();
+    assert!(cases.len() >= 3);
     for (what, headers) in &cases {
         let (answer, req) = call_via(&caller, &mut agent, Method::GET, "/relay/demo/x", None).await;
         agent
@@ -398,6 +439,12 @@ const LOCATIONS: &[(&str, bool)] = &[
     ("/relay/demo/%2e%2e/other/", true),
     ("/relay/demo/next", false),
     ("https://elsewhere.example/relay/other/x", false),
+    // The front's address in the spellings a WHATWG URL parser reads as it.
+    ("http://2130706433:{port}/relay/other/x", true),
+    ("http://[::ffff:127.0.0.1]:{port}/relay/other/x", true),
+    ("http://0x7f.1:{port}/relay/other/x", true),
+    ("http://%31%32%37.0.0.1:{port}/relay/other/x", true),
+    ("http://127.0.0.2:{port}/relay/other/x", false),
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -406,7 +453,9 @@ async fn redirects_into_another_tunnel_id_on_the_front_are_refused() {
     let caller = stack.caller();
     let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
     for (location, refused) in LOCATIONS {
-        let location = location.replace("{front}", &stack.http.to_string());
+        let location = location
+            .replace("{front}", &stack.http.to_string())
+            .replace("{port}", &stack.http.port().to_string());
         let (answer, req) = call_via(
             &caller,
             &mut agent,
@@ -434,6 +483,68 @@ async fn redirects_into_another_tunnel_id_on_the_front_are_refused() {
             assert_eq!(a.status, 302, "{location}: {}", a.text());
             assert_eq!(a.headers["location"], location.as_str());
         }
+    }
+    drop(agent);
+    stack.shutdown().await;
+}
+
+/// The spellings the WHATWG URL parser (reqwest, browsers, Node's fetch) reads as the
+/// front's own host, with curl as the backend: the front is `relay.example` (curl resolves
+/// it to 127.0.0.1), and the upstream redirects into tunnel id `other` by another spelling
+/// of that name or address. Each answer is one 502 `bad_response`, never the redirect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirects_spelling_the_fronts_host_differently_are_refused_to_curl() {
+    let stack = one_server_without_agent().await;
+    let caller = stack.caller();
+    let mut agent = HostileAgent::open(&agent_url(&stack), TOKEN).await.unwrap();
+    // Routable before curl calls (curl sends once).
+    serves_a_well_formed_answer(&caller, &mut agent).await;
+    let port = stack.http.port();
+    let cases = [
+        (
+            "relay.example",
+            "http://%72elay.example:{port}/relay/other/x",
+        ),
+        (
+            "relay.example",
+            "http://RELAY.example.:{port}/relay/other/x",
+        ),
+        ("127.0.0.1", "http://2130706433:{port}/relay/other/x"),
+        (
+            "127.0.0.1",
+            "http://[::ffff:127.0.0.1]:{port}/relay/other/x",
+        ),
+        ("127.0.0.1", "http://0177.0.0.1:{port}/relay/other/x"),
+    ];
+    for (host, location) in cases {
+        let location = location.replace("{port}", &port.to_string());
+        let url = format!("http://{host}:{port}/relay/demo/app/page");
+        let resolve = format!("relay.example:{port}:127.0.0.1");
+        let auth = format!("Authorization: Bearer {CALLER_KEY}");
+        let args = ["--resolve", &resolve, "-H", &auth, &url];
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let answer = tokio::spawn(async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            relay_tests::client::curl(&args).await
+        });
+        let req = agent
+            .next_call(WAIT)
+            .await
+            .expect("curl's call reaches the agent");
+        let headers = vec![relay_proto::header("location", location.clone())];
+        agent
+            .send(head(req.call_id, 302, headers, true))
+            .await
+            .unwrap();
+        let a = answered(answer).await;
+        assert_eq!(a.status, 502, "{location}: {}", a.text());
+        assert_eq!(a.json()["error"], "bad_response", "{location}");
+        assert!(
+            a.text().contains("\\\"other\\\""),
+            "{location}: {}",
+            a.text()
+        );
+        assert!(a.headers.get("location").is_none(), "{location}");
     }
     drop(agent);
     stack.shutdown().await;

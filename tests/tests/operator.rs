@@ -390,6 +390,65 @@ async fn agent_check_fails_naming_the_token_the_upstream_or_the_config_key() {
     );
 }
 
+/// A tunnel server that answers but takes no stream (here: draining, held open by one
+/// agent stream it waits for) is a warning on its `token` row, and with no endpoint that
+/// takes a stream the check fails: the agent could not serve a call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_check_fails_when_no_endpoint_accepts_a_stream() {
+    let dir = ScratchDir::new("check-draining").unwrap();
+    let server = TunnelServerProc::start(
+        dir.path(),
+        TunnelServerOpts {
+            shutdown_grace: Duration::from_secs(120),
+            ..TunnelServerOpts::default()
+        },
+    )
+    .await
+    .unwrap();
+    let upstream = Upstream::builder().spawn().await.unwrap();
+    let cfg = agent_config(
+        dir.path(),
+        &server.agent_url(),
+        TOKEN,
+        &upstream.url(),
+        "insecure = true",
+    );
+    let out = run("relay-agent", &["check", "--config", &cfg], &[]).await;
+    let table = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{table}");
+    assert!(row(&table, "streams").contains(" ok "), "{table}");
+    assert!(row(&table, "streams").contains("1 of 1"), "{table}");
+
+    // One stream (answering heartbeats, ignoring Drain) keeps the server draining.
+    let holder = relay_tests::hostile::HostileAgent::open(&server.agent_url(), TOKEN)
+        .await
+        .unwrap();
+    server.proc.signal("TERM").unwrap();
+    relay_tests::procs::wait_http(server.admin_addr, "/readyz", 503, Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    let out = run("relay-agent", &["check", "--config", &cfg], &[]).await;
+    let table = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{table}{}", text(&out.stderr));
+    let token = row(&table, "token");
+    assert!(
+        token.contains("WARN") && token.contains("draining"),
+        "{table}"
+    );
+    let streams = row(&table, "streams");
+    assert!(
+        streams.contains("FAIL") && streams.contains("0 of 1"),
+        "{table}"
+    );
+    assert!(
+        text(&out.stderr).contains("FAILED: streams (tunnels)"),
+        "{}",
+        text(&out.stderr)
+    );
+    drop(holder);
+}
+
 /// With TLS: the handshake is verified against the agent's `[tls] ca`; another CA fails
 /// the `tls` row and the token is not sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -820,3 +820,92 @@ async fn ten_thousand_idle_agent_streams_fit_in_100_mib() {
     );
     drop(held);
 }
+
+/// A dispatcher config whose registry listens on `registry` without `[registry]
+/// server_key`, plain text on every hop.
+fn keyless_registry_config(dir: &Path, name: &str, registry: SocketAddr) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            "listen = \"{}\"\nregistry_listen = \"{registry}\"\nadmin_listen = \"{}\"\n\
+             [[callers]]\nname = \"test\"\nkey = {CALLER_KEY:?}\ntunnels = [\"*\"]\n\
+             [tls]\ninsecure = true\n[registry_tls]\ninsecure = true\n[forward_tls]\ninsecure = true\n",
+            relay_tests::procs::free_addr().unwrap(),
+            relay_tests::procs::free_addr().unwrap(),
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// Without `[registry] server_key`, anyone who reaches the registry listener can report any
+/// `forward_url` and tunnel ids. Off loopback the dispatcher refuses to start, naming the
+/// key (before it binds anything); on loopback it starts with a warning, and a hand-made
+/// report stream without a key is taken there, which is what the warning is about.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_without_a_server_key_is_refused_off_loopback_and_warned_on_it() {
+    let dir = ScratchDir::new("registry-key").unwrap();
+    let bin = relay_tests::procs::binary("relay-dispatcher").unwrap();
+    let every_address = SocketAddr::from(([0, 0, 0, 0], 0));
+    let cfg = keyless_registry_config(dir.path(), "open.toml", every_address);
+    let mut refused = Proc::spawn(
+        "dispatcher",
+        &bin,
+        &["--config".into(), cfg.display().to_string()],
+        &[],
+        dir.path().join("open.log"),
+    )
+    .unwrap();
+    let status = refused.wait_exit(READY).await.unwrap();
+    assert!(!status.success(), "{}", refused.log());
+    let log = refused.log();
+    assert!(
+        log.contains("`registry.server_key`") && log.contains("non-loopback"),
+        "{log}"
+    );
+
+    let registry = relay_tests::procs::free_addr().unwrap();
+    let cfg = keyless_registry_config(dir.path(), "local.toml", registry);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let admin: SocketAddr = text
+        .lines()
+        .find_map(|l| l.strip_prefix("admin_listen = "))
+        .unwrap()
+        .trim_matches('"')
+        .parse()
+        .unwrap();
+    let local = Proc::spawn(
+        "dispatcher",
+        &bin,
+        &["--config".into(), cfg.display().to_string()],
+        &[],
+        dir.path().join("local.log"),
+    )
+    .unwrap();
+    wait_http(admin, "/healthz", 200, READY).await.unwrap();
+    assert!(
+        local
+            .log()
+            .contains("the registry listener has no [registry] server_key"),
+        "{}",
+        local.log()
+    );
+    let _reporter = relay_tests::fake_server::report_stream(
+        registry,
+        vec![
+            relay_tests::fake_server::intro("ts-anyone", "http://127.0.0.1:1"),
+            relay_tests::fake_server::up(TUNNEL_ID),
+        ],
+    )
+    .await;
+    eventually(
+        "the keyless report was taken",
+        Duration::from_secs(20),
+        || async {
+            let text = scrape(admin).await.unwrap_or_default();
+            metric(&text, "relay_dispatcher_tunnel_servers", &[]) == 1.0
+        },
+    )
+    .await;
+}

@@ -358,3 +358,136 @@ async fn the_agent_refuses_hostile_calls_with_403_and_strips_spoofing_headers() 
     ok(&stack).await;
     stack.shutdown().await;
 }
+
+/// The client-identity family a caller could send to pass for another client, as curl
+/// sends them through the relay: frameworks trust the scheme, port and prefix ones, IP
+/// allow-lists the address ones.
+const FAMILY: &[&str] = &[
+    "X-Forwarded-For: 6.6.6.6",
+    "X-Forwarded-Port: 443",
+    "X-Forwarded-Ssl: on",
+    "X-Forwarded-Scheme: https",
+    "X-Forwarded-Protocol: https",
+    "X-Forwarded-By: 6.6.6.6",
+    "X-Client-IP: 6.6.6.6",
+    "Client-IP: 6.6.6.6",
+    "X-Cluster-Client-IP: 6.6.6.6",
+    "CF-Connecting-IP: 6.6.6.6",
+    "Fastly-Client-IP: 6.6.6.6",
+    "True-Client-IP: 6.6.6.6",
+    "X-Real-IP: 6.6.6.6",
+    "X-Original-Forwarded-For: 6.6.6.6",
+    "Forwarded: for=6.6.6.6",
+];
+
+/// Every header of the family is stripped on its way to the upstream, unless the rule
+/// that allows the call keeps it (`pass_headers`) or writes its own (`set_headers`: here
+/// `X-Forwarded-For` from the address of the agent's tunnel connection). curl is the
+/// backend; the simulated upstream echoes what it got.
+#[tokio::test]
+async fn curl_cannot_pass_for_another_client_and_the_agent_writes_its_own_forwarded_for() {
+    let stack = Stack::builder()
+        .servers(1)
+        .agent_config(|c| {
+            c.allow = vec![
+                relay_agent::config::AllowRule {
+                    name: Some("internal".into()),
+                    methods: vec!["GET".into()],
+                    path: "/echo/internal".into(),
+                    pass_headers: vec!["x-forwarded-proto".into()],
+                    set_headers: [
+                        ("X-Forwarded-For".to_string(), "$tunnel_peer".to_string()),
+                        ("X-Forwarded-Port".to_string(), "8443".to_string()),
+                    ]
+                    .into(),
+                    ..Default::default()
+                },
+                relay_agent::config::AllowRule {
+                    name: Some("all".into()),
+                    methods: vec!["*".into()],
+                    path: "/**".into(),
+                    ..Default::default()
+                },
+            ]
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    let auth = format!("Authorization: Bearer {CALLER_KEY}");
+    let curl = |path: &str, extra: &[&str]| {
+        let mut args = vec!["-H".to_string(), auth.clone()];
+        for h in FAMILY.iter().chain(extra) {
+            args.extend(["-H".to_string(), h.to_string()]);
+        }
+        args.push(format!("http://{}/relay/demo{path}", stack.http));
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let a = relay_tests::client::curl(&args).await.unwrap();
+            assert_eq!(a.status, 200, "{}", a.text());
+            let seen: serde_json::Value =
+                serde_json::from_str(a.headers["x-echo-headers"].to_str().unwrap()).unwrap();
+            seen
+        }
+    };
+
+    let seen = curl("/echo/other", &["X-Keep: 1", "X-Forwarded-Proto: https"]).await;
+    assert_eq!(seen["x-keep"], "1", "{seen}");
+    for header in FAMILY.iter().chain(&["X-Forwarded-Proto: https"]) {
+        let name = header.split(':').next().unwrap().to_ascii_lowercase();
+        assert!(
+            seen.get(&name).is_none(),
+            "{name} reached the upstream: {seen}"
+        );
+    }
+
+    let seen = curl("/echo/internal", &["X-Forwarded-Proto: https"]).await;
+    // Kept by `pass_headers`.
+    assert_eq!(seen["x-forwarded-proto"], "https", "{seen}");
+    // Written by the agent: the address of its tunnel connection, never the caller's.
+    assert_eq!(seen["x-forwarded-for"], "127.0.0.1", "{seen}");
+    assert_eq!(seen["x-forwarded-port"], "8443", "{seen}");
+    for header in FAMILY {
+        let name = header.split(':').next().unwrap().to_ascii_lowercase();
+        if name != "x-forwarded-for" && name != "x-forwarded-port" {
+            assert!(
+                seen.get(&name).is_none(),
+                "{name} reached the upstream: {seen}"
+            );
+        }
+    }
+    ok(&stack).await;
+    stack.shutdown().await;
+}
+
+/// A method in any letter case is matched and sent upstream in upper case: `get` is allowed
+/// by a rule for GET and the upstream runs GET, never a method the rules did not name.
+#[tokio::test]
+async fn a_lower_case_method_reaches_the_upstream_in_upper_case() {
+    let stack = Stack::builder()
+        .servers(1)
+        .agent_config(|c| {
+            c.allow = vec![relay_agent::config::AllowRule {
+                methods: vec!["GET".into()],
+                path: "/**".into(),
+                ..Default::default()
+            }]
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    let auth = format!("Authorization: Bearer {CALLER_KEY}");
+    let url = format!("http://{}/relay/demo/echo", stack.http);
+    let a = relay_tests::client::curl(&["-X", "get", "-H", &auth, &url])
+        .await
+        .unwrap();
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.headers["x-echo-method"], "GET");
+    let a = relay_tests::client::curl(&["-X", "delete", "-H", &auth, &url])
+        .await
+        .unwrap();
+    assert_eq!(a.status, 403, "{}", a.text());
+    assert!(a.text().contains("refused (method)"), "{}", a.text());
+    stack.shutdown().await;
+}

@@ -400,3 +400,125 @@ async fn a_server_id_its_client_certificate_does_not_name_is_refused_by_the_regi
     .await;
     stack.shutdown().await;
 }
+
+/// A mutual-TLS listener whose certificate is the peer's whole authentication pins an
+/// identity. A config with `client_ca` and neither `client_names` nor (on the registry)
+/// `server_id_in_cert` does not start, naming the key; and with the names pinned, a
+/// certificate the same CA signed for an agent can neither call `Forward.Call` on a tunnel
+/// server nor report to the dispatcher's registry (hand-made gRPC clients over mutual TLS).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_needs_a_pinned_identity_and_an_agent_certificate_is_refused() {
+    let (dir, set) = certs("pinned");
+    let p = |p: &std::path::Path| p.display().to_string();
+
+    // The binaries refuse the unpinned configs at start, naming the key.
+    let ts = dir.path().join("ts.toml");
+    std::fs::write(
+        &ts,
+        format!(
+            "[agent_tls]\ninsecure = true\n[forward_tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n",
+            p(&set.tunnel_server.0),
+            p(&set.tunnel_server.1),
+            p(&set.ca)
+        ),
+    )
+    .unwrap();
+    let d = dir.path().join("d.toml");
+    std::fs::write(
+        &d,
+        format!(
+            "[[callers]]\nname = \"c\"\nkey = \"k\"\ntunnels = [\"*\"]\n[tls]\ninsecure = true\n\
+             [registry_tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n[forward_tls]\ninsecure = true\n",
+            p(&set.dispatcher.0),
+            p(&set.dispatcher.1),
+            p(&set.ca)
+        ),
+    )
+    .unwrap();
+    for (bin, config, key) in [
+        ("relay-tunnel-server", &ts, "`forward_tls.client_names`"),
+        ("relay-dispatcher", &d, "`registry_tls.client_names`"),
+    ] {
+        let out = tokio::process::Command::new(relay_tests::procs::binary(bin).unwrap())
+            .args(["--config", &p(config)])
+            .env_remove("RELAY_CONFIG")
+            .kill_on_drop(true)
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bin} started unpinned: {stderr}");
+        assert!(stderr.contains(key), "{bin}: {stderr}");
+    }
+
+    // Pinned: the agent's certificate (same CA) is refused on both mutual-TLS listeners.
+    let stack = tls_stack(&set).await;
+    let agent_cert = TlsClient::new(
+        "agent-cert",
+        ClientTls {
+            ca: Some(set.ca.clone()),
+            cert: Some(set.agent_client.0.clone()),
+            key: Some(set.agent_client.1.clone()),
+            ..Default::default()
+        },
+        relay_common::tls::ALPN_H2,
+    )
+    .unwrap();
+    let dial = |addr: SocketAddr| {
+        let connector = agent_cert.tonic_connector();
+        async move {
+            tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+                .unwrap()
+                .timeout(Duration::from_secs(2))
+                .connect_with_connector(connector)
+                .await
+        }
+    };
+    let forward_addr = stack.servers[0].as_ref().unwrap().forward_addr;
+    let refused = match dial(forward_addr).await {
+        Err(e) => format!("{e:?}"),
+        Ok(ch) => {
+            let (_tx, rx) = tokio::sync::mpsc::channel::<relay_proto::ForwardRequest>(1);
+            match relay_proto::forward_client::ForwardClient::new(ch)
+                .call(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+            {
+                Ok(_) => panic!("an agent's certificate opened Forward.Call"),
+                Err(s) => format!("{s:?}"),
+            }
+        }
+    };
+    assert!(
+        refused.to_lowercase().contains("certificate") || refused.contains("alert"),
+        "an agent's certificate on the forward listener: not refused by TLS: {refused}"
+    );
+    let refused = match dial(stack.registry).await {
+        Err(e) => format!("{e:?}"),
+        Ok(ch) => {
+            let mut req = tonic::Request::new(futures::stream::iter(vec![
+                relay_tests::fake_server::intro("ts-evil", "https://127.0.0.1:1"),
+            ]));
+            req.metadata_mut().insert(
+                "authorization",
+                format!("Bearer {}", relay_tests::stack::SERVER_KEY)
+                    .parse()
+                    .unwrap(),
+            );
+            match relay_proto::registry_client::RegistryClient::new(ch)
+                .report(req)
+                .await
+            {
+                Ok(_) => panic!("an agent's certificate reported to the registry"),
+                Err(s) => format!("{s:?}"),
+            }
+        }
+    };
+    assert!(
+        refused.to_lowercase().contains("certificate") || refused.contains("alert"),
+        "an agent's certificate on the registry listener: not refused by TLS: {refused}"
+    );
+    // The relay's own hops still work.
+    let backend = client(&set.ca);
+    wait_routable(&backend, stack.http).await;
+    stack.shutdown().await;
+}

@@ -193,6 +193,8 @@ impl Config {
         let forward = self
             .forward_tls
             .resolve("forward_tls", ClientCerts::Required)?;
+        // A dispatcher's certificate is its whole authentication here.
+        self.forward_tls.require_pinned("forward_tls", None)?;
         let dispatchers = if self.dispatchers.is_empty() {
             None
         } else {
@@ -503,6 +505,10 @@ mod tests {
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("`forward_tls.client_ca`"), "{err}");
         c.forward_tls.client_ca = Some("ca.pem".into());
+        // Mutual TLS pins the dispatchers' certificates by name.
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("`forward_tls.client_names`"), "{err}");
+        c.forward_tls.client_names = vec!["dispatcher".into()];
         c.forward_url = Some("http://ts-1:8451".into());
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("`forward_url`"), "{err}");

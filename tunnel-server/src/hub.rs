@@ -414,6 +414,8 @@ impl Hub {
             merged.sort_by(|a, b| {
                 (&a.server_id, &a.instance_id).cmp(&(&b.server_id, &b.instance_id))
             });
+            // Agents refuse a frame listing more (the protocol's bound).
+            merged.truncate(relay_proto::MAX_FLEET_MEMBERS);
             if merged == f.merged {
                 return;
             }

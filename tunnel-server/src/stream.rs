@@ -359,6 +359,20 @@ impl Reader {
                             call: None,
                         };
                     }
+                    // A frame over one of the protocol's bounds (a response head of more
+                    // than `MAX_HEAD_RECORDS` records), refused by the codec before it was
+                    // decoded: the head of this stream's call, which gets 502 like any
+                    // head over `max_response_headers`.
+                    Err(status) if status.code() == tonic::Code::ResourceExhausted => {
+                        let why = format!("the agent's frame has {}", status.message());
+                        warn!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, reason = %why, "agent frame refused");
+                        break End::Protocol {
+                            status: Status::resource_exhausted(why.clone()),
+                            call: Some(Outcome::BadResponse(format!(
+                                "{why} (above any max_response_headers)"
+                            ))),
+                        };
+                    }
                     Err(status) => {
                         debug!(stream_id = self.handle.id, %status, "agent stream error");
                         break End::AgentClosed;

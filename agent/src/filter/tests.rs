@@ -869,7 +869,32 @@ const SPOOFING: &[(&str, &str)] = &[
     ("X_Forwarded_Proto", "https"),
     ("X_Forwarded_Prefix", "/admin"),
     ("X_Original_URI", "/admin"),
+    // The rest of the family: scheme, port and prefix headers frameworks build URLs from,
+    // and the client-address headers of proxies, CDNs and clouds.
+    ("X-Forwarded-Port", "443"),
+    ("X-Forwarded-Ssl", "on"),
+    ("X-Forwarded-Scheme", "https"),
+    ("X-Forwarded-Protocol", "https"),
+    ("X-Forwarded-By", "6.6.6.6"),
+    ("X-Forwarded", "for=6.6.6.6"),
+    ("X-Client-IP", "6.6.6.6"),
+    ("Client-IP", "6.6.6.6"),
+    ("X-Cluster-Client-IP", "6.6.6.6"),
+    ("CF-Connecting-IP", "6.6.6.6"),
+    ("Fastly-Client-IP", "6.6.6.6"),
+    ("X-Original-Forwarded-For", "6.6.6.6"),
+    ("X-Originating-IP", "6.6.6.6"),
+    ("X-Remote-Addr", "6.6.6.6"),
+    ("X-Envoy-External-Address", "6.6.6.6"),
+    ("X-ARR-ClientIP", "6.6.6.6"),
+    ("X_Client_IP", "6.6.6.6"),
+    ("Fastly_Client_IP", "6.6.6.6"),
     ("x-keep", "1"),
+    (
+        "x-forwarded-not-really",
+        "kept? no: every x-forwarded-* is of the family",
+    ),
+    ("x-client-ipv4-hint", "1"),
 ];
 
 #[test]
@@ -888,16 +913,11 @@ fn spoofing_headers_are_stripped_unless_the_rule_passes_them() {
         names.sort();
         (ok.rule, names)
     };
-    assert_eq!(
-        names("/other", &[]),
-        ("allow[1]".to_string(), vec!["x-keep".to_string()])
-    );
+    let kept = vec!["x-client-ipv4-hint".to_string(), "x-keep".to_string()];
+    assert_eq!(names("/other", &[]), ("allow[1]".to_string(), kept.clone()));
     // The rule requires x-forwarded-for 10.*: the 6.6.6.6 one fails it, so the call
     // falls to the other rule, which strips it.
-    assert_eq!(
-        names("/internal/a", &[]),
-        ("allow[1]".to_string(), vec!["x-keep".to_string()])
-    );
+    assert_eq!(names("/internal/a", &[]), ("allow[1]".to_string(), kept));
     let p2 = Policy::new(
         &[AllowRule {
             pass_headers: vec!["x-forwarded-for".into(), "proxy".into()],
@@ -909,7 +929,213 @@ fn spoofing_headers_are_stripped_unless_the_rule_passes_them() {
     let ok = p2.prepare(&head("GET", "/internal/a", SPOOFING)).unwrap();
     let mut kept: Vec<&str> = ok.headers.keys().map(|k| k.as_str()).collect();
     kept.sort();
-    assert_eq!(kept, vec!["proxy", "x-forwarded-for", "x-keep"]);
+    assert_eq!(
+        kept,
+        vec!["proxy", "x-client-ipv4-hint", "x-forwarded-for", "x-keep"]
+    );
+}
+
+#[test]
+fn the_family_is_one_list_of_patterns() {
+    for name in [
+        "x-forwarded-for",
+        "x-forwarded-port",
+        "x-forwarded-anything",
+        "x-forwarded",
+        "forwarded",
+        "client-ip",
+        "true-client-ip",
+        "x-cluster-client-ip",
+        "fastly-client-ip",
+        "fly-client-ip",
+        "cf-connecting-ip",
+        "x-real-ip",
+        "x-original-forwarded-for",
+        "proxy",
+    ] {
+        assert!(is_spoofing(name), "{name}");
+    }
+    for name in [
+        "x-forwardedfor",
+        "forwarded-for",
+        "client-ipx",
+        "x-client-ip-hint",
+        "x-request-id",
+        "proxy-status",
+        "x-proxy",
+    ] {
+        assert!(!is_spoofing(name), "{name}");
+    }
+}
+
+#[test]
+fn a_rule_sets_its_own_client_identity_headers_over_the_callers() {
+    let set = AllowRule {
+        set_headers: [
+            ("X-Forwarded-For".to_string(), "$tunnel_peer".to_string()),
+            ("x-forwarded-proto".to_string(), "https".to_string()),
+            (
+                "forwarded".to_string(),
+                "for=\"$tunnel_peer\";proto=https".to_string(),
+            ),
+        ]
+        .into(),
+        pass_headers: vec!["x-real-ip".into()],
+        ..rule(&["GET"], "/**")
+    };
+    let p = Policy::new(&[set], LIMITS).unwrap();
+    let peer = "10.1.2.3".parse().ok();
+    let ok = p.prepare_call(&head("GET", "/a", SPOOFING), peer).unwrap();
+    let h = &ok.headers;
+    assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
+    assert_eq!(h["x-forwarded-for"], "10.1.2.3");
+    assert_eq!(h["x-forwarded-proto"], "https");
+    assert_eq!(h["forwarded"], "for=\"10.1.2.3\";proto=https");
+    assert_eq!(h["x-real-ip"], "6.6.6.6");
+    assert!(h.get("x-forwarded-port").is_none());
+    // An IPv4 peer reached over IPv6 is written as IPv4.
+    let mapped = "::ffff:10.1.2.3".parse().ok();
+    let ok = p.prepare_call(&head("GET", "/a", &[]), mapped).unwrap();
+    assert_eq!(ok.headers["x-forwarded-for"], "10.1.2.3");
+    // Without a known peer, the headers that need it are left out, the others written.
+    let ok = p.prepare(&head("GET", "/a", SPOOFING)).unwrap();
+    assert!(ok.headers.get("x-forwarded-for").is_none());
+    assert!(ok.headers.get("forwarded").is_none());
+    assert_eq!(ok.headers["x-forwarded-proto"], "https");
+}
+
+#[test]
+fn set_and_pass_headers_name_only_the_family_and_their_errors_name_the_key() {
+    let bad = |r: AllowRule, key: &str, says: &str| {
+        let err = Policy::new(std::slice::from_ref(&r), LIMITS)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(key) && err.contains(says), "{r:?}: {err}");
+    };
+    let set = |name: &str, value: &str| AllowRule {
+        set_headers: [(name.to_string(), value.to_string())].into(),
+        ..rule(&["GET"], "/a")
+    };
+    bad(
+        set("x-request-id", "1"),
+        "allow[0].set_headers",
+        "not a client-identity header",
+    );
+    bad(
+        set("host", "x"),
+        "allow[0].set_headers",
+        "not a client-identity header",
+    );
+    bad(
+        set("x-forwarded-host", "x"),
+        "allow[0].set_headers",
+        "override_header",
+    );
+    bad(
+        set("x_forwarded_for", "x"),
+        "allow[0].set_headers",
+        "'-' spelling",
+    );
+    bad(
+        set("x-forwarded-for", "$remote_addr"),
+        "allow[0].set_headers",
+        "$tunnel_peer",
+    );
+    bad(
+        set("x-forwarded-for", "a\u{7f}"),
+        "allow[0].set_headers",
+        "not a valid header value",
+    );
+    bad(
+        AllowRule {
+            pass_headers: vec!["x-forwarded-for".into()],
+            ..set("x-forwarded-for", "$tunnel_peer")
+        },
+        "allow[0].set_headers",
+        "not both",
+    );
+    bad(
+        AllowRule {
+            pass_headers: vec!["x-request-id".into()],
+            ..rule(&["GET"], "/a")
+        },
+        "allow[0].pass_headers",
+        "not a client-identity header",
+    );
+    for name in ["cf-connecting-ip", "X-Forwarded-Port", "fastly-client-ip"] {
+        let r = AllowRule {
+            pass_headers: vec![name.into()],
+            ..rule(&["GET"], "/a")
+        };
+        assert!(Policy::new(&[r], LIMITS).is_ok(), "{name}");
+    }
+}
+
+#[test]
+fn a_method_is_matched_and_sent_in_upper_case() {
+    let p = Policy::new(&[rule(&["GET", "PoSt"], "/**")], LIMITS).unwrap();
+    for (sent, want) in [
+        ("get", "GET"),
+        ("Get", "GET"),
+        ("post", "POST"),
+        ("GET", "GET"),
+    ] {
+        let ok = p.prepare(&head(sent, "/a", &[])).unwrap();
+        assert_eq!(ok.method.as_str(), want, "{sent}");
+    }
+    assert_eq!(
+        outcome(&p, &head("delete", "/a", &[])),
+        Err(Some(Reason::Method))
+    );
+    let any = Policy::new(&[rule(&["*"], "/**")], LIMITS).unwrap();
+    let ok = any.prepare(&head("purge", "/a", &[])).unwrap();
+    assert_eq!(ok.method.as_str(), "PURGE");
+}
+
+#[test]
+fn query_names_match_exactly_unless_the_rule_ignores_their_case() {
+    let mut exact = rule(&["GET"], "/search");
+    exact.query.insert("ref".into(), "main".into());
+    let folded = AllowRule {
+        query_ignore_case: true,
+        ..exact.clone()
+    };
+    let exact = Policy::new(&[exact], LIMITS).unwrap();
+    let folded = Policy::new(&[folded], LIMITS).unwrap();
+    type Outcome = Result<(), Option<Reason>>;
+    // (target, with exact names, with query_ignore_case)
+    let cases: &[(&str, Outcome, Outcome)] = &[
+        ("/search?ref=main", Ok(()), Ok(())),
+        // Another spelling of the name: the exact rule does not look at it.
+        (
+            "/search?ref=main&REF=evil",
+            Ok(()),
+            Err(Some(Reason::Query)),
+        ),
+        ("/search?Ref=main", Err(Some(Reason::Query)), Ok(())),
+        (
+            "/search?R%45F=evil&ref=main",
+            Ok(()),
+            Err(Some(Reason::Query)),
+        ),
+        (
+            "/search?REF=main&rEf=main",
+            Err(Some(Reason::Query)),
+            Ok(()),
+        ),
+    ];
+    for (target, want_exact, want_folded) in cases {
+        assert_eq!(
+            &outcome(&exact, &head("GET", target, &[])),
+            want_exact,
+            "{target}"
+        );
+        assert_eq!(
+            &outcome(&folded, &head("GET", target, &[])),
+            want_folded,
+            "{target}"
+        );
+    }
 }
 
 #[test]

@@ -165,6 +165,10 @@ pub struct Svc {
     pub next_stream: Arc<AtomicU64>,
     /// The `server_id` of every hello.
     pub server_id: String,
+    /// The message of the UNAUTHENTICATED status a refused open gets.
+    pub refusal: Arc<Mutex<String>>,
+    /// The `direct_url` every hello advertises ("" for none).
+    pub direct_url: Arc<Mutex<String>>,
 }
 
 #[tonic::async_trait]
@@ -182,7 +186,8 @@ impl Tunnel for Svc {
             .unwrap_or("");
         if auth != format!("Bearer {TOKEN}") || !self.accept.load(Ordering::SeqCst) {
             self.rejections.lock().unwrap().push(Instant::now());
-            return Err(Status::unauthenticated("unknown token"));
+            let message = self.refusal.lock().unwrap().clone();
+            return Err(Status::unauthenticated(message));
         }
         let features = req
             .metadata()
@@ -199,7 +204,7 @@ impl Tunnel for Svc {
             tunnel_id: "demo".into(),
             protocol_version: relay_proto::PROTOCOL_VERSION,
             instance_id: "fake-1".into(),
-            direct_url: String::new(),
+            direct_url: self.direct_url.lock().unwrap().clone(),
             unix_time_ms: 0,
             liveness_ms: 0,
             response_credit: 0,
@@ -221,6 +226,10 @@ pub struct FakeTunnel {
     pub conns: mpsc::UnboundedReceiver<Conn>,
     pub accept: Arc<AtomicBool>,
     pub rejections: Arc<Mutex<Vec<Instant>>>,
+    /// The message of the UNAUTHENTICATED status a refused open gets.
+    pub refusal: Arc<Mutex<String>>,
+    /// The `direct_url` every hello advertises ("" for none).
+    pub direct_url: Arc<Mutex<String>>,
     pub _stop: oneshot::Sender<()>,
 }
 
@@ -236,6 +245,8 @@ impl FakeTunnel {
         let (conns_tx, conns) = mpsc::unbounded_channel();
         let accept = Arc::new(AtomicBool::new(accept));
         let rejections = Arc::new(Mutex::new(Vec::new()));
+        let refusal = Arc::new(Mutex::new("unknown token".to_string()));
+        let direct_url = Arc::new(Mutex::new(String::new()));
         let svc = Svc {
             conns: conns_tx,
             accept: accept.clone(),
@@ -243,6 +254,8 @@ impl FakeTunnel {
             heartbeat_ms,
             next_stream: Arc::new(AtomicU64::new(1)),
             server_id: server_id.to_string(),
+            refusal: refusal.clone(),
+            direct_url: direct_url.clone(),
         };
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(
@@ -257,6 +270,8 @@ impl FakeTunnel {
             conns,
             accept,
             rejections,
+            refusal,
+            direct_url,
             _stop: stop,
         }
     }

@@ -17,8 +17,8 @@
 //!
 //! This module does no I/O and keeps no state.
 
-use crate::hosts::{Host, HostRule};
 use crate::registry::ServerRecord;
+use relay_common::hosts::{Host, HostRule};
 use ring::hmac;
 use serde::{Deserialize, Serialize};
 use std::net::IpAddr;

@@ -115,7 +115,7 @@ enum Command {
     Scenarios,
     /// Write a throwaway TLS set (CA, server and client certificates and keys, PEM) for
     /// examples/tls: ca.pem, dispatcher.{pem,key}, dispatcher-client.{pem,key},
-    /// tunnel-server.{pem,key}, tunnel-server-client.{pem,key}. For trying TLS out only.
+    /// tunnel-server.{pem,key}, tunnel-server-client.{pem,key}, agent-client.{pem,key}. For trying TLS out only.
     Certs {
         /// Directory to write into (created if missing; existing files are replaced).
         #[arg(long, default_value = "examples/tls/certs")]

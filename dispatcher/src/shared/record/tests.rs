@@ -1,6 +1,6 @@
 use super::*;
-use crate::hosts::in_net;
 use crate::registry::{LoadFigures, ServerInfo, TunnelFigures};
+use relay_common::hosts::in_net;
 
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 const NOW: u64 = 1_700_000_000_000;

@@ -1,11 +1,12 @@
-//! Which hosts a forward URL may name: the entries of `[registry] forward_hosts` (parsed
-//! once, with the error naming what is wrong) and the address ranges behind `private`.
-//! A leaf: the config validates entries with it and the shared registry checks records
-//! with it.
+//! Which hosts a URL a peer supplies may name: host rules as operators write them (the
+//! dispatcher's `[registry] forward_hosts`, the agent's `direct_hosts`), parsed once with
+//! the error naming what is wrong, the address ranges behind `private`, and a URL's host
+//! as the rules match it. A leaf: configs validate entries with it, the shared registry
+//! checks records and the agent checks `direct_url`s with it.
 
 use std::net::IpAddr;
 
-/// One entry of `[registry] forward_hosts`.
+/// One host rule (an entry of `[registry] forward_hosts` or the agent's `direct_hosts`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HostRule {
     /// IP addresses in loopback, private (RFC 1918), link-local, shared (100.64.0.0/10)
@@ -18,7 +19,7 @@ pub enum HostRule {
 }
 
 impl HostRule {
-    /// Parses one `forward_hosts` entry; the error says what is wrong.
+    /// Parses one entry; the error says what is wrong.
     pub fn parse(s: &str) -> Result<HostRule, String> {
         if s == "private" {
             return Ok(HostRule::Private);
@@ -56,16 +57,49 @@ impl HostRule {
         match (self, host) {
             (HostRule::Private, Host::Ip(ip)) => private(*ip),
             (HostRule::Net(net, len), Host::Ip(ip)) => in_net(*ip, *net, *len),
-            (HostRule::Name(p), Host::Name(n)) => relay_common::glob::matches_str(p, n),
+            (HostRule::Name(p), Host::Name(n)) => crate::glob::matches_str(p, n),
             _ => false,
         }
     }
 }
 
-/// A forward URL's host, as `HostRule`s match it.
+/// A URL's host, as `HostRule`s match it.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Host {
     Ip(IpAddr),
     Name(String),
+}
+
+impl Host {
+    /// The host of `url` as a dialer connects to it: an IP address (brackets of IPv6
+    /// dropped, IPv4-mapped IPv6 read as IPv4), or a name in lower case without a trailing
+    /// dot. `None` for a URL without a host.
+    pub fn of_url(url: &str) -> Option<Host> {
+        let uri: http::Uri = url.parse().ok()?;
+        let host = uri.host()?;
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        Some(match bare.parse::<IpAddr>() {
+            Ok(ip) => Host::Ip(ip.to_canonical()),
+            Err(_) => Host::Name(bare.trim_end_matches('.').to_ascii_lowercase()),
+        })
+    }
+
+    /// The rule that allows exactly this host.
+    pub fn exact(&self) -> HostRule {
+        match self {
+            Host::Ip(ip) => HostRule::Net(*ip, if ip.is_ipv4() { 32 } else { 128 }),
+            Host::Name(n) => HostRule::Name(n.clone()),
+        }
+    }
+}
+
+impl std::fmt::Display for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Host::Ip(ip) => ip.fmt(f),
+            Host::Name(n) => f.write_str(n),
+        }
+    }
 }
 
 pub fn private(ip: IpAddr) -> bool {
