@@ -6,11 +6,13 @@
 //! - `report`: figures, headline expectations, the terminal summary and the JSON form.
 //! - `html`: the self-contained HTML report with inline SVG charts.
 //! - `bench`: direct-to-upstream vs relayed calls/s and latency.
+//! - `neighbours`: one tenant's calls alone and beside another tenant's burst.
 //!
 //! Nothing here prints to stdout; the binary decides what to show.
 
 pub mod bench;
 pub mod html;
+pub mod neighbours;
 pub mod report;
 pub mod runner;
 pub mod scenario;

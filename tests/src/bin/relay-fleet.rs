@@ -111,6 +111,25 @@ enum Command {
         #[arg(long)]
         json: Option<std::path::PathBuf>,
     },
+    /// One tenant's small calls alone, then beside another tenant's burst of slow calls
+    /// on the same dispatcher and tunnel servers: throughput, p50 and p99 of both runs.
+    Neighbours {
+        /// The quiet tenant's concurrent closed-loop callers.
+        #[arg(long, default_value_t = 8)]
+        callers: usize,
+        /// How long each of the quiet tenant's runs lasts.
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        each: Duration,
+        /// The noisy tenant's calls kept in flight.
+        #[arg(long, default_value_t = 1000)]
+        burst: usize,
+        /// How long each of the noisy tenant's calls takes at the upstream.
+        #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+        slow: Duration,
+        /// Write the figures as JSON here.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
     /// List the built-in scenarios.
     Scenarios,
     /// Write a throwaway TLS set (CA, server and client certificates and keys, PEM) for
@@ -395,6 +414,31 @@ async fn main() -> std::process::ExitCode {
             each,
             json,
         } => bench(callers, each, json).await,
+        Command::Neighbours {
+            callers,
+            each,
+            burst,
+            slow,
+            json,
+        } => {
+            let o = relay_tests::fleet::neighbours::Options {
+                callers,
+                each,
+                burst,
+                slow,
+            };
+            match relay_tests::fleet::neighbours::run(&o).await {
+                Ok(r) => {
+                    print!("{}", r.table(&o));
+                    match json {
+                        Some(path) => std::fs::write(&path, serde_json::to_vec_pretty(&r).unwrap_or_default())
+                            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display())),
+                        None => Ok(()),
+                    }
+                }
+                Err(e) => Err(e),
+            }
+        }
         Command::Scenarios => {
             for (name, _) in relay_tests::fleet::scenario::BUILTIN {
                 if let Some(s) = Scenario::builtin(name) {
