@@ -4,15 +4,20 @@
 //! adds (the agent's `/systemcheck`, the dispatcher's `/debug/routes`).
 //!
 //! It owns no product state: every answer comes from closures the binary supplies.
+//! It accepts through `listen::incoming` with [`ListenerLimits::admin`]: a cap on
+//! connections, the first-byte bound, and idle connections closed.
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
+use crate::listen::{self, HeldBody, ListenerGuard, ListenerLimits, ListenerMetrics};
+use futures::StreamExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use std::future::Future;
 use std::sync::Arc;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub type AdminResponse = Response<Full<Bytes>>;
@@ -30,6 +35,9 @@ pub struct Admin {
     pub ready: ReadyFn,
     /// Binary-specific routes, consulted before the 404.
     pub routes: Option<RouteFn>,
+    /// The process's listener counters (the `admin` listener's series go there); unset,
+    /// `serve` registers them in `registry`.
+    pub listener_metrics: Option<ListenerMetrics>,
 }
 
 impl Admin {
@@ -38,7 +46,14 @@ impl Admin {
             registry,
             ready: Arc::new(|| (true, serde_json::json!({}))),
             routes: None,
+            listener_metrics: None,
         }
+    }
+
+    /// Counts the admin listener's refusals in these (already registered) counters.
+    pub fn with_listener_metrics(mut self, metrics: ListenerMetrics) -> Self {
+        self.listener_metrics = Some(metrics);
+        self
     }
 
     pub fn with_ready(
@@ -129,27 +144,55 @@ fn runtime_metrics() -> String {
 
 /// Serves the admin routes on `listener` until `shutdown` resolves.
 pub async fn serve(listener: TcpListener, admin: Admin, shutdown: impl Future<Output = ()>) {
+    let metrics = match admin.listener_metrics.clone() {
+        Some(m) => Some(m),
+        None => ListenerMetrics::register(&admin.registry)
+            .or_else(|_| ListenerMetrics::detached())
+            .ok(),
+    };
+    let Some(metrics) = metrics else {
+        tracing::warn!("admin listener: cannot build its counters; not serving");
+        return;
+    };
+    let guard = ListenerGuard::new("admin", ListenerLimits::admin(), metrics);
     let admin = Arc::new(admin);
     let tracker = TaskTracker::new();
+    let stop = CancellationToken::new();
+    let mut incoming = Box::pin(listen::incoming(listener, None, guard, stop.clone()));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             biased;
             _ = &mut shutdown => break,
-            accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
+            accepted = incoming.next() => {
+                let stream = match accepted {
+                    Some(Ok(s)) => s,
+                    Some(Err(_)) => continue,
+                    None => break,
+                };
                 let admin = admin.clone();
+                let info = stream.info().clone();
+                let idle = info.idle_notice();
                 tracker.spawn(async move {
                     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let resp = admin.answer(&req);
+                        let held = info.hold();
+                        let resp = admin.answer(&req).map(|b| HeldBody::new(b, Some(held)));
                         async move { Ok::<_, std::convert::Infallible>(resp) }
                     });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    let conn = builder.serve_connection(TokioIo::new(stream), svc);
+                    tokio::pin!(conn);
+                    tokio::select! {
+                        _ = conn.as_mut() => return,
+                        _ = idle => {}
+                    }
+                    // Idle for its idle_timeout: close it the way HTTP allows.
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
                 });
             }
         }
     }
+    stop.cancel();
     tracker.close();
 }

@@ -930,7 +930,8 @@ async fn watch_files(
 /// A server-side connection: plain TCP (where a config says `insecure = true`) or TLS.
 pub enum MaybeTls {
     Plain(TcpStream),
-    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+    /// Over the listener's socket (see `listen::Socket`).
+    Tls(Box<tokio_rustls::server::TlsStream<crate::listen::Socket>>),
 }
 
 impl MaybeTls {
@@ -942,7 +943,7 @@ impl MaybeTls {
     fn tcp(&self) -> &TcpStream {
         match self {
             MaybeTls::Plain(s) => s,
-            MaybeTls::Tls(s) => s.get_ref().0,
+            MaybeTls::Tls(s) => s.get_ref().0.tcp(),
         }
     }
 
