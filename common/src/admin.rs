@@ -7,12 +7,12 @@
 //! It accepts through `listen::incoming` with [`ListenerLimits::admin`]: a cap on
 //! connections, the first-byte bound, and idle connections closed.
 
+use crate::listen::{self, HeldBody, ListenerGuard, ListenerLimits, ListenerMetrics};
 use bytes::Bytes;
+use futures::StreamExt;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use crate::listen::{self, HeldBody, ListenerGuard, ListenerLimits, ListenerMetrics};
-use futures::StreamExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use std::future::Future;
 use std::sync::Arc;

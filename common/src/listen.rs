@@ -137,7 +137,9 @@ impl SourceNet {
                 u32::from(n) & mask == u32::from(a) & mask
             }
             (IpAddr::V6(n), IpAddr::V6(a)) => {
-                let mask = u128::MAX.checked_shl(128 - u32::from(self.len)).unwrap_or(0);
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.len))
+                    .unwrap_or(0);
                 u128::from(n) & mask == u128::from(a) & mask
             }
             _ => false,
@@ -414,7 +416,6 @@ impl LogLimiter {
     }
 }
 
-
 /// The listener counters of one process (every listener adds its `listener` label).
 #[derive(Clone)]
 pub struct ListenerMetrics {
@@ -588,12 +589,12 @@ impl ListenerGuard {
             + 'static,
     > {
         let budget = self.frames.clone();
-        tower::util::MapRequestLayer::new(move |req: http::Request<tonic::body::Body>| {
-            match &budget {
+        tower::util::MapRequestLayer::new(
+            move |req: http::Request<tonic::body::Body>| match &budget {
                 Some(b) => req.map(|body| tonic::body::Body::new(b.wrap(body))),
                 None => req,
-            }
-        })
+            },
+        )
     }
 
     /// A stream on `conn` proved its identity: the connection is no longer subject to
@@ -796,17 +797,23 @@ impl ListenerGuard {
         let prefix = if first.is_zero() {
             Vec::new()
         } else {
-            match tokio::time::timeout(first, first_bytes(&mut io)).await {
+            // `auth_timeout` runs from the accept, so it may end the wait first.
+            let mut deadline = (Instant::now() + first, "first_byte_timeout");
+            let auth = self.limits.auth_timeout;
+            if !auth.is_zero() && accepted + auth < deadline.0 {
+                deadline = (accepted + auth, "auth_timeout");
+            }
+            match tokio::time::timeout_at(deadline.0, first_bytes(&mut io)).await {
                 Ok(Ok(p)) => p,
                 Ok(Err(e)) => {
                     debug!(listener = self.name, %peer, error = %e, "connection ended before its first request");
                     return None;
                 }
                 Err(_) => {
-                    self.refuse("first_byte_timeout");
+                    self.refuse(deadline.1);
                     if let Some(skipped) = self.refused_logs.allow() {
-                        info!(listener = self.name, %peer, ?via, skipped,
-                            "connection closed: nothing that tells its protocol within first_byte_timeout");
+                        info!(listener = self.name, %peer, ?via, skipped, timeout = deadline.1,
+                            "connection closed: nothing that tells its protocol in time");
                     }
                     return None;
                 }
@@ -829,8 +836,11 @@ impl ListenerGuard {
             peer_names: io.client_cert_names().into(),
             state: state.clone(),
         };
-        let auth_deadline = (!self.limits.auth_timeout.is_zero())
-            .then(|| Box::pin(tokio::time::sleep_until(accepted + self.limits.auth_timeout)));
+        let auth_deadline = (!self.limits.auth_timeout.is_zero()).then(|| {
+            Box::pin(tokio::time::sleep_until(
+                accepted + self.limits.auth_timeout,
+            ))
+        });
         let idle = (!self.limits.idle_timeout.is_zero()).then(|| IdleTimer {
             sleep: Box::pin(tokio::time::sleep_until(
                 accepted + self.limits.idle_timeout,
@@ -1136,8 +1146,8 @@ impl Conn {
                 idle.sleep.as_mut().reset(until);
                 continue;
             }
-            let since = state.epoch
-                + Duration::from_millis(state.idle_since_ms.load(Ordering::Acquire));
+            let since =
+                state.epoch + Duration::from_millis(state.idle_since_ms.load(Ordering::Acquire));
             let due = since + timeout;
             if now < due {
                 idle.sleep.as_mut().reset(due);

@@ -206,8 +206,11 @@ pub async fn start_with_front(
         config.agent_limits.clone(),
         listener_metrics.clone(),
     );
-    let forward_guard =
-        ListenerGuard::new("forward", ListenerLimits::without_auth(), listener_metrics.clone());
+    let forward_guard = ListenerGuard::new(
+        "forward",
+        ListenerLimits::without_auth(),
+        listener_metrics.clone(),
+    );
     let tls_err = |section| move |source| RunError::Tls { section, source };
     let agent_tls = transport
         .agent

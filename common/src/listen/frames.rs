@@ -201,9 +201,8 @@ mod tests {
         h
     }
 
-    type Chunks = StreamBody<
-        futures::channel::mpsc::UnboundedReceiver<Result<Frame<Bytes>, std::io::Error>>,
-    >;
+    type Chunks =
+        StreamBody<futures::channel::mpsc::UnboundedReceiver<Result<Frame<Bytes>, std::io::Error>>>;
 
     fn stream() -> (
         futures::channel::mpsc::UnboundedSender<Result<Frame<Bytes>, std::io::Error>>,
@@ -222,8 +221,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn half_received_messages_are_charged_until_their_last_byte_and_bounded_across_streams(
-    ) {
+    async fn half_received_messages_are_charged_until_their_last_byte_and_bounded_across_streams() {
         let refused = Arc::new(AtomicUsize::new(0));
         let r = refused.clone();
         let budget = FrameBudget::new(1000, move |_| {
@@ -239,7 +237,11 @@ mod tests {
         first.extend_from_slice(&[7; 100]);
         send(&tx_a, &first);
         assert!(a.frame().await.unwrap().is_ok());
-        assert_eq!(budget.used(), 600, "the declared length is held from the header");
+        assert_eq!(
+            budget.used(),
+            600,
+            "the declared length is held from the header"
+        );
         // B: a 300-byte message fits beside it.
         send(&tx_b, &msg_header(300));
         assert!(b.frame().await.unwrap().is_ok());

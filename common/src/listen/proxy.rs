@@ -24,7 +24,9 @@ pub const V2_MAX: usize = 16 + 2048;
 pub enum ProxyError {
     #[error("reading the PROXY header: {0}")]
     Io(#[from] std::io::Error),
-    #[error("no PROXY protocol header (the connection comes from a configured load balancer address)")]
+    #[error(
+        "no PROXY protocol header (the connection comes from a configured load balancer address)"
+    )]
     Missing,
     #[error("PROXY v1 header longer than 107 bytes")]
     V1TooLong,
@@ -71,8 +73,8 @@ pub async fn read<R: AsyncRead + Unpin>(io: &mut R) -> Result<Option<SocketAddr>
     }
     buf.resize(len, 0);
     io.read_exact(&mut buf[16..]).await?;
-    let header =
-        ppp::v2::Header::try_from(buf.as_slice()).map_err(|e| ProxyError::Malformed(e.to_string()))?;
+    let header = ppp::v2::Header::try_from(buf.as_slice())
+        .map_err(|e| ProxyError::Malformed(e.to_string()))?;
     if header.command == ppp::v2::Command::Local {
         return Ok(None);
     }
@@ -152,9 +154,6 @@ mod tests {
             parse(&huge).await.0,
             Err(ProxyError::V2TooLong(_))
         ));
-        assert!(matches!(
-            parse(b"PRO").await.0,
-            Err(ProxyError::Io(_))
-        ));
+        assert!(matches!(parse(b"PRO").await.0, Err(ProxyError::Io(_))));
     }
 }
