@@ -38,6 +38,8 @@ pub struct Admin {
     /// The process's listener counters (the `admin` listener's series go there); unset,
     /// `serve` registers them in `registry`.
     pub listener_metrics: Option<ListenerMetrics>,
+    /// The listener's limits ([`ListenerLimits::admin`]).
+    pub limits: ListenerLimits,
 }
 
 impl Admin {
@@ -47,6 +49,7 @@ impl Admin {
             ready: Arc::new(|| (true, serde_json::json!({}))),
             routes: None,
             listener_metrics: None,
+            limits: ListenerLimits::admin(),
         }
     }
 
@@ -154,7 +157,7 @@ pub async fn serve(listener: TcpListener, admin: Admin, shutdown: impl Future<Ou
         tracing::warn!("admin listener: cannot build its counters; not serving");
         return;
     };
-    let guard = ListenerGuard::new("admin", ListenerLimits::admin(), metrics);
+    let guard = ListenerGuard::new("admin", admin.limits.clone(), metrics);
     let admin = Arc::new(admin);
     let tracker = TaskTracker::new();
     let stop = CancellationToken::new();
@@ -195,4 +198,89 @@ pub async fn serve(listener: TcpListener, admin: Admin, shutdown: impl Future<Ou
     }
     stop.cancel();
     tracker.close();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    /// One keep-alive `GET /healthz`; whether it was answered 200.
+    async fn healthz(s: &mut TcpStream) -> bool {
+        if s.write_all(b"GET /healthz HTTP/1.1\r\nHost: admin\r\n\r\n")
+            .await
+            .is_err()
+        {
+            return false;
+        }
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
+                _ => return false,
+            }
+            let text = String::from_utf8_lossy(&got);
+            if text.ends_with("{\"ok\":true}") {
+                return text.starts_with("HTTP/1.1 200");
+            }
+        }
+    }
+
+    async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+        let mut buf = [0u8; 64];
+        matches!(
+            tokio::time::timeout(within, s.read(&mut buf)).await,
+            Ok(Ok(0)) | Ok(Err(_))
+        )
+    }
+
+    #[tokio::test]
+    async fn the_admin_listener_caps_connections_and_closes_idle_ones() {
+        let idle = Duration::from_millis(300);
+        let registry = prometheus::Registry::new();
+        let mut admin = Admin::new(registry.clone());
+        admin.limits = ListenerLimits {
+            max_connections: 2,
+            idle_timeout: idle,
+            ..ListenerLimits::admin()
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(serve(listener, admin, stop.clone().cancelled_owned()));
+        let mut a = TcpStream::connect(addr).await.unwrap();
+        let mut b = TcpStream::connect(addr).await.unwrap();
+        assert!(healthz(&mut a).await && healthz(&mut b).await);
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        assert!(closed_within(&mut c, Duration::from_secs(5)).await);
+        // Both keep-alive connections are closed once idle, which frees their places.
+        assert!(
+            closed_within(
+                &mut a,
+                idle + crate::listen::IDLE_GRACE + Duration::from_secs(5)
+            )
+            .await
+        );
+        assert!(closed_within(&mut b, Duration::from_secs(5)).await);
+        let mut d = TcpStream::connect(addr).await.unwrap();
+        assert!(healthz(&mut d).await);
+        let text = render_metrics(&registry);
+        assert!(
+            text.contains(
+                r#"relay_listener_refused_total{listener="admin",reason="max_connections"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"relay_listener_refused_total{listener="admin",reason="idle_timeout"} 2"#
+            ),
+            "{text}"
+        );
+        stop.cancel();
+        task.await.unwrap();
+    }
 }

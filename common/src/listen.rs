@@ -422,6 +422,7 @@ pub struct ListenerMetrics {
     refused: IntCounterVec,
     by_source: IntCounterVec,
     open: IntGaugeVec,
+    partial: IntGaugeVec,
 }
 
 impl ListenerMetrics {
@@ -430,6 +431,7 @@ impl ListenerMetrics {
         registry.register(Box::new(m.refused.clone()))?;
         registry.register(Box::new(m.by_source.clone()))?;
         registry.register(Box::new(m.open.clone()))?;
+        registry.register(Box::new(m.partial.clone()))?;
         Ok(m)
     }
 
@@ -462,10 +464,19 @@ impl ListenerMetrics {
             ),
             &["listener"],
         )?;
+        let partial = IntGaugeVec::new(
+            Opts::new(
+                "relay_listener_partial_frame_bytes",
+                "Bytes of half-received gRPC messages the listener holds across its streams \
+                 (bounded by max_partial_frame_bytes)",
+            ),
+            &["listener"],
+        )?;
         Ok(ListenerMetrics {
             refused,
             by_source,
             open,
+            partial,
         })
     }
 }
@@ -513,7 +524,8 @@ impl ListenerGuard {
                 .with_label_values(&[name, "partial_frames"]);
             let logs = LogLimiter::default();
             let max = limits.max_partial_frame_bytes;
-            FrameBudget::new(max, move |len| {
+            let gauge = metrics.partial.with_label_values(&[name]);
+            FrameBudget::new(max, gauge, move |len| {
                 refused.inc();
                 if let Some(skipped) = logs.allow() {
                     warn!(listener = name, message_bytes = len, max_partial_frame_bytes = max, skipped,

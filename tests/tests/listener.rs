@@ -380,3 +380,119 @@ async fn a_tunnel_id_at_its_connection_cap_is_refused_another_connection_while_i
     }
     stack.shutdown().await;
 }
+
+type RawBody = http_body_util::combinators::BoxBody<bytes::Bytes, std::convert::Infallible>;
+
+/// A `Tunnel.Connect` by hand on `client`: its request body is whatever the test sends
+/// on the returned sender (gRPC framing included), so it can stop mid-message.
+async fn raw_connect(
+    client: &mut hyper::client::conn::http2::SendRequest<RawBody>,
+    addr: SocketAddr,
+) -> (
+    tokio::sync::mpsc::Sender<bytes::Bytes>,
+    hyper::Response<hyper::body::Incoming>,
+) {
+    use futures::StreamExt;
+    use http_body_util::BodyExt;
+    let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(4);
+    let body = BodyExt::boxed(http_body_util::StreamBody::new(
+        tokio_stream::wrappers::ReceiverStream::new(rx)
+            .map(|b| Ok::<_, std::convert::Infallible>(http_body::Frame::data(b))),
+    ));
+    let req = hyper::Request::post(format!("http://{addr}/relay.v1.Tunnel/Connect"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .body(body)
+        .unwrap();
+    let res = client.send_request(req).await.unwrap();
+    (tx, res)
+}
+
+/// The 5-byte gRPC message header of an uncompressed message of `len` bytes.
+fn message_header(len: u32) -> bytes::Bytes {
+    let mut h = vec![0u8];
+    h.extend_from_slice(&len.to_be_bytes());
+    h.into()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_received_agent_messages_are_bounded_across_streams_while_the_agent_serves() {
+    let bound = 256 << 10;
+    let stack = Stack::builder()
+        .servers(1)
+        .tunnel_config(move |c| {
+            c.agent_limits = ListenerLimits {
+                max_partial_frame_bytes: bound,
+                ..ListenerLimits::default()
+            }
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+    let server = stack.servers[0].as_ref().unwrap();
+    let addr = server.agent_addr;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (mut client, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    // Stream A starts a message of three quarters of the bound and sends 1 KiB of it.
+    let (a_tx, a_res) = raw_connect(&mut client, addr).await;
+    assert_eq!(a_res.status(), 200);
+    a_tx.send(message_header(bound as u32 / 4 * 3))
+        .await
+        .unwrap();
+    a_tx.send(vec![0u8; 1024].into()).await.unwrap();
+    // Stream B starts one of half the bound: together past it, so B is ended.
+    let (b_tx, b_res) = raw_connect(&mut client, addr).await;
+    b_tx.send(message_header(bound as u32 / 2)).await.unwrap();
+    let b_end = tokio::time::timeout(Duration::from_secs(10), async {
+        use http_body_util::BodyExt;
+        let mut body = b_res.into_body();
+        while let Some(f) = body.frame().await {
+            if f.is_err() {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(b_end.is_ok(), "the stream past the bound was not ended");
+    assert_eq!(refused(&server.registry, "partial_frames"), 1.0);
+    // The agent's own streams keep serving meanwhile.
+    for _ in 0..20 {
+        let a = stack.caller().get("/relay/demo/hello").await.unwrap();
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    let held = |r: &prometheus::Registry| {
+        value(
+            r,
+            "relay_listener_partial_frame_bytes",
+            &[("listener", "agent")],
+        )
+    };
+    assert_eq!(held(&server.registry), (bound / 4 * 3) as f64);
+    // A's message gives its place back when A ends: a new stream's message of half the
+    // bound is then taken.
+    drop(a_tx);
+    drop(a_res);
+    let (c_tx, c_res) = raw_connect(&mut client, addr).await;
+    assert_eq!(c_res.status(), 200);
+    relay_tests::eventually(
+        "A's half-received message released",
+        Duration::from_secs(10),
+        || async { held(&server.registry) == 0.0 },
+    )
+    .await;
+    c_tx.send(message_header(bound as u32 / 2)).await.unwrap();
+    relay_tests::holds_for("no further refusal", Duration::from_millis(500), || async {
+        refused(&server.registry, "partial_frames") == 1.0
+    })
+    .await;
+    drop(c_tx);
+    stack.shutdown().await;
+}

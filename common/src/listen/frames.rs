@@ -21,6 +21,8 @@ use std::task::{ready, Context, Poll};
 pub struct FrameBudget {
     max: usize,
     used: AtomicUsize,
+    /// Shows `used` (`relay_listener_partial_frame_bytes`).
+    gauge: prometheus::IntGauge,
     /// Called (with the stream's charge and the message's length) when a stream is ended
     /// for lack of budget: the listener counts and logs it.
     on_refuse: Box<dyn Fn(usize) + Send + Sync>,
@@ -36,10 +38,15 @@ impl std::fmt::Debug for FrameBudget {
 }
 
 impl FrameBudget {
-    pub fn new(max: usize, on_refuse: impl Fn(usize) + Send + Sync + 'static) -> Arc<Self> {
+    pub fn new(
+        max: usize,
+        gauge: prometheus::IntGauge,
+        on_refuse: impl Fn(usize) + Send + Sync + 'static,
+    ) -> Arc<Self> {
         Arc::new(FrameBudget {
             max,
             used: AtomicUsize::new(0),
+            gauge,
             on_refuse: Box::new(on_refuse),
         })
     }
@@ -59,7 +66,10 @@ impl FrameBudget {
                 .used
                 .compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Relaxed)
             {
-                Ok(_) => return true,
+                Ok(_) => {
+                    self.gauge.add(n as i64);
+                    return true;
+                }
                 Err(now) => cur = now,
             }
         }
@@ -68,6 +78,7 @@ impl FrameBudget {
     fn release(&self, n: usize) {
         if n > 0 {
             self.used.fetch_sub(n, Ordering::AcqRel);
+            self.gauge.sub(n as i64);
         }
     }
 
@@ -224,7 +235,8 @@ mod tests {
     async fn half_received_messages_are_charged_until_their_last_byte_and_bounded_across_streams() {
         let refused = Arc::new(AtomicUsize::new(0));
         let r = refused.clone();
-        let budget = FrameBudget::new(1000, move |_| {
+        let gauge = prometheus::IntGauge::new("g", "g").unwrap();
+        let budget = FrameBudget::new(1000, gauge.clone(), move |_| {
             r.fetch_add(1, Ordering::Relaxed);
         });
         let (tx_a, a) = stream();
@@ -269,5 +281,6 @@ mod tests {
         assert_eq!(budget.used(), 50);
         drop(a);
         assert_eq!(budget.used(), 0);
+        assert_eq!(gauge.get(), 0);
     }
 }
