@@ -123,11 +123,8 @@ async fn serve(guard: Arc<ListenerGuard>, tls: Option<crate::tls::TlsServer>) ->
                 while let Ok(1) = c.read(&mut buf).await {
                     match buf[0] {
                         b'A' => g.authenticated(Some(c.info())),
-                        b'T' => {
-                            if g.authenticate(Some(c.info()), "acme").is_err() {
-                                buf[0] = b'X';
-                            }
-                        }
+                        b'T' if g.authenticate(Some(c.info()), "acme").is_err() => buf[0] = b'X',
+                        b'T' => {}
                         b'F' => g.auth_failed(Some(c.info()), "refused"),
                         b'H' => held.push(c.info().hold()),
                         b'R' => held.clear(),
