@@ -13,7 +13,7 @@
 //!   bytes are never read as a header.
 //! - **TLS handshakes**: at most `max_handshakes` hold a slot at once, and only while the
 //!   server works on them: reading the ClientHello takes none, and a handshake waiting
-//!   for the client's next flight gives its slot back ([`socket`]); the rest wait their
+//!   for the client's next flight gives its slot back ([`crate::socket`]); the rest wait their
 //!   turn, so a burst of reconnecting agents is served, not refused. Each handshake must
 //!   finish within `handshake_timeout` of the accept, waiting included.
 //! - **First bytes**: after the handshake (on plain listeners, after the accept) a
@@ -46,10 +46,9 @@
 
 mod frames;
 pub mod proxy;
-mod socket;
 
+pub use crate::socket::Socket;
 pub use frames::{Charged, FrameBudget};
-pub use socket::Socket;
 
 use crate::tls::TlsServer;
 use futures::Stream;
@@ -754,11 +753,13 @@ impl ListenerGuard {
         let (peer, via, slot) = match slot {
             Some(slot) => (lb, None, slot),
             None => {
-                let header = tokio::time::timeout_at(
-                    accepted + self.limits.first_byte_timeout,
-                    proxy::read(&mut tcp),
-                )
-                .await;
+                // Validation requires `first_byte_timeout` with `proxy_protocol`; the
+                // handshake's bound stands in if a caller built limits without it.
+                let limit = match self.limits.first_byte_timeout {
+                    d if d.is_zero() => self.limits.handshake_timeout,
+                    d => d,
+                };
+                let header = tokio::time::timeout_at(accepted + limit, proxy::read(&mut tcp)).await;
                 let peer = match header {
                     Ok(Ok(peer)) => peer.unwrap_or(lb),
                     Ok(Err(e)) => {
@@ -874,7 +875,7 @@ impl ListenerGuard {
     }
 
     /// The TLS handshake, holding a handshake slot only while this server works on it
-    /// (see [`socket`]).
+    /// (see [`crate::socket`]).
     async fn handshake(
         &self,
         tcp: TcpStream,

@@ -930,8 +930,8 @@ async fn watch_files(
 /// A server-side connection: plain TCP (where a config says `insecure = true`) or TLS.
 pub enum MaybeTls {
     Plain(TcpStream),
-    /// Over the listener's socket (see `listen::Socket`).
-    Tls(Box<tokio_rustls::server::TlsStream<crate::listen::Socket>>),
+    /// Over the listener's socket (see `socket`).
+    Tls(Box<tokio_rustls::server::TlsStream<crate::socket::Socket>>),
 }
 
 impl MaybeTls {

@@ -887,6 +887,44 @@ mod tests {
     }
 
     #[test]
+    fn front_limits_parse_with_their_defaults_and_bad_values_name_the_key() {
+        let cfg: Config = relay_common::config::parse(
+            r#"
+            [front_limits]
+            idle_timeout = "30s"
+            proxy_protocol = ["10.0.0.5", "192.168.0.0/16"]
+            [[callers]]
+            name = "a"
+            key = "k"
+            tunnels = ["*"]
+            "#,
+            Path::new("d.toml"),
+        )
+        .unwrap();
+        let l = cfg.front_limits.listener_limits();
+        assert_eq!(l.idle_timeout, Duration::from_secs(30));
+        assert_eq!(l.first_byte_timeout, Duration::from_secs(10));
+        assert_eq!(l.max_connections_per_source, 1024);
+        assert_eq!((l.auth_timeout, l.auth_failures), (Duration::ZERO, 0));
+        assert!(l.proxy_protocol[1].contains("192.168.7.1".parse().unwrap()));
+        assert!(!l.proxy_protocol[0].contains("10.0.0.6".parse().unwrap()));
+        let err = relay_common::config::parse::<Config>(
+            "[front_limits]\nproxy_protocol = [\"10.0.0.0/40\"]",
+            Path::new("d.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("proxy_protocol") && err.contains("prefix length"),
+            "{err}"
+        );
+        let mut c = cfg.clone().insecure();
+        c.front_limits.first_byte_timeout = Duration::from_millis(5);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("front_limits.first_byte_timeout"), "{err}");
+    }
+
+    #[test]
     fn routing_and_registry_sections_parse_and_are_checked() {
         let cfg: Config = relay_common::config::parse(
             r#"
