@@ -586,3 +586,62 @@ async fn a_handshake_stalled_after_the_servers_flight_holds_no_handshake_slot() 
     }
     assert_eq!(refused(&reg, "handshake_timeout"), 3);
 }
+
+#[test]
+fn limits_parse_from_toml_and_bad_values_name_their_key() {
+    let l: ListenerLimits = crate::config::parse(
+        r#"
+        idle_timeout = "2m"
+        max_connections_per_token = 8
+        proxy_protocol = ["10.0.0.5", "fd00::/8"]
+        "#,
+        std::path::Path::new("agent_limits.toml"),
+    )
+    .unwrap();
+    assert_eq!(l.idle_timeout, Duration::from_secs(120));
+    assert_eq!(l.max_connections_per_token, 8);
+    assert_eq!(
+        l.first_byte_timeout,
+        ListenerLimits::default().first_byte_timeout
+    );
+    assert!(l.proxy_protocol[0].contains("10.0.0.5".parse().unwrap()));
+    assert!(l.proxy_protocol[0].contains("::ffff:10.0.0.5".parse().unwrap()));
+    assert!(!l.proxy_protocol[0].contains("10.0.0.6".parse().unwrap()));
+    assert!(l.proxy_protocol[1].contains("fd12::1".parse().unwrap()));
+    l.validate("agent_limits").unwrap();
+    let err = crate::config::parse::<ListenerLimits>(
+        "proxy_protocol = [\"lb.example\"]",
+        std::path::Path::new("x.toml"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("proxy_protocol"), "{err}");
+    let bad = |l: ListenerLimits| l.validate("agent_limits").unwrap_err().to_string();
+    assert!(bad(ListenerLimits {
+        idle_timeout: Duration::from_millis(5),
+        ..ListenerLimits::default()
+    })
+    .contains("agent_limits.idle_timeout"));
+    assert!(bad(ListenerLimits {
+        max_partial_frame_bytes: 1000,
+        ..ListenerLimits::default()
+    })
+    .contains("agent_limits.max_partial_frame_bytes"));
+    assert!(bad(ListenerLimits {
+        first_byte_timeout: Duration::ZERO,
+        proxy_protocol: vec!["10.0.0.5".parse().unwrap()],
+        ..ListenerLimits::default()
+    })
+    .contains("agent_limits.first_byte_timeout"));
+}
+
+#[test]
+fn per_source_limits_count_an_ipv6_host_by_its_64() {
+    let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+    let b: IpAddr = "2001:db8:1:2:bbbb::9".parse().unwrap();
+    let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+    assert_eq!(source_key(a), source_key(b));
+    assert_ne!(source_key(a), source_key(other));
+    let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
+    assert_eq!(source_key(mapped), IpAddr::from([192, 0, 2, 1]));
+}
