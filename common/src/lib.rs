@@ -20,6 +20,7 @@ pub mod runtime;
 pub mod secret;
 pub mod server_id;
 pub mod shutdown;
+pub mod socket;
 pub mod telemetry;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;

@@ -981,7 +981,8 @@ async fn watch_files(
 /// A server-side connection: plain TCP (where a config says `insecure = true`) or TLS.
 pub enum MaybeTls {
     Plain(TcpStream),
-    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+    /// Over the listener's socket (see `socket`).
+    Tls(Box<tokio_rustls::server::TlsStream<crate::socket::Socket>>),
 }
 
 impl MaybeTls {
@@ -993,7 +994,7 @@ impl MaybeTls {
     fn tcp(&self) -> &TcpStream {
         match self {
             MaybeTls::Plain(s) => s,
-            MaybeTls::Tls(s) => s.get_ref().0,
+            MaybeTls::Tls(s) => s.get_ref().0.tcp(),
         }
     }
 

@@ -88,6 +88,65 @@ pub struct Config {
     /// `[registry_h2]`: HTTP/2 limits of the registry listener (defaults
     /// `H2Limits::REGISTRY`).
     pub registry_h2: H2Settings,
+    /// `[front_limits]`: what the HTTP front spends on a connection beyond its calls.
+    pub front_limits: FrontLimits,
+}
+
+/// `[front_limits]`: the HTTP front's connection limits (see `relay_common::listen`).
+/// Callers authenticate per request, so there is no time-to-authenticate or failure
+/// budget here; the rest are the listener limits of every relay listener.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FrontLimits {
+    /// Connections open at once; one more is closed at accept.
+    pub max_connections: usize,
+    /// Connections open at once from one source (IPv4 address, IPv6 /64); 0: no cap.
+    pub max_connections_per_source: usize,
+    /// TLS handshakes the front works on at once; more wait their turn.
+    pub max_handshakes: usize,
+    /// Longest from accept to a finished TLS handshake.
+    #[serde(with = "humantime_serde")]
+    pub handshake_timeout: Duration,
+    /// Longest from the handshake (plain: the accept) to the bytes that tell HTTP/1 from
+    /// HTTP/2; also bounds the PROXY header. 0: no bound.
+    #[serde(with = "humantime_serde")]
+    pub first_byte_timeout: Duration,
+    /// A connection with no call in flight this long is closed (HTTP/2: GOAWAY); 0: never.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
+    /// Load balancer addresses or ranges that put a PROXY protocol header (v1 or v2)
+    /// before each connection.
+    pub proxy_protocol: Vec<relay_common::listen::SourceNet>,
+}
+
+impl Default for FrontLimits {
+    fn default() -> Self {
+        FrontLimits {
+            max_connections: 20_000,
+            max_connections_per_source: 1_024,
+            max_handshakes: 256,
+            handshake_timeout: Duration::from_secs(10),
+            first_byte_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            proxy_protocol: Vec::new(),
+        }
+    }
+}
+
+impl FrontLimits {
+    /// As the limits of the front's listener.
+    pub fn listener_limits(&self) -> relay_common::listen::ListenerLimits {
+        relay_common::listen::ListenerLimits {
+            max_connections: self.max_connections,
+            max_connections_per_source: self.max_connections_per_source,
+            max_handshakes: self.max_handshakes,
+            handshake_timeout: self.handshake_timeout,
+            first_byte_timeout: self.first_byte_timeout,
+            idle_timeout: self.idle_timeout,
+            proxy_protocol: self.proxy_protocol.clone(),
+            ..relay_common::listen::ListenerLimits::without_auth()
+        }
+    }
 }
 
 /// How a server is chosen for a call.
@@ -361,6 +420,7 @@ impl Default for Config {
             routing: RoutingConfig::default(),
             registry: RegistryConfig::default(),
             front_h2: H2Settings::default(),
+            front_limits: FrontLimits::default(),
             forward_h2: H2Settings::default(),
             registry_h2: H2Settings::default(),
         }
@@ -447,6 +507,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         relay_common::runtime::check(self.worker_threads)?;
         self.front_h2()?;
+        self.front_limits
+            .listener_limits()
+            .validate("front_limits")?;
         self.forward_h2()?;
         self.registry_h2()?;
         if self.call_timeout.is_zero() {
@@ -850,6 +913,44 @@ mod tests {
             e.contains("callers[0].max_concurrent_calls_per_tunnel"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn front_limits_parse_with_their_defaults_and_bad_values_name_the_key() {
+        let cfg: Config = relay_common::config::parse(
+            r#"
+            [front_limits]
+            idle_timeout = "30s"
+            proxy_protocol = ["10.0.0.5", "192.168.0.0/16"]
+            [[callers]]
+            name = "a"
+            key = "k"
+            tunnels = ["*"]
+            "#,
+            Path::new("d.toml"),
+        )
+        .unwrap();
+        let l = cfg.front_limits.listener_limits();
+        assert_eq!(l.idle_timeout, Duration::from_secs(30));
+        assert_eq!(l.first_byte_timeout, Duration::from_secs(10));
+        assert_eq!(l.max_connections_per_source, 1024);
+        assert_eq!((l.auth_timeout, l.auth_failures), (Duration::ZERO, 0));
+        assert!(l.proxy_protocol[1].contains("192.168.7.1".parse().unwrap()));
+        assert!(!l.proxy_protocol[0].contains("10.0.0.6".parse().unwrap()));
+        let err = relay_common::config::parse::<Config>(
+            "[front_limits]\nproxy_protocol = [\"10.0.0.0/40\"]",
+            Path::new("d.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("proxy_protocol") && err.contains("prefix length"),
+            "{err}"
+        );
+        let mut c = cfg.clone().insecure();
+        c.front_limits.first_byte_timeout = Duration::from_millis(5);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("front_limits.first_byte_timeout"), "{err}");
     }
 
     #[test]

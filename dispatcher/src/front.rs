@@ -38,9 +38,8 @@ use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use relay_common::h2::H2Limits;
-use relay_common::listen::{self, Conn, ListenerGuard};
+use relay_common::listen::{self, Conn, HeldBody, ListenerGuard};
 use relay_common::tls::TlsServer;
 use relay_common::tunnel_id::is_valid as valid_tunnel_id;
 use std::convert::Infallible;
@@ -497,7 +496,10 @@ fn body_too_large(max: u64) -> Failure {
 /// Serves the front on `listener` until `stop` is cancelled, then lets calls in flight finish
 /// for up to `grace` and cuts the rest.
 /// With `tls`, every connection is TLS (handshakes run concurrently, so a slow client
-/// cannot stall the accept loop); without, plain HTTP/1.1 and h2c.
+/// cannot stall the accept loop); without, plain HTTP/1.1 and h2c. `guard` holds
+/// connections to `[front_limits]`: a connection that holds no call for `idle_timeout`
+/// (each call holds its connection until its response body is done) is closed
+/// gracefully (HTTP/2: GOAWAY), as every connection is at shutdown.
 pub async fn serve(
     listener: TcpListener,
     tls: Option<TlsServer>,
@@ -522,7 +524,8 @@ pub async fn serve(
             .unwrap_or(u32::MAX)
             .max(h2.max_header_list_bytes),
     );
-    let graceful = GracefulShutdown::new();
+    // Cancelled when the front stops: every connection closes gracefully.
+    let draining = CancellationToken::new();
     let mut conns = JoinSet::new();
     // Accept errors are logged and backed off inside `incoming`.
     let mut incoming = Box::pin(listen::incoming(listener, tls, guard, stop.child_token()));
@@ -542,15 +545,35 @@ pub async fn serve(
                     }
                     None => break,
                 };
-                let peer = stream.info().remote_addr;
+                let info = stream.info().clone();
+                let peer = info.remote_addr;
+                let idle = info.idle_notice();
                 let front = front.clone();
                 let svc = hyper::service::service_fn(move |req| {
                     let front = front.clone();
-                    async move { Ok::<_, Infallible>(front.handle(req).await) }
+                    let held = info.hold();
+                    async move {
+                        let resp = front.handle(req).await;
+                        Ok::<_, Infallible>(resp.map(|b| HeldBody::new(b, Some(held))))
+                    }
                 });
-                let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc).into_owned());
+                let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+                let draining = draining.clone();
                 conns.spawn(async move {
-                    if let Err(e) = conn.await {
+                    tokio::pin!(conn);
+                    let r = tokio::select! {
+                        r = conn.as_mut() => Some(r),
+                        _ = idle => None,
+                        _ = draining.cancelled() => None,
+                    };
+                    let r = match r {
+                        Some(r) => r,
+                        None => {
+                            conn.as_mut().graceful_shutdown();
+                            conn.await
+                        }
+                    };
+                    if let Err(e) = r {
                         debug!(?peer, error = %e, "caller connection ended with an error");
                     }
                 });
@@ -563,10 +586,9 @@ pub async fn serve(
         calls_in_flight = front.metrics.calls_in_flight.get(),
         "HTTP front draining"
     );
-    if tokio::time::timeout(grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    draining.cancel();
+    let drained = async { while conns.join_next().await.is_some() {} };
+    if tokio::time::timeout(grace, drained).await.is_err() {
         warn!(
             calls_in_flight = front.metrics.calls_in_flight.get(),
             "shutdown grace over; cutting the remaining calls"

@@ -337,6 +337,7 @@ pub async fn start_with(
             ),
         };
         Admin::new(prometheus)
+            .with_listener_metrics(listener_metrics.clone())
             .with_ready(move || {
                 let counts = routes_ready.counts();
                 let (registry_ok, registry) = registry_status(&health_ready);
@@ -386,7 +387,11 @@ pub async fn start_with(
     let front_task = tokio::spawn(front::serve(
         listeners.http,
         front_tls,
-        ListenerGuard::new("front", ListenerLimits::without_auth(), listener_metrics),
+        ListenerGuard::new(
+            "front",
+            config.front_limits.listener_limits(),
+            listener_metrics.clone(),
+        ),
         config.front_h2()?,
         front,
         front_stop.clone(),

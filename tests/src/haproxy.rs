@@ -11,6 +11,10 @@
 //! [`Haproxy::start_example`] runs the shipped `examples/haproxy/haproxy.cfg` itself, with
 //! only its addresses and ports replaced by loopback ones ([`example_config`]).
 //!
+//! [`Haproxy::start_tcp_proxy_v2`] runs it as an L4 (TCP) load balancer instead, each
+//! server line with `send-proxy-v2`, so the servers learn each client's address from the
+//! PROXY protocol header ([`tcp_proxy_config`]).
+//!
 //! This module must not decide what a test asserts.
 
 use crate::procs::{free_addr, Proc, ScratchDir, Spawn};
@@ -155,6 +159,45 @@ pub fn config(
     c
 }
 
+/// HAProxy in TCP mode (L4, one backend per client connection) putting a PROXY v2 header
+/// before each connection to a server (`send-proxy-v2`); no health checks.
+pub fn tcp_proxy_config(
+    listen: SocketAddr,
+    stats: SocketAddr,
+    socket: &std::path::Path,
+    backends: &[Backend],
+) -> String {
+    let mut c = format!(
+        "global\n\
+         \x20   stats socket {} mode 600 level admin\n\
+         \x20   maxconn 500\n\
+         \n\
+         defaults\n\
+         \x20   mode tcp\n\
+         \x20   timeout connect 2s\n\
+         \x20   timeout client 1h\n\
+         \x20   timeout server 1h\n\
+         \n\
+         frontend stats\n\
+         \x20   mode http\n\
+         \x20   bind {stats}\n\
+         \x20   stats enable\n\
+         \x20   stats uri /stats\n\
+         \n\
+         frontend agents\n\
+         \x20   bind {listen}\n\
+         \x20   default_backend tunnel_servers\n\
+         \n\
+         backend tunnel_servers\n\
+         \x20   balance roundrobin\n",
+        socket.display(),
+    );
+    for b in backends {
+        let _ = writeln!(c, "    server {} {} send-proxy-v2", b.name, b.addr);
+    }
+    c
+}
+
 /// The shipped example config (`examples/haproxy/haproxy.cfg`, read from the workspace).
 pub fn example_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/haproxy/haproxy.cfg")
@@ -247,6 +290,8 @@ pub struct Haproxy {
     backends: Vec<Backend>,
     /// The shipped example's text, when it runs that instead of [`config`].
     example: Option<String>,
+    /// TCP mode with `send-proxy-v2` ([`tcp_proxy_config`]).
+    tcp_proxy_v2: bool,
     dir: ScratchDir,
     proc: Option<Proc>,
     starts: u32,
@@ -280,6 +325,7 @@ impl Haproxy {
             stats: free_addr()?,
             backends,
             example: None,
+            tcp_proxy_v2: false,
             dir: ScratchDir::new("haproxy")?,
             proc: None,
             starts: 0,
@@ -299,6 +345,7 @@ impl Haproxy {
             stats: free_addr()?,
             backends,
             example: Some(text),
+            tcp_proxy_v2: false,
             dir: ScratchDir::new("haproxy")?,
             proc: None,
             starts: 0,
@@ -312,8 +359,38 @@ impl Haproxy {
         Ok(h)
     }
 
+    /// Starts haproxy as a TCP load balancer sending PROXY v2 headers to `backends` (see
+    /// [`tcp_proxy_config`]).
+    pub async fn start_tcp_proxy_v2(backends: Vec<Backend>) -> anyhow::Result<Haproxy> {
+        let mut h = Haproxy {
+            addr: free_addr()?,
+            stats: free_addr()?,
+            backends,
+            example: None,
+            tcp_proxy_v2: true,
+            dir: ScratchDir::new("haproxy")?,
+            proc: None,
+            starts: 0,
+            how: Spawn {
+                env: Vec::new(),
+                own_process_group: false,
+            },
+            checks: Checks::default(),
+        };
+        h.launch().await?;
+        Ok(h)
+    }
+
     /// The config it runs with.
     pub fn config_text(&self) -> anyhow::Result<String> {
+        if self.tcp_proxy_v2 {
+            return Ok(tcp_proxy_config(
+                self.addr,
+                self.stats,
+                &self.socket(),
+                &self.backends,
+            ));
+        }
         match &self.example {
             Some(text) => {
                 example_config(text, self.addr, self.stats, &self.socket(), &self.backends)

@@ -189,6 +189,44 @@ pub async fn open_many(url: &str, token: &str, n: usize) -> Result<Vec<Opened>, 
     futures::future::try_join_all((0..n).map(|_| connect(channel.clone(), token, true))).await
 }
 
+/// [`open`] on a connection from the local address `from` (127.0.0.2, 127.0.0.3, ... are
+/// distinct client sources on loopback).
+pub async fn open_from(
+    url: &str,
+    from: std::net::IpAddr,
+    token: &str,
+) -> Result<Opened, tonic::Status> {
+    connect(dial_from(url, from).await?, token, false).await
+}
+
+/// A new connection to the tunnel server at `url`, from the local address `from`.
+pub async fn dial_from(
+    url: &str,
+    from: std::net::IpAddr,
+) -> Result<tonic::transport::Channel, tonic::Status> {
+    let connector = tower::service_fn(move |uri: http::Uri| async move {
+        let host = uri.host().unwrap_or("127.0.0.1").to_string();
+        let port = uri.port_u16().unwrap_or(80);
+        let to = tokio::net::lookup_host((host.as_str(), port))
+            .await?
+            .next()
+            .ok_or_else(|| std::io::Error::other("no address"))?;
+        let socket = if from.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.bind(std::net::SocketAddr::new(from, 0))?;
+        let tcp = socket.connect(to).await?;
+        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tcp))
+    });
+    tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
+        .connect_with_connector(connector)
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))
+}
+
 /// A new connection to the tunnel server at `url`.
 async fn dial(url: &str) -> Result<tonic::transport::Channel, tonic::Status> {
     tonic::transport::Endpoint::from_shared(url.to_string())
@@ -196,6 +234,15 @@ async fn dial(url: &str) -> Result<tonic::transport::Channel, tonic::Status> {
         .connect()
         .await
         .map_err(|e| tonic::Status::unavailable(e.to_string()))
+}
+
+/// One `Tunnel.Connect` with `token` on `channel` (say from [`dial_from`]), up to the
+/// hello.
+pub async fn connect_on(
+    channel: tonic::transport::Channel,
+    token: &str,
+) -> Result<Opened, tonic::Status> {
+    connect(channel, token, false).await
 }
 
 /// One `Tunnel.Connect` on `channel`, up to the hello; with `confirm`, then a first frame.

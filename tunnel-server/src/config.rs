@@ -115,8 +115,10 @@ pub struct Config {
     #[serde(with = "humantime_serde")]
     pub reload_interval: Duration,
     /// `[agent_limits]`: what the agent listener (the one facing the internet) spends on a
-    /// peer before it authenticates: connections, TLS handshakes, time to a first
-    /// authenticated stream and a per-source budget of refused tokens (see
+    /// peer beyond its streams: connections in all, per source and per tunnel id, TLS
+    /// handshakes, time to the first bytes and to a first authenticated stream,
+    /// connections holding no stream, a per-source budget of refused tokens, half-received
+    /// messages, and the load balancers whose PROXY headers name the source (see
     /// `relay_common::listen`).
     pub agent_limits: ListenerLimits,
     /// The co-located mode: a dispatcher config file (as `relay-dispatcher --config`

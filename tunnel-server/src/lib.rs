@@ -207,8 +207,11 @@ pub async fn start_with_front(
         config.agent_limits.clone(),
         listener_metrics.clone(),
     );
-    let forward_guard =
-        ListenerGuard::new("forward", ListenerLimits::without_auth(), listener_metrics);
+    let forward_guard = ListenerGuard::new(
+        "forward",
+        ListenerLimits::without_auth(),
+        listener_metrics.clone(),
+    );
     let tls_err = |section| move |source| RunError::Tls { section, source };
     let agent_tls = transport
         .agent
@@ -339,7 +342,11 @@ pub async fn start_with_front(
     tasks.push(tokio::spawn(async move {
         // An agent multiplexes up to its `max_streams` tunnel streams on one connection,
         // a load balancer those of many agents: `[agent_h2]` sizes for that.
+        // Half-received messages across all agent streams are bounded
+        // (`agent_limits.max_partial_frame_bytes`).
+        let frames = agent_guard.partial_frames_layer();
         let r = relay_common::grpc::server(&agent_h2)
+            .layer(frames)
             .add_service(tunnel)
             .serve_with_incoming_shutdown(
                 listen::incoming(listeners.agent, agent_tls, agent_guard, stop.clone())
@@ -392,7 +399,9 @@ pub async fn start_with_front(
     }));
 
     let ready_hub = hub.clone();
-    let admin = relay_common::admin::Admin::new(registry.clone()).with_ready(move || {
+    let admin = relay_common::admin::Admin::new(registry.clone())
+        .with_listener_metrics(listener_metrics)
+        .with_ready(move || {
         let draining = ready_hub.is_draining();
         (
             !draining,

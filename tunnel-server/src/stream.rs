@@ -104,7 +104,10 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
                 .auth_failed(conn, "agent stream refused: missing or unknown token");
             return Err(Status::unauthenticated("missing or unknown tunnel token"));
         };
-        self.listener.authenticated(conn);
+        if let Err(e) = self.listener.authenticate(conn, &tunnel_id) {
+            metrics.opens.with_label_values(&["exhausted"]).inc();
+            return Err(Status::resource_exhausted(e.to_string()));
+        }
         let tunnel_id: Arc<str> = Arc::from(tunnel_id.as_str());
         let features = request
             .metadata()
@@ -217,7 +220,14 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
             misses: self.heartbeat_misses,
             conn: membership,
         };
-        self.tracker.spawn(reader.run(request.into_inner()));
+        // The stream holds its connection (not idle, see `agent_limits.idle_timeout`) until
+        // its reader ends.
+        let held = conn.map(relay_common::listen::ConnInfo::hold);
+        let inbound = request.into_inner();
+        self.tracker.spawn(async move {
+            reader.run(inbound).await;
+            drop(held);
+        });
         // After a close, the RPC ends with the status a revocation left, if any.
         let end_status = handle.end_status();
         let stream = ReceiverStream::new(out_rx)

@@ -105,8 +105,10 @@ fn refused(reg: &Registry, reason: &str) -> u64 {
         .map_or(0, |m| m.get_counter().get_value() as u64)
 }
 
-/// Serves `guard`'s listener: a connection whose first byte is `A` is marked
-/// authenticated, `F` counts a refused authentication, anything else is echoed.
+/// Serves `guard`'s listener, one byte at a time: `A` marks the connection
+/// authenticated, `T` authenticates it for tunnel id `acme` (answered `X` when refused),
+/// `F` counts a refused authentication, `H` holds a request open and `R` ends those held;
+/// every byte is echoed.
 async fn serve(guard: Arc<ListenerGuard>, tls: Option<crate::tls::TlsServer>) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -117,10 +119,15 @@ async fn serve(guard: Arc<ListenerGuard>, tls: Option<crate::tls::TlsServer>) ->
             let g = g.clone();
             tokio::spawn(async move {
                 let mut buf = [0u8; 1];
+                let mut held = Vec::new();
                 while let Ok(1) = c.read(&mut buf).await {
                     match buf[0] {
                         b'A' => g.authenticated(Some(c.info())),
+                        b'T' if g.authenticate(Some(c.info()), "acme").is_err() => buf[0] = b'X',
+                        b'T' => {}
                         b'F' => g.auth_failed(Some(c.info()), "refused"),
+                        b'H' => held.push(c.info().hold()),
+                        b'R' => held.clear(),
                         _ => {}
                     }
                     if c.write_all(&buf).await.is_err() {
@@ -131,6 +138,36 @@ async fn serve(guard: Arc<ListenerGuard>, tls: Option<crate::tls::TlsServer>) ->
         }
     });
     addr
+}
+
+/// A connection to `addr` from the loopback address `from` (127.0.0.2, ... are distinct
+/// sources on Linux).
+async fn connect_from(from: [u8; 4], addr: SocketAddr) -> TcpStream {
+    let s = tokio::net::TcpSocket::new_v4().unwrap();
+    s.bind(SocketAddr::from((from, 0))).unwrap();
+    s.connect(addr).await.unwrap()
+}
+
+fn by_source(reg: &Registry, reason: &str) -> Vec<(String, u64)> {
+    let mut out = Vec::new();
+    for f in reg.gather() {
+        if f.name() != "relay_listener_source_refused_total" {
+            continue;
+        }
+        for m in f.get_metric() {
+            let label = |n: &str| {
+                m.get_label()
+                    .iter()
+                    .find(|l| l.name() == n)
+                    .map(|l| l.value().to_string())
+                    .unwrap_or_default()
+            };
+            if label("reason") == reason {
+                out.push((label("source"), m.get_counter().get_value() as u64));
+            }
+        }
+    }
+    out
 }
 
 /// Whether the server closes `s` within `within` (a read ends or fails).
@@ -301,4 +338,310 @@ async fn a_silent_peer_times_out_its_handshake_and_holds_no_handshake_slot() {
         assert!(closed_within(&mut p, Duration::from_secs(10)).await);
     }
     assert_eq!(refused(&reg, "handshake_timeout"), 3);
+}
+
+#[tokio::test]
+async fn silent_connections_are_closed_at_first_byte_timeout_while_a_real_peer_is_served() {
+    let (g, reg) = guard(ListenerLimits {
+        first_byte_timeout: Duration::from_millis(300),
+        ..ListenerLimits::without_auth()
+    });
+    let addr = serve(g, None).await;
+    let mut silent = Vec::new();
+    for _ in 0..20 {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    // One that starts the HTTP/2 preface and stops: its protocol is not told yet.
+    let mut stalled = TcpStream::connect(addr).await.unwrap();
+    stalled.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+    // A peer that talks is served meanwhile, and well past the timeout.
+    let mut talker = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut talker, b'x').await);
+    for mut s in silent {
+        assert!(closed_within(&mut s, Duration::from_secs(5)).await);
+    }
+    assert!(closed_within(&mut stalled, Duration::from_secs(5)).await);
+    assert_eq!(refused(&reg, "first_byte_timeout"), 21);
+    assert!(echo(&mut talker, b'y').await, "the talker was cut");
+}
+
+#[tokio::test]
+async fn the_first_bytes_read_to_tell_the_protocol_reach_the_server_unchanged() {
+    let (g, _reg) = guard(ListenerLimits::without_auth());
+    let addr = serve(g, None).await;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    // The whole HTTP/2 preface and more in one write: echoed back byte for byte.
+    let sent = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\nafter";
+    s.write_all(sent).await.unwrap();
+    let mut got = vec![0u8; sent.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got, sent);
+}
+
+#[tokio::test]
+async fn a_connection_holding_nothing_is_closed_after_idle_timeout_and_one_holding_a_request_is_not(
+) {
+    let idle = Duration::from_millis(400);
+    let (g, reg) = guard(ListenerLimits {
+        idle_timeout: idle,
+        ..ListenerLimits::without_auth()
+    });
+    let addr = serve(g, None).await;
+    let mut busy = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut busy, b'H').await);
+    let mut done = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut done, b'H').await && echo(&mut done, b'R').await);
+    let mut quiet = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut quiet, b'x').await);
+    // The connection whose request ended and the one that never held one close...
+    assert!(closed_within(&mut done, idle * 2 + IDLE_GRACE + Duration::from_secs(3)).await);
+    assert!(closed_within(&mut quiet, Duration::from_secs(5)).await);
+    assert_eq!(refused(&reg, "idle_timeout"), 2);
+    // ...the one holding a request stays, however long it holds it.
+    assert!(!closed_within(&mut busy, idle * 2 + IDLE_GRACE).await);
+    assert!(echo(&mut busy, b'R').await);
+    // Once it holds nothing, it is idle too.
+    assert!(closed_within(&mut busy, idle * 2 + IDLE_GRACE + Duration::from_secs(3)).await);
+}
+
+#[tokio::test]
+async fn a_source_past_its_connection_cap_is_refused_while_other_sources_are_served() {
+    let (g, reg) = guard(ListenerLimits {
+        max_connections_per_source: 2,
+        ..ListenerLimits::without_auth()
+    });
+    let addr = serve(g, None).await;
+    let mut a = connect_from([127, 0, 0, 2], addr).await;
+    let mut b = connect_from([127, 0, 0, 2], addr).await;
+    assert!(echo(&mut a, b'1').await && echo(&mut b, b'2').await);
+    let mut extra = connect_from([127, 0, 0, 2], addr).await;
+    assert!(closed_within(&mut extra, Duration::from_secs(5)).await);
+    assert_eq!(refused(&reg, "source_connections"), 1);
+    assert_eq!(
+        by_source(&reg, "source_connections"),
+        vec![("127.0.0.2".to_string(), 1)]
+    );
+    // Another source is served; the capped source's connections are too.
+    let mut other = connect_from([127, 0, 0, 3], addr).await;
+    assert!(echo(&mut other, b'3').await);
+    assert!(echo(&mut a, b'4').await);
+    // A closed connection frees its place.
+    drop(b);
+    until(Duration::from_secs(5), || async {
+        let mut c = connect_from([127, 0, 0, 2], addr).await;
+        echo(&mut c, b'5').await
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_tunnel_id_past_its_connection_cap_is_refused_on_one_more_connection() {
+    let (g, reg) = guard(ListenerLimits {
+        max_connections_per_token: 2,
+        ..ListenerLimits::default()
+    });
+    let addr = serve(g, None).await;
+    let mut a = TcpStream::connect(addr).await.unwrap();
+    let mut b = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut a, b'T').await && echo(&mut b, b'T').await);
+    // A second stream of the tunnel id on a connection that counts already is fine.
+    assert!(echo(&mut a, b'T').await);
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    c.write_all(b"T").await.unwrap();
+    let mut buf = [0u8; 1];
+    c.read_exact(&mut buf).await.unwrap();
+    assert_eq!(
+        buf[0], b'X',
+        "a third connection of the tunnel id was accepted"
+    );
+    assert_eq!(refused(&reg, "token_connections"), 1);
+    // The others still serve; once one closes, the third connection gets in.
+    assert!(echo(&mut b, b'y').await);
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        c.write_all(b"T").await.unwrap();
+        c.read_exact(&mut buf).await.unwrap();
+        if buf[0] == b'T' {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the freed place was not taken");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_load_balancers_proxy_header_names_the_source_every_limit_sees() {
+    let (g, reg) = guard(ListenerLimits {
+        auth_failures: 1,
+        auth_failure_window: Duration::from_secs(60),
+        proxy_protocol: vec!["127.0.0.9".parse().unwrap()],
+        ..ListenerLimits::without_auth()
+    });
+    let addr = serve(g, None).await;
+    let header = |src: &str| {
+        let src: SocketAddr = src.parse().unwrap();
+        let addrs: ppp::v2::Addresses = (src, addr).into();
+        ppp::v2::Builder::with_addresses(
+            ppp::v2::Version::Two | ppp::v2::Command::Proxy,
+            ppp::v2::Protocol::Stream,
+            addrs,
+        )
+        .build()
+        .unwrap()
+    };
+    // Two clients behind the load balancer; one fails twice and is blocked.
+    let mut bad = connect_from([127, 0, 0, 9], addr).await;
+    bad.write_all(&header("198.51.100.7:4000")).await.unwrap();
+    assert!(echo(&mut bad, b'F').await);
+    let _ = bad.write_all(b"F").await;
+    assert!(closed_within(&mut bad, Duration::from_secs(5)).await);
+    let mut again = connect_from([127, 0, 0, 9], addr).await;
+    again.write_all(&header("198.51.100.7:4001")).await.unwrap();
+    assert!(closed_within(&mut again, Duration::from_secs(5)).await);
+    assert_eq!(
+        by_source(&reg, "source_blocked"),
+        vec![("198.51.100.7".to_string(), 1)]
+    );
+    // The other client, through the same load balancer, is served.
+    let mut good = connect_from([127, 0, 0, 9], addr).await;
+    good.write_all(&header("203.0.113.5:5000")).await.unwrap();
+    assert!(echo(&mut good, b'x').await);
+    // A connection from the load balancer without a header is closed...
+    let mut bare = connect_from([127, 0, 0, 9], addr).await;
+    bare.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+    assert!(closed_within(&mut bare, Duration::from_secs(5)).await);
+    assert_eq!(refused(&reg, "proxy_header"), 1);
+    // ...and anyone else's header is not read as one: a direct peer is its own source.
+    let mut direct = connect_from([127, 0, 0, 10], addr).await;
+    direct
+        .write_all(&header("198.51.100.7:4002"))
+        .await
+        .unwrap();
+    let mut echoed = vec![0u8; 16];
+    tokio::time::timeout(Duration::from_secs(5), direct.read_exact(&mut echoed))
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// A ClientHello a real TLS client would send, for a peer that sends it and then stalls.
+fn client_hello() -> Vec<u8> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let mut c =
+        rustls::ClientConnection::new(Arc::new(config), "localhost".try_into().unwrap()).unwrap();
+    let mut out = Vec::new();
+    while c.wants_write() {
+        c.write_tls(&mut out).unwrap();
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_handshake_stalled_after_the_servers_flight_holds_no_handshake_slot() {
+    let (server, client) = tls_pair("stall");
+    let (g, reg) = guard(ListenerLimits {
+        max_handshakes: 1,
+        handshake_timeout: Duration::from_secs(5),
+        ..ListenerLimits::without_auth()
+    });
+    let addr = serve(g, Some(server)).await;
+    // Peers that send a ClientHello, read the server's flight and never answer it.
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(&client_hello()).await.unwrap();
+        let mut buf = [0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "the server sent its flight");
+        stalled.push(s);
+    }
+    // The only handshake slot is free for a real client while they all stall.
+    let mut s = client
+        .connect("localhost", &addr.to_string())
+        .await
+        .unwrap();
+    assert_eq!(
+        refused(&reg, "handshake_timeout"),
+        0,
+        "the real handshake waited for the stalled ones to time out"
+    );
+    s.write_all(b"x").await.unwrap();
+    let mut buf = [0u8; 1];
+    s.read_exact(&mut buf).await.unwrap();
+    for mut p in stalled {
+        assert!(closed_within(&mut p, Duration::from_secs(10)).await);
+    }
+    assert_eq!(refused(&reg, "handshake_timeout"), 3);
+}
+
+#[test]
+fn limits_parse_from_toml_and_bad_values_name_their_key() {
+    let l: ListenerLimits = crate::config::parse(
+        r#"
+        idle_timeout = "2m"
+        max_connections_per_token = 8
+        proxy_protocol = ["10.0.0.5", "fd00::/8"]
+        "#,
+        std::path::Path::new("agent_limits.toml"),
+    )
+    .unwrap();
+    assert_eq!(l.idle_timeout, Duration::from_secs(120));
+    assert_eq!(l.max_connections_per_token, 8);
+    assert_eq!(
+        l.first_byte_timeout,
+        ListenerLimits::default().first_byte_timeout
+    );
+    assert!(l.proxy_protocol[0].contains("10.0.0.5".parse().unwrap()));
+    assert!(l.proxy_protocol[0].contains("::ffff:10.0.0.5".parse().unwrap()));
+    assert!(!l.proxy_protocol[0].contains("10.0.0.6".parse().unwrap()));
+    assert!(l.proxy_protocol[1].contains("fd12::1".parse().unwrap()));
+    l.validate("agent_limits").unwrap();
+    let err = crate::config::parse::<ListenerLimits>(
+        "proxy_protocol = [\"lb.example\"]",
+        std::path::Path::new("x.toml"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("proxy_protocol"), "{err}");
+    let bad = |l: ListenerLimits| l.validate("agent_limits").unwrap_err().to_string();
+    assert!(bad(ListenerLimits {
+        idle_timeout: Duration::from_millis(5),
+        ..ListenerLimits::default()
+    })
+    .contains("agent_limits.idle_timeout"));
+    assert!(bad(ListenerLimits {
+        max_partial_frame_bytes: 1000,
+        ..ListenerLimits::default()
+    })
+    .contains("agent_limits.max_partial_frame_bytes"));
+    assert!(bad(ListenerLimits {
+        first_byte_timeout: Duration::ZERO,
+        proxy_protocol: vec!["10.0.0.5".parse().unwrap()],
+        ..ListenerLimits::default()
+    })
+    .contains("agent_limits.first_byte_timeout"));
+}
+
+#[test]
+fn per_source_limits_count_an_ipv6_host_by_its_64() {
+    let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+    let b: IpAddr = "2001:db8:1:2:bbbb::9".parse().unwrap();
+    let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+    assert_eq!(source_key(a), source_key(b));
+    assert_ne!(source_key(a), source_key(other));
+    let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
+    assert_eq!(source_key(mapped), IpAddr::from([192, 0, 2, 1]));
 }
