@@ -431,8 +431,12 @@ async fn main() -> std::process::ExitCode {
                 Ok(r) => {
                     print!("{}", r.table(&o));
                     match json {
-                        Some(path) => std::fs::write(&path, serde_json::to_vec_pretty(&r).unwrap_or_default())
-                            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display())),
+                        Some(path) => {
+                            std::fs::write(&path, serde_json::to_vec_pretty(&r).unwrap_or_default())
+                                .map_err(|e| {
+                                    anyhow::anyhow!("cannot write {}: {e}", path.display())
+                                })
+                        }
                         None => Ok(()),
                     }
                 }

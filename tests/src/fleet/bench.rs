@@ -60,12 +60,7 @@ impl Plan for Get {
 
 /// Closed loop ([`crate::load::workers`]): `callers` workers calling `path` back to back
 /// for `d`.
-pub(super) async fn closed_loop(
-    caller: &Caller,
-    path: &str,
-    callers: usize,
-    d: Duration,
-) -> Side {
+pub(super) async fn closed_loop(caller: &Caller, path: &str, callers: usize, d: Duration) -> Side {
     let plan = Arc::new(Get {
         caller: caller.clone(),
         path: path.to_string(),

@@ -119,7 +119,10 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
         let mut burst = JoinSet::new();
         // Each burst caller has a connection of its own, as a thousand clients would.
         for _ in 0..o.burst {
-            let (c, path) = (Caller::new(stack.http, Some(crate::stack::CALLER_KEY)), noisy.clone());
+            let (c, path) = (
+                Caller::new(stack.http, Some(crate::stack::CALLER_KEY)),
+                noisy.clone(),
+            );
             let (ok, failed, stop) = (ok.clone(), failed.clone(), stop.clone());
             burst.spawn(async move {
                 while !stop.is_cancelled() {
