@@ -510,6 +510,10 @@ impl CoverageActor {
                     OpenError::Unauthenticated(_) | OpenError::Other(_) => {
                         self.backoff.failed(now, op.started, &err)
                     }
+                    // The dialer paused that endpoint; the next opens go through the others.
+                    OpenError::Endpoint(_) => {
+                        debug!(stream = id, error = %err, "open through a paused endpoint failed");
+                    }
                 }
             }
         }

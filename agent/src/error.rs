@@ -61,4 +61,8 @@ pub enum OpenError {
     /// Anything else: connect failure, timeout, a first frame that is not a hello.
     #[error("{0}")]
     Other(String),
+    /// An open through one of several tunnel endpoints did not reach a server, and another
+    /// endpoint is open: the opens go there, nothing to back off from.
+    #[error("{0}")]
+    Endpoint(String),
 }

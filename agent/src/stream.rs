@@ -79,7 +79,26 @@ pub struct Dialer {
     /// The request-body credit a call gives its server (`relay-agent-credit`):
     /// `relay_proto::body_credit` of `[tunnel_h2] stream_window_bytes`.
     request_credit: u32,
+    /// How each endpoint's opens went, by index into `endpoints` (see [`Dialer::pick`]).
+    health: Mutex<Vec<EndpointHealth>>,
 }
+
+/// One tunnel endpoint's recent opens: an endpoint whose opens fail (a dial or hello that
+/// times out, a refused connection) or whose path went silent is left out of new opens for
+/// a pause that doubles with each failure in a row (0.25 s to 4 s), so that while one of
+/// several endpoints is unreachable the opens go to the others instead of each waiting out
+/// `connect_timeout` on it. After the pause the next open tries it again; a landing there
+/// clears it.
+#[derive(Clone, Copy, Debug, Default)]
+struct EndpointHealth {
+    failures: u32,
+    down_until: Option<Instant>,
+}
+
+/// First pause of an endpoint whose open failed.
+const ENDPOINT_PAUSE_FIRST: Duration = Duration::from_millis(250);
+/// Longest pause.
+const ENDPOINT_PAUSE_MAX: Duration = Duration::from_secs(4);
 
 /// One cached connection of an endpoint.
 struct Conn {
@@ -187,6 +206,7 @@ impl Dialer {
                     .map_err(|e| ConfigError::invalid("tunnels", format!("{url:?}: {e}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let n_endpoints = endpoints.len();
         let mut auth: MetadataValue<Ascii> = format!("Bearer {}", token.expose())
             .parse()
             .map_err(|_| ConfigError::invalid("token", "must be printable ASCII"))?;
@@ -202,18 +222,72 @@ impl Dialer {
             per_connection: h2.max_concurrent_streams.max(1) as usize,
             instance: rand::random(),
             request_credit: relay_proto::body_credit(h2.stream_window_bytes),
+            health: Mutex::new(vec![EndpointHealth::default(); n_endpoints]),
         })
     }
 
-    /// A connection to a random endpoint (created lazily, then reused).
+    /// A connection to a random endpoint among those not paused after failed opens (see
+    /// [`EndpointHealth`]); when every one is paused, the one whose pause ends first.
     pub(crate) fn pick(&self) -> Picked {
         let i = if self.endpoints.len() == 1 {
             0
         } else {
-            rand::random::<usize>() % self.endpoints.len()
+            let now = Instant::now();
+            let health = self.health.lock();
+            let up: Vec<usize> = (0..health.len())
+                .filter(|&i| health[i].down_until.is_none_or(|u| now >= u))
+                .collect();
+            match up.len() {
+                0 => (0..health.len())
+                    .min_by_key(|&i| health[i].down_until)
+                    .unwrap_or(0),
+                n => up[rand::random::<usize>() % n],
+            }
         };
         let endpoint = self.endpoints[i].clone();
         self.channel(endpoint)
+    }
+
+    /// An open on `endpoint` (one of `tunnels`) failed to reach its server, or a path
+    /// through it went silent: it is paused (see [`EndpointHealth`]). Returns whether
+    /// another endpoint is not paused, so the open can go there instead.
+    pub(crate) fn endpoint_failed(&self, endpoint: &str) -> bool {
+        let Some(i) = self.endpoint_index(endpoint) else {
+            return false;
+        };
+        let now = Instant::now();
+        let mut health = self.health.lock();
+        let h = &mut health[i];
+        h.failures = h.failures.saturating_add(1);
+        let pause = ENDPOINT_PAUSE_FIRST
+            .saturating_mul(1 << h.failures.saturating_sub(1).min(8))
+            .min(ENDPOINT_PAUSE_MAX);
+        h.down_until = Some(now + pause);
+        if h.failures == 1 {
+            warn!(%endpoint, pause_ms = pause.as_millis() as u64, "tunnel endpoint unreachable; opening streams through the others meanwhile");
+        }
+        health
+            .iter()
+            .enumerate()
+            .any(|(j, h)| j != i && h.down_until.is_none_or(|u| now >= u))
+    }
+
+    /// A stream landed through `endpoint`: it is not paused any more.
+    pub(crate) fn endpoint_ok(&self, endpoint: &str) {
+        let Some(i) = self.endpoint_index(endpoint) else {
+            return;
+        };
+        let mut health = self.health.lock();
+        if health[i].failures > 0 {
+            info!(%endpoint, "tunnel endpoint reachable again");
+        }
+        health[i] = EndpointHealth::default();
+    }
+
+    fn endpoint_index(&self, endpoint: &str) -> Option<usize> {
+        self.endpoints
+            .iter()
+            .position(|e| *e.uri() == *endpoint)
     }
 
     /// A channel straight to a server's advertised `direct_url`. Refused when its host is
@@ -356,6 +430,8 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         // GoingAway handshake like any other (bounded by connect_timeout).
         // Wait for a turn (`max_opening`), so a big growth step goes out in waves.
         let turn = ctx.opens.clone().acquire_owned().await;
+        // Through one of `tunnels` (not a server's direct URL): its health is tracked.
+        let through = link.target.is_none();
         let picked = match &link.target {
             Some(url) => ctx.dialer.pick_direct(url).map_err(|refusal| {
                 if let DirectRefusal::Host(_) = &refusal {
@@ -379,22 +455,36 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
                 return open_failed(&ctx, &link, e);
             }
         };
+        let endpoint_key = endpoint.clone();
         let opened = tokio::time::timeout(
             ctx.connect_timeout,
             open(&ctx.dialer, endpoint, channel, Some(&conn_name)),
         )
         .await;
         drop(turn);
+        // An open that did not reach a server pauses its endpoint; with another endpoint
+        // open, that is no reason to hold back every open (`OpenError::Endpoint`).
+        let unreached = |e: String| {
+            if through && ctx.dialer.endpoint_failed(&endpoint_key) {
+                OpenError::Endpoint(e)
+            } else {
+                OpenError::Other(e)
+            }
+        };
         let (out, inbound, hello) = match opened {
             Ok(Ok(x)) => x,
+            Ok(Err(OpenError::Other(e))) => return open_failed(&ctx, &link, unreached(e)),
             Ok(Err(e)) => return open_failed(&ctx, &link, e),
             Err(_) => {
                 // The connection may be dead without knowing it: dial afresh next time.
                 ctx.dialer.evict(channel_id);
-                let e = OpenError::Other("timed out waiting for the server hello".into());
+                let e = unreached("timed out waiting for the server hello".into());
                 return open_failed(&ctx, &link, e);
             }
         };
+        if through {
+            ctx.dialer.endpoint_ok(&endpoint_key);
+        }
         ctx.metrics.stream_opened(OpenResult::Landed);
         let landing = Landing {
             server_id: hello.server_id,
@@ -439,6 +529,9 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         let reason = session.run(&mut link).await;
         if matches!(reason, CloseReason::HeartbeatMissed | CloseReason::Silent) {
             ctx.dialer.evict(channel_id);
+            if through {
+                ctx.dialer.endpoint_failed(&endpoint_key);
+            }
         }
         match &reason {
             CloseReason::Malformed(_) => {
@@ -459,7 +552,7 @@ fn open_failed(ctx: &StreamContext, link: &StreamLink, e: OpenError) {
     let result = match e {
         OpenError::Unauthenticated(_) => OpenResult::Unauthenticated,
         OpenError::Exhausted(..) => OpenResult::Exhausted,
-        OpenError::Other(_) => OpenResult::Error,
+        OpenError::Other(_) | OpenError::Endpoint(_) => OpenResult::Error,
     };
     ctx.metrics.stream_opened(result);
     debug!(error = %e, "tunnel stream open failed");
@@ -1118,6 +1211,59 @@ async fn feed_body(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    fn dialer(urls: &[&str]) -> Dialer {
+        let urls: Vec<String> = urls.iter().map(|u| u.to_string()).collect();
+        Dialer::new(
+            &urls,
+            &Secret::new("t"),
+            Duration::from_secs(1),
+            relay_common::h2::H2Limits::TUNNEL,
+            None,
+        )
+        .unwrap()
+    }
+
+    fn picks(d: &Dialer, n: usize) -> std::collections::BTreeSet<String> {
+        (0..n).map(|_| d.pick().endpoint).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unreachable_endpoint_is_left_out_of_opens_for_a_growing_pause() {
+        let (a, b) = ("http://127.0.0.1:1/", "http://127.0.0.1:2/");
+        let d = dialer(&[a, b]);
+        assert_eq!(picks(&d, 50).len(), 2, "both endpoints take opens");
+        assert!(d.endpoint_failed(a), "the other endpoint is open");
+        assert_eq!(picks(&d, 50), [b.to_string()].into(), "paused 250 ms");
+        tokio::time::advance(ENDPOINT_PAUSE_FIRST).await;
+        assert!(picks(&d, 50).contains(a), "tried again after its pause");
+        assert!(d.endpoint_failed(a));
+        tokio::time::advance(ENDPOINT_PAUSE_FIRST).await;
+        assert_eq!(
+            picks(&d, 50),
+            [b.to_string()].into(),
+            "a second failure: 500 ms"
+        );
+        tokio::time::advance(ENDPOINT_PAUSE_FIRST).await;
+        d.endpoint_ok(a);
+        assert_eq!(picks(&d, 50).len(), 2, "a landing clears the pause");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_every_endpoint_paused_the_one_paused_first_ends_first() {
+        let (a, b) = ("http://127.0.0.1:1/", "http://127.0.0.1:2/");
+        let d = dialer(&[a, b]);
+        assert!(d.endpoint_failed(b));
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert!(!d.endpoint_failed(a), "no endpoint is open");
+        assert_eq!(picks(&d, 20), [b.to_string()].into());
+        // One endpoint alone is never paused away.
+        let single = dialer(&[a]);
+        assert!(!single.endpoint_failed(a));
+        assert_eq!(picks(&single, 5), [a.to_string()].into());
+    }
+
     #[test]
     fn the_agent_lists_the_features_it_reads() {
         let listed: Vec<&str> = relay_proto::features(super::FEATURES).collect();
