@@ -285,9 +285,7 @@ impl Dialer {
     }
 
     fn endpoint_index(&self, endpoint: &str) -> Option<usize> {
-        self.endpoints
-            .iter()
-            .position(|e| *e.uri() == *endpoint)
+        self.endpoints.iter().position(|e| *e.uri() == *endpoint)
     }
 
     /// A channel straight to a server's advertised `direct_url`. Refused when its host is

@@ -154,8 +154,9 @@ enum Command {
         agents: usize,
     },
     /// A TCP forwarder on a path (e.g. agent -> tunnel server): passes bytes, and on a
-    /// schedule goes silent (connections stay open, nothing flows), heals, or resets every
-    /// open connection. Prints each step with its time. Runs until Ctrl-C.
+    /// schedule (or on SIGUSR1: silent, SIGUSR2: heal) goes silent (connections stay open,
+    /// nothing flows), heals, or resets every open connection. Prints each step with its
+    /// time. Runs until Ctrl-C.
     Forward {
         /// Where to listen (point the client side here).
         #[arg(long)]
@@ -656,8 +657,36 @@ async fn forward(
         }
         std::future::pending::<()>().await
     };
+    // By hand: SIGUSR1 silences, SIGUSR2 heals.
+    let by_hand = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut silence), Ok(mut heal)) = (
+            signal(SignalKind::user_defined1()),
+            signal(SignalKind::user_defined2()),
+        ) else {
+            return std::future::pending::<()>().await;
+        };
+        loop {
+            let step = tokio::select! {
+                _ = silence.recv() => {
+                    f.silence();
+                    "silent (SIGUSR1)"
+                }
+                _ = heal.recv() => {
+                    f.set(pass);
+                    "heal (SIGUSR2)"
+                }
+            };
+            say(format!(
+                "{step} ({} connections open, {} bytes passed so far)",
+                f.open_connections(),
+                f.forwarded_bytes()
+            ));
+        }
+    };
     tokio::select! {
         _ = schedule => {}
+        _ = by_hand => {}
         _ = relay_common::shutdown::signal() => {}
     }
     say(format!(
