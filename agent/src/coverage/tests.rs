@@ -425,3 +425,63 @@ async fn series_of_a_server_without_streams_are_removed() {
         vec!["s2"]
     );
 }
+
+/// A server's queued-calls signal starts growth when it arrives, not at the next tick.
+#[tokio::test(start_paused = true)]
+async fn a_queued_calls_signal_starts_growth_at_once() {
+    let h = start(CoverageConfig::default(), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let live = h.net.live();
+    assert_eq!(live.len(), 2, "at rest: the reserve");
+    // Mid-tick: the next tick is 0.7 s away.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = h.net.opened();
+    for id in &live {
+        h.net.emit(*id, StreamEvent::CallStarted);
+    }
+    h.net.emit(live[0], StreamEvent::Pressure(100));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    // 2 in flight + 100 queued + reserve 2 - 2 streams, every open landing on s1.
+    assert_eq!(h.net.opened() - before, 102);
+    // The same hint again is no news; the tick sees the new streams and does nothing more.
+    h.net.emit(live[0], StreamEvent::Pressure(100));
+    ticks(1).await;
+    assert_eq!(h.net.opened() - before, 102);
+    let view = h.handle.view().borrow().clone();
+    assert_eq!(view.servers[0].state, "covered", "{view:?}");
+}
+
+/// A call that takes a stream while calls queue there starts growth too (the server's
+/// idle streams ran out), at most once per EVENT_GAP.
+#[tokio::test(start_paused = true)]
+async fn a_call_taking_the_last_stream_while_calls_queue_starts_growth() {
+    let h = start(CoverageConfig::default(), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let live = h.net.live();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.net.emit(live[0], StreamEvent::Pressure(3));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = h.net.opened();
+    assert!(before > 2, "the signal grew the pool: {before}");
+    // The queue stays reported; calls take every stream that landed.
+    let all = h.net.live();
+    for id in &all {
+        h.net.emit(*id, StreamEvent::CallStarted);
+    }
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let grown = h.net.opened();
+    assert!(
+        grown > before,
+        "calls took every stream while 3 queue: grown {grown}, before {before}"
+    );
+    // Within EVENT_GAP of that plan, more call starts do not plan again.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let now_open = h.net.live();
+    for id in now_open.iter().filter(|id| !all.contains(id)) {
+        h.net.emit(*id, StreamEvent::CallStarted);
+    }
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(h.net.opened(), grown, "held until EVENT_GAP passed");
+    tokio::time::sleep(EVENT_GAP).await;
+    assert!(h.net.opened() > grown, "then planned");
+}
