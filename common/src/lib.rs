@@ -14,6 +14,7 @@ pub mod h2;
 pub mod h2io;
 pub mod hop;
 pub mod listen;
+pub mod rtt;
 pub mod runtime;
 pub mod secret;
 pub mod server_id;

@@ -127,9 +127,20 @@ pub struct RoutingConfig {
     /// Group servers into latency tiers by the RTT they report and prefer the lowest tier
     /// with capacity. Off: every server counts as tier 0 (one zone, or RTTs that are noise).
     pub latency_tiers: bool,
-    /// Latency tiers: how far past a tier's bound a member may drift before it leaves the
-    /// tier, and how far inside the bound an outsider must come to join it (fraction).
+    /// Latency tiers: how far past its group's bound a member may drift before it leaves
+    /// the group, and how far inside a bound a server grouped elsewhere must come to join
+    /// (fraction).
     pub tier_hysteresis: f64,
+    /// Weigh the servers' own load (the smoothed CPU use they report): spill a share of a
+    /// tunnel id's calls away from a home much busier than a peer, and give no new home to
+    /// a server above `load_high_water`. Off: routing ignores the load (comparison runs).
+    pub load_aware: bool,
+    /// How much busier (CPU use, fraction) a home must be than a peer with idle streams
+    /// for a share of its calls to spill there.
+    pub load_margin: f64,
+    /// CPU use (fraction) at or above which a server is given no new home while another
+    /// with capacity is below it.
+    pub load_high_water: f64,
 }
 
 impl Default for RoutingConfig {
@@ -144,6 +155,9 @@ impl Default for RoutingConfig {
             step_interval: Duration::from_millis(250),
             latency_tiers: true,
             tier_hysteresis: 0.2,
+            load_aware: true,
+            load_margin: 0.25,
+            load_high_water: 0.9,
         }
     }
 }
@@ -566,6 +580,18 @@ impl Config {
             return Err(ConfigError::invalid(
                 "routing.tier_hysteresis",
                 "must be in [0, 1)",
+            ));
+        }
+        if !(r.load_margin.is_finite() && r.load_margin > 0.0 && r.load_margin < 1.0) {
+            return Err(ConfigError::invalid(
+                "routing.load_margin",
+                "must be in (0, 1)",
+            ));
+        }
+        if !(r.load_high_water.is_finite() && r.load_high_water > 0.0 && r.load_high_water <= 1.0) {
+            return Err(ConfigError::invalid(
+                "routing.load_high_water",
+                "must be in (0, 1]",
             ));
         }
         if r.max_attempts == 0 || r.max_attempts > 10 {

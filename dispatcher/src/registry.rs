@@ -171,6 +171,8 @@ impl Registry {
             }
         }
         w.gauges.counts(w.table.counts());
+        let Writers { table, gauges, .. } = &mut *w;
+        gauges.servers(table);
         drop(w);
         if queued {
             self.dirty_notify.notify_one();
@@ -275,6 +277,21 @@ impl Registry {
                 _ => None,
             })
             .collect()
+    }
+
+    /// This dispatcher's smoothed round trip to the server at `forward_url` (measured by
+    /// `crate::latency`); `None` forgets it. Plans take it at the next routing tick.
+    pub fn forward_rtt(&self, forward_url: &str, rtt_us: Option<u32>) {
+        let event = Event::ForwardRtt {
+            forward_url: forward_url.to_string(),
+            rtt_us,
+        };
+        let _ = self.apply(Instant::now(), event);
+    }
+
+    /// `(server id, forward URL)` of every server in the table (local and shared).
+    pub fn forward_targets(&self) -> Vec<(String, String)> {
+        self.writers.lock().table.forward_targets()
     }
 
     /// The routing tick: expires leases, then steps every tunnel id's routing (spill decay

@@ -21,6 +21,7 @@ pub mod config;
 pub mod forward;
 pub mod handle;
 pub mod hub;
+pub mod load;
 pub mod metrics;
 pub mod outcome;
 pub mod report;
@@ -440,9 +441,17 @@ pub async fn start_with_front(
         instance_id: hub.instance_id.clone(),
         direct_url: config.direct_url.clone().unwrap_or_default(),
     };
+    // The server's own CPU use, for the load reports.
+    let cpu = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    tasks.push(tokio::spawn(load::run(
+        config.cpu_source.clone(),
+        cpu.clone(),
+        stop_reports.clone(),
+    )));
     for d in &config.dispatchers {
         let reporter = report::Reporter {
             hub: hub.clone(),
+            cpu: cpu.clone(),
             dispatcher: d.clone(),
             intro: intro.clone(),
             interval: config.report_interval,

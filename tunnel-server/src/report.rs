@@ -1,7 +1,8 @@
 //! Reporting to dispatchers: one `Registry.Report` stream per dispatcher. It opens with a
 //! `ServerIntro`, announces each tunnel id when it gets its first stream here and when its
 //! last one leaves (not per stream), and sends a compact `LoadReport` every
-//! `report_interval`. On reconnect the full set of tunnel ids is announced again.
+//! `report_interval` (per tunnel id figures, calls in flight, the smoothed CPU use that
+//! `crate::load` measures). On reconnect the full set of tunnel ids is announced again.
 //!
 //! Announcements are computed as the difference between what the hub holds and what this
 //! dispatcher was told, so they can neither be lost nor reordered.
@@ -49,6 +50,8 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 pub struct Reporter {
     pub hub: Arc<Hub>,
+    /// The server's smoothed CPU use, per mille (`crate::load`).
+    pub cpu: Arc<std::sync::atomic::AtomicU32>,
     pub dispatcher: String,
     pub intro: ServerIntro,
     pub interval: Duration,
@@ -204,6 +207,7 @@ impl Reporter {
             tunnels,
             calls_in_flight,
             draining: self.hub.is_draining(),
+            cpu_permille: self.cpu.load(std::sync::atomic::Ordering::Relaxed),
         };
         tx.send(ServerReport::of(server_report::Kind::Load(report)))
             .await
