@@ -29,10 +29,12 @@
 //!   yields the home to it at the next step: this corrects a home picked while the first
 //!   reports were still arriving, and cannot swing back because of the factor.
 //!   Overload yield (`load_aware`): a server whose load is at or above `load_high_water`
-//!   is not given a new home (a tunnel id without one, or whose home went, picks among the
-//!   others when any has capacity) and never takes one from a dwarfed home; the tunnel ids
-//!   already homed there keep it (their streams and callers stay where they are) and move
-//!   calls only through the spill share.
+//!   takes no new home (a tunnel id without one, or whose home went, picks among the others
+//!   when any has capacity), never takes one from a dwarfed home, and at a step hands the
+//!   homes it has to a clearly cooler peer with capacity (less loaded by `load_margin`, and
+//!   `load_margin` below the mark, so two servers cannot trade a home back and forth),
+//!   lowest tier first: new calls go away from it while the calls in flight, and the
+//!   agents' streams, stay where they are.
 //! - Latency tiers inside `available`, from the smoothed RTT of a call's path: this
 //!   dispatcher's leg to the server (`Forward.Probe`, timed on the connection calls use)
 //!   plus the agent leg the server reports for the tunnel id's streams. Tiers are groups,
@@ -529,6 +531,30 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
                         a.idle
                             .cmp(&b.idle)
                             .then_with(|| b.server_id.cmp(&a.server_id))
+                    })
+                    .copied()
+                    .or(Some(h)),
+                other => other,
+            };
+            // Overload yield: a home at or above the high-water mark hands the home to a
+            // clearly cooler peer with capacity (by the margin, and the margin below the
+            // mark, so the two cannot trade it back and forth), lowest tier first. New
+            // calls go there; the calls in flight stay where they are.
+            let home = match home {
+                Some(h) if due && hot(h) => live
+                    .iter()
+                    .filter(|v| {
+                        v.server_id != h.server_id
+                            && has_cap(v)
+                            && load(v) + cfg.load_margin < load(h)
+                            && load(v) <= cfg.load_high_water - cfg.load_margin
+                    })
+                    .min_by(|a, b| {
+                        tier(a)
+                            .cmp(&tier(b))
+                            .then_with(|| a.load_permille.cmp(&b.load_permille))
+                            .then_with(|| b.idle.cmp(&a.idle))
+                            .then_with(|| a.server_id.cmp(&b.server_id))
                     })
                     .copied()
                     .or(Some(h)),

@@ -45,6 +45,9 @@ pub struct Hub {
     fleet: Mutex<FleetViews>,
     /// Wakes the reporters when a tunnel id gets its first stream or loses its last.
     pub changed: Notify,
+    /// Counts calls that had to wait in a queue: the pressure hints and the load reports
+    /// go out at once when it moves, not at their next period.
+    pub queued_calls: tokio::sync::watch::Sender<u64>,
     draining: AtomicBool,
     next_stream_id: AtomicU64,
     next_call_id: AtomicU64,
@@ -161,6 +164,7 @@ impl Hub {
             tunnels: DashMap::new(),
             fleet: Mutex::default(),
             changed: Notify::new(),
+            queued_calls: tokio::sync::watch::Sender::new(0),
             draining: AtomicBool::new(false),
             next_stream_id: AtomicU64::new(1),
             next_call_id: AtomicU64::new(1),
@@ -293,7 +297,10 @@ impl Hub {
                     "the tunnel id's queue on this server is full",
                 ))
             }
-            Take::Queued(id) => id,
+            Take::Queued(id) => {
+                self.queued_calls.send_modify(|n| *n = n.wrapping_add(1));
+                id
+            }
         };
         let mut waiting = Waiting {
             tunnel,

@@ -537,10 +537,11 @@ fn a_home_much_busier_than_a_peer_spills_a_share_of_its_calls() {
     let mut sim = Sim::new(RoutingPolicy::Available);
     sim.step(&[s("a", 5, 1, 0).load(0.3), s("b", 4, 0, 0).load(0.3)]);
     assert_eq!(sim.home(), "a");
-    // a at 95% CPU, b at 40%: more than the margin (0.25) apart. a is not saturated (it
-    // has idle streams), yet a share of its calls goes to b, in steps, up to spill_max.
+    // a at 85% CPU (below the high-water mark), b at 40%: more than the margin (0.25)
+    // apart. a is not saturated (it has idle streams), yet a share of its calls goes to b,
+    // in steps, up to spill_max.
     for k in 1..=3 {
-        sim.step(&[s("a", 5, 1, 0).load(0.95), s("b", 4, 0, 0).load(0.4)]);
+        sim.step(&[s("a", 5, 1, 0).load(0.85), s("b", 4, 0, 0).load(0.4)]);
         assert!(
             approx(sim.spill(), 0.1 * f64::from(k)),
             "step {k}: {}",
@@ -551,7 +552,7 @@ fn a_home_much_busier_than_a_peer_spills_a_share_of_its_calls() {
     assert_eq!(status.spill_reason, Some("load"));
     assert_eq!(sim.home(), "a", "the home stays where it is");
     for _ in 0..10 {
-        sim.step(&[s("a", 5, 1, 0).load(0.95), s("b", 4, 0, 0).load(0.4)]);
+        sim.step(&[s("a", 5, 1, 0).load(0.85), s("b", 4, 0, 0).load(0.4)]);
     }
     assert!(approx(sim.spill(), 0.5));
     assert_eq!(sim.spread(100)["b"], 50);
@@ -567,7 +568,7 @@ fn a_home_much_busier_than_a_peer_spills_a_share_of_its_calls() {
 }
 
 #[test]
-fn a_server_above_the_high_water_mark_takes_no_new_home_and_keeps_the_ones_it_has() {
+fn a_server_above_the_high_water_mark_takes_no_new_home_and_hands_its_homes_to_a_cooler_peer() {
     let mut sim = Sim::new(RoutingPolicy::Available);
     // a has the most idle streams but is at 95% CPU: the new home is b.
     sim.step(&[s("a", 9, 0, 0).load(0.95), s("b", 2, 0, 0).load(0.3)]);
@@ -577,15 +578,22 @@ fn a_server_above_the_high_water_mark_takes_no_new_home_and_keeps_the_ones_it_ha
         sim.step(&[s("a", 30, 0, 0).load(0.95), s("b", 1, 0, 0).load(0.3)]);
     }
     assert_eq!(sim.home(), "b");
-    // A home that gets hot keeps its tunnel id (its calls move through the spill share).
+    // A home that gets hot hands the home to a clearly cooler peer: new calls go there.
     let mut sim = Sim::new(RoutingPolicy::Available);
     sim.step(&[s("a", 9, 0, 0).load(0.3), s("b", 2, 0, 0).load(0.3)]);
     assert_eq!(sim.home(), "a");
+    sim.step(&[s("a", 9, 0, 0).load(0.95), s("b", 2, 0, 0).load(0.3)]);
+    assert_eq!(sim.home(), "b");
+    assert_eq!(sim.spread(100)["b"], 100);
+    // Not to a peer that is hot too, or not cool enough to keep it (within the margin of
+    // the mark): the home stays and spills by the margin instead.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 9, 0, 0).load(0.3), s("b", 2, 0, 0).load(0.3)]);
     for _ in 0..3 {
-        sim.step(&[s("a", 9, 0, 0).load(0.95), s("b", 2, 0, 0).load(0.3)]);
+        sim.step(&[s("a", 9, 0, 0).load(0.95), s("b", 2, 0, 0).load(0.68)]);
     }
     assert_eq!(sim.home(), "a");
-    assert!(sim.spill() > 0.0);
+    assert!(approx(sim.spill(), 0.3), "{}", sim.spill());
     // When every server is hot, one of them is the home all the same.
     let mut sim = Sim::new(RoutingPolicy::Available);
     sim.step(&[s("a", 9, 0, 0).load(0.95), s("b", 2, 0, 0).load(0.99)]);
