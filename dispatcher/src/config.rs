@@ -556,7 +556,14 @@ impl Config {
 
 impl Config {
     fn validate_routing(&self) -> Result<(), ConfigError> {
-        let r = &self.routing;
+        self.routing.validate()
+    }
+}
+
+impl RoutingConfig {
+    /// Checks every `[routing]` key; the error names it.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let r = self;
         let share = |v: f64| v.is_finite() && (0.0..=1.0).contains(&v);
         if !share(r.spill_max) || r.spill_max >= 1.0 {
             return Err(ConfigError::invalid(
@@ -608,7 +615,9 @@ impl Config {
         }
         Ok(())
     }
+}
 
+impl Config {
     fn validate_registry(&self) -> Result<(), ConfigError> {
         let r = &self.registry;
         if r.lease < Duration::from_millis(100) {

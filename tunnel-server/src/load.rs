@@ -23,10 +23,11 @@ pub enum CpuSource {
     /// follows cgroup CPU quotas). The default: one server per process.
     #[default]
     Process,
-    /// The threads of this process with this name, out of as many cores as there are such
-    /// threads: for an embedding that runs several servers in one process, each on a
-    /// runtime of its own named threads (the `relay-fleet` load tester does).
-    Threads(String),
+    /// The threads of this process with this name, out of `cores` cores: for an embedding
+    /// that runs several servers in one process, each on a runtime of its own named
+    /// threads (the `relay-fleet` load tester does), `cores` being its worker threads (its
+    /// blocking threads, which carry the same name, are mostly idle).
+    Threads { name: String, cores: usize },
 }
 
 /// How often the CPU use is sampled.
@@ -93,7 +94,7 @@ pub fn sample(source: &CpuSource) -> Option<(f64, f64)> {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             Some((cpu, cores as f64))
         }
-        CpuSource::Threads(name) => {
+        CpuSource::Threads { name, cores } => {
             let mut cpu = 0.0;
             let mut threads = 0usize;
             for e in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
@@ -107,7 +108,7 @@ pub fn sample(source: &CpuSource) -> Option<(f64, f64)> {
                     }
                 }
             }
-            (threads > 0).then_some((cpu, threads as f64))
+            (threads > 0).then_some((cpu, (*cores).max(1) as f64))
         }
     }
 }
@@ -123,11 +124,9 @@ pub async fn run(source: CpuSource, out: Arc<AtomicU32>, stop: CancellationToken
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let src = source.clone();
-        // Reading /proc is a few small file reads; off the runtime's threads all the same,
-        // since a busy server is when it matters.
-        let read = tokio::task::spawn_blocking(move || sample(&src)).await;
-        if let Ok(Some((cpu, cores))) = read {
+        // A few small reads of /proc, in place: a blocking thread would carry the runtime's
+        // name and count as the server's own.
+        if let Some((cpu, cores)) = sample(&source) {
             if let Some(u) = meter.observe(Instant::now(), cpu, cores) {
                 out.store(permille(u), Ordering::Relaxed);
             }
@@ -171,9 +170,16 @@ mod tests {
         // The test thread's comm is its name cut to 15 bytes.
         if let Some(name) = name {
             let comm: String = name.chars().take(15).collect();
-            let got = sample(&CpuSource::Threads(comm));
-            assert!(got.is_some_and(|(_, n)| n >= 1.0), "{got:?}");
+            let got = sample(&CpuSource::Threads {
+                name: comm,
+                cores: 1,
+            });
+            assert!(got.is_some_and(|(_, n)| n == 1.0), "{got:?}");
         }
-        assert_eq!(sample(&CpuSource::Threads("no such thread".into())), None);
+        let none = CpuSource::Threads {
+            name: "no such thread".into(),
+            cores: 1,
+        };
+        assert_eq!(sample(&none), None);
     }
 }

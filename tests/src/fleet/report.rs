@@ -72,6 +72,17 @@ pub struct Point {
     pub actions: BTreeMap<String, u64>,
 }
 
+/// How many calls the servers with a busy neighbour still answered.
+#[derive(Clone, Debug, Serialize)]
+pub struct BusyShare {
+    pub servers: Vec<String>,
+    /// Seconds into the run the first neighbour started.
+    pub from_s: f64,
+    /// Their share (0..=1) of the calls answered since then.
+    pub share: f64,
+    pub calls: u64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct BurstReport {
     pub at_s: f64,
@@ -147,6 +158,12 @@ pub struct Report {
     /// Streams at the end of the run.
     pub resting_streams: u64,
     pub end_streams_per_server: BTreeMap<String, u64>,
+    /// Calls each tunnel server answered over the run, from the dispatcher's
+    /// `relay_dispatcher_calls_by_server_total` (embedded mode).
+    pub calls_by_server: BTreeMap<String, u64>,
+    /// With a busy neighbour on a server (`load_server`): that server's share of the calls
+    /// answered from the fault to the end, and the calls counted.
+    pub busy: Option<BusyShare>,
     pub coverage_actions: BTreeMap<String, u64>,
     pub bursts: Vec<BurstReport>,
     pub cpu: Cpu,
@@ -187,6 +204,9 @@ pub(crate) struct Inputs<'a> {
     pub process_cpu: f64,
     pub memory: (u64, u64),
     pub running_servers: Vec<String>,
+    /// The dispatcher's calls by server at the end.
+    pub calls_by_server: BTreeMap<String, u64>,
+    pub busy: Option<BusyShare>,
 }
 
 fn exact(mut v: Vec<f32>) -> Quantiles {
@@ -404,6 +424,8 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
         peak_streams,
         resting_streams,
         end_streams_per_server,
+        calls_by_server: i.calls_by_server,
+        busy: i.busy,
         coverage_actions,
         bursts,
         cpu,
@@ -439,6 +461,29 @@ fn checks(s: &Scenario, r: &Report, rec: &RecInner, running: &[String]) -> Vec<C
                 r.calls_sent
             ),
             pass: ratio <= max,
+        });
+    }
+    if let Some(max) = e.max_latency_p99 {
+        out.push(Check {
+            name: "max_latency_p99".into(),
+            want: format!("<= {}", secs(max)),
+            got: format!("{:.2} ms", r.latency_ms.p99),
+            pass: r.latency_ms.p99 <= max.as_secs_f64() * 1000.0,
+        });
+    }
+    if let Some(max) = e.max_busy_share {
+        let (got, pass) = match &r.busy {
+            Some(b) => (
+                format!("{:.1}% of {} calls", b.share * 100.0, b.calls),
+                b.share <= max,
+            ),
+            None => ("not measured".into(), false),
+        };
+        out.push(Check {
+            name: "max_busy_share".into(),
+            want: format!("<= {:.1}%", max * 100.0),
+            got,
+            pass,
         });
     }
     if let Some(max) = e.max_queue_wait_p99 {
@@ -607,6 +652,28 @@ pub fn summary(r: &Report) -> String {
             per.join(", ")
         ),
     );
+    if !r.calls_by_server.is_empty() {
+        let total: u64 = r.calls_by_server.values().sum();
+        let per: Vec<String> = r
+            .calls_by_server
+            .iter()
+            .map(|(k, v)| format!("{k} {v} ({:.1}%)", *v as f64 * 100.0 / total.max(1) as f64))
+            .collect();
+        row(&mut o, "calls by server", per.join(", "));
+    }
+    if let Some(b) = &r.busy {
+        row(
+            &mut o,
+            "busy neighbour",
+            format!(
+                "{} answered {:.1}% of the {} calls from {:.1} s on",
+                b.servers.join(", "),
+                b.share * 100.0,
+                b.calls,
+                b.from_s
+            ),
+        );
+    }
     let acts: Vec<String> = ["grow", "fill", "evacuate", "recycle", "retire"]
         .iter()
         .map(|a| format!("{a} {}", r.coverage_actions.get(*a).copied().unwrap_or(0)))
