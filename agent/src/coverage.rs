@@ -486,9 +486,14 @@ impl CoverageActor {
                         e.load.started();
                     }
                     // A call took a stream while calls queue there: the server has no idle
-                    // stream left, and what opens to it may not be enough.
-                    if let Some(info) = self.servers.get(&e.server) {
+                    // stream left, and what opens to it may not be enough. The call is one
+                    // of the queued ones (a server queues calls only while it has no idle
+                    // stream), so the hint counts one less until the next one corrects it:
+                    // streams landing between two hints are not counted twice (busy, and
+                    // still queued).
+                    if let Some(info) = self.servers.get_mut(&e.server) {
                         if info.fresh_queued(now) > 0 {
+                            info.queued -= 1;
                             self.growth_due = true;
                         }
                     }
