@@ -10,8 +10,8 @@
 //! - `available`: one *home* server per tunnel id, kept while it has idle streams (sticky,
 //!   so calls don't flap). A *spill share* of new calls goes to other servers with idle
 //!   streams while either
-//!   - the home is saturated (no idle stream and calls queued, or a call just answered
-//!     NO_CAPACITY): the targets are the other servers with idle streams (those below the
+//!   - the home is saturated (calls queued there, or no idle stream and a call just
+//!     answered NO_CAPACITY): the targets are the other servers with idle streams (those below the
 //!     load high-water mark when there are any), or
 //!   - the home is *much busier* than a peer (`load_aware`): its load (the smoothed CPU
 //!     use it reports) exceeds the peer's by more than `load_margin`. A margin between two
@@ -171,7 +171,7 @@ impl TunnelPlan {
 pub struct TunnelStatus {
     pub home: Option<Arc<str>>,
     pub spill_share: f64,
-    /// Why the share last rose: `saturated` (the home had no idle stream) or `load` (the
+    /// Why the share last rose: `saturated` (calls queued on the home) or `load` (the
     /// home was much busier than a peer); `None` before it ever did.
     pub spill_reason: Option<&'static str>,
     /// Tier of each live server (0 = best).
@@ -463,8 +463,11 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
             let load = |v: &ServerView| f64::from(v.load_permille) / 1000.0;
             // At or above the high-water mark a server takes no new home.
             let hot = |v: &ServerView| cfg.load_aware && load(v) >= cfg.load_high_water;
+            // Calls wait there (a report can show an idle stream beside queued calls: one that
+            // landed a moment before the queue's next call took it), or it just answered
+            // NO_CAPACITY with no idle stream.
             let saturated =
-                |v: &ServerView| v.idle == 0 && (v.queued > 0 || no_cap.contains(&v.server_id));
+                |v: &ServerView| v.queued > 0 || (v.idle == 0 && no_cap.contains(&v.server_id));
             // New homes go to servers below the high-water mark while any has capacity.
             let any_cool = live.iter().any(|v| has_cap(v) && !hot(v));
             let homeable = |v: &ServerView| has_cap(v) && (!hot(v) || !any_cool);

@@ -613,3 +613,17 @@ fn with_the_load_signal_off_routing_ignores_the_load() {
     assert_eq!(sim.home(), "a");
     assert_eq!(sim.spill(), 0.0);
 }
+
+#[test]
+fn a_home_with_calls_queued_is_saturated_though_its_report_shows_an_idle_stream() {
+    // A stream that landed a moment before the queue's next call took it: the report shows
+    // it idle beside the queue. The calls wait all the same: spill, and yield to a server
+    // that dwarfs the home even in a worse tier.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 2, 0, 0).rtt(1.0), s("b", 2, 0, 0).rtt(9.0)]);
+    assert_eq!(sim.home(), "a");
+    sim.step(&[s("a", 1, 40, 30).rtt(1.0), s("b", 5, 0, 0).rtt(9.0)]);
+    assert!(approx(sim.spill(), 0.1), "{}", sim.spill());
+    sim.step(&[s("a", 1, 40, 30).rtt(1.0), s("b", 200, 0, 0).rtt(9.0)]);
+    assert_eq!(sim.home(), "b");
+}
