@@ -1,14 +1,20 @@
-//! The server's own load, for the dispatchers' routing: its CPU use, read from the kernel's
-//! per-process (or per-thread) CPU time, smoothed over a few report intervals, as per mille
-//! of the CPU the server may use. Reported in every `LoadReport` (`cpu_permille`).
+//! The server's own load, for the dispatchers' routing, smoothed over a few report
+//! intervals, as per mille. Reported in every `LoadReport` (`cpu_permille`). It is the
+//! larger of two shares over each interval:
+//! - its CPU use: the CPU time the kernel counted for the server (the process, or its own
+//!   threads in a process that embeds several servers) out of the cores it may use;
+//! - how busy its runtime is: the time its worker threads spent running tasks rather than
+//!   waiting for work, out of the interval (tokio's per-worker busy time). A server whose
+//!   threads get less than a full core (other processes, or a busy neighbour on its own
+//!   runtime, take the rest) cannot keep up all the same, and this share shows it: its
+//!   workers stop waiting for work while its CPU time stays below the cores it may use.
 //!
-//! [`CpuMeter`] is the arithmetic (samples of cumulative CPU seconds in, smoothed use out;
-//! no clock of its own); [`sample`] reads `/proc`. This module must not decide anything
-//! about routing: the dispatcher weighs the figure (`[routing] load_margin`,
-//! `load_high_water`).
+//! [`CpuMeter`] is the arithmetic (cumulative seconds in, smoothed share out; no clock of its
+//! own); [`sample`] reads `/proc`. This module must not decide anything about routing: the
+//! dispatcher weighs the figure (`[routing] load_margin`, `load_high_water`).
 //!
-//! On a system without `/proc` the figure is 0, which the dispatcher reads as "not
-//! measured" (no load signal from this server).
+//! On a system without `/proc` the CPU part is 0; the runtime part is measured everywhere
+//! tokio measures it (64-bit targets).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -33,10 +39,23 @@ pub enum CpuSource {
 /// How often the CPU use is sampled.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 
-/// Smoothed CPU use from samples of cumulative CPU seconds.
+/// One reading: cumulative seconds and what they are out of.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Reading {
+    /// CPU seconds of the server.
+    pub cpu_s: f64,
+    /// Cores the CPU seconds are out of.
+    pub cores: f64,
+    /// Seconds the runtime's workers spent busy, summed over them.
+    pub busy_s: f64,
+    /// The runtime's workers.
+    pub workers: f64,
+}
+
+/// Smoothed load from readings of cumulative seconds.
 #[derive(Debug, Default)]
 pub struct CpuMeter {
-    last: Option<(Instant, f64)>,
+    last: Option<(Instant, Reading)>,
     smoothed: Option<f64>,
 }
 
@@ -45,16 +64,27 @@ impl CpuMeter {
     /// server that became saturated reads above 90% within four seconds).
     pub const ALPHA: f64 = 0.5;
 
-    /// Feeds the cumulative CPU seconds `cpu_s` of `cores` cores at `now`; returns the
-    /// smoothed use (0..=1) once two samples are in.
-    pub fn observe(&mut self, now: Instant, cpu_s: f64, cores: f64) -> Option<f64> {
-        let prev = self.last.replace((now, cpu_s));
+    /// Feeds the reading at `now`; returns the smoothed load (0..=1) once two readings are
+    /// in: the larger of the CPU share and the runtime's busy share over the interval.
+    pub fn observe(&mut self, now: Instant, r: Reading) -> Option<f64> {
+        let prev = self.last.replace((now, r));
         let (at, before) = prev?;
         let wall = now.saturating_duration_since(at).as_secs_f64();
-        if wall <= 0.0 || cores <= 0.0 {
+        if wall <= 0.0 {
             return self.smoothed;
         }
-        let use_ = ((cpu_s - before).max(0.0) / wall / cores).clamp(0.0, 1.0);
+        let share = |now: f64, then: f64, of: f64| {
+            if of > 0.0 {
+                ((now - then).max(0.0) / wall / of).clamp(0.0, 1.0)
+            } else {
+                0.0
+            }
+        };
+        let use_ = share(r.cpu_s, before.cpu_s, r.cores).max(share(
+            r.busy_s,
+            before.busy_s,
+            r.workers,
+        ));
         let s = match self.smoothed {
             Some(s) => s + Self::ALPHA * (use_ - s),
             None => use_,
@@ -113,7 +143,21 @@ pub fn sample(source: &CpuSource) -> Option<(f64, f64)> {
     }
 }
 
-/// Samples `source` every [`SAMPLE_EVERY`] into `out` (per mille) until `stop`.
+/// Busy seconds of the current runtime's workers, summed, and how many there are.
+fn runtime_busy() -> (f64, f64) {
+    let m = tokio::runtime::Handle::current().metrics();
+    let workers = m.num_workers();
+    #[cfg(target_has_atomic = "64")]
+    let busy: f64 = (0..workers)
+        .map(|w| m.worker_total_busy_duration(w).as_secs_f64())
+        .sum();
+    #[cfg(not(target_has_atomic = "64"))]
+    let busy = 0.0;
+    (busy, workers as f64)
+}
+
+/// Samples `source` and the runtime this task runs on (the server's) every
+/// [`SAMPLE_EVERY`] into `out` (per mille) until `stop`.
 pub async fn run(source: CpuSource, out: Arc<AtomicU32>, stop: CancellationToken) {
     let mut meter = CpuMeter::default();
     let mut tick = tokio::time::interval(SAMPLE_EVERY);
@@ -126,10 +170,16 @@ pub async fn run(source: CpuSource, out: Arc<AtomicU32>, stop: CancellationToken
         }
         // A few small reads of /proc, in place: a blocking thread would carry the runtime's
         // name and count as the server's own.
-        if let Some((cpu, cores)) = sample(&source) {
-            if let Some(u) = meter.observe(Instant::now(), cpu, cores) {
-                out.store(permille(u), Ordering::Relaxed);
-            }
+        let (cpu_s, cores) = sample(&source).unwrap_or((0.0, 0.0));
+        let (busy_s, workers) = runtime_busy();
+        let reading = Reading {
+            cpu_s,
+            cores,
+            busy_s,
+            workers,
+        };
+        if let Some(u) = meter.observe(Instant::now(), reading) {
+            out.store(permille(u), Ordering::Relaxed);
         }
     }
 }
@@ -138,21 +188,46 @@ pub async fn run(source: CpuSource, out: Arc<AtomicU32>, stop: CancellationToken
 mod tests {
     use super::*;
 
+    fn cpu(cpu_s: f64, cores: f64) -> Reading {
+        Reading {
+            cpu_s,
+            cores,
+            ..Reading::default()
+        }
+    }
+
     #[test]
     fn use_is_cpu_time_over_wall_time_and_cores_smoothed() {
         let t0 = Instant::now();
         let mut m = CpuMeter::default();
-        assert_eq!(m.observe(t0, 10.0, 2.0), None, "one sample is no rate");
+        assert_eq!(m.observe(t0, cpu(10.0, 2.0)), None, "one sample is no rate");
         // 1 CPU second in 1 s on 2 cores: half.
-        let u = m.observe(t0 + Duration::from_secs(1), 11.0, 2.0).unwrap();
+        let u = m.observe(t0 + Duration::from_secs(1), cpu(11.0, 2.0)).unwrap();
         assert!((u - 0.5).abs() < 1e-9);
         // Then fully busy: smoothed toward 1.
-        let u = m.observe(t0 + Duration::from_secs(2), 13.0, 2.0).unwrap();
+        let u = m.observe(t0 + Duration::from_secs(2), cpu(13.0, 2.0)).unwrap();
         assert!((u - (0.5 + CpuMeter::ALPHA * 0.5)).abs() < 1e-9);
         assert_eq!(permille(u), 750);
         // A counter that went back (a thread exited) counts as idle, not negative.
-        let u = m.observe(t0 + Duration::from_secs(3), 1.0, 2.0).unwrap();
+        let u = m.observe(t0 + Duration::from_secs(3), cpu(1.0, 2.0)).unwrap();
         assert!((0.0..0.75).contains(&u));
+    }
+
+    #[test]
+    fn a_runtime_that_never_waits_for_work_is_loaded_though_its_cpu_time_is_low() {
+        let t0 = Instant::now();
+        let mut m = CpuMeter::default();
+        let r = |cpu_s: f64, busy_s: f64| Reading {
+            cpu_s,
+            cores: 1.0,
+            busy_s,
+            workers: 1.0,
+        };
+        m.observe(t0, r(0.0, 0.0));
+        // Other processes had the core for 60% of the second; the server's one worker was
+        // busy the whole second all the same (its tasks waited for the core).
+        let u = m.observe(t0 + Duration::from_secs(1), r(0.4, 1.0)).unwrap();
+        assert!((u - 1.0).abs() < 1e-9);
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub struct Sample {
     pub in_flight: u64,
     /// Calls queued on the tunnel servers (embedded mode only).
     pub queued: Option<f64>,
+    /// The load (CPU use, 0..=1) each server last reported, as the dispatcher has it
+    /// (embedded mode only).
+    pub load: BTreeMap<String, f64>,
     /// Totals so far.
     pub sent: u64,
     pub ok: u64,
@@ -61,6 +64,8 @@ pub struct Point {
     pub streams: u64,
     pub in_flight: u64,
     pub queued: Option<f64>,
+    /// The load (CPU use, 0..=1) each server last reported (embedded mode only).
+    pub load: BTreeMap<String, f64>,
     /// Calls answered (ok or failed) per second since the previous point.
     pub calls_per_s: f64,
     /// Calls failed since the previous point.
@@ -326,6 +331,7 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
             streams,
             in_flight: smp.in_flight,
             queued: smp.queued,
+            load: smp.load.clone(),
             calls_per_s,
             errors,
             latency_p50_ms: lat.as_ref().map(|q| q.p50),

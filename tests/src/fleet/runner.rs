@@ -163,28 +163,46 @@ async fn busy_neighbour(stop: CancellationToken) {
     }
 }
 
-/// Calls each tunnel server answered, from the dispatcher's metrics.
-async fn calls_by_server(admin: SocketAddr) -> BTreeMap<String, u64> {
+/// The load each server last reported, from the dispatcher's metrics.
+async fn server_loads(admin: SocketAddr) -> BTreeMap<String, f64> {
     let Ok(text) = crate::procs::scrape(admin).await else {
         return BTreeMap::new();
     };
-    let mut out: BTreeMap<String, u64> = BTreeMap::new();
+    labelled(&text, "relay_dispatcher_server_load_ratio", "server_id")
+}
+
+/// The samples of metric `name` in Prometheus text, by the value of label `label`.
+fn labelled(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+    let mut out: BTreeMap<String, f64> = BTreeMap::new();
+    let prefix = format!("{name}{{");
+    let key = format!("{label}=\"");
     for line in text.lines() {
-        let Some(rest) = line.strip_prefix("relay_dispatcher_calls_by_server_total{") else {
+        let Some(rest) = line.strip_prefix(prefix.as_str()) else {
             continue;
         };
         let Some((labels, value)) = rest.split_once("} ") else {
             continue;
         };
-        let server = labels
+        let id = labels
             .split(',')
-            .find_map(|l| l.strip_prefix("server_id=\""))
+            .find_map(|l| l.strip_prefix(key.as_str()))
             .and_then(|v| v.strip_suffix('"'));
-        if let (Some(server), Ok(v)) = (server, value.trim().parse::<f64>()) {
-            *out.entry(server.to_string()).or_default() += v as u64;
+        if let (Some(id), Ok(v)) = (id, value.trim().parse::<f64>()) {
+            *out.entry(id.to_string()).or_default() += v;
         }
     }
     out
+}
+
+/// Calls each tunnel server answered, from the dispatcher's metrics.
+async fn calls_by_server(admin: SocketAddr) -> BTreeMap<String, u64> {
+    let Ok(text) = crate::procs::scrape(admin).await else {
+        return BTreeMap::new();
+    };
+    labelled(&text, "relay_dispatcher_calls_by_server_total", "server_id")
+        .into_iter()
+        .map(|(k, v)| (k, v as u64))
+        .collect()
 }
 
 /// The fleet under test, as the sampler and the fault injector see it.
@@ -716,7 +734,12 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
     };
     let ready = wait_ready(&fleet, &caller, &tunnel_ids, servers, &opts.stop).await;
     let neighbours = Arc::new(Neighbours {
-        runtimes: rts.handles.per_server.iter().map(|(h, _)| h.clone()).collect(),
+        runtimes: rts
+            .handles
+            .per_server
+            .iter()
+            .map(|(h, _)| h.clone())
+            .collect(),
         ..Neighbours::default()
     });
     let report = match ready {
@@ -910,7 +933,11 @@ fn agent_actions(h: &AgentHandle) -> BTreeMap<String, u64> {
 async fn sample_fleet(
     fleet: &UnderTest,
     actions: &mut ActionTotals,
-) -> (BTreeMap<String, ServerStreams>, Option<f64>) {
+) -> (
+    BTreeMap<String, ServerStreams>,
+    Option<f64>,
+    BTreeMap<String, f64>,
+) {
     let mut servers: BTreeMap<String, ServerStreams> = BTreeMap::new();
     let mut add = |i: usize, h: &AgentHandle, actions: &mut ActionTotals| {
         for sv in &h.coverage().borrow().servers {
@@ -938,7 +965,9 @@ async fn sample_fleet(
             for s in st.servers.iter().flatten() {
                 servers.entry(s.server_id.clone()).or_default();
             }
-            (servers, Some(queued))
+            let admin = st.dispatcher_admin;
+            drop(st);
+            (servers, Some(queued), server_loads(admin).await)
         }
         UnderTest::External { agents, .. } => {
             let a = agents.lock().await;
@@ -947,7 +976,7 @@ async fn sample_fleet(
                     add(i, h, actions);
                 }
             }
-            (servers, None)
+            (servers, None, BTreeMap::new())
         }
     }
 }
@@ -1088,7 +1117,7 @@ async fn drive(
         let in_flight = rec.in_flight.load(Ordering::Relaxed);
         if now >= next_sample || (!generating && in_flight == 0) {
             next_sample += Duration::from_secs(1);
-            let (servers, queued) = sample_fleet(fleet, &mut actions).await;
+            let (servers, queued, load) = sample_fleet(fleet, &mut actions).await;
             let (ok, failed) = (
                 rec.ok.load(Ordering::Relaxed),
                 rec.failed.load(Ordering::Relaxed),
@@ -1102,6 +1131,7 @@ async fn drive(
                 servers,
                 in_flight: in_flight.max(0) as u64,
                 queued,
+                load,
                 sent: rec.sent.load(Ordering::Relaxed),
                 ok,
                 failed,
@@ -1133,12 +1163,13 @@ async fn drive(
         let streams = |p: &Sample| -> u64 { p.servers.values().map(|v| v.idle + v.busy).sum() };
         while samples.last().is_some_and(|p| streams(p) > max) && Instant::now() < until {
             tick.tick().await;
-            let (servers, queued) = sample_fleet(fleet, &mut actions).await;
+            let (servers, queued, load) = sample_fleet(fleet, &mut actions).await;
             samples.push(Sample {
                 t: start.elapsed().as_secs_f64(),
                 servers,
                 in_flight: rec.in_flight.load(Ordering::Relaxed).max(0) as u64,
                 queued,
+                load,
                 sent: rec.sent.load(Ordering::Relaxed),
                 ok: rec.ok.load(Ordering::Relaxed),
                 failed: rec.failed.load(Ordering::Relaxed),

@@ -462,7 +462,10 @@ impl Scenario {
             if !sv.weights.is_empty() && sv.weights.len() != sv.count {
                 return Err(ConfigError::invalid(
                     "servers.weights",
-                    format!("balancer = \"haproxy\" takes one weight per server ({})", sv.count),
+                    format!(
+                        "balancer = \"haproxy\" takes one weight per server ({})",
+                        sv.count
+                    ),
                 ));
             }
             if let Some(i) = self
