@@ -1,5 +1,5 @@
-//! The server's own load, for the dispatchers' routing, smoothed over a few report
-//! intervals, as per mille. Reported in every `LoadReport` (`cpu_permille`). It is the
+//! The server's own load, for the dispatchers' routing, sampled four times a second and
+//! smoothed over about a second, as per mille. Reported in every `LoadReport` (`cpu_permille`). It is the
 //! larger of two shares over each interval:
 //! - its CPU use: the CPU time the kernel counted for the server (the process, or its own
 //!   threads in a process that embeds several servers) out of the cores it may use;
@@ -36,8 +36,8 @@ pub enum CpuSource {
     Threads { name: String, cores: usize },
 }
 
-/// How often the CPU use is sampled.
-pub const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+/// How often the load is sampled.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(250);
 
 /// One reading: cumulative seconds and what they are out of.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -60,9 +60,9 @@ pub struct CpuMeter {
 }
 
 impl CpuMeter {
-    /// Weight of a new sample (with one sample a second: about two seconds of memory, so a
-    /// server that became saturated reads above 90% within four seconds).
-    pub const ALPHA: f64 = 0.5;
+    /// Weight of a new sample: with four samples a second, about a second of memory, so a
+    /// server that became saturated reads above 90% within two seconds.
+    pub const ALPHA: f64 = 0.25;
 
     /// Feeds the reading at `now`; returns the smoothed load (0..=1) once two readings are
     /// in: the larger of the CPU share and the runtime's busy share over the interval.
@@ -80,11 +80,8 @@ impl CpuMeter {
                 0.0
             }
         };
-        let use_ = share(r.cpu_s, before.cpu_s, r.cores).max(share(
-            r.busy_s,
-            before.busy_s,
-            r.workers,
-        ));
+        let use_ =
+            share(r.cpu_s, before.cpu_s, r.cores).max(share(r.busy_s, before.busy_s, r.workers));
         let s = match self.smoothed {
             Some(s) => s + Self::ALPHA * (use_ - s),
             None => use_,
@@ -202,15 +199,21 @@ mod tests {
         let mut m = CpuMeter::default();
         assert_eq!(m.observe(t0, cpu(10.0, 2.0)), None, "one sample is no rate");
         // 1 CPU second in 1 s on 2 cores: half.
-        let u = m.observe(t0 + Duration::from_secs(1), cpu(11.0, 2.0)).unwrap();
+        let u = m
+            .observe(t0 + Duration::from_secs(1), cpu(11.0, 2.0))
+            .unwrap();
         assert!((u - 0.5).abs() < 1e-9);
         // Then fully busy: smoothed toward 1.
-        let u = m.observe(t0 + Duration::from_secs(2), cpu(13.0, 2.0)).unwrap();
+        let u = m
+            .observe(t0 + Duration::from_secs(2), cpu(13.0, 2.0))
+            .unwrap();
         assert!((u - (0.5 + CpuMeter::ALPHA * 0.5)).abs() < 1e-9);
-        assert_eq!(permille(u), 750);
+        assert_eq!(permille(u), 625);
         // A counter that went back (a thread exited) counts as idle, not negative.
-        let u = m.observe(t0 + Duration::from_secs(3), cpu(1.0, 2.0)).unwrap();
-        assert!((0.0..0.75).contains(&u));
+        let u = m
+            .observe(t0 + Duration::from_secs(3), cpu(1.0, 2.0))
+            .unwrap();
+        assert!((0.0..0.625).contains(&u));
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub struct Sample {
     /// The load (CPU use, 0..=1) each server last reported, as the dispatcher has it
     /// (embedded mode only).
     pub load: BTreeMap<String, f64>,
+    /// Calls each server answered so far, as the dispatcher counts them (embedded mode).
+    pub answered_by: BTreeMap<String, u64>,
     /// Totals so far.
     pub sent: u64,
     pub ok: u64,
@@ -83,9 +85,16 @@ pub struct BusyShare {
     pub servers: Vec<String>,
     /// Seconds into the run the first neighbour started.
     pub from_s: f64,
-    /// Their share (0..=1) of the calls answered since then.
+    /// Their share (0..=1) of the calls answered since then (to a sample's precision).
     pub share: f64,
     pub calls: u64,
+    /// From when their load has been read and acted on (`from_s` plus a few seconds).
+    pub settled_from_s: f64,
+    /// Their share of the calls answered since `settled_from_s`.
+    pub settled_share: f64,
+    pub settled_calls: u64,
+    /// Latency of the calls started since `settled_from_s` (every server).
+    pub settled_latency_ms: Quantiles,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -212,6 +221,11 @@ pub(crate) struct Inputs<'a> {
     /// The dispatcher's calls by server at the end.
     pub calls_by_server: BTreeMap<String, u64>,
     pub busy: Option<BusyShare>,
+}
+
+/// Exact quantiles of latencies in ms.
+pub(crate) fn quantiles(v: Vec<f32>) -> Quantiles {
+    exact(v)
 }
 
 fn exact(mut v: Vec<f32>) -> Quantiles {
@@ -480,8 +494,13 @@ fn checks(s: &Scenario, r: &Report, rec: &RecInner, running: &[String]) -> Vec<C
     if let Some(max) = e.max_busy_share {
         let (got, pass) = match &r.busy {
             Some(b) => (
-                format!("{:.1}% of {} calls", b.share * 100.0, b.calls),
-                b.share <= max,
+                format!(
+                    "{:.1}% of {} calls from {:.0} s",
+                    b.settled_share * 100.0,
+                    b.settled_calls,
+                    b.settled_from_s
+                ),
+                b.settled_share <= max,
             ),
             None => ("not measured".into(), false),
         };
@@ -672,11 +691,23 @@ pub fn summary(r: &Report) -> String {
             &mut o,
             "busy neighbour",
             format!(
-                "{} answered {:.1}% of the {} calls from {:.1} s on",
+                "{} answered {:.1}% of the {} calls from {:.1} s on, {:.1}% of the {} from {:.1} s",
                 b.servers.join(", "),
                 b.share * 100.0,
                 b.calls,
-                b.from_s
+                b.from_s,
+                b.settled_share * 100.0,
+                b.settled_calls,
+                b.settled_from_s
+            ),
+        );
+        row(
+            &mut o,
+            "  latency ms",
+            format!(
+                "of the calls from {:.1} s: {}",
+                b.settled_from_s,
+                q(&b.settled_latency_ms)
             ),
         );
     }

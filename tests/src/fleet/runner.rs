@@ -143,14 +143,15 @@ struct Neighbours {
     runtimes: Vec<tokio::runtime::Handle>,
     /// Stops each running neighbour, by slot.
     running: Mutex<BTreeMap<usize, CancellationToken>>,
-    /// The dispatcher's calls by server when the first neighbour started, and when.
-    baseline: Mutex<Option<(f64, BTreeMap<String, u64>)>>,
+    /// Seconds into the run the first neighbour started.
+    from_s: Mutex<Option<f64>>,
     /// Server ids that got a neighbour.
     loaded: Mutex<Vec<String>>,
 }
 
-/// How long a busy neighbour runs before it lets the server's tasks have the thread.
-const NEIGHBOUR_SLICE: Duration = Duration::from_millis(2);
+/// How long a busy neighbour runs before it lets the server's tasks have the thread: each
+/// task of the server waits up to this long for its turn, every time it wakes.
+const NEIGHBOUR_SLICE: Duration = Duration::from_millis(10);
 
 /// A busy neighbour: spins for a slice, yields, again, until `stop`.
 async fn busy_neighbour(stop: CancellationToken) {
@@ -163,13 +164,26 @@ async fn busy_neighbour(stop: CancellationToken) {
     }
 }
 
-/// The load each server last reported, from the dispatcher's metrics.
-async fn server_loads(admin: SocketAddr) -> BTreeMap<String, f64> {
+/// The load each server last reported and the calls each answered so far, from the
+/// dispatcher's metrics.
+async fn dispatcher_view(admin: SocketAddr) -> (BTreeMap<String, f64>, BTreeMap<String, u64>) {
     let Ok(text) = crate::procs::scrape(admin).await else {
-        return BTreeMap::new();
+        return Default::default();
     };
-    labelled(&text, "relay_dispatcher_server_load_ratio", "server_id")
+    let calls = labelled(&text, "relay_dispatcher_calls_by_server_total", "server_id")
+        .into_iter()
+        .map(|(k, v)| (k, v as u64))
+        .collect();
+    (
+        labelled(&text, "relay_dispatcher_server_load_ratio", "server_id"),
+        calls,
+    )
 }
+
+/// How long after a busy neighbour starts its server's load is read high enough to act on
+/// (a few samples of the smoothed figure) and routing has stepped: the busy server's
+/// `settled` share counts from then.
+const SETTLE: Duration = Duration::from_secs(5);
 
 /// The samples of metric `name` in Prometheus text, by the value of label `label`.
 fn labelled(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
@@ -192,17 +206,6 @@ fn labelled(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
         }
     }
     out
-}
-
-/// Calls each tunnel server answered, from the dispatcher's metrics.
-async fn calls_by_server(admin: SocketAddr) -> BTreeMap<String, u64> {
-    let Ok(text) = crate::procs::scrape(admin).await else {
-        return BTreeMap::new();
-    };
-    labelled(&text, "relay_dispatcher_calls_by_server_total", "server_id")
-        .into_iter()
-        .map(|(k, v)| (k, v as u64))
-        .collect()
 }
 
 /// The fleet under test, as the sampler and the fault injector see it.
@@ -936,7 +939,7 @@ async fn sample_fleet(
 ) -> (
     BTreeMap<String, ServerStreams>,
     Option<f64>,
-    BTreeMap<String, f64>,
+    (BTreeMap<String, f64>, BTreeMap<String, u64>),
 ) {
     let mut servers: BTreeMap<String, ServerStreams> = BTreeMap::new();
     let mut add = |i: usize, h: &AgentHandle, actions: &mut ActionTotals| {
@@ -967,7 +970,7 @@ async fn sample_fleet(
             }
             let admin = st.dispatcher_admin;
             drop(st);
-            (servers, Some(queued), server_loads(admin).await)
+            (servers, Some(queued), dispatcher_view(admin).await)
         }
         UnderTest::External { agents, .. } => {
             let a = agents.lock().await;
@@ -976,7 +979,7 @@ async fn sample_fleet(
                     add(i, h, actions);
                 }
             }
-            (servers, None, BTreeMap::new())
+            (servers, None, Default::default())
         }
     }
 }
@@ -1117,7 +1120,7 @@ async fn drive(
         let in_flight = rec.in_flight.load(Ordering::Relaxed);
         if now >= next_sample || (!generating && in_flight == 0) {
             next_sample += Duration::from_secs(1);
-            let (servers, queued, load) = sample_fleet(fleet, &mut actions).await;
+            let (servers, queued, (load, answered_by)) = sample_fleet(fleet, &mut actions).await;
             let (ok, failed) = (
                 rec.ok.load(Ordering::Relaxed),
                 rec.failed.load(Ordering::Relaxed),
@@ -1132,6 +1135,7 @@ async fn drive(
                 in_flight: in_flight.max(0) as u64,
                 queued,
                 load,
+                answered_by,
                 sent: rec.sent.load(Ordering::Relaxed),
                 ok,
                 failed,
@@ -1163,13 +1167,14 @@ async fn drive(
         let streams = |p: &Sample| -> u64 { p.servers.values().map(|v| v.idle + v.busy).sum() };
         while samples.last().is_some_and(|p| streams(p) > max) && Instant::now() < until {
             tick.tick().await;
-            let (servers, queued, load) = sample_fleet(fleet, &mut actions).await;
+            let (servers, queued, (load, answered_by)) = sample_fleet(fleet, &mut actions).await;
             samples.push(Sample {
                 t: start.elapsed().as_secs_f64(),
                 servers,
                 in_flight: rec.in_flight.load(Ordering::Relaxed).max(0) as u64,
                 queued,
                 load,
+                answered_by,
                 sent: rec.sent.load(Ordering::Relaxed),
                 ok: rec.ok.load(Ordering::Relaxed),
                 failed: rec.failed.load(Ordering::Relaxed),
@@ -1233,37 +1238,58 @@ async fn drive(
     let by_server = match fleet {
         UnderTest::Embedded(stack) => {
             let admin = stack.lock().await.dispatcher_admin;
-            calls_by_server(admin).await
+            dispatcher_view(admin).await.1
         }
         UnderTest::External { .. } => BTreeMap::new(),
     };
-    let busy = neighbours
-        .baseline
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone()
-        .map(|(from_s, before)| {
-            let servers = neighbours
-                .loaded
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            let since = |id: &String| {
+    let from = *neighbours.from_s.lock().unwrap_or_else(|e| e.into_inner());
+    let busy = from.map(|from_s| {
+        let servers = neighbours
+            .loaded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        // Calls answered from the first sample at or after `t` to the end: all, theirs.
+        let since = |t: f64| {
+            let before = samples
+                .iter()
+                .find(|p| p.t >= t)
+                .map(|p| p.answered_by.clone())
+                .unwrap_or_default();
+            let after = |id: &String| {
                 by_server
                     .get(id)
                     .copied()
                     .unwrap_or(0)
                     .saturating_sub(before.get(id).copied().unwrap_or(0))
             };
-            let calls: u64 = by_server.keys().map(since).sum();
-            let theirs: u64 = servers.iter().map(since).sum();
-            report::BusyShare {
-                servers,
-                from_s,
-                share: theirs as f64 / calls.max(1) as f64,
-                calls,
-            }
-        });
+            let all: u64 = by_server.keys().map(after).sum();
+            let theirs: u64 = servers.iter().map(after).sum();
+            (all, theirs)
+        };
+        let (calls, theirs) = since(from_s);
+        let settled_from_s = from_s + SETTLE.as_secs_f64();
+        let (settled_calls, settled) = since(settled_from_s);
+        let settled_latency = rec
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .latencies
+            .iter()
+            .filter(|(t, _)| f64::from(*t) >= settled_from_s)
+            .map(|(_, l)| *l)
+            .collect();
+        report::BusyShare {
+            servers,
+            from_s,
+            share: theirs as f64 / calls.max(1) as f64,
+            calls,
+            settled_from_s,
+            settled_share: settled as f64 / settled_calls.max(1) as f64,
+            settled_calls,
+            settled_latency_ms: report::quantiles(settled_latency),
+        }
+    });
     let events = events.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let inner = std::mem::take(&mut *rec.inner.lock().unwrap_or_else(|e| e.into_inner()));
     report::build(report::Inputs {
@@ -1388,7 +1414,7 @@ async fn apply_fault(
                 Err(e) => format!("restart agent {} failed: {e}", f.agent),
             }
         }
-        (FaultTarget::Embedded(stack, n), FaultAction::LoadServer) => {
+        (FaultTarget::Embedded(_, n), FaultAction::LoadServer) => {
             let Some(rt) = n.runtimes.get(idx) else {
                 return format!("load {name}: no runtime of its own");
             };
@@ -1402,17 +1428,10 @@ async fn apply_fault(
                 prev.cancel();
             }
             rt.spawn(busy_neighbour(stop));
-            let first = n
-                .baseline
+            n.from_s
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .is_none();
-            if first {
-                let admin = stack.lock().await.dispatcher_admin;
-                let before = calls_by_server(admin).await;
-                let t = s.duration.as_secs_f64().min(f.at.as_secs_f64());
-                *n.baseline.lock().unwrap_or_else(|e| e.into_inner()) = Some((t, before));
-            }
+                .get_or_insert(f.at.as_secs_f64());
             n.loaded
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())

@@ -43,6 +43,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../../scenarios/busy-server.toml"),
     ),
     (
+        "busy-server-blind",
+        include_str!("../../scenarios/busy-server-blind.toml"),
+    ),
+    (
         "haproxy-90-10",
         include_str!("../../scenarios/haproxy-90-10.toml"),
     ),
@@ -273,8 +277,9 @@ pub struct Expect {
     /// Call latency p99 (the callers' view, every call) at most this.
     #[serde(with = "humantime_serde")]
     pub max_latency_p99: Option<Duration>,
-    /// Share (0..=1) of the calls a server answered after the first `load_server` fault,
-    /// of the server(s) it loaded, at most this.
+    /// Share (0..=1) of the calls answered by the server(s) `load_server` faults loaded,
+    /// from a few seconds after the first such fault (their load read and acted on) to
+    /// the end, at most this.
     pub max_busy_share: Option<f64>,
 }
 
