@@ -25,9 +25,10 @@
 //!   (when reports arrive or on the routing tick), never per call, so the share does not
 //!   flap with the call rate.
 //!   A home dwarfed by another server (whose idle streams alone exceed twice the home's
-//!   whole pool, in the same or a better tier, or in any tier while the home is saturated)
-//!   yields the home to it at the next step: this corrects a home picked while the first
-//!   reports were still arriving, and cannot swing back because of the factor.
+//!   whole pool, in the same or a better tier, or in any tier while the home is saturated;
+//!   not much busier than the home, nor above the load high-water mark) yields the home to
+//!   it at the next step: this corrects a home picked while the first reports were still
+//!   arriving, and cannot swing back because of the factor.
 //!   Overload yield (`load_aware`): a server whose load is at or above `load_high_water`
 //!   takes no new home (a tunnel id without one, or whose home went, picks among the others
 //!   when any has capacity), never takes one from a dwarfed home, and at a step hands the
@@ -522,9 +523,12 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
                     .filter(|v| {
                         // A saturated home yields across tiers: queueing costs more than
                         // the latency difference.
+                        // Never to a server much busier than the home: the load spill would
+                        // push the calls back, and the two would trade the home.
                         v.server_id != h.server_id
                             && has_cap(v)
                             && !hot(v)
+                            && !(cfg.load_aware && load(v) - load(h) > cfg.load_margin)
                             && (tier(v) <= tier(h) || saturated(h))
                     })
                     .filter(|v| {

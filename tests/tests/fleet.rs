@@ -251,8 +251,11 @@ async fn burst_of_1000_through_the_load_balancer_alone_grows_a_stream_for_most_c
     s.servers.direct = false;
     s.agents.coverage.direct_growth = false;
     s.expect.burst_done_within = Some(Duration::from_secs(9));
-    // Pruning after the burst is the other burst test's headline.
+    // Pruning after the burst is the other burst test's headline; through a uniform
+    // balancer the server the calls wait on gets half the opens, so about two streams per
+    // call is the price (printed).
     s.expect.max_resting_streams = None;
+    s.expect.max_peak_streams = None;
     let r = run_short(s).await;
     println!(
         "burst-1000 without direct_url: peak streams {}",
@@ -268,18 +271,14 @@ async fn burst_of_1000_through_the_load_balancer_alone_grows_a_stream_for_most_c
     assert_expectations(&r);
 }
 
-/// One of three servers runs at full CPU (a busy neighbour on its own runtime thread):
-/// every call is answered, with the load signal on and off, and the busy server's share of
-/// the calls from then on is reported. The shares and the calls' p99 of both runs are
-/// printed, not asserted: how busy the neighbour makes that server depends on the machine
-/// (the routing rules themselves are `relay-dispatcher`'s routing tests).
+/// One of three servers runs at full CPU (a busy neighbour on its own runtime thread): with
+/// the load signal, once its load is read (a few seconds) it answers at most the scenario's
+/// `max_busy_share` of the calls; blind to the load, the calls stay with it. Every call is
+/// answered either way. The calls' p99 of both runs is printed, not asserted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn busy_server_serves_every_call_with_the_load_signal_on_and_off() {
-    let s = builtin("busy-server").scaled(0.5, 0.5);
-    let on = run_short(s.clone()).await;
-    let mut blind = s;
-    blind.routing.load_aware = false;
-    let off = run_short(blind).await;
+async fn a_busy_server_answers_almost_no_new_call_with_the_load_signal_and_all_without() {
+    let on = run_short(builtin("busy-server").scaled(0.5, 0.5)).await;
+    let off = run_short(builtin("busy-server-blind").scaled(0.5, 0.5)).await;
     for r in [&on, &off] {
         assert_eq!(r.calls_failed_total, 0, "{:?}", r.calls_failed);
         let busy = r
@@ -287,14 +286,25 @@ async fn busy_server_serves_every_call_with_the_load_signal_on_and_off() {
             .as_ref()
             .expect("the busy neighbour's share is measured");
         assert_eq!(busy.servers, ["ts-2"]);
-        assert!(busy.calls > 0);
-        assert_expectations(r);
+        assert!(busy.settled_calls > 0);
     }
-    let share = |r: &Report| r.busy.as_ref().map_or(0.0, |b| b.share * 100.0);
+    assert!(on.check("max_busy_share").is_some());
+    assert_expectations(&on);
+    assert_expectations(&off);
+    let blind = off.busy.as_ref().map_or(0.0, |b| b.settled_share);
+    assert!(
+        blind > 0.5,
+        "blind to the load the calls stay on ts-2: {blind}"
+    );
+    let share = |r: &Report| r.busy.as_ref().map_or(0.0, |b| b.settled_share * 100.0);
+    let p99 = |r: &Report| r.busy.as_ref().map_or(0.0, |b| b.settled_latency_ms.p99);
     println!(
-        "busy-server: ts-2's share {:.1}% with the load signal, {:.1}% without; p99 {:.1} ms vs {:.1} ms",
+        "busy-server: ts-2's settled share {:.1}% with the load signal, {:.1}% without; \
+         p99 of those calls {:.1} ms vs {:.1} ms; whole run p99 {:.1} ms vs {:.1} ms",
         share(&on),
         share(&off),
+        p99(&on),
+        p99(&off),
         on.latency_ms.p99,
         off.latency_ms.p99
     );

@@ -627,3 +627,21 @@ fn a_home_with_calls_queued_is_saturated_though_its_report_shows_an_idle_stream(
     sim.step(&[s("a", 1, 40, 30).rtt(1.0), s("b", 200, 0, 0).rtt(9.0)]);
     assert_eq!(sim.home(), "b");
 }
+
+#[test]
+fn a_home_moved_for_load_is_not_taken_back_by_a_busier_server_that_dwarfs_it() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    // b holds most of the agent's streams; it gets hot and hands the home to a.
+    sim.step(&[s("a", 2, 0, 0).load(0.05), s("b", 9, 0, 0).load(0.3)]);
+    assert_eq!(sim.home(), "b");
+    sim.step(&[s("a", 2, 0, 0).load(0.05), s("b", 120, 0, 0).load(0.95)]);
+    assert_eq!(sim.home(), "a");
+    // b's load dips under the high-water mark: it dwarfs a, but is still much busier.
+    for _ in 0..5 {
+        sim.step(&[s("a", 2, 0, 0).load(0.05), s("b", 120, 0, 0).load(0.85)]);
+        assert_eq!(sim.home(), "a");
+    }
+    // Once it is cool again, the dwarfed home yields to it as before.
+    sim.step(&[s("a", 2, 0, 0).load(0.05), s("b", 120, 0, 0).load(0.2)]);
+    assert_eq!(sim.home(), "b");
+}
