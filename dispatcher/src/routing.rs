@@ -48,7 +48,10 @@
 //!   server near a boundary does not flap, and a faster server appearing above a group
 //!   forms its own tier instead of splitting the group. The home is taken from the lowest
 //!   tier with capacity; a home in a higher tier moves down when a lower tier gets
-//!   capacity. Servers with no RTT yet (either leg unmeasured) count as tier 0 (no
+//!   capacity for its calls (a server there whose idle streams could take the calls in
+//!   flight and queued on the home: a busy server's RTT grows with its load, measured
+//!   through its event loop, and its calls would only queue on a small server). Servers
+//!   with no RTT yet (either leg unmeasured) count as tier 0 (no
 //!   evidence against them).
 //! - Draining servers are never chosen while another server holds the tunnel id; they come
 //!   last in the retry order (a draining server still serves calls on the streams it holds
@@ -479,11 +482,31 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
                 .as_ref()
                 .and_then(|h| live.iter().find(|v| v.server_id == *h).copied());
             // The home stays (stickiness; a hot home too: its work stays where it is) unless
-            // a lower tier has capacity.
-            let keep = prev.filter(|p| cap_tier.is_none_or(|t| tier(p) <= t));
-            let home = keep.or_else(|| match cap_tier {
-                // The best server of the lowest tier with capacity: most idle streams, then
-                // lowest RTT, then id for a stable choice.
+            // a lower tier has capacity for its calls: a server there whose idle streams
+            // could take the calls in flight and queued on the home. A busy server's RTT grows
+            // with its load (it is measured through its event loop); moving its calls to a
+            // small server of a better tier would only queue them there.
+            let takes = |v: &ServerView, p: &ServerView| {
+                homeable(v) && v.idle >= p.busy.saturating_add(p.queued)
+            };
+            let keep = prev.filter(|p| {
+                cap_tier.is_none_or(|t| {
+                    tier(p) <= t || !live.iter().any(|v| tier(v) < tier(p) && takes(v, p))
+                })
+            });
+            // Moving down: into the lowest tier with a server that can take the home's calls.
+            let move_tier = prev
+                .filter(|_| keep.is_none())
+                .and_then(|p| {
+                    live.iter()
+                        .filter(|v| tier(v) < tier(p) && takes(v, p))
+                        .map(|v| tier(v))
+                        .min()
+                })
+                .or(cap_tier);
+            let home = keep.or_else(|| match move_tier {
+                // The best server of that tier with capacity: most idle streams, then lowest
+                // RTT, then id for a stable choice.
                 Some(t) => live
                     .iter()
                     .filter(|v| homeable(v) && tier(v) == t)

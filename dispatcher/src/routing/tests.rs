@@ -645,3 +645,21 @@ fn a_home_moved_for_load_is_not_taken_back_by_a_busier_server_that_dwarfs_it() {
     sim.step(&[s("a", 2, 0, 0).load(0.05), s("b", 120, 0, 0).load(0.2)]);
     assert_eq!(sim.home(), "b");
 }
+
+#[test]
+fn a_busy_home_whose_rtt_grew_stays_unless_the_better_tier_can_take_its_calls() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 13, 0, 0).rtt(1.0), s("b", 1, 0, 0).rtt(1.2)]);
+    assert_eq!(sim.home(), "a");
+    // A burst on a: 300 calls, its RTT (through its busy event loop) grows to 9 ms. b, in
+    // the better tier now, holds one idle stream: the calls would only queue there.
+    for _ in 0..3 {
+        sim.step(&[s("a", 20, 300, 0).rtt(9.0), s("b", 1, 0, 0).rtt(1.2)]);
+    }
+    assert_eq!(sim.tier("b"), 0);
+    assert_eq!(sim.tier("a"), 1);
+    assert_eq!(sim.home(), "a");
+    // Once b could take them, the home moves down.
+    sim.step(&[s("a", 20, 300, 0).rtt(9.0), s("b", 320, 0, 0).rtt(1.2)]);
+    assert_eq!(sim.home(), "b");
+}
