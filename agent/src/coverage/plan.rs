@@ -46,7 +46,8 @@
 //!   a server that offers a direct URL the step is the shortfall alone, and the 4x rule
 //!   does not apply: those streams land on that server.
 //! - **filling**: short with busy = 0. Opens the shortfall divided by the share (toward the
-//!   reserve), within a *fill budget*: at most `reserve` x servers x 2 opens since the
+//!   reserve), less what the plan's other opens will land there (several servers filled at
+//!   once share their opens: each lands somewhere), within a *fill budget*: at most `reserve` x servers x 2 opens since the
 //!   server became short, then one open per `fill_retry` for as long as it stays short
 //!   (listed in the fleet or holding streams). A server that holds none of the agent's
 //!   streams but is listed in the fleet (new, or back as a new instance) is filling too.
@@ -497,6 +498,11 @@ fn opens_for(growth: u32, share: f64) -> u32 {
     }
 }
 
+/// How many of `opens` load-balanced opens are expected to land on a server with `share`.
+fn landing_of(opens: u32, share: f64) -> u32 {
+    (f64::from(opens) * share).floor() as u32
+}
+
 /// One server's figures for this tick.
 #[derive(Debug)]
 struct Server<'a> {
@@ -646,7 +652,8 @@ impl Planner {
                 self.evacuate(&tick, &mut plan);
                 self.recycle(&tick, &mut plan);
                 let mut requests = self.grow(&tick);
-                requests.extend(self.fill(&tick));
+                let fills = self.fill(&tick, &requests);
+                requests.extend(fills);
                 requests.extend(self.bootstrap(&tick));
                 self.open(&tick, requests, &mut plan);
                 self.retire(&tick, &mut plan);
@@ -899,6 +906,9 @@ impl Planner {
             .collect();
         growing.sort_by_key(|s| std::cmp::Reverse(s.busy()));
         let mut requests = Vec::new();
+        // Load-balanced opens asked for so far in this plan: a share of them lands on each
+        // server, so the next server needs that much less.
+        let mut planned = 0u32;
         for s in growing {
             if headroom == 0 {
                 break;
@@ -936,10 +946,19 @@ impl Planner {
                     )
                 };
                 let growth = growth.min(headroom.saturating_add(queued).saturating_add(reserve));
-                let opens = opens_for(growth, s.share);
+                let landing = landing_of(planned, s.share);
+                let opens = opens_for(growth.saturating_sub(landing), s.share);
+                let of_others = if landing > 0 {
+                    format!(", {landing} of the plan's other opens land there")
+                } else {
+                    String::new()
+                };
                 (
                     opens,
-                    format!("{how}; placement share {:.2}: {opens} opens", s.share),
+                    format!(
+                        "{how}; placement share {:.2}{of_others}: {opens} opens",
+                        s.share
+                    ),
                 )
             };
             let elsewhere: u32 = tick
@@ -960,6 +979,9 @@ impl Planner {
             let want = step.min(allowed);
             if want == 0 {
                 continue;
+            }
+            if direct.is_none() {
+                planned = planned.saturating_add(want);
             }
             let mut why = format!(
                 "short {}: streams {} < busy {} (in flight {}, queued {}) + reserve {reserve}; {rule}",
@@ -994,12 +1016,30 @@ impl Planner {
     /// within the fill budget (`reserve` x servers x 2 opens since the server became short),
     /// then one open per `fill_retry` while it stays short. Direct opens land there and
     /// need no budget.
-    fn fill(&mut self, tick: &Tick) -> Vec<OpenRequest> {
+    fn fill(&mut self, tick: &Tick, grown: &[OpenRequest]) -> Vec<OpenRequest> {
         let reserve = self.cfg.reserve;
         let budget = self.fill_budget(tick.servers.len());
         let retry = self.cfg.fill_retry;
         let mut requests = Vec::new();
-        for s in tick.servers.iter().filter(|s| s.state == State::Filling) {
+        // Load-balanced opens asked for so far in this plan (growth first): a share of them
+        // lands on each server filled here, so it needs that much less. The server needing
+        // the most opens goes first, so the others are served by what lands on them.
+        let mut planned: u32 = grown
+            .iter()
+            .filter(|r| r.direct.is_none())
+            .fold(0, |n, r| n.saturating_add(r.want));
+        let mut filling: Vec<&Server> = tick
+            .servers
+            .iter()
+            .filter(|s| s.state == State::Filling)
+            .collect();
+        filling.sort_by(|a, b| {
+            let need = |s: &Server| f64::from(s.shortfall(reserve)) / s.share;
+            need(b)
+                .total_cmp(&need(a))
+                .then_with(|| a.view.server_id.cmp(&b.view.server_id))
+        });
+        for s in filling {
             let shortfall = s.shortfall(reserve);
             let direct = self.direct_of(s);
             let held = if s.absent() {
@@ -1018,8 +1058,12 @@ impl Planner {
                 });
                 continue;
             }
+            let landing = landing_of(planned, s.share);
+            if landing >= shortfall {
+                continue;
+            }
             let mem = self.memory.entry(s.key()).or_default();
-            let opens = opens_for(shortfall, s.share);
+            let opens = opens_for(shortfall - landing, s.share);
             let left = budget.saturating_sub(mem.fill_opens);
             let (want, pace) = if left > 0 {
                 (opens.min(left), String::new())
@@ -1034,6 +1078,12 @@ impl Planner {
             } else {
                 continue;
             };
+            planned = planned.saturating_add(want);
+            let of_others = if landing > 0 {
+                format!(", {landing} of the plan's other opens land there")
+            } else {
+                String::new()
+            };
             requests.push(OpenRequest {
                 server_id: s.view.server_id.clone(),
                 budgeted: Some(s.key()),
@@ -1041,7 +1091,7 @@ impl Planner {
                 kind: ActionKind::Fill,
                 want,
                 why: format!(
-                    "short {shortfall}: {held}; placement share {:.2}: {opens} opens (fill opens so far {}, budget {budget}{pace})",
+                    "short {shortfall}: {held}; placement share {:.2}{of_others}: {opens} opens (fill opens so far {}, budget {budget}{pace})",
                     s.share, mem.fill_opens
                 ),
             });

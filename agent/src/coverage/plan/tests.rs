@@ -228,14 +228,15 @@ fn the_most_calls_in_flight_since_the_last_tick_size_a_server() {
 fn streams_already_opening_are_credited_against_grow_and_fill() {
     let mut s = Snap::new();
     // a grows by grow_min 8 at a placement share of a half (16 opens, clipped to 4 x its
-    // demand of 2 by the 4x rule) and b fills by 1 at a half (2 opens).
+    // demand of 2 by the 4x rule); b, short 1, gets half of those: no fill of its own.
     let a = s.server("a", 0, 2);
     let b = s.server("b", 1, 0);
     let mut p = Planner::new(cfg());
     let plan = p.plan(&s.snap(0, &[a.clone(), b.clone()]));
-    assert_eq!(plan.open, 8 + 2);
+    assert_eq!(plan.open, 8);
+    assert!(actions(&plan, ActionKind::Fill).is_empty(), "{plan:?}");
     let plan = p.plan(&Snapshot {
-        opening: 10,
+        opening: 8,
         ..s.snap(1, &[a.clone(), b.clone()])
     });
     assert_eq!(plan.open, 0, "{plan:?}");
@@ -243,7 +244,7 @@ fn streams_already_opening_are_credited_against_grow_and_fill() {
         opening: 5,
         ..s.snap(2, &[a, b])
     });
-    assert_eq!(plan.open, 5);
+    assert_eq!(plan.open, 3);
 }
 
 #[test]
@@ -375,10 +376,24 @@ fn an_event_plan_only_grows() {
         "{}",
         plan.actions[0].reason
     );
-    // The tick does the rest: b is filled, the draining c's idle streams recycled.
+    // The tick does the rest: the draining c's idle streams recycled (b, short 1, is served
+    // by what lands there of a's growth).
     let plan = Planner::new(cfg()).plan(&s.snap(0, &servers));
-    assert_eq!(actions(&plan, ActionKind::Fill).len(), 1);
     assert_eq!(actions(&plan, ActionKind::Recycle).len(), 1);
+    assert_eq!(actions(&plan, ActionKind::Grow).len(), 1);
+}
+
+#[test]
+fn servers_filled_at_once_count_the_opens_that_land_on_each_other() {
+    let mut s = Snap::new();
+    // An agent that just started: one server holds its reserve, three listed ones none.
+    // Each gets a quarter of the opens: 8 opens give each of the three about 2.
+    let a = s.server("a", 2, 0);
+    let servers = [a, listed("b", "1"), listed("c", "1"), listed("d", "1")];
+    let plan = Planner::new(cfg()).plan(&s.snap(0, &servers));
+    assert_eq!(plan.open, 8, "{:?}", plan.actions);
+    let fills = actions(&plan, ActionKind::Fill);
+    assert_eq!(fills.len(), 1, "{fills:?}");
 }
 
 #[test]
