@@ -190,7 +190,7 @@ struct TunnelState {
     last_step: Option<Instant>,
     tiers: HashMap<Arc<str>, usize>,
     /// The latency groups of the last update, lowest first (measured servers only).
-    groups: Vec<Vec<Arc<str>>>,
+    groups: Groups,
     /// Servers that answered NO_CAPACITY for this tunnel id since the last step.
     no_capacity: HashSet<Arc<str>>,
     calls: Arc<AtomicU64>,
@@ -315,6 +315,9 @@ fn tier_bound(best: f64) -> f64 {
     (best + TIER_SLACK_US).max(2.0 * best)
 }
 
+/// Latency groups, lowest first: the servers of each tier.
+type Groups = Vec<Vec<Arc<str>>>;
+
 /// One step of latency grouping: a previous group (what is left of it) or a server of no
 /// group.
 struct Unit {
@@ -332,7 +335,7 @@ fn group_tiers(
     hysteresis: f64,
     live: &[&ServerView],
     prev: &[Vec<Arc<str>>],
-) -> (HashMap<Arc<str>, usize>, Vec<Vec<Arc<str>>>) {
+) -> (HashMap<Arc<str>, usize>, Groups) {
     let rtt: HashMap<&Arc<str>, f64> = live
         .iter()
         .filter(|v| v.rtt_us > 0)
