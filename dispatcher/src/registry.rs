@@ -3,8 +3,8 @@
 //!
 //! The pieces, one owner each:
 //! - [`table`]: the pure table. Typed events in (joined, tunnel up/down, load, left, leases
-//!   expired, shared records read), with `now` passed in; the list of changes out. It
-//!   holds the rules: a reconnecting server's new session replaces its old one (so a
+//!   expired, shared records read, forward leg measured), with `now` passed in; the list
+//!   of changes out. It holds the rules: a reconnecting server's new session replaces its old one (so a
 //!   slow-to-die old stream cannot erase the new entries), a second live instance of a
 //!   server id is refused, a local entry always wins over a shared one, a local entry that
 //!   has not reported within `lease` expires (a hung server whose stream stays open).

@@ -1,7 +1,7 @@
 //! The routing table as a pure state machine: [`Table::apply`] takes one typed [`Event`]
 //! (a server joined, a tunnel id went up or down, a load report, a server left, leases
-//! checked, shared records read) with `now` as a value, and returns the [`Change`]s it
-//! made.
+//! checked, shared records read, this dispatcher's leg to a server measured) with `now` as
+//! a value, and returns the [`Change`]s it made.
 //!
 //! Why this shape: the table is the one place that decides what a report means, and every
 //! consumer (the Redis writer, the gauges, the forward-channel cache, the routing plans, the
