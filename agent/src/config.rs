@@ -334,6 +334,7 @@ impl Config {
         }
         let c = &self.coverage;
         nonzero(c.tick, "coverage.tick")?;
+        nonzero(c.fill_retry, "coverage.fill_retry")?;
         if c.max_streams == 0 {
             return Err(ConfigError::invalid(
                 "coverage.max_streams",
@@ -911,6 +912,16 @@ mod tests {
                     ..valid()
                 },
                 "`coverage.tick`",
+            ),
+            (
+                Config {
+                    coverage: CoverageConfig {
+                        fill_retry: Duration::ZERO,
+                        ..Default::default()
+                    },
+                    ..valid()
+                },
+                "`coverage.fill_retry`",
             ),
             (
                 Config {

@@ -1,9 +1,13 @@
 //! Coverage: the sizing actor. It owns the table of tunnel streams (which server each
-//! landed on, busy or idle, age, last use, retiring) and each server's latest pressure and
-//! draining flag; once per `coverage.tick` it takes a `Snapshot`, asks the pure planner
-//! (`plan.rs`) for a `Plan`, and carries it out: spawns stream opens (behind a jittered
-//! exponential backoff gate after failed opens), tells the streams in `plan.close` to
-//! retire, logs and counts each coverage action, and publishes the states on a `watch`.
+//! landed on, busy or idle, age, last use, retiring), each server's latest pressure and
+//! draining flag, and where its load-balanced opens landed (`PlacementTally`); once per
+//! `coverage.tick`, and at once when a server's queued-calls signal rises (or a call takes
+//! a server's last idle stream while calls queue there), it takes a `Snapshot`, asks the
+//! pure planner (`plan.rs`) for a `Plan`, and carries it out: tells the streams in
+//! `plan.close` to retire, spawns stream opens (behind a jittered exponential backoff gate
+//! after failed opens), logs and counts each coverage action, and publishes the states on a
+//! `watch`. Event plans are at most one per [`EVENT_GAP`]; they only grow (the planner's
+//! `Cause::Pressure`).
 //!
 //! The actor never awaits the network: opens and retires run in the stream tasks, whose
 //! news comes back as `StreamEvent`s. How a stream is opened is behind `Connector`, so
@@ -19,7 +23,8 @@ use crate::error::OpenError;
 use crate::metrics::AgentMetrics;
 use futures::future::BoxFuture;
 use plan::{
-    ActionKind, Plan, Planner, ServerKey, ServerView, Snapshot, State, StreamId, StreamView,
+    ActionKind, Cause, PlacementTally, Plan, Planner, ServerKey, ServerView, Snapshot, State,
+    StreamId, StreamView,
 };
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -29,7 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
-use tokio::time::{Instant, Interval, MissedTickBehavior};
+use tokio::time::{Instant, Interval, MissedTickBehavior, Sleep};
 use tracing::{debug, info, warn};
 
 /// Where a stream landed: its server's `ServerHello`.
@@ -236,6 +241,20 @@ struct ServerInfo {
     load: Arc<Load>,
 }
 
+impl ServerInfo {
+    /// The latest pressure hint, if it is fresh (else 0).
+    fn fresh_queued(&self, now: Instant) -> u32 {
+        let fresh = self
+            .queued_at
+            .is_some_and(|at| now.saturating_duration_since(at) < PRESSURE_TTL);
+        if fresh {
+            self.queued
+        } else {
+            0
+        }
+    }
+}
+
 /// Calls in flight on one server's streams now, and the most at once since the last tick
 /// (see `ServerView::peak_in_flight`). Each of the server's stream entries holds it, so a
 /// call's start and end (two events per call) count without a lookup by server key. Only
@@ -277,6 +296,10 @@ const EVENT_BATCH: usize = 256;
 /// How long a pressure hint counts without being refreshed.
 pub const PRESSURE_TTL: Duration = Duration::from_secs(3);
 
+/// Shortest time between two event plans (growth on a server's queued-calls signal). A
+/// burst's signals and call starts arrive by the thousand; one plan per gap covers them.
+pub const EVENT_GAP: Duration = Duration::from_millis(50);
+
 /// The sizing actor. Build with `new`, drive with `run`.
 pub struct CoverageActor {
     planner: Box<dyn PlanStep>,
@@ -292,6 +315,13 @@ pub struct CoverageActor {
     caps: HashMap<ServerKey, u32>,
     /// When a direct open to the server last failed.
     direct_failed: HashMap<ServerKey, Instant>,
+    /// Where load-balanced opens landed, for the placement shares.
+    placements: PlacementTally,
+    /// A growth trigger arrived (a queued-calls signal that rose, or a call that took a
+    /// stream while calls queue): plan growth once [`EVENT_GAP`] since the last plan passed.
+    growth_due: bool,
+    /// When the last plan (tick or event) ran.
+    last_plan: Option<Instant>,
     tasks: JoinSet<()>,
     task_ids: HashMap<tokio::task::Id, StreamId>,
     next_id: StreamId,
@@ -328,6 +358,9 @@ impl CoverageActor {
             fleet: Vec::new(),
             caps: HashMap::new(),
             direct_failed: HashMap::new(),
+            placements: PlacementTally::default(),
+            growth_due: false,
+            last_plan: None,
             tasks: JoinSet::new(),
             task_ids: HashMap::new(),
             next_id: 1,
@@ -349,13 +382,24 @@ impl CoverageActor {
         let mut ticker = tokio::time::interval(self.settings.tick);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
         tokio::pin!(shutdown);
+        // Armed while an event plan waits for EVENT_GAP to pass.
+        let growth_timer = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(growth_timer);
+        let mut timer_armed = false;
         loop {
             tokio::select! {
                 // Shutdown first; then the tick, which fires once a period and so cannot
-                // starve the events; events may queue briefly behind it, harmlessly.
+                // starve the events; then a growth plan that waited out its gap; events may
+                // queue briefly behind them, harmlessly.
                 biased;
                 _ = &mut shutdown => break,
-                _ = ticker.tick() => self.tick(),
+                _ = ticker.tick() => self.plan_now(Cause::Tick),
+                _ = &mut growth_timer, if timer_armed => {
+                    timer_armed = false;
+                    if self.growth_due {
+                        self.plan_now(Cause::Pressure);
+                    }
+                }
                 Some((id, ev)) = self.events_rx.recv() => {
                     self.on_event(id, ev, &mut ticker);
                     // The events that queued meanwhile, in the same wake-up: every call
@@ -364,11 +408,26 @@ impl CoverageActor {
                         let Ok((id, ev)) = self.events_rx.try_recv() else { break };
                         self.on_event(id, ev, &mut ticker);
                     }
+                    if self.growth_due && !timer_armed {
+                        self.growth_soon(growth_timer.as_mut(), &mut timer_armed);
+                    }
                 }
                 Some(res) = self.tasks.join_next_with_id() => self.on_task_exit(res),
             }
         }
         self.drain().await;
+    }
+
+    /// Plans growth now if the last plan is [`EVENT_GAP`] old, else arms `timer` for then.
+    fn growth_soon(&mut self, timer: std::pin::Pin<&mut Sleep>, armed: &mut bool) {
+        let now = Instant::now();
+        match self.last_plan.map(|at| at + EVENT_GAP) {
+            Some(due) if due > now => {
+                timer.reset(due);
+                *armed = true;
+            }
+            _ => self.plan_now(Cause::Pressure),
+        }
     }
 
     fn on_task_exit(&mut self, res: Result<(tokio::task::Id, ()), tokio::task::JoinError>) {
@@ -399,6 +458,9 @@ impl CoverageActor {
                 self.backoff.reset();
                 debug!(stream = id, server_id = %l.server_id, instance_id = %l.instance_id, zone = %l.zone, "tunnel stream landed");
                 let server = (l.server_id, l.instance_id);
+                if op.direct.is_none() {
+                    self.placements.land(&server);
+                }
                 let info = self.servers.entry(server.clone()).or_default();
                 info.direct_url = l.direct_url;
                 let mut entry = Entry {
@@ -420,7 +482,7 @@ impl CoverageActor {
                     // The first live stream: calls can reach the agent now, so /systemcheck
                     // and /readyz say so at once rather than up to a tick later. An extra
                     // tick, outside the cadence (which stays as it was).
-                    self.tick();
+                    self.plan_now(Cause::Tick);
                 }
             }
             StreamEvent::CallStarted => {
@@ -428,6 +490,18 @@ impl CoverageActor {
                     if !e.busy {
                         e.busy = true;
                         e.load.started();
+                    }
+                    // A call took a stream while calls queue there: the server has no idle
+                    // stream left, and what opens to it may not be enough. The call is one
+                    // of the queued ones (a server queues calls only while it has no idle
+                    // stream), so the hint counts one less until the next one corrects it:
+                    // streams landing between two hints are not counted twice (busy, and
+                    // still queued).
+                    if let Some(info) = self.servers.get_mut(&e.server) {
+                        if info.fresh_queued(now) > 0 {
+                            info.queued -= 1;
+                            self.growth_due = true;
+                        }
                     }
                 }
             }
@@ -443,6 +517,10 @@ impl CoverageActor {
             StreamEvent::Pressure(queued) => {
                 if let Some(e) = self.streams.get(&id) {
                     let info = self.servers.entry(e.server.clone()).or_default();
+                    if queued > info.fresh_queued(now) {
+                        // The queue grew: grow now, not at the next tick.
+                        self.growth_due = true;
+                    }
                     info.queued = queued;
                     info.queued_at = Some(now);
                 }
@@ -542,7 +620,7 @@ impl CoverageActor {
         }
     }
 
-    fn snapshot(&self, now: Instant) -> Snapshot {
+    fn snapshot(&self, now: Instant, cause: Cause) -> Snapshot {
         let direct_opening = |k: &ServerKey| {
             self.opening
                 .values()
@@ -570,10 +648,6 @@ impl CoverageActor {
         for (id, e) in &self.streams {
             let view = servers.entry(&e.server).or_insert_with(|| {
                 let info = self.servers.get(&e.server);
-                let fresh = |i: &&ServerInfo| {
-                    i.queued_at
-                        .is_some_and(|at| now.saturating_duration_since(at) < PRESSURE_TTL)
-                };
                 ServerView {
                     server_id: e.server.0.clone(),
                     instance_id: e.server.1.clone(),
@@ -583,8 +657,12 @@ impl CoverageActor {
                     direct_url: direct(&e.server, info.map_or("", |i| i.direct_url.as_str())),
                     opening: direct_opening(&e.server),
                     streams: Vec::new(),
-                    queued: info.filter(fresh).map_or(0, |i| i.queued),
+                    queued: info.map_or(0, |i| i.fresh_queued(now)),
+                    // Every tunnel server of this protocol reports its queue (within 100 ms
+                    // of a change, and again each second while calls wait).
+                    hints: true,
                     peak_in_flight: info.map_or(0, |i| i.load.peak()),
+                    placed: self.placements.get(&e.server),
                     draining: info.is_some_and(|i| i.draining),
                 }
             });
@@ -614,37 +692,56 @@ impl CoverageActor {
                     opening: direct_opening(&key),
                     streams: Vec::new(),
                     queued: 0,
+                    hints: true,
                     peak_in_flight: 0,
+                    placed: self.placements.get(&key),
                     draining: m.draining,
                 });
             }
         }
         Snapshot {
             now,
+            cause,
             servers,
             opening: self.opening.values().filter(|o| o.direct.is_none()).count() as u32,
         }
     }
 
-    /// One sizing tick: snapshot, plan, apply. Never awaits.
-    fn tick(&mut self) {
+    /// One plan: snapshot, plan, apply. Never awaits. A tick (`Cause::Tick`) runs every
+    /// rule; an event (`Cause::Pressure`) only grows.
+    fn plan_now(&mut self, cause: Cause) {
         let now = Instant::now();
-        // Caps of instances that hold none of our streams and left the fleet are history.
-        let (streams, fleet) = (&self.streams, &self.fleet);
-        self.caps.retain(|k, _| {
-            streams.values().any(|e| &e.server == k)
-                || fleet
-                    .iter()
-                    .any(|m| m.server_id == k.0 && m.instance_id == k.1)
-        });
-        self.next_tick = now + self.settings.tick;
-        let snap = self.snapshot(now);
-        // The next tick's peak starts from the calls in flight now.
-        for info in self.servers.values() {
-            info.load.restart_peak();
+        self.growth_due = false;
+        self.last_plan = Some(now);
+        if cause == Cause::Tick {
+            // Caps of instances that hold none of our streams and left the fleet are
+            // history, and so is where opens landed on them.
+            let (streams, fleet) = (&self.streams, &self.fleet);
+            let known = |k: &ServerKey| {
+                streams.values().any(|e| &e.server == k)
+                    || fleet
+                        .iter()
+                        .any(|m| m.server_id == k.0 && m.instance_id == k.1)
+            };
+            self.caps.retain(|k, _| known(k));
+            self.placements.retain(known);
+            self.next_tick = now + self.settings.tick;
+        }
+        let snap = self.snapshot(now, cause);
+        if cause == Cause::Tick {
+            // The next tick's peak starts from the calls in flight now.
+            for info in self.servers.values() {
+                info.load.restart_peak();
+            }
         }
         let plan = self.planner.plan(&snap);
 
+        // Closes first: the plan counts the streams it closes as room for its opens.
+        for id in &plan.close {
+            if let Some(e) = self.streams.get_mut(id) {
+                retire(e);
+            }
+        }
         let mut opens_held = false;
         if plan.opens() > 0 && !self.shutting_down {
             let have = self.streams.values().filter(|e| !e.retiring).count() + self.opening.len();
@@ -668,15 +765,9 @@ impl CoverageActor {
                 opens_held = true;
             }
         }
-        for id in &plan.close {
-            if let Some(e) = self.streams.get_mut(id) {
-                retire(e);
-            }
-        }
         for a in &plan.actions {
             let opens = matches!(a.kind, ActionKind::Grow | ActionKind::Fill);
-            let direct = a.reason.contains(" direct to ");
-            if opens && opens_held && !direct {
+            if opens && opens_held && !a.direct {
                 // Not carried out this tick: the backoff step already logged why.
                 debug!(server_id = %a.server_id, action = a.kind.as_str(), count = a.count, "coverage action held back by the open backoff");
                 continue;

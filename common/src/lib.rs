@@ -16,6 +16,7 @@ pub mod hop;
 pub mod hosts;
 pub mod listen;
 pub mod peer;
+pub mod rtt;
 pub mod runtime;
 pub mod secret;
 pub mod server_id;

@@ -42,6 +42,13 @@ struct Answering;
 impl Forward for Answering {
     type CallStream = ReceiverStream<Result<ForwardResponse, Status>>;
 
+    async fn probe(
+        &self,
+        _request: Request<relay_proto::ProbeRequest>,
+    ) -> Result<Response<relay_proto::ProbeReply>, Status> {
+        Ok(Response::new(relay_proto::ProbeReply {}))
+    }
+
     async fn call(
         &self,
         request: Request<Streaming<ForwardRequest>>,

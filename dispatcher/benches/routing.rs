@@ -27,6 +27,7 @@ fn table(tunnels: usize, now: Instant) -> HashMap<String, Vec<ServerView>> {
                     busy: 8,
                     queued: if s == 0 { 3 } else { 0 },
                     rtt_us: 500 + 100 * s,
+                    load_permille: 300 + 100 * s,
                 })
                 .collect();
             (format!("tunnel-{t}"), views)

@@ -186,9 +186,20 @@ pub struct RoutingConfig {
     /// Group servers into latency tiers by the RTT they report and prefer the lowest tier
     /// with capacity. Off: every server counts as tier 0 (one zone, or RTTs that are noise).
     pub latency_tiers: bool,
-    /// Latency tiers: how far past a tier's bound a member may drift before it leaves the
-    /// tier, and how far inside the bound an outsider must come to join it (fraction).
+    /// Latency tiers: how far past its group's bound a member may drift before it leaves
+    /// the group, and how far inside a bound a server grouped elsewhere must come to join
+    /// (fraction).
     pub tier_hysteresis: f64,
+    /// Weigh the servers' own load (the smoothed CPU use they report): spill a share of a
+    /// tunnel id's calls away from a home much busier than a peer, and give no new home to
+    /// a server above `load_high_water`. Off: routing ignores the load (comparison runs).
+    pub load_aware: bool,
+    /// How much busier (CPU use, fraction) a home must be than a peer with idle streams
+    /// for a share of its calls to spill there.
+    pub load_margin: f64,
+    /// CPU use (fraction) at or above which a server is given no new home while another
+    /// with capacity is below it.
+    pub load_high_water: f64,
 }
 
 impl Default for RoutingConfig {
@@ -203,6 +214,9 @@ impl Default for RoutingConfig {
             step_interval: Duration::from_millis(250),
             latency_tiers: true,
             tier_hysteresis: 0.2,
+            load_aware: true,
+            load_margin: 0.25,
+            load_high_water: 0.9,
         }
     }
 }
@@ -633,7 +647,14 @@ impl Config {
 
 impl Config {
     fn validate_routing(&self) -> Result<(), ConfigError> {
-        let r = &self.routing;
+        self.routing.validate()
+    }
+}
+
+impl RoutingConfig {
+    /// Checks every `[routing]` key; the error names it.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let r = self;
         let share = |v: f64| v.is_finite() && (0.0..=1.0).contains(&v);
         if !share(r.spill_max) || r.spill_max >= 1.0 {
             return Err(ConfigError::invalid(
@@ -659,6 +680,18 @@ impl Config {
                 "must be in [0, 1)",
             ));
         }
+        if !(r.load_margin.is_finite() && r.load_margin > 0.0 && r.load_margin < 1.0) {
+            return Err(ConfigError::invalid(
+                "routing.load_margin",
+                "must be in (0, 1)",
+            ));
+        }
+        if !(r.load_high_water.is_finite() && r.load_high_water > 0.0 && r.load_high_water <= 1.0) {
+            return Err(ConfigError::invalid(
+                "routing.load_high_water",
+                "must be in (0, 1]",
+            ));
+        }
         if r.max_attempts == 0 || r.max_attempts > 10 {
             return Err(ConfigError::invalid(
                 "routing.max_attempts",
@@ -673,7 +706,9 @@ impl Config {
         }
         Ok(())
     }
+}
 
+impl Config {
     fn validate_registry(&self) -> Result<(), ConfigError> {
         let r = &self.registry;
         if r.lease < Duration::from_millis(100) {

@@ -331,7 +331,7 @@ impl Front {
             return self.fail(guard, &f, Some(&tunnel_id));
         };
         if pick.spilled {
-            self.metrics.spills.inc();
+            self.metrics.spills.with_label_values(&[&tunnel_id]).inc();
         }
         let end_of_stream = body.is_end_stream();
         let caller_body: Option<CallerBody> =

@@ -8,7 +8,8 @@
 //!
 //! Modules: `config` (settings), `front` (HTTP), `forward` (calls to tunnel servers and
 //! retries), `body` (streaming bodies both ways), `headers` (header rules), `routing` (the
-//! pure routing decision: sticky / available, spill share, latency tiers), `registry` (the
+//! pure routing decision: sticky / available, spill share, load, latency tiers), `latency`
+//! (this dispatcher's measured leg to each tunnel server), `registry` (the
 //! routing table as a pure state machine, leases, and the shell that carries its changes
 //! out to the plans, gauges, shared store and forward channels), `shared` (the Redis-backed shared registry), `report` (the
 //! gRPC service feeding the table), `metrics`, `error`.
@@ -27,6 +28,7 @@ pub mod forward;
 pub mod front;
 pub mod headers;
 pub mod hop;
+pub mod latency;
 pub mod metrics;
 pub mod pool;
 pub mod quota;
@@ -266,6 +268,13 @@ pub async fn start_with(
         }
         _ => None,
     };
+
+    // This dispatcher's leg to each tunnel server, for the latency tiers.
+    tokio::spawn(latency::run(
+        routes.clone(),
+        channels.clone(),
+        background_stop.clone(),
+    ));
 
     // Routing tick: expires leases and steps spill shares with no report arriving.
     {

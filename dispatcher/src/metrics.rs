@@ -1,7 +1,8 @@
 //! The dispatcher's Prometheus metrics, registered on an explicit `Registry` passed in at
 //! start (never the global one).
 //!
-//! Labels carry outcomes and server ids only: never a caller key, token or tunnel secret.
+//! Labels carry outcomes, server ids and tunnel ids (public names) only: never a caller
+//! key, token or tunnel secret.
 
 use crate::error::ErrorCode;
 use prometheus::{
@@ -88,12 +89,19 @@ pub struct Metrics {
     pub calls_in_flight: IntGauge,
     /// Calls by the server that answered them (the last one tried) and outcome.
     pub calls_by_server: IntCounterVec,
-    /// Calls whose first choice was a spill away from the tunnel id's home server.
-    pub spills: IntCounter,
+    /// Calls whose first choice was a spill away from their tunnel id's home server, by
+    /// tunnel id.
+    pub spills: IntCounterVec,
     /// Share of each tunnel id's new calls spilled away from its home server.
     pub spill_share: GaugeVec,
-    /// Smoothed RTT each server reports for each tunnel id's streams.
+    /// Smoothed RTT of a call's path through each server to each tunnel id's streams.
     pub server_rtt: GaugeVec,
+    /// This dispatcher's smoothed round trip to each tunnel server.
+    pub forward_rtt: GaugeVec,
+    /// Each tunnel server's reported load (smoothed CPU use, 0..1).
+    pub server_load: GaugeVec,
+    /// Calls in flight each tunnel server reports.
+    pub server_calls_in_flight: IntGaugeVec,
     /// Latency tier of each server for each tunnel id (0 = best; -1 = not routable).
     pub server_tier: IntGaugeVec,
     /// Tunnel server entries dropped because their lease ran out.
@@ -174,9 +182,12 @@ impl Metrics {
             ),
             &["server_id", "outcome"],
         )?;
-        let spills = IntCounter::new(
-            "relay_dispatcher_spills_total",
-            "Calls whose first choice was a spill away from the tunnel id's home server",
+        let spills = IntCounterVec::new(
+            Opts::new(
+                "relay_dispatcher_spills_total",
+                "Calls whose first choice was a spill away from their tunnel id's home server, by tunnel id",
+            ),
+            &["tunnel_id"],
         )?;
         let spill_share = GaugeVec::new(
             Opts::new(
@@ -188,9 +199,30 @@ impl Metrics {
         let server_rtt = GaugeVec::new(
             Opts::new(
                 "relay_dispatcher_server_rtt_seconds",
-                "Smoothed round-trip time a tunnel server measures to a tunnel id's agent streams",
+                "Smoothed round-trip time of a call's path through a tunnel server to a tunnel id's agent streams: this dispatcher's leg plus the server's (0 until both are measured)",
             ),
             &["server_id", "tunnel_id"],
+        )?;
+        let forward_rtt = GaugeVec::new(
+            Opts::new(
+                "relay_dispatcher_forward_rtt_seconds",
+                "Smoothed round-trip time from this dispatcher to a tunnel server (Forward.Probe on the connection calls use)",
+            ),
+            &["server_id"],
+        )?;
+        let server_load = GaugeVec::new(
+            Opts::new(
+                "relay_dispatcher_server_load_ratio",
+                "Load a tunnel server reports: its smoothed CPU use out of the CPU it may use (0 to 1), weighed by routing",
+            ),
+            &["server_id"],
+        )?;
+        let server_calls_in_flight = IntGaugeVec::new(
+            Opts::new(
+                "relay_dispatcher_server_calls_in_flight",
+                "Calls in flight a tunnel server reports (all tunnel ids)",
+            ),
+            &["server_id"],
         )?;
         let server_tier = IntGaugeVec::new(
             Opts::new(
@@ -218,6 +250,9 @@ impl Metrics {
         registry.register(Box::new(spills.clone()))?;
         registry.register(Box::new(spill_share.clone()))?;
         registry.register(Box::new(server_rtt.clone()))?;
+        registry.register(Box::new(forward_rtt.clone()))?;
+        registry.register(Box::new(server_load.clone()))?;
+        registry.register(Box::new(server_calls_in_flight.clone()))?;
         registry.register(Box::new(server_tier.clone()))?;
         registry.register(Box::new(lease_expiries.clone()))?;
         registry.register(Box::new(reports_refused.clone()))?;
@@ -266,6 +301,9 @@ impl Metrics {
             spills,
             spill_share,
             server_rtt,
+            forward_rtt,
+            server_load,
+            server_calls_in_flight,
             server_tier,
             lease_expiries,
             reports_refused,

@@ -325,6 +325,30 @@ impl Remote {
         r.map(drop).map_err(|s| (s, id))
     }
 
+    /// One round trip to the server (`Forward.Probe`) on the connection its calls use first;
+    /// `None` when it could not be timed (no answer within `timeout`, no connection, or the
+    /// server is down).
+    pub async fn round_trip(&self, timeout: Duration) -> Option<Duration> {
+        if self.down().is_some() {
+            return None;
+        }
+        let permit = self.permit();
+        let mut client = self.client(&permit.0.channel);
+        let started = Instant::now();
+        let answer =
+            tokio::time::timeout(timeout, client.probe(relay_proto::ProbeRequest {})).await;
+        drop(permit);
+        match answer {
+            // An error status is an answer too (a server without the RPC); a transport
+            // error (no connection) is not.
+            Ok(Ok(_)) => Some(started.elapsed()),
+            Ok(Err(status)) if std::error::Error::source(&status).is_none() => {
+                Some(started.elapsed())
+            }
+            _ => None,
+        }
+    }
+
     /// Forgets connection `id` (its connection broke): its streams end with it, and the
     /// next call dials afresh rather than going onto a connection known dead.
     pub fn forget(&self, id: ConnId) {

@@ -3,8 +3,8 @@
 //!
 //! The pieces, one owner each:
 //! - [`table`]: the pure table. Typed events in (joined, tunnel up/down, load, left, leases
-//!   expired, shared records read), with `now` passed in; the list of changes out. It
-//!   holds the rules: a reconnecting server's new session replaces its old one (so a
+//!   expired, shared records read, forward leg measured), with `now` passed in; the list
+//!   of changes out. It holds the rules: a reconnecting server's new session replaces its old one (so a
 //!   slow-to-die old stream cannot erase the new entries), a second live instance of a
 //!   server id is refused, a local entry always wins over a shared one, a local entry that
 //!   has not reported within `lease` expires (a hung server whose stream stays open).
@@ -171,6 +171,8 @@ impl Registry {
             }
         }
         w.gauges.counts(w.table.counts());
+        let Writers { table, gauges, .. } = &mut *w;
+        gauges.servers(table);
         drop(w);
         if queued {
             self.dirty_notify.notify_one();
@@ -275,6 +277,21 @@ impl Registry {
                 _ => None,
             })
             .collect()
+    }
+
+    /// This dispatcher's smoothed round trip to the server at `forward_url` (measured by
+    /// `crate::latency`); `None` forgets it. Plans take it at the next routing tick.
+    pub fn forward_rtt(&self, forward_url: &str, rtt_us: Option<u32>) {
+        let event = Event::ForwardRtt {
+            forward_url: forward_url.to_string(),
+            rtt_us,
+        };
+        let _ = self.apply(Instant::now(), event);
+    }
+
+    /// `(server id, forward URL)` of every server in the table (local and shared).
+    pub fn forward_targets(&self) -> Vec<(String, String)> {
+        self.writers.lock().table.forward_targets()
     }
 
     /// The routing tick: expires leases, then steps every tunnel id's routing (spill decay

@@ -241,6 +241,7 @@ impl ReportService {
                         .collect(),
                     calls_in_flight: load.calls_in_flight,
                     draining: load.draining,
+                    cpu_permille: load.cpu_permille.min(1000),
                 };
                 self.routes.load(session, figures)
             }

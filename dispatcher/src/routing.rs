@@ -8,26 +8,51 @@
 //! Policies (`[routing] policy`):
 //! - `sticky`: the seed behaviour, the most recently announced server that is not draining.
 //! - `available`: one *home* server per tunnel id, kept while it has idle streams (sticky,
-//!   so calls don't flap). While the home is saturated (no idle stream and calls queued, or
-//!   a call just answered NO_CAPACITY) and another healthy server holds idle streams, a
-//!   *spill share* of new calls goes to those servers, weighted by their idle streams. The
-//!   share rises by `spill_step` per step while that holds, falls by `spill_decay` per step
-//!   once the home has idle streams again, is capped at `spill_max`, and is zero when no
-//!   other server has idle streams (relaying adds no capacity). Steps happen at most every
-//!   `step_interval` (when reports arrive or on the routing tick), never per call, so the
-//!   share does not flap with the call rate.
+//!   so calls don't flap). A *spill share* of new calls goes to other servers with idle
+//!   streams while either
+//!   - the home is saturated (calls queued there, or no idle stream and a call just
+//!     answered NO_CAPACITY): the targets are the other servers with idle streams (those below the
+//!     load high-water mark when there are any), or
+//!   - the home is *much busier* than a peer (`load_aware`): its load (the smoothed CPU
+//!     use it reports) exceeds the peer's by more than `load_margin`. A margin between two
+//!     figures, not a yes/no test of one: two servers at 60% and 70% never trade calls,
+//!     one at 95% spills to one at 40%. The targets are the peers that much less busy.
+//!
+//!   Targets are weighted by their idle streams, in their lowest latency tier. The share
+//!   rises by `spill_step` per step while the condition holds, falls by `spill_decay` per
+//!   step once it clears, is capped at `spill_max`, and is zero when no other server has
+//!   idle streams (relaying adds no capacity). Steps happen at most every `step_interval`
+//!   (when reports arrive or on the routing tick), never per call, so the share does not
+//!   flap with the call rate.
 //!   A home dwarfed by another server (whose idle streams alone exceed twice the home's
-//!   whole pool, in the same or a better tier, or in any tier while the home is saturated)
-//!   yields the home to it at the next step: this
-//!   corrects a home picked while the first reports were still arriving, and cannot swing
-//!   back because of the factor.
-//! - Latency tiers inside `available`: servers are grouped by the smoothed RTT reported for
-//!   the tunnel id; tier 0 holds every server within max(best + 2 ms, 2 x best), tier 1 the
-//!   next band of the same width rule, and so on. The home is taken from the lowest tier
-//!   with capacity; a home in a higher tier moves down when a lower tier gets capacity.
-//!   Hysteresis: a member stays in its tier until its RTT passes the bound by
-//!   `tier_hysteresis` (a fraction), and comes back only once it is that far inside.
-//!   Servers with no RTT yet count as tier 0 (no evidence against them).
+//!   whole pool, in the same or a better tier, or in any tier while the home is saturated;
+//!   not much busier than the home, nor above the load high-water mark) yields the home to
+//!   it at the next step: this corrects a home picked while the first reports were still
+//!   arriving, and cannot swing back because of the factor.
+//!   Overload yield (`load_aware`): a server whose load is at or above `load_high_water`
+//!   takes no new home (a tunnel id without one, or whose home went, picks among the others
+//!   when any has capacity), never takes one from a dwarfed home, and at a step hands the
+//!   homes it has to a clearly cooler peer with capacity (less loaded by `load_margin`, and
+//!   `load_margin` below the mark, so two servers cannot trade a home back and forth),
+//!   lowest tier first: new calls go away from it while the calls in flight, and the
+//!   agents' streams, stay where they are.
+//! - Latency tiers inside `available`, from the smoothed RTT of a call's path: this
+//!   dispatcher's leg to the server (`Forward.Probe`, timed on the connection calls use)
+//!   plus the agent leg the server reports for the tunnel id's streams. Tiers are groups,
+//!   built from the lowest remaining average: the lowest RTT not yet grouped anchors a tier
+//!   of every remaining server within max(anchor + 2 ms, 2 x anchor); the rule is applied
+//!   again to what remains. Hysteresis follows the group, not a tier number: a member stays
+//!   with its group while its RTT is within the group's bound (taken from the group's
+//!   lowest member now) plus `tier_hysteresis`, and a server or group that was grouped
+//!   elsewhere before joins another only once `tier_hysteresis` inside its bound. So a
+//!   server near a boundary does not flap, and a faster server appearing above a group
+//!   forms its own tier instead of splitting the group. The home is taken from the lowest
+//!   tier with capacity; a home in a higher tier moves down when a lower tier gets
+//!   capacity for its calls (a server there whose idle streams could take the calls in
+//!   flight and queued on the home: a busy server's RTT grows with its load, measured
+//!   through its event loop, and its calls would only queue on a small server). Servers
+//!   with no RTT yet (either leg unmeasured) count as tier 0 (no
+//!   evidence against them).
 //! - Draining servers are never chosen while another server holds the tunnel id; they come
 //!   last in the retry order (a draining server still serves calls on the streams it holds
 //!   until its agents move them; once it has none it answers UNKNOWN_TUNNEL or NO_CAPACITY).
@@ -41,8 +66,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::time::Instant;
 
-/// A tier bound never grows past this many tiers (bounds at least double each tier).
-const MAX_TIER: usize = 16;
 /// The additive part of the tier width rule: max(best + 2 ms, 2 x best).
 const TIER_SLACK_US: f64 = 2000.0;
 
@@ -58,8 +81,11 @@ pub struct ServerView {
     pub idle: u32,
     pub busy: u32,
     pub queued: u32,
-    /// Smoothed RTT to the agent's streams, microseconds; 0 = unknown.
+    /// Smoothed RTT of a call's path, microseconds: this dispatcher's leg to the server
+    /// plus the server's leg to the agent's streams; 0 = unknown.
     pub rtt_us: u32,
+    /// The server's load: its smoothed CPU use, per mille; 0 = idle or not measured.
+    pub load_permille: u32,
 }
 
 /// A server a call may be sent to.
@@ -149,6 +175,9 @@ impl TunnelPlan {
 pub struct TunnelStatus {
     pub home: Option<Arc<str>>,
     pub spill_share: f64,
+    /// Why the share last rose: `saturated` (calls queued on the home) or `load` (the
+    /// home was much busier than a peer); `None` before it ever did.
+    pub spill_reason: Option<&'static str>,
     /// Tier of each live server (0 = best).
     pub tiers: Vec<(Arc<str>, usize)>,
 }
@@ -157,8 +186,11 @@ pub struct TunnelStatus {
 struct TunnelState {
     home: Option<Arc<str>>,
     spill: f64,
+    spill_reason: Option<&'static str>,
     last_step: Option<Instant>,
     tiers: HashMap<Arc<str>, usize>,
+    /// The latency groups of the last update, lowest first (measured servers only).
+    groups: Groups,
     /// Servers that answered NO_CAPACITY for this tunnel id since the last step.
     no_capacity: HashSet<Arc<str>>,
     calls: Arc<AtomicU64>,
@@ -171,8 +203,10 @@ impl TunnelState {
         TunnelState {
             home: None,
             spill: 0.0,
+            spill_reason: None,
             last_step: None,
             tiers: HashMap::new(),
+            groups: Vec::new(),
             no_capacity: HashSet::new(),
             plan: Arc::new(TunnelPlan {
                 order: Vec::new(),
@@ -257,6 +291,7 @@ impl Router {
         Some(TunnelStatus {
             home: st.home.clone(),
             spill_share: st.spill,
+            spill_reason: st.spill_reason,
             tiers,
         })
     }
@@ -275,54 +310,120 @@ fn target(v: &ServerView) -> Target {
     }
 }
 
-/// Upper RTT bound (microseconds) of tier `k` given the best RTT.
-fn tier_bound(best: f64, k: usize) -> f64 {
-    let mut b = best;
-    for _ in 0..=k {
-        b = (b + TIER_SLACK_US).max(2.0 * b);
-    }
-    b
+/// Upper RTT bound (microseconds) of a tier anchored at `best`: max(best + 2 ms, 2 x best).
+fn tier_bound(best: f64) -> f64 {
+    (best + TIER_SLACK_US).max(2.0 * best)
 }
 
-/// Tier of each live server, with hysteresis against `prev`.
-fn assign_tiers(
+/// Latency groups, lowest first: the servers of each tier.
+type Groups = Vec<Vec<Arc<str>>>;
+
+/// One step of latency grouping: a previous group (what is left of it) or a server of no
+/// group.
+struct Unit {
+    members: Vec<Arc<str>>,
+    best: f64,
+    worst: f64,
+    /// Grouped before: it joins another group only well inside that group's bound.
+    past: bool,
+}
+
+/// Latency tiers from the lowest remaining average, with hysteresis that follows the group
+/// (see the module docs). `prev` is the grouping of the last update, lowest first. Returns
+/// each live server's tier (unmeasured ones: 0) and the new grouping.
+fn group_tiers(
     hysteresis: f64,
     live: &[&ServerView],
-    prev: &HashMap<Arc<str>, usize>,
-) -> HashMap<Arc<str>, usize> {
-    let best = live
+    prev: &[Vec<Arc<str>>],
+) -> (HashMap<Arc<str>, usize>, Groups) {
+    let rtt: HashMap<&Arc<str>, f64> = live
         .iter()
         .filter(|v| v.rtt_us > 0)
-        .map(|v| f64::from(v.rtt_us))
-        .fold(f64::INFINITY, f64::min);
-    live.iter()
-        .map(|v| {
-            if v.rtt_us == 0 || !best.is_finite() {
-                return (v.server_id.clone(), 0);
+        .map(|v| (&v.server_id, f64::from(v.rtt_us)))
+        .collect();
+    let mut units: Vec<Unit> = Vec::new();
+    let mut grouped: HashSet<&Arc<str>> = HashSet::new();
+    for g in prev {
+        let present: Vec<(&Arc<str>, f64)> = g
+            .iter()
+            .filter_map(|id| rtt.get_key_value(id).map(|(k, r)| (*k, *r)))
+            .collect();
+        let Some(best) = present.iter().map(|(_, r)| *r).reduce(f64::min) else {
+            continue;
+        };
+        // Members stay while within the group's bound (from its lowest member now) plus
+        // the margin; the others leave it.
+        let keep = tier_bound(best) * (1.0 + hysteresis);
+        let (kept, left): (Vec<_>, Vec<_>) = present.into_iter().partition(|(_, r)| *r <= keep);
+        let worst = kept.iter().map(|(_, r)| *r).fold(best, f64::max);
+        units.push(Unit {
+            members: kept.iter().map(|(id, _)| (*id).clone()).collect(),
+            best,
+            worst,
+            past: true,
+        });
+        for (id, r) in left {
+            units.push(Unit {
+                members: vec![id.clone()],
+                best: r,
+                worst: r,
+                past: true,
+            });
+        }
+        grouped.extend(
+            g.iter()
+                .filter_map(|id| rtt.get_key_value(id).map(|(k, _)| *k)),
+        );
+    }
+    for (id, r) in &rtt {
+        if !grouped.contains(id) {
+            units.push(Unit {
+                members: vec![(*id).clone()],
+                best: *r,
+                worst: *r,
+                past: false,
+            });
+        }
+    }
+    units.sort_by(|a, b| {
+        a.best
+            .total_cmp(&b.best)
+            .then_with(|| a.members.cmp(&b.members))
+    });
+    let mut groups: Vec<Vec<Arc<str>>> = Vec::new();
+    let mut taken = vec![false; units.len()];
+    for i in 0..units.len() {
+        if taken[i] {
+            continue;
+        }
+        taken[i] = true;
+        let bound = tier_bound(units[i].best);
+        let mut group = units[i].members.clone();
+        for j in i + 1..units.len() {
+            if taken[j] {
+                continue;
             }
-            let rtt = f64::from(v.rtt_us);
-            let raw = (0..MAX_TIER)
-                .find(|k| rtt <= tier_bound(best, *k))
-                .unwrap_or(MAX_TIER);
-            let tier = match prev.get(&v.server_id) {
-                Some(&p) if p != raw && p < MAX_TIER => {
-                    let upper = tier_bound(best, p) * (1.0 + hysteresis);
-                    let lower = if p == 0 {
-                        0.0
-                    } else {
-                        tier_bound(best, p - 1) * (1.0 - hysteresis)
-                    };
-                    if rtt <= upper && rtt > lower {
-                        p
-                    } else {
-                        raw
-                    }
-                }
-                _ => raw,
+            let limit = if units[j].past {
+                bound * (1.0 - hysteresis)
+            } else {
+                bound
             };
-            (v.server_id.clone(), tier)
-        })
-        .collect()
+            if units[j].worst <= limit {
+                taken[j] = true;
+                group.extend(units[j].members.iter().cloned());
+            }
+        }
+        group.sort();
+        groups.push(group);
+    }
+    let mut tiers: HashMap<Arc<str>, usize> =
+        live.iter().map(|v| (v.server_id.clone(), 0)).collect();
+    for (k, g) in groups.iter().enumerate() {
+        for id in g {
+            tiers.insert(id.clone(), k);
+        }
+    }
+    (tiers, groups)
 }
 
 fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views: &[ServerView]) {
@@ -350,31 +451,68 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
             st.home = live.first().map(|v| v.server_id.clone());
             st.spill = 0.0;
             st.tiers.clear();
+            st.groups.clear();
             order.extend(live.iter().map(|v| target(v)));
         }
         RoutingPolicy::Available => {
-            st.tiers = if cfg.latency_tiers {
-                assign_tiers(cfg.tier_hysteresis, &live, &st.tiers)
+            if cfg.latency_tiers {
+                let (tiers, groups) = group_tiers(cfg.tier_hysteresis, &live, &st.groups);
+                st.tiers = tiers;
+                st.groups = groups;
             } else {
-                live.iter().map(|v| (v.server_id.clone(), 0)).collect()
-            };
+                st.tiers = live.iter().map(|v| (v.server_id.clone(), 0)).collect();
+                st.groups.clear();
+            }
             let tiers = &st.tiers;
             let tier = |v: &ServerView| tiers.get(&v.server_id).copied().unwrap_or(0);
             let no_cap = &st.no_capacity;
             let has_cap = |v: &ServerView| v.idle > 0 && !no_cap.contains(&v.server_id);
-            let cap_tier = live.iter().filter(|v| has_cap(v)).map(|v| tier(v)).min();
+            let load = |v: &ServerView| f64::from(v.load_permille) / 1000.0;
+            // At or above the high-water mark a server takes no new home.
+            let hot = |v: &ServerView| cfg.load_aware && load(v) >= cfg.load_high_water;
+            // Calls wait there (a report can show an idle stream beside queued calls: one that
+            // landed a moment before the queue's next call took it), or it just answered
+            // NO_CAPACITY with no idle stream.
+            let saturated =
+                |v: &ServerView| v.queued > 0 || (v.idle == 0 && no_cap.contains(&v.server_id));
+            // New homes go to servers below the high-water mark while any has capacity.
+            let any_cool = live.iter().any(|v| has_cap(v) && !hot(v));
+            let homeable = |v: &ServerView| has_cap(v) && (!hot(v) || !any_cool);
+            let cap_tier = live.iter().filter(|v| homeable(v)).map(|v| tier(v)).min();
 
             let prev = st
                 .home
                 .as_ref()
                 .and_then(|h| live.iter().find(|v| v.server_id == *h).copied());
-            let keep = prev.filter(|p| cap_tier.is_none_or(|t| tier(p) <= t));
-            let home = keep.or_else(|| match cap_tier {
-                // The best server of the lowest tier with capacity: most idle streams, then
-                // lowest RTT, then id for a stable choice.
+            // The home stays (stickiness; a hot home too: its work stays where it is) unless
+            // a lower tier has capacity for its calls: a server there whose idle streams
+            // could take the calls in flight and queued on the home. A busy server's RTT grows
+            // with its load (it is measured through its event loop); moving its calls to a
+            // small server of a better tier would only queue them there.
+            let takes = |v: &ServerView, p: &ServerView| {
+                homeable(v) && v.idle >= p.busy.saturating_add(p.queued)
+            };
+            let keep = prev.filter(|p| {
+                cap_tier.is_none_or(|t| {
+                    tier(p) <= t || !live.iter().any(|v| tier(v) < tier(p) && takes(v, p))
+                })
+            });
+            // Moving down: into the lowest tier with a server that can take the home's calls.
+            let move_tier = prev
+                .filter(|_| keep.is_none())
+                .and_then(|p| {
+                    live.iter()
+                        .filter(|v| tier(v) < tier(p) && takes(v, p))
+                        .map(|v| tier(v))
+                        .min()
+                })
+                .or(cap_tier);
+            let home = keep.or_else(|| match move_tier {
+                // The best server of that tier with capacity: most idle streams, then lowest
+                // RTT, then id for a stable choice.
                 Some(t) => live
                     .iter()
-                    .filter(|v| has_cap(v) && tier(v) == t)
+                    .filter(|v| homeable(v) && tier(v) == t)
                     .min_by(|a, b| {
                         b.idle
                             .cmp(&a.idle)
@@ -400,8 +538,8 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
                         .copied()
                 }),
             });
-            // Overload yield: at a step, a home that another server (in the same or a
-            // better tier, with capacity) dwarfs gives way to it: that server's idle
+            // A home another server (in the same or a better tier, with capacity, below
+            // the high-water mark) dwarfs gives way to it at a step: that server's idle
             // streams alone exceed twice the home's whole pool. The factor keeps two
             // servers from trading the home back and forth, and the spill share covers
             // everything short of that.
@@ -409,13 +547,15 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
                 Some(h) if due => live
                     .iter()
                     .filter(|v| {
-                        let h_saturated =
-                            h.idle == 0 && (h.queued > 0 || no_cap.contains(&h.server_id));
                         // A saturated home yields across tiers: queueing costs more than
                         // the latency difference.
+                        // Never to a server much busier than the home: the load spill would
+                        // push the calls back, and the two would trade the home.
                         v.server_id != h.server_id
                             && has_cap(v)
-                            && (tier(v) <= tier(h) || h_saturated)
+                            && !hot(v)
+                            && !(cfg.load_aware && load(v) - load(h) > cfg.load_margin)
+                            && (tier(v) <= tier(h) || saturated(h))
                     })
                     .filter(|v| {
                         u64::from(v.idle) >= 2 * (u64::from(h.idle) + u64::from(h.busy)) + 2
@@ -429,6 +569,30 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
                     .or(Some(h)),
                 other => other,
             };
+            // Overload yield: a home at or above the high-water mark hands the home to a
+            // clearly cooler peer with capacity (by the margin, and the margin below the
+            // mark, so the two cannot trade it back and forth), lowest tier first. New
+            // calls go there; the calls in flight stay where they are.
+            let home = match home {
+                Some(h) if due && hot(h) => live
+                    .iter()
+                    .filter(|v| {
+                        v.server_id != h.server_id
+                            && has_cap(v)
+                            && load(v) + cfg.load_margin < load(h)
+                            && load(v) <= cfg.load_high_water - cfg.load_margin
+                    })
+                    .min_by(|a, b| {
+                        tier(a)
+                            .cmp(&tier(b))
+                            .then_with(|| a.load_permille.cmp(&b.load_permille))
+                            .then_with(|| b.idle.cmp(&a.idle))
+                            .then_with(|| a.server_id.cmp(&b.server_id))
+                    })
+                    .copied()
+                    .or(Some(h)),
+                other => other,
+            };
             if home.map(|h| &h.server_id) != st.home.as_ref() {
                 st.spill = 0.0;
             }
@@ -436,14 +600,33 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
 
             if let Some(home) = home {
                 order.push(target(home));
-                // Spill targets: the other servers with capacity, in their lowest tier.
                 let others: Vec<&ServerView> = live
                     .iter()
                     .filter(|v| v.server_id != home.server_id && has_cap(v))
                     .copied()
                     .collect();
-                let target_tier = others.iter().map(|v| tier(v)).min();
-                let mut targets: Vec<&ServerView> = others
+                // Why calls would spill, and where to.
+                let busier_than =
+                    |v: &ServerView| cfg.load_aware && load(home) - load(v) > cfg.load_margin;
+                let lighter: Vec<&ServerView> =
+                    others.iter().filter(|v| busier_than(v)).copied().collect();
+                let (reason, pool): (Option<&'static str>, Vec<&ServerView>) = if saturated(home) {
+                    let cool: Vec<&ServerView> =
+                        others.iter().filter(|v| !hot(v)).copied().collect();
+                    let pool = if cool.is_empty() {
+                        others.clone()
+                    } else {
+                        cool
+                    };
+                    (Some("saturated"), pool)
+                } else if !lighter.is_empty() {
+                    (Some("load"), lighter)
+                } else {
+                    (None, others.clone())
+                };
+                // Spill targets: the pool in its lowest tier, most idle streams first.
+                let target_tier = pool.iter().map(|v| tier(v)).min();
+                let mut targets: Vec<&ServerView> = pool
                     .iter()
                     .filter(|v| Some(tier(v)) == target_tier)
                     .copied()
@@ -454,11 +637,10 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
                         .then_with(|| a.server_id.cmp(&b.server_id))
                 });
                 if due {
-                    let saturated = home.idle == 0
-                        && (home.queued > 0 || st.no_capacity.contains(&home.server_id));
                     st.spill = if targets.is_empty() {
                         0.0
-                    } else if saturated {
+                    } else if reason.is_some() {
+                        st.spill_reason = reason;
                         (st.spill + cfg.spill_step).min(cfg.spill_max)
                     } else {
                         (st.spill - cfg.spill_decay).max(0.0)

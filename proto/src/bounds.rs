@@ -153,6 +153,8 @@ impl Bounded for crate::WatchRequest {}
 impl Bounded for crate::Fleet {}
 impl Bounded for crate::ProceedRequest {}
 impl Bounded for crate::ProceedReply {}
+impl Bounded for crate::ProbeRequest {}
+impl Bounded for crate::ProbeReply {}
 
 #[cfg(test)]
 mod tests {

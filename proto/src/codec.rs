@@ -71,6 +71,8 @@ never_abandons!(
     crate::ForwardResponse,
     crate::ProceedRequest,
     crate::ProceedReply,
+    crate::ProbeRequest,
+    crate::ProbeReply,
     crate::AgentFrame,
     crate::ServerFrame,
 );

@@ -484,6 +484,14 @@ impl Forward for FakeForward {
         Ok(tonic::Response::new(relay_proto::ProceedReply {}))
     }
 
+    /// A server of the protocol before the dispatcher's probe: the answer is timed alike.
+    async fn probe(
+        &self,
+        _request: tonic::Request<relay_proto::ProbeRequest>,
+    ) -> Result<tonic::Response<relay_proto::ProbeReply>, Status> {
+        Err(Status::unimplemented("Forward.Probe"))
+    }
+
     type CarryStream = ReceiverStream<Result<ForwardResponse, Status>>;
 
     /// A server of the protocol before carriers: the dispatcher falls back to one
@@ -787,6 +795,7 @@ pub fn up(tunnel_id: &str) -> ServerReport {
 pub fn load_frame(tunnel_id: &str, idle: u32, busy: u32, queued: u32) -> ServerReport {
     ServerReport {
         kind: Some(ReportKind::Load(relay_proto::LoadReport {
+            cpu_permille: 0,
             tunnels: vec![relay_proto::TunnelLoad {
                 tunnel_id: tunnel_id.into(),
                 idle,

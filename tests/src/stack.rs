@@ -55,6 +55,28 @@ pub struct Runtimes {
     pub agents: Handle,
     pub lb: Handle,
     pub upstream: Handle,
+    /// A runtime of its own for each server slot (one worker thread), with its threads'
+    /// name: the server then reports those threads' CPU use as its load. Empty: every server
+    /// on `servers`, each reporting the whole process's.
+    pub per_server: Vec<(Handle, String)>,
+}
+
+impl Runtimes {
+    /// The runtime of server slot `i`.
+    pub fn server(&self, i: usize) -> &Handle {
+        self.per_server.get(i).map_or(&self.servers, |(h, _)| h)
+    }
+
+    /// Whose CPU server slot `i` reports as its load.
+    pub fn server_cpu(&self, i: usize) -> relay_tunnel_server::load::CpuSource {
+        match self.per_server.get(i) {
+            Some((_, name)) => relay_tunnel_server::load::CpuSource::Threads {
+                name: name.clone(),
+                cores: 1,
+            },
+            None => relay_tunnel_server::load::CpuSource::Process,
+        }
+    }
 }
 
 /// Runs `fut` on `rt` (so what it spawns stays there), or inline without one.
@@ -391,8 +413,11 @@ impl StackBuilder {
             if self.direct {
                 cfg.direct_url = Some(format!("{agent_scheme}://{}", l.agent.local_addr()?));
             }
+            if let Some(r) = rts.as_ref() {
+                cfg.cpu_source = r.server_cpu(i);
+            }
             let handle = on_rt(
-                rts.as_ref().map(|r| &r.servers),
+                rts.as_ref().map(|r| r.server(i)),
                 relay_tunnel_server::start_with_front(
                     cfg.clone(),
                     tokens.clone(),
@@ -793,8 +818,11 @@ impl Stack {
             let agent_scheme = scheme(cfg.agent_tls.insecure);
             cfg.direct_url = Some(format!("{agent_scheme}://{}", l.agent.local_addr()?));
         }
+        if let Some(r) = self.runtimes.as_ref() {
+            cfg.cpu_source = r.server_cpu(i);
+        }
         let handle = on_rt(
-            self.runtimes.as_ref().map(|r| &r.servers),
+            self.runtimes.as_ref().map(|r| r.server(i)),
             relay_tunnel_server::start(cfg, self.tokens.clone(), l),
         )
         .await??;

@@ -206,3 +206,102 @@ async fn zone_skew_incident_queues_without_coverage_and_is_cured_with_it() {
         on.states_seen
     );
 }
+
+/// The keys of a JSON value, recursively (`a.b`, `servers[].state`), with the JSON type of
+/// each where it is not null.
+fn shape(v: &serde_json::Value, at: &str, out: &mut BTreeSet<String>) {
+    use serde_json::Value;
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                let path = if at.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{at}.{k}")
+                };
+                shape(x, &path, out);
+            }
+        }
+        Value::Array(a) => {
+            out.insert(format!("{at}: array"));
+            for x in a.iter().filter(|x| x.is_object()) {
+                shape(x, &format!("{at}[]"), out);
+            }
+        }
+        Value::Null => {
+            out.insert(at.to_string());
+        }
+        other => {
+            let ty = match other {
+                Value::Bool(_) => "bool",
+                Value::Number(n) if n.is_f64() => "float",
+                Value::Number(_) => "integer",
+                _ => "string",
+            };
+            out.insert(at.to_string());
+            out.insert(format!("{at}: {ty}"));
+        }
+    }
+}
+
+/// README's `/systemcheck` example shows what a running agent serves: the same fields,
+/// nested the same way, with the same types (a field the example shows as null is only
+/// required to exist).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readmes_systemcheck_example_matches_what_the_agent_serves() {
+    let readme = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"),
+    )
+    .unwrap();
+    let from = readme
+        .find("Watching it: `GET /systemcheck`")
+        .expect("README describes /systemcheck");
+    let block = &readme[from..];
+    let start = block.find("```json\n").expect("an example") + "```json\n".len();
+    let end = start + block[start..].find("```").unwrap();
+    let example: serde_json::Value = serde_json::from_str(&block[start..end]).unwrap();
+
+    let stack = Stack::builder().servers(2).start().await.unwrap();
+    stack.wait_routable(Duration::from_secs(30)).await.unwrap();
+    // Served once the upstream was checked and a server is listed.
+    let served = relay_tests::eventually_ok(
+        "a /systemcheck with servers and a checked upstream",
+        Duration::from_secs(30),
+        || async {
+            let (_, v) = stack.systemcheck().await.map_err(|e| e.to_string())?;
+            let ready = v["servers"].as_array().is_some_and(|s| !s.is_empty())
+                && v["upstream"]["status"].is_number();
+            if ready {
+                Ok(v)
+            } else {
+                Err(v.to_string())
+            }
+        },
+    )
+    .await;
+    let (mut want, mut got) = (BTreeSet::new(), BTreeSet::new());
+    shape(&example, "", &mut want);
+    shape(&served, "", &mut got);
+    // Types of fields the served document has as null are not compared.
+    let untyped = |set: &BTreeSet<String>, other: &BTreeSet<String>| -> BTreeSet<String> {
+        set.iter()
+            .filter(|k| match k.split_once(": ") {
+                Some((path, _)) => other.iter().any(|o| o.starts_with(&format!("{path}: "))),
+                None => true,
+            })
+            .cloned()
+            .collect()
+    };
+    let (want, got) = (untyped(&want, &got), untyped(&got, &want));
+    assert_eq!(
+        want.difference(&got).collect::<Vec<_>>(),
+        Vec::<&String>::new(),
+        "README shows what the agent does not serve (served: {served})"
+    );
+    assert_eq!(
+        got.difference(&want).collect::<Vec<_>>(),
+        Vec::<&String>::new(),
+        "the agent serves what README does not show"
+    );
+    stack.shutdown().await;
+}

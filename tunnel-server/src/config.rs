@@ -127,6 +127,11 @@ pub struct Config {
     /// hop. List the front's registry in `dispatchers` so it hears of this server. Off
     /// (none) by default.
     pub front_config: Option<PathBuf>,
+    /// Not a config key: whose CPU time is this server's load (`crate::load`). The whole
+    /// process, unless a program that embeds several servers in one process says which
+    /// threads belong to which.
+    #[serde(skip)]
+    pub cpu_source: crate::load::CpuSource,
 }
 
 /// The transport of each hop, checked: `None` is plain text (`insecure = true`).
@@ -173,6 +178,7 @@ impl Default for Config {
             reload_interval: Duration::from_secs(5),
             agent_limits: ListenerLimits::default(),
             front_config: None,
+            cpu_source: crate::load::CpuSource::Process,
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `Forward.Call`, `Forward.Carry` and `Forward.Proceed`, the dispatcher-facing handlers.
+//! `Forward.Call`, `Forward.Carry`, `Forward.Proceed` and `Forward.Probe`, the
+//! dispatcher-facing handlers.
 //! `Call` reads the call head and hands the call to its own task (`crate::call`), which owns
 //! it from there to its outcome; the handler returns the call's response stream at once.
 //! `Proceed` is the dispatcher's go-ahead for a call holding a reserved stream (the queue
@@ -316,6 +317,14 @@ impl relay_proto::forward_server::Forward for ForwardService {
     ) -> Result<Response<ProceedReply>, Status> {
         self.proceed_reservation(request.into_inner().reservation)?;
         Ok(Response::new(ProceedReply {}))
+    }
+
+    /// The dispatcher times this answer to measure its leg to this server.
+    async fn probe(
+        &self,
+        _request: Request<relay_proto::ProbeRequest>,
+    ) -> Result<Response<relay_proto::ProbeReply>, Status> {
+        Ok(Response::new(relay_proto::ProbeReply {}))
     }
 
     async fn call(

@@ -45,6 +45,9 @@ pub struct Hub {
     fleet: Mutex<FleetViews>,
     /// Wakes the reporters when a tunnel id gets its first stream or loses its last.
     pub changed: Notify,
+    /// Counts calls that had to wait in a queue: the pressure hints and the load reports
+    /// go out at once when it moves, not at their next period.
+    pub queued_calls: tokio::sync::watch::Sender<u64>,
     draining: AtomicBool,
     next_stream_id: AtomicU64,
     next_call_id: AtomicU64,
@@ -137,35 +140,7 @@ impl Drop for Lease {
 }
 
 /// Smoothed round-trip time (EWMA) of one tunnel id's streams on this server.
-///
-/// Sample rules (from the design): a sample is capped at 4x the current average, so one
-/// stalled pong cannot blow the average up; a sample below a quarter of the average
-/// replaces it, so a path that got much faster is believed at once.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Rtt {
-    /// Microseconds; 0 while no sample was taken.
-    avg_us: f64,
-}
-
-impl Rtt {
-    /// Weight of a new sample.
-    pub const ALPHA: f64 = 0.2;
-
-    pub fn observe(&mut self, sample_us: f64) {
-        let sample = sample_us.max(1.0);
-        if self.avg_us <= 0.0 || sample < self.avg_us / 4.0 {
-            self.avg_us = sample;
-            return;
-        }
-        let sample = sample.min(self.avg_us * 4.0);
-        self.avg_us += Self::ALPHA * (sample - self.avg_us);
-    }
-
-    /// The average in whole microseconds, 0 if unknown.
-    pub fn micros(&self) -> u32 {
-        self.avg_us.round().clamp(0.0, u32::MAX as f64) as u32
-    }
-}
+pub use relay_common::rtt::Rtt;
 
 #[derive(Default)]
 struct FleetViews {
@@ -189,6 +164,7 @@ impl Hub {
             tunnels: DashMap::new(),
             fleet: Mutex::default(),
             changed: Notify::new(),
+            queued_calls: tokio::sync::watch::Sender::new(0),
             draining: AtomicBool::new(false),
             next_stream_id: AtomicU64::new(1),
             next_call_id: AtomicU64::new(1),
@@ -321,7 +297,10 @@ impl Hub {
                     "the tunnel id's queue on this server is full",
                 ))
             }
-            Take::Queued(id) => id,
+            Take::Queued(id) => {
+                self.queued_calls.send_modify(|n| *n = n.wrapping_add(1));
+                id
+            }
         };
         let mut waiting = Waiting {
             tunnel,
@@ -539,39 +518,5 @@ impl Drop for Waiting {
         if let Ok(stream) = self.rx.try_recv() {
             self.tunnel.release(stream);
         }
-    }
-}
-
-#[cfg(test)]
-mod rtt_tests {
-    use super::Rtt;
-
-    #[test]
-    fn first_sample_sets_the_average_and_later_ones_smooth_it() {
-        let mut r = Rtt::default();
-        assert_eq!(r.micros(), 0, "unknown until the first sample");
-        r.observe(1000.0);
-        assert_eq!(r.micros(), 1000);
-        r.observe(2000.0);
-        assert_eq!(r.micros(), 1200);
-    }
-
-    #[test]
-    fn a_sample_is_capped_at_four_times_the_average() {
-        let mut r = Rtt::default();
-        r.observe(1000.0);
-        r.observe(1_000_000.0);
-        // Capped at 4000: 1000 + 0.2 * 3000.
-        assert_eq!(r.micros(), 1600);
-    }
-
-    #[test]
-    fn a_sample_below_a_quarter_of_the_average_replaces_it() {
-        let mut r = Rtt::default();
-        r.observe(10_000.0);
-        r.observe(2_000.0);
-        assert_eq!(r.micros(), 2000);
-        r.observe(600.0); // above 2000 / 4: smoothed, not replaced
-        assert_eq!(r.micros(), 1720);
     }
 }

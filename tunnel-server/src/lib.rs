@@ -22,6 +22,7 @@ pub mod forward;
 pub mod handle;
 pub mod hub;
 pub mod liveness;
+pub mod load;
 pub mod metrics;
 pub mod outcome;
 pub mod report;
@@ -54,6 +55,9 @@ use tracing::{info, warn};
 /// Default largest frame accepted from a peer (`max_frame_bytes`): a 64 KiB chunk plus
 /// headroom for headers.
 pub const MAX_FRAME_BYTES: usize = config::DEFAULT_MAX_FRAME_BYTES;
+
+/// Shortest time between two rounds of pressure hints sent because calls started to wait.
+pub const PRESSURE_GAP: Duration = Duration::from_millis(10);
 
 pub struct Listeners {
     pub agent: TcpListener,
@@ -414,16 +418,24 @@ pub async fn start_with_front(
         stop_serving.clone().cancelled_owned(),
     )));
 
-    // Pressure hints: a short period so the agent's tick sees queued calls at once.
+    // Pressure hints: at once when a call starts to wait (at most one round per
+    // PRESSURE_GAP, so a burst's thousand queued calls cost a few rounds), and on a short
+    // period for the changes in between (a queue that drains).
     let pressure_hub = hub.clone();
     let stop = stop_serving.clone();
     tasks.push(tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        let mut queued = pressure_hub.queued_calls.subscribe();
         loop {
             tokio::select! {
                 biased;
                 _ = stop.cancelled() => return,
+                Ok(()) = queued.changed() => {
+                    queued.borrow_and_update();
+                    pressure_hub.send_pressure();
+                    tokio::time::sleep(PRESSURE_GAP).await;
+                }
                 _ = tick.tick() => pressure_hub.send_pressure(),
             }
         }
@@ -467,9 +479,17 @@ pub async fn start_with_front(
         instance_id: hub.instance_id.clone(),
         direct_url: config.direct_url.clone().unwrap_or_default(),
     };
+    // The server's own CPU use, for the load reports.
+    let cpu = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    tasks.push(tokio::spawn(load::run(
+        config.cpu_source.clone(),
+        cpu.clone(),
+        stop_reports.clone(),
+    )));
     for d in &config.dispatchers {
         let reporter = report::Reporter {
             hub: hub.clone(),
+            cpu: cpu.clone(),
             dispatcher: d.clone(),
             intro: intro.clone(),
             interval: config.report_interval,

@@ -1,7 +1,9 @@
 //! Reporting to dispatchers: one `Registry.Report` stream per dispatcher. It opens with a
 //! `ServerIntro`, announces each tunnel id when it gets its first stream here and when its
 //! last one leaves (not per stream), and sends a compact `LoadReport` every
-//! `report_interval`. On reconnect the full set of tunnel ids is announced again.
+//! `report_interval` (per tunnel id figures, calls in flight, the smoothed CPU use that
+//! `crate::load` measures), and early (at most one per [`EARLY_REPORT_GAP`]) when calls
+//! start to wait in a queue here. On reconnect the full set of tunnel ids is announced again.
 //!
 //! Announcements are computed as the difference between what the hub holds and what this
 //! dispatcher was told, so they can neither be lost nor reordered.
@@ -35,7 +37,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
-use tokio::time::MissedTickBehavior;
+use tokio::time::{Instant, MissedTickBehavior};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -46,9 +48,13 @@ const RETRY_INITIAL: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(1);
 /// How long dialing a dispatcher may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Shortest time between a load report and one sent early because calls started to wait.
+pub const EARLY_REPORT_GAP: Duration = Duration::from_millis(100);
 
 pub struct Reporter {
     pub hub: Arc<Hub>,
+    /// The server's smoothed CPU use, per mille (`crate::load`).
+    pub cpu: Arc<std::sync::atomic::AtomicU32>,
     pub dispatcher: String,
     pub intro: ServerIntro,
     pub interval: Duration,
@@ -139,6 +145,10 @@ impl Reporter {
         let mut was_draining = false;
         // Load ticks so far: the first fires at once, the second after a full period.
         let mut ticks = 0u32;
+        // Calls that start to wait here make a report go early: the dispatcher then spills
+        // away from a saturated home within milliseconds, not at the next period.
+        let mut queued = self.hub.queued_calls.subscribe();
+        let mut last_load = Instant::now();
         loop {
             // Register interest before reading the hub so no change slips between.
             let changed = self.hub.changed.notified();
@@ -167,6 +177,7 @@ impl Reporter {
             was_draining = draining;
             if send_load {
                 self.send_load(&tx).await?;
+                last_load = Instant::now();
             }
             tokio::select! {
                 biased;
@@ -178,7 +189,15 @@ impl Reporter {
                 _ = &mut changed => {}
                 _ = tick.tick() => {
                     ticks = ticks.saturating_add(1);
-                    self.send_load(&tx).await?
+                    self.send_load(&tx).await?;
+                    last_load = Instant::now();
+                }
+                Ok(()) = queued.changed() => {
+                    queued.borrow_and_update();
+                    if last_load.elapsed() >= EARLY_REPORT_GAP {
+                        self.send_load(&tx).await?;
+                        last_load = Instant::now();
+                    }
                 }
             }
             if ticks >= 2 && !call.is_finished() {
@@ -204,6 +223,7 @@ impl Reporter {
             tunnels,
             calls_in_flight,
             draining: self.hub.is_draining(),
+            cpu_permille: self.cpu.load(std::sync::atomic::Ordering::Relaxed),
         };
         tx.send(ServerReport::of(server_report::Kind::Load(report)))
             .await

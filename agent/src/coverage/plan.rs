@@ -1,9 +1,19 @@
-//! The pure planning step of the sizing tick: `Planner::plan(&Snapshot) -> Plan`.
+//! The pure planning step of coverage: `Planner::plan(&Snapshot) -> Plan`.
 //!
-//! The snapshot carries `now` as a value; this module must not read the clock, spawn,
-//! or do I/O. The planner keeps only the memory the rules need across ticks (since when a
-//! server has been short and idle, when it was evacuated, when the last evacuation ran),
-//! so the rules are testable tick by tick with simulated servers and placement.
+//! The snapshot carries `now` and its `cause` as values; this module must not read the
+//! clock, spawn, or do I/O. The planner keeps only the memory the rules need across plans
+//! (since when a server has been short and idle, when it was evacuated, when the last
+//! evacuation ran, how many fill opens a short server has had), so the rules are testable
+//! tick by tick with simulated servers and placement.
+//!
+//! # When it plans
+//!
+//! Two causes, one function ([`Cause`]):
+//! - **the tick** (`coverage.tick`, 1 s): every rule below;
+//! - **an event**: a server's queued-calls signal (a pressure hint that went up), or a
+//!   server whose idle streams ran out while calls queue there. Only growth runs, at once:
+//!   a burst should not wait up to a tick for its streams. Fill, evacuation, recycling and
+//!   retirement stay paced by the tick.
 //!
 //! # The rules, as implemented
 //!
@@ -15,7 +25,7 @@
 //! busy second that sit between hops at the tick's instant are demand all the same),
 //! `busy` = in flight + `queued` (the pressure hint), `budget` = busy + `reserve`,
 //! `shortfall` = budget - live.
-//! Each tick classifies every server (`classify`), then runs one function per action
+//! Each plan classifies every server (`classify`), then runs one function per action
 //! kind (`evacuate`, `recycle`, `grow`, `fill`, `bootstrap`, `open`, `retire`):
 //!
 //! - **evacuated**: draining, or evacuated within `evacuated_for`. Its idle streams are
@@ -23,30 +33,47 @@
 //!   A draining server's idle streams are held until another server is covered (make
 //!   before break: the tunnel id stays routable while replacements land).
 //! - **covered**: live >= budget.
-//! - **growing**: short with busy > 0. Opens `max(grow_min, in flight, shortfall)`: this
-//!   doubles the server under pressure without the hint and jumps straight to the
-//!   shortfall with it. Not budgeted, but paused/clipped by the 4x rule and the caps.
-//!   With direct growth to a server that offers a direct URL the step is the shortfall
-//!   alone, and the 4x rule does not apply: those streams land on that server, so
-//!   doubling would only park idle streams there (measured in `burst-1000` with direct
-//!   growth: 1,294 streams at peak for 1,000 calls with doubling).
-//! - **filling**: short with busy = 0. Opens the shortfall (toward the reserve).
+//! - **growing**: short with busy > 0. The server should gain `max(grow_min, shortfall)`
+//!   when it reports its queue (the pressure hint says what the queue needs; `grow_min`
+//!   keeps a little headroom for a load that is still rising), or
+//!   `max(grow_min, in flight, shortfall)` when its queue is not known (doubling: the
+//!   queue may be anything). Through the load balancer only a share of the opens lands
+//!   there, so the opens are that growth divided by the server's *placement share*: the
+//!   share of the agent's recent load-balanced opens that landed on it ([`PlacementTally`],
+//!   a decayed count; with a prior of one open spread evenly, and never below
+//!   `1 / (1 + idle_elsewhere_factor)`, so one step is at most that many times the
+//!   growth). Not budgeted, but clipped by the 4x rule and the caps. With direct growth to
+//!   a server that offers a direct URL the step is the shortfall alone, and the 4x rule
+//!   does not apply: those streams land on that server.
+//! - **filling**: short with busy = 0. Opens the shortfall divided by the share (toward the
+//!   reserve), less what the plan's other opens will land there (several servers filled at
+//!   once share their opens: each lands somewhere), within a *fill budget*: at most `reserve` x servers x 2 opens since the
+//!   server became short, then one open per `fill_retry` for as long as it stays short
+//!   (listed in the fleet or holding streams). A server that holds none of the agent's
+//!   streams but is listed in the fleet (new, or back as a new instance) is filling too.
 //! - **overdue**: filling for `grace`. Evacuated: all its (idle) streams are closed so
 //!   the server drops the tunnel id; only while another server is covered, never with a
 //!   call in flight or queued there, at most one evacuation per `evacuate_cooldown`.
 //!
 //! Opens are global (the load balancer places them), so requests are summed: growth first
 //! (busiest server first), then fill, then the bootstrap. Streams already `opening` are
-//! credited against the requests in that order, so an open is not repeated every tick
+//! credited against the requests in that order, so an open is not repeated every plan
 //! while the previous one is in flight. The total is capped so live + opening + new <=
-//! `max_streams`. With no server to call home (none known at start, or only draining
-//! ones), the agent opens `reserve` minus opening so it lands somewhere.
+//! `max_streams`. At that cap, a tick recycles idle streams of the best-covered server (the
+//! most idle streams beyond its busy + reserve) to make room for a short server's opens, at
+//! most `grow_min` a tick and within the short server's fill budget. With no server to
+//! call home (none known at start, or only draining ones), the agent opens `reserve` minus
+//! opening so it lands somewhere.
 //!
 //! While any server is short (growing, filling, overdue) nothing is retired. Otherwise an
 //! idle stream at least `retire_min_age` old and unused for `retire_unused` is retired,
-//! least recently used first, never taking a server below busy + reserve. Above
-//! `max_streams` (a lowered cap), the oldest idle streams anywhere are retired to get under
-//! it, short or not.
+//! least recently used first, never taking a server below busy + reserve. Retirement runs
+//! in batches: while another stream (of any server) will qualify within the *retire
+//! window* (`retire_unused / 10`, at least two ticks), the ones that qualify wait for it,
+//! but no qualifying stream waits longer than the window. The excess of a burst (which
+//! ended within a few ticks) so goes in one or two steps instead of a step every tick.
+//! Above `max_streams` (a lowered cap), the oldest idle streams anywhere are retired to get
+//! under it, short or not.
 //!
 //! # Choices where the design is silent, and deviations
 //!
@@ -62,9 +89,14 @@
 //!   the arrival rate and the queue stops growing but does not drain. The agent stays
 //!   bounded; the dispatcher's spill-over is what moves calls to the idle streams. The
 //!   simulation tests show both sides.
+//! - **Growth by placement share, not doubling.** The design's step is
+//!   `max(8, calls in flight, shortfall)`: doubling, because the queue may be unknown.
+//!   With the hint the queue is known, and doubling only parks streams (measured in
+//!   `burst-1000`: 1,695 streams at peak for 1,000 calls, 2,066 opened for one burst). The
+//!   doubling stays for a server that does not report its queue (`ServerView::hints`).
 //! - **Opening is credited against growth too**, not only fill. Without the credit a
 //!   slow open (longer than a tick) would re-issue the whole step every tick; with it the
-//!   doubling waits for the previous step to land.
+//!   growth waits for the previous step to land.
 //! - **max_inflight**: queued calls count as demand only up to the agent's remaining
 //!   headroom (max_inflight - calls in flight across the agent); at the cap no server grows.
 //! - **Overdue servers are not filled**: their fill has already failed for `grace` and
@@ -74,9 +106,15 @@
 //!   instead of having everything recycled. Draining servers are always evacuated.
 //! - **Retirement keeps busy + reserve** (not just reserve) on a server with calls, so
 //!   retiring never makes a covered server short.
+//! - **A listed server the load balancer does not reach is never given up**: after its fill
+//!   budget it keeps getting one open per `fill_retry` (an earlier version avoided it for
+//!   `evacuated_for` once its budget was spent, so a server that came back within those
+//!   ten minutes was not covered). Each such open that lands elsewhere is an idle stream
+//!   there until it is retired: at most `retire_unused / fill_retry` (20 by default) per
+//!   server no stream reaches.
 
 use serde::Deserialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -98,7 +136,8 @@ pub struct CoverageConfig {
     pub tick: Duration,
     /// Idle streams each server that carries the tunnel id should hold beyond its busy ones.
     pub reserve: u32,
-    /// Smallest grow step for a server with calls in flight that is short.
+    /// Smallest growth of a short server with calls in flight; the most streams recycled in
+    /// one tick at `max_streams`.
     pub grow_min: u32,
     /// Growth pauses while idle streams on other servers reach this multiple of demand.
     pub idle_elsewhere_factor: u32,
@@ -111,6 +150,10 @@ pub struct CoverageConfig {
     /// How long an evacuated server keeps having streams that land on it recycled.
     #[serde(with = "humantime_serde")]
     pub evacuated_for: Duration,
+    /// Once a short server's fill budget is spent, one more open per this period while it
+    /// stays short.
+    #[serde(with = "humantime_serde")]
+    pub fill_retry: Duration,
     /// Streams younger than this are never retired.
     #[serde(with = "humantime_serde")]
     pub retire_min_age: Duration,
@@ -139,6 +182,7 @@ impl Default for CoverageConfig {
             grace: Duration::from_secs(30),
             evacuate_cooldown: Duration::from_secs(30),
             evacuated_for: Duration::from_secs(600),
+            fill_retry: Duration::from_secs(30),
             retire_min_age: Duration::from_secs(120),
             retire_unused: Duration::from_secs(600),
             max_streams: 2048,
@@ -187,24 +231,95 @@ pub struct ServerView {
     pub streams: Vec<StreamView>,
     /// Calls of this tunnel id queued on that server (the latest pressure hint).
     pub queued: u32,
+    /// Whether the server reports its queued calls (pressure hints; every tunnel server of
+    /// this protocol does, within 100 ms of a change). Growth is sized by the queue when
+    /// it is reported and doubles when it is not.
+    pub hints: bool,
     /// The most calls in flight on this server's streams at once since the last tick
     /// (0 when not known). The server's in-flight count is the larger of it and the streams
     /// busy now: a count taken at the tick's instant alone misses the calls of a busy
     /// second that are between hops at that instant (at 64 concurrent callers the agent
     /// sized to it left a quarter of the calls queued on the server).
     pub peak_in_flight: u32,
+    /// Recent opens through the load balancer that landed here, as a decayed count (see
+    /// [`PlacementTally`]): where the next opens will likely land.
+    pub placed: f64,
     /// The server sent Drain: it is going away.
     pub draining: bool,
+}
+
+/// Why the planner runs (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Cause {
+    /// The sizing tick: every rule.
+    #[default]
+    Tick,
+    /// A server's queue grew, or its idle streams ran out while calls queue: growth only.
+    Pressure,
 }
 
 /// Everything the planner may look at, taken at one instant.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
     pub now: Instant,
+    pub cause: Cause,
     pub servers: Vec<ServerView>,
     /// Streams being opened through the load balancer whose ServerHello has not arrived
     /// yet (direct opens are counted per server).
     pub opening: u32,
+}
+
+/// Where the agent's recent load-balanced opens landed: one decayed count per server. Each
+/// landing multiplies every count by `1 - 1/WINDOW` and adds one to its server's, so the
+/// counts follow the last few hundred landings and a change of the balancer's weights is
+/// learned within about [`PlacementTally::WINDOW`] opens. Kept by the actor (and the
+/// simulation), read by the planner through [`ServerView::placed`].
+#[derive(Clone, Debug, Default)]
+pub struct PlacementTally {
+    counts: HashMap<ServerKey, f64>,
+    /// Landings so far, for `decay`: the counts are stored scaled by `grow^landings`, so a
+    /// landing touches one entry instead of every one.
+    scale: f64,
+}
+
+impl PlacementTally {
+    /// Landings after which a count has decayed to 1/e.
+    pub const WINDOW: f64 = 128.0;
+
+    fn grow() -> f64 {
+        1.0 / (1.0 - 1.0 / Self::WINDOW)
+    }
+
+    /// One load-balanced open landed on `server`.
+    pub fn land(&mut self, server: &ServerKey) {
+        if self.scale <= 0.0 {
+            self.scale = 1.0;
+        }
+        self.scale *= Self::grow();
+        *self.counts.entry(server.clone()).or_default() += self.scale;
+        if self.scale > 1e12 {
+            // Renormalise before the scale loses precision; drop what has decayed away.
+            let s = self.scale;
+            self.counts.retain(|_, c| {
+                *c /= s;
+                *c > 1e-3
+            });
+            self.scale = 1.0;
+        }
+    }
+
+    /// The decayed count of `server`.
+    pub fn get(&self, server: &ServerKey) -> f64 {
+        match self.counts.get(server) {
+            Some(c) if self.scale > 0.0 => c / self.scale,
+            _ => 0.0,
+        }
+    }
+
+    /// Forgets servers `keep` says no, with what they counted.
+    pub fn retain(&mut self, mut keep: impl FnMut(&ServerKey) -> bool) {
+        self.counts.retain(|k, _| keep(k));
+    }
 }
 
 /// A server's coverage state (DESIGN.md, "Agent coverage").
@@ -234,6 +349,11 @@ impl State {
             State::Overdue => "overdue",
             State::Evacuated => "evacuated",
         }
+    }
+
+    /// Short of busy + reserve: the states that hold retirement.
+    pub fn is_short(self) -> bool {
+        matches!(self, State::Growing | State::Filling | State::Overdue)
     }
 }
 
@@ -273,6 +393,8 @@ pub struct Action {
     pub kind: ActionKind,
     /// Streams opened (grow/fill) or closed (evacuate/recycle/retire).
     pub count: u32,
+    /// Opened straight to the server's direct URL (grow/fill).
+    pub direct: bool,
     pub reason: String,
 }
 
@@ -346,12 +468,39 @@ pub struct Planner {
 struct ServerMemory {
     /// Since when the server has been short (any short state).
     short_since: Option<Instant>,
-    /// Opens asked for while the (listed) server held none of the agent's streams.
-    probes: u32,
+    /// Opens asked for to fill the server (fill, or recycled room at `max_streams`) since
+    /// it became short: its fill budget is spent against this.
+    fill_opens: u32,
+    /// When the last fill open past the budget was asked for (paced by `fill_retry`).
+    paced_at: Option<Instant>,
     /// Since when the server has been short with no calls in flight.
     short_idle_since: Option<Instant>,
     /// When it was evacuated (or seen draining).
     evacuated_at: Option<Instant>,
+}
+
+/// The placement share floor's factor: a share is never taken below
+/// `1 / (1 + idle_elsewhere_factor)`.
+fn share_floor(cfg: &CoverageConfig) -> f64 {
+    1.0 / (1.0 + f64::from(cfg.idle_elsewhere_factor.max(1)))
+}
+
+/// Opens needed through the load balancer for `growth` streams on a server with `share`.
+fn opens_for(growth: u32, share: f64) -> u32 {
+    if growth == 0 {
+        return 0;
+    }
+    let n = (f64::from(growth) / share).ceil();
+    if n >= f64::from(u32::MAX) {
+        u32::MAX
+    } else {
+        n as u32
+    }
+}
+
+/// How many of `opens` load-balanced opens are expected to land on a server with `share`.
+fn landing_of(opens: u32, share: f64) -> u32 {
+    (f64::from(opens) * share).floor() as u32
 }
 
 /// One server's figures for this tick.
@@ -365,6 +514,8 @@ struct Server<'a> {
     in_flight: u32,
     /// Non-busy, non-retiring streams.
     idle: u32,
+    /// Estimated share of the next load-balanced opens that land here.
+    share: f64,
 }
 
 impl Server<'_> {
@@ -398,7 +549,7 @@ impl Server<'_> {
     /// Short in a way that holds retirement: an absent server carries no call, and the
     /// streams it takes come from opens, not from the others.
     fn is_short(&self) -> bool {
-        matches!(self.state, State::Growing | State::Filling | State::Overdue) && !self.absent()
+        self.state.is_short() && !self.absent()
     }
 
     /// Idle streams that may be closed, least recently used first.
@@ -418,6 +569,7 @@ impl Server<'_> {
 #[derive(Debug)]
 struct Tick<'a> {
     now: Instant,
+    cause: Cause,
     opening: u32,
     servers: Vec<Server<'a>>,
 }
@@ -435,9 +587,8 @@ impl Tick<'_> {
 /// Opens one rule asks for, before crediting and caps.
 struct OpenRequest {
     server_id: String,
-    /// Set for a listed server holding none of the agent's streams: the opens count
-    /// against its probe budget.
-    probe: Option<ServerKey>,
+    /// Set for a filling server: the opens count against its fill budget.
+    budgeted: Option<ServerKey>,
     /// Open straight to this server (its key, URL and direct opens in flight).
     direct: Option<(ServerKey, String, u32)>,
     kind: ActionKind,
@@ -473,19 +624,45 @@ impl Planner {
             .then(|| (s.key(), s.view.direct_url.clone(), s.view.opening))
     }
 
+    /// Fill opens a short server may have before they are paced: about what uniform
+    /// placement needs to land the reserve there.
+    fn fill_budget(&self, servers: usize) -> u32 {
+        self.cfg
+            .reserve
+            .saturating_mul(count(servers).max(1))
+            .saturating_mul(2)
+    }
+
+    /// How long qualifying streams may wait for others to qualify, so they retire together.
+    fn retire_window(&self) -> Duration {
+        (self.cfg.retire_unused / 10).max(self.cfg.tick * 2)
+    }
+
     pub fn plan(&mut self, snap: &Snapshot) -> Plan {
         if !self.cfg.enabled {
-            return self.plan_fixed(snap);
+            return match snap.cause {
+                Cause::Tick => self.plan_fixed(snap),
+                Cause::Pressure => Plan::default(),
+            };
         }
         let tick = self.classify(snap);
         let mut plan = Plan::default();
-        self.evacuate(&tick, &mut plan);
-        self.recycle(&tick, &mut plan);
-        let mut requests = self.grow(&tick);
-        requests.extend(self.fill(&tick));
-        requests.extend(self.bootstrap(&tick));
-        self.open(&tick, requests, &mut plan);
-        self.retire(&tick, &mut plan);
+        match tick.cause {
+            Cause::Tick => {
+                self.evacuate(&tick, &mut plan);
+                self.recycle(&tick, &mut plan);
+                let mut requests = self.grow(&tick);
+                let fills = self.fill(&tick, &requests);
+                requests.extend(fills);
+                requests.extend(self.bootstrap(&tick));
+                self.open(&tick, requests, &mut plan);
+                self.retire(&tick, &mut plan);
+            }
+            Cause::Pressure => {
+                let requests = self.grow(&tick);
+                self.open(&tick, requests, &mut plan);
+            }
+        }
         plan.states = tick
             .servers
             .iter()
@@ -509,7 +686,8 @@ impl Planner {
     }
 
     /// Figures and state of every server with live streams; updates the memory
-    /// (draining servers count as evacuated, since when a server has been short and idle).
+    /// (draining servers count as evacuated, since when a server has been short and idle,
+    /// fill budgets of servers that are covered again).
     fn classify<'a>(&mut self, snap: &'a Snapshot) -> Tick<'a> {
         let now = snap.now;
         let cfg = &self.cfg;
@@ -518,15 +696,26 @@ impl Planner {
             mem.evacuated_at
                 .is_some_and(|at| now.saturating_duration_since(at) < cfg.evacuated_for)
         };
+        // Placement shares: the load balancer places on every server that is not draining.
+        let placeable = snap.servers.iter().filter(|v| !v.draining);
+        let (n, placed) =
+            placeable.fold((0usize, 0.0f64), |(n, p), v| (n + 1, p + v.placed.max(0.0)));
+        let floor = share_floor(cfg);
+        let share = |v: &ServerView| {
+            if v.draining || n == 0 {
+                return floor;
+            }
+            // A prior of one open spread evenly, so a server no open has reached yet is not
+            // taken as unreachable (and one that took the only open is not the only one).
+            let s = (v.placed.max(0.0) + 1.0 / n as f64) / (placed + 1.0);
+            s.clamp(floor, 1.0)
+        };
         for view in &snap.servers {
             let mem = self.memory.entry(key(view)).or_default();
             if view.draining {
                 mem.evacuated_at = Some(now);
             }
             let live = count(view.streams.iter().filter(|st| !st.retiring).count());
-            if live > 0 {
-                mem.probes = 0;
-            }
             // A listed server with none of the agent's streams (new, or back as a new
             // instance) is filled like any other, unless it is being avoided.
             let absent_listed = live == 0 && view.listed && !view.draining && !recently(mem);
@@ -546,6 +735,7 @@ impl Planner {
                         .filter(|st| !st.busy && !st.retiring)
                         .count(),
                 ),
+                share: share(view),
             });
         }
         let recently_evacuated = |mem: Option<&ServerMemory>| {
@@ -577,7 +767,13 @@ impl Planner {
             } else {
                 mem.short_since = None;
             }
-            if state != State::Filling {
+            if !state.is_short() {
+                mem.fill_opens = 0;
+                mem.paced_at = None;
+            }
+            // Overdue is for a server holding streams that stay short; one holding none
+            // has nothing to evacuate and keeps being filled.
+            if state != State::Filling || s.absent() {
                 mem.short_idle_since = None;
                 continue;
             }
@@ -592,6 +788,7 @@ impl Planner {
         });
         Tick {
             now,
+            cause: snap.cause,
             opening: snap.opening,
             servers,
         }
@@ -615,7 +812,7 @@ impl Planner {
         let Some(target) = tick
             .servers
             .iter()
-            .filter(|s| s.state == State::Overdue && s.busy() == 0)
+            .filter(|s| s.state == State::Overdue && s.busy() == 0 && !s.absent())
             .min_by_key(|s| (since(s), s.view.server_id.as_str()))
         else {
             return;
@@ -641,6 +838,7 @@ impl Planner {
             server_id: target.view.server_id.clone(),
             kind: ActionKind::Evacuate,
             count: count(idle.len()),
+            direct: false,
             reason,
         });
         let mem = self.memory.entry(target.key()).or_default();
@@ -684,6 +882,7 @@ impl Planner {
                 server_id: s.view.server_id.clone(),
                 kind: ActionKind::Recycle,
                 count: count(idle.len()),
+                direct: false,
                 reason: format!(
                     "{why}: closing {} idle streams, {} busy finish first",
                     idle.len(),
@@ -693,8 +892,9 @@ impl Planner {
         }
     }
 
-    /// Growing: `max(grow_min, in flight, shortfall)`, clipped by the 4x rule and
-    /// `max_inflight`. Busiest server first.
+    /// Growing: the growth (the shortfall when the queue is reported, else
+    /// `max(grow_min, in flight, shortfall)`) divided by the placement share, clipped by the
+    /// 4x rule and `max_inflight`; a direct step is the shortfall. Busiest server first.
     fn grow(&self, tick: &Tick) -> Vec<OpenRequest> {
         let cfg = &self.cfg;
         let reserve = cfg.reserve;
@@ -706,24 +906,61 @@ impl Planner {
             .collect();
         growing.sort_by_key(|s| std::cmp::Reverse(s.busy()));
         let mut requests = Vec::new();
+        // Load-balanced opens asked for so far in this plan: a share of them lands on each
+        // server, so the next server needs that much less.
+        let mut planned = 0u32;
         for s in growing {
             if headroom == 0 {
                 break;
             }
             let queued = s.view.queued.min(headroom);
             let demand = s.in_flight.saturating_add(queued);
-            let shortfall = demand.saturating_add(reserve).saturating_sub(s.live);
-            let direct = self.direct_of(s);
-            // Through the load balancer a step doubles the server (new streams scatter,
-            // and the hint may be missing); a direct open lands exactly where it is
-            // needed, so it opens the shortfall and no more.
-            let step = if direct.is_some() {
-                shortfall
-            } else {
-                cfg.grow_min.max(s.in_flight).max(shortfall)
+            let mut target = demand.saturating_add(reserve);
+            if let Some(cap) = s.view.cap {
+                target = target.min(cap);
             }
-            .min(headroom + reserve);
+            let shortfall = target.saturating_sub(s.live);
+            let direct = self.direct_of(s);
             headroom -= queued;
+            // A direct open lands exactly where it is needed: the shortfall and no more.
+            // Through the load balancer the server gains its growth only at its share of
+            // the opens; without a reported queue the growth doubles it (the queue may be
+            // anything).
+            let (step, rule) = if direct.is_some() {
+                (shortfall, format!("direct step = shortfall {shortfall}"))
+            } else {
+                let (growth, how) = if s.view.hints {
+                    let g = cfg.grow_min.max(shortfall);
+                    (
+                        g,
+                        format!("growth max({}, {shortfall}) = {g}", cfg.grow_min),
+                    )
+                } else {
+                    let g = cfg.grow_min.max(s.in_flight).max(shortfall);
+                    (
+                        g,
+                        format!(
+                            "queue not reported: growth max({}, {}, {shortfall}) = {g}",
+                            cfg.grow_min, s.in_flight
+                        ),
+                    )
+                };
+                let growth = growth.min(headroom.saturating_add(queued).saturating_add(reserve));
+                let landing = landing_of(planned, s.share);
+                let opens = opens_for(growth.saturating_sub(landing), s.share);
+                let of_others = if landing > 0 {
+                    format!(", {landing} of the plan's other opens land there")
+                } else {
+                    String::new()
+                };
+                (
+                    opens,
+                    format!(
+                        "{how}; placement share {:.2}{of_others}: {opens} opens",
+                        s.share
+                    ),
+                )
+            };
             let elsewhere: u32 = tick
                 .servers
                 .iter()
@@ -743,14 +980,9 @@ impl Planner {
             if want == 0 {
                 continue;
             }
-            let rule = if direct.is_some() {
-                format!("direct step = shortfall {step}")
-            } else {
-                format!(
-                    "step max({}, {}, {shortfall}) = {step}",
-                    cfg.grow_min, s.in_flight
-                )
-            };
+            if direct.is_none() {
+                planned = planned.saturating_add(want);
+            }
             let mut why = format!(
                 "short {}: streams {} < busy {} (in flight {}, queued {}) + reserve {reserve}; {rule}",
                 s.shortfall(reserve),
@@ -759,6 +991,9 @@ impl Planner {
                 s.in_flight,
                 s.view.queued,
             );
+            if tick.cause == Cause::Pressure {
+                why.push_str(" (on the server's queued-calls signal)");
+            }
             if want < step {
                 why.push_str(&format!(
                     ", clipped to {want}: idle beyond reserve elsewhere {elsewhere} vs {}x demand {demand}",
@@ -767,7 +1002,7 @@ impl Planner {
             }
             requests.push(OpenRequest {
                 server_id: s.view.server_id.clone(),
-                probe: None,
+                budgeted: None,
                 direct,
                 kind: ActionKind::Grow,
                 want,
@@ -777,51 +1012,87 @@ impl Planner {
         requests
     }
 
-    /// Filling: open the shortfall toward the reserve. A listed server that holds none
-    /// of the agent's streams gets at most `reserve` x servers opens in all (about what
-    /// uniform placement needs to land the reserve there); past that budget it is
-    /// avoided like an evacuated one, so a listed server the load balancer never reaches
-    /// costs a bounded number of opens per `evacuated_for`.
-    fn fill(&mut self, tick: &Tick) -> Vec<OpenRequest> {
+    /// Filling: open the shortfall divided by the placement share, toward the reserve,
+    /// within the fill budget (`reserve` x servers x 2 opens since the server became short),
+    /// then one open per `fill_retry` while it stays short. Direct opens land there and
+    /// need no budget.
+    fn fill(&mut self, tick: &Tick, grown: &[OpenRequest]) -> Vec<OpenRequest> {
         let reserve = self.cfg.reserve;
-        let servers = count(tick.servers.len()).max(1);
-        let budget = reserve.saturating_mul(servers).saturating_mul(2);
+        let budget = self.fill_budget(tick.servers.len());
+        let retry = self.cfg.fill_retry;
         let mut requests = Vec::new();
-        for s in tick.servers.iter().filter(|s| s.state == State::Filling) {
+        // Load-balanced opens asked for so far in this plan (growth first): a share of them
+        // lands on each server filled here, so it needs that much less. The server needing
+        // the most opens goes first, so the others are served by what lands on them.
+        let mut planned: u32 = grown
+            .iter()
+            .filter(|r| r.direct.is_none())
+            .fold(0, |n, r| n.saturating_add(r.want));
+        let mut filling: Vec<&Server> = tick
+            .servers
+            .iter()
+            .filter(|s| s.state == State::Filling)
+            .collect();
+        filling.sort_by(|a, b| {
+            let need = |s: &Server| f64::from(s.shortfall(reserve)) / s.share;
+            need(b)
+                .total_cmp(&need(a))
+                .then_with(|| a.view.server_id.cmp(&b.view.server_id))
+        });
+        for s in filling {
             let shortfall = s.shortfall(reserve);
             let direct = self.direct_of(s);
-            if !s.absent() || direct.is_some() {
+            let held = if s.absent() {
+                "listed in the fleet, holds none of our streams".to_string()
+            } else {
+                format!("streams {} < reserve {reserve}, no calls", s.live)
+            };
+            if direct.is_some() {
                 requests.push(OpenRequest {
                     server_id: s.view.server_id.clone(),
-                    probe: None,
+                    budgeted: None,
                     direct,
                     kind: ActionKind::Fill,
                     want: shortfall,
-                    why: format!(
-                        "short {shortfall}: streams {} < reserve {reserve}, no calls",
-                        s.live
-                    ),
+                    why: format!("short {shortfall}: {held}"),
                 });
                 continue;
             }
-            let mem = self.memory.entry(s.key()).or_default();
-            let left = budget.saturating_sub(mem.probes);
-            if left == 0 {
-                // Avoided for `evacuated_for`, then tried afresh.
-                mem.evacuated_at = Some(tick.now);
-                mem.short_idle_since = None;
-                mem.probes = 0;
+            let landing = landing_of(planned, s.share);
+            if landing >= shortfall {
                 continue;
             }
+            let mem = self.memory.entry(s.key()).or_default();
+            let opens = opens_for(shortfall - landing, s.share);
+            let left = budget.saturating_sub(mem.fill_opens);
+            let (want, pace) = if left > 0 {
+                (opens.min(left), String::new())
+            } else if mem
+                .paced_at
+                .is_none_or(|at| tick.now.saturating_duration_since(at) >= retry)
+            {
+                (
+                    1,
+                    format!(", budget spent: one open per {}s", retry.as_secs()),
+                )
+            } else {
+                continue;
+            };
+            planned = planned.saturating_add(want);
+            let of_others = if landing > 0 {
+                format!(", {landing} of the plan's other opens land there")
+            } else {
+                String::new()
+            };
             requests.push(OpenRequest {
                 server_id: s.view.server_id.clone(),
-                probe: Some(s.key()),
+                budgeted: Some(s.key()),
                 direct: None,
                 kind: ActionKind::Fill,
-                want: shortfall.min(left),
+                want,
                 why: format!(
-                    "listed in the fleet, holds none of our streams: toward reserve {reserve} (opens so far {}, budget {budget})",
-                    mem.probes
+                    "short {shortfall}: {held}; placement share {:.2}{of_others}: {opens} opens (fill opens so far {}, budget {budget}{pace})",
+                    s.share, mem.fill_opens
                 ),
             });
         }
@@ -835,7 +1106,7 @@ impl Planner {
         }
         Some(OpenRequest {
             server_id: ANY_SERVER.to_string(),
-            probe: None,
+            budgeted: None,
             direct: None,
             kind: ActionKind::Fill,
             want: self.cfg.reserve,
@@ -848,18 +1119,28 @@ impl Planner {
     }
 
     /// Sum the requests: credit the streams already opening, in request order, then cap
-    /// live + opening + new at `max_streams`.
+    /// live + opening + new at `max_streams` (the streams this plan closes no longer count).
+    /// At the cap, a tick makes room for a short server by recycling idle streams of the
+    /// best-covered ones (see [`Planner::make_room`]).
     fn open(&mut self, tick: &Tick, requests: Vec<OpenRequest>, plan: &mut Plan) {
         let mut credit = tick.opening;
         let direct_opening: u32 = tick
             .servers
             .iter()
             .fold(0, |n, s| n.saturating_add(s.view.opening));
-        let mut room = self.cfg.max_streams.saturating_sub(
-            tick.live()
-                .saturating_add(tick.opening)
-                .saturating_add(direct_opening),
-        );
+        let live_after = tick.live().saturating_sub(count(plan.close.len()));
+        let have = live_after
+            .saturating_add(tick.opening)
+            .saturating_add(direct_opening);
+        let mut room = self.cfg.max_streams.saturating_sub(have);
+        // Room is recycled on ticks, and only at the cap: over it (a lowered cap) the
+        // retirement gets under it first.
+        let mut recyclable = if tick.cause == Cause::Tick && have <= self.cfg.max_streams {
+            self.cfg.grow_min
+        } else {
+            0
+        };
+        let budget = self.fill_budget(tick.servers.len());
         for r in requests {
             let credited = match &r.direct {
                 Some((_, _, opening)) => (*opening).min(r.want),
@@ -869,22 +1150,47 @@ impl Planner {
                     c
                 }
             };
-            let n = (r.want - credited).min(room);
+            let asked = r.want - credited;
+            let mut n = asked.min(room);
             room -= n;
-            if n == 0 {
-                continue;
-            }
             let mut reason = r.why;
             if credited > 0 {
                 reason.push_str(&format!(", {credited} already opening"));
             }
-            if n < r.want - credited {
-                reason.push_str(&format!(", capped by max_streams {}", self.cfg.max_streams));
+            if n < asked {
+                // At max_streams: room for a short server comes from the best-covered ones,
+                // at most grow_min a tick and within the short server's fill budget.
+                let fill_left = match &r.budgeted {
+                    Some(k) => budget
+                        .saturating_sub(self.memory.get(k).map_or(0, |m| m.fill_opens))
+                        .max(1),
+                    None => u32::MAX,
+                };
+                let want = (asked - n).min(recyclable).min(fill_left);
+                let made = self.make_room(tick, want, &r.server_id, plan);
+                recyclable -= made;
+                n += made;
+                if n < asked {
+                    reason.push_str(&format!(", capped by max_streams {}", self.cfg.max_streams));
+                }
+                if made > 0 {
+                    reason.push_str(&format!(
+                        ", {made} in room recycled from the best-covered servers"
+                    ));
+                }
             }
-            if let Some(k) = &r.probe {
+            if n == 0 {
+                continue;
+            }
+            if let Some(k) = &r.budgeted {
                 let mem = self.memory.entry(k.clone()).or_default();
-                mem.probes = mem.probes.saturating_add(n);
+                mem.fill_opens = mem.fill_opens.saturating_add(n);
+                if mem.fill_opens >= budget {
+                    // Spent (or a paced open): the next one waits `fill_retry`.
+                    mem.paced_at = Some(tick.now);
+                }
             }
+            let direct = r.direct.is_some();
             match r.direct {
                 Some(((server_id, instance_id), url, _)) => {
                     reason.push_str(&format!("; opening {n} direct to {url}"));
@@ -904,49 +1210,127 @@ impl Planner {
                 server_id: r.server_id,
                 kind: r.kind,
                 count: n,
+                direct,
                 reason,
             });
         }
     }
 
-    /// Retire idle streams unused for `retire_unused` (none while any server is short),
-    /// then obey `max_streams` by retiring the oldest idle streams anywhere.
+    /// Closes up to `want` idle streams of covered servers beyond their busy + reserve, from
+    /// the best-covered one down, so `for_server` can have the room at `max_streams`.
+    /// Returns how many it closed.
+    fn make_room(&self, tick: &Tick, want: u32, for_server: &str, plan: &mut Plan) -> u32 {
+        if want == 0 {
+            return 0;
+        }
+        let reserve = self.cfg.reserve;
+        let closing: HashSet<StreamId> = plan.close.iter().copied().collect();
+        let mut donors: Vec<(&Server, Vec<StreamId>)> = tick
+            .servers
+            .iter()
+            .filter(|s| s.state == State::Covered && s.view.server_id != for_server)
+            .map(|s| {
+                let spare = s.live.saturating_sub(s.budget(reserve)) as usize;
+                let idle: Vec<StreamId> = s
+                    .idle_streams()
+                    .into_iter()
+                    .map(|st| st.id)
+                    .filter(|id| !closing.contains(id))
+                    .take(spare)
+                    .collect();
+                (s, idle)
+            })
+            .filter(|(_, idle)| !idle.is_empty())
+            .collect();
+        donors.sort_by(|a, b| {
+            b.1.len()
+                .cmp(&a.1.len())
+                .then_with(|| a.0.view.server_id.cmp(&b.0.view.server_id))
+        });
+        let mut made = 0u32;
+        for (s, idle) in donors {
+            if made >= want {
+                break;
+            }
+            let take = ((want - made) as usize).min(idle.len());
+            plan.close.extend(&idle[..take]);
+            made += count(take);
+            plan.actions.push(Action {
+                server_id: s.view.server_id.clone(),
+                kind: ActionKind::Recycle,
+                count: count(take),
+                direct: false,
+                reason: format!(
+                    "max_streams {} reached and {for_server} is short: closing {take} of {} idle streams beyond busy {} + reserve {reserve} to open there instead",
+                    self.cfg.max_streams,
+                    idle.len(),
+                    s.busy()
+                ),
+            });
+        }
+        made
+    }
+
+    /// Retire idle streams unused for `retire_unused` (none while any server is short), in
+    /// batches (see the module docs), then obey `max_streams` by retiring the oldest idle
+    /// streams anywhere.
     fn retire(&self, tick: &Tick, plan: &mut Plan) {
         let cfg = &self.cfg;
         let now = tick.now;
-        let mut closing: std::collections::HashSet<StreamId> = plan.close.iter().copied().collect();
+        let mut closing: HashSet<StreamId> = plan.close.iter().copied().collect();
         if !tick.servers.iter().any(Server::is_short) {
+            let window = self.retire_window();
+            let qualifies_at = |st: &StreamView| {
+                (st.opened_at + cfg.retire_min_age).max(st.last_used + cfg.retire_unused)
+            };
+            let mut due: Vec<(&Server, Vec<StreamId>)> = Vec::new();
+            let mut first_due: Option<Instant> = None;
+            let mut soon = false;
             for s in tick.servers.iter().filter(|s| s.state == State::Covered) {
-                let spare = s.live.saturating_sub(s.budget(cfg.reserve)) as usize;
-                let unused: Vec<StreamId> = s
+                let closing_here = s.view.streams.iter().filter(|st| closing.contains(&st.id));
+                let spare =
+                    s.live
+                        .saturating_sub(s.budget(cfg.reserve))
+                        .saturating_sub(count(closing_here.count())) as usize;
+                let mut ids = Vec::new();
+                for st in s
                     .idle_streams()
                     .into_iter()
-                    .filter(|st| {
-                        !closing.contains(&st.id)
-                            && now.saturating_duration_since(st.opened_at) >= cfg.retire_min_age
-                            && now.saturating_duration_since(st.last_used) >= cfg.retire_unused
-                    })
+                    .filter(|st| !closing.contains(&st.id))
                     .take(spare)
-                    .map(|st| st.id)
-                    .collect();
-                if unused.is_empty() {
-                    continue;
+                {
+                    let at = qualifies_at(st);
+                    if at <= now {
+                        ids.push(st.id);
+                        first_due = Some(first_due.map_or(at, |f| f.min(at)));
+                    } else if at <= now + window {
+                        soon = true;
+                    }
                 }
-                plan.actions.push(Action {
-                    server_id: s.view.server_id.clone(),
-                    kind: ActionKind::Retire,
-                    count: count(unused.len()),
-                    reason: format!(
-                        "streams {} > busy {} + reserve {}: retiring {} idle unused for {}s",
-                        s.live,
-                        s.busy(),
-                        cfg.reserve,
-                        unused.len(),
-                        cfg.retire_unused.as_secs()
-                    ),
-                });
-                closing.extend(&unused);
-                plan.close.extend(unused);
+                if !ids.is_empty() {
+                    due.push((s, ids));
+                }
+            }
+            let waited = first_due.is_some_and(|f| now.saturating_duration_since(f) >= window);
+            if !soon || waited {
+                for (s, unused) in due {
+                    plan.actions.push(Action {
+                        server_id: s.view.server_id.clone(),
+                        kind: ActionKind::Retire,
+                        count: count(unused.len()),
+                        direct: false,
+                        reason: format!(
+                            "streams {} > busy {} + reserve {}: retiring {} idle unused for {}s",
+                            s.live,
+                            s.busy(),
+                            cfg.reserve,
+                            unused.len(),
+                            cfg.retire_unused.as_secs()
+                        ),
+                    });
+                    closing.extend(&unused);
+                    plan.close.extend(unused);
+                }
             }
         }
         let live = tick.live().saturating_sub(count(closing.len()));
@@ -978,6 +1362,7 @@ impl Planner {
                 server_id: server_id.to_string(),
                 kind: ActionKind::Retire,
                 count: n,
+                direct: false,
                 reason: format!(
                     "over cap: live {live} > max_streams {}: retiring {n} oldest idle",
                     cfg.max_streams
@@ -1012,6 +1397,7 @@ impl Planner {
                 server_id: s.server_id.clone(),
                 kind: ActionKind::Recycle,
                 count: count(idle.len()),
+                direct: false,
                 reason: format!("draining: closing {} idle streams (fixed pool)", idle.len()),
             });
             close.extend(idle);

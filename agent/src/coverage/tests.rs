@@ -108,14 +108,18 @@ impl Connector for FakeNet {
     }
 }
 
-/// The real planner, plus stream ids the test wants closed on the next tick.
+/// The real planner, plus stream ids the test wants closed on the next tick; it records
+/// each plan's cause and the queued calls its snapshot counted (all servers).
 struct Scripted {
     inner: Planner,
     close_next: Arc<Mutex<Vec<StreamId>>>,
+    seen: Arc<Mutex<Vec<(Cause, u32)>>>,
 }
 
 impl PlanStep for Scripted {
     fn plan(&mut self, snap: &Snapshot) -> Plan {
+        let queued = snap.servers.iter().map(|s| s.queued).sum();
+        self.seen.lock().unwrap().push((snap.cause, queued));
         let mut plan = self.inner.plan(snap);
         plan.close.append(&mut self.close_next.lock().unwrap());
         plan
@@ -145,16 +149,26 @@ struct Harness {
     net: FakeNet,
     handle: CoverageHandle,
     close_next: Arc<Mutex<Vec<StreamId>>>,
+    seen: Arc<Mutex<Vec<(Cause, u32)>>>,
     registry: prometheus::Registry,
+}
+
+impl Harness {
+    /// The plans since the last call: (cause, queued calls counted).
+    fn plans(&self) -> Vec<(Cause, u32)> {
+        std::mem::take(&mut *self.seen.lock().unwrap())
+    }
 }
 
 fn start(cfg: CoverageConfig, net: FakeNet) -> Harness {
     let registry = prometheus::Registry::new();
     let metrics = AgentMetrics::register(&registry).unwrap();
     let close_next = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::new(Mutex::new(Vec::new()));
     let planner = Scripted {
         inner: Planner::new(cfg),
         close_next: close_next.clone(),
+        seen: seen.clone(),
     };
     let (actor, view) = CoverageActor::new(
         Box::new(planner),
@@ -166,6 +180,7 @@ fn start(cfg: CoverageConfig, net: FakeNet) -> Harness {
         net,
         handle: CoverageHandle::spawn(actor, view),
         close_next,
+        seen,
         registry,
     }
 }
@@ -424,4 +439,64 @@ async fn series_of_a_server_without_streams_are_removed() {
             .collect::<Vec<_>>(),
         vec!["s2"]
     );
+}
+
+/// A server's queued-calls signal starts growth when it arrives, not at the next tick.
+#[tokio::test(start_paused = true)]
+async fn a_queued_calls_signal_starts_growth_at_once() {
+    let h = start(CoverageConfig::default(), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let live = h.net.live();
+    assert_eq!(live.len(), 2, "at rest: the reserve");
+    // Mid-tick: the next tick is 0.7 s away.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = h.net.opened();
+    for id in &live {
+        h.net.emit(*id, StreamEvent::CallStarted);
+    }
+    h.net.emit(live[0], StreamEvent::Pressure(100));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    // 2 in flight + 100 queued + reserve 2 - 2 streams, every open landing on s1.
+    assert_eq!(h.net.opened() - before, 102);
+    // The same hint again is no news; the tick sees the new streams and does nothing more.
+    h.net.emit(live[0], StreamEvent::Pressure(100));
+    ticks(1).await;
+    assert_eq!(h.net.opened() - before, 102);
+    let view = h.handle.view().borrow().clone();
+    assert_eq!(view.servers[0].state, "covered", "{view:?}");
+}
+
+/// A call that takes a stream while calls queue there plans growth too (the server's idle
+/// streams ran out), at most once per EVENT_GAP; that call was one of the queued ones, so
+/// the hint counts one less until the server sends the next.
+#[tokio::test(start_paused = true)]
+async fn a_call_taking_a_stream_while_calls_queue_plans_growth_counting_it_out_of_the_queue() {
+    let h = start(CoverageConfig::default(), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.plans();
+    h.net.emit(h.net.live()[0], StreamEvent::Pressure(5));
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(h.plans(), vec![(Cause::Pressure, 5)]);
+    let live = h.net.live();
+    // Three of the queued calls take streams: one plan, after EVENT_GAP, counting 2.
+    for id in &live[..3] {
+        h.net.emit(*id, StreamEvent::CallStarted);
+    }
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(h.plans(), vec![], "within EVENT_GAP of the last plan");
+    tokio::time::sleep(EVENT_GAP).await;
+    assert_eq!(h.plans(), vec![(Cause::Pressure, 2)]);
+    // The last two: the hint is used up.
+    for id in &live[3..5] {
+        h.net.emit(*id, StreamEvent::CallStarted);
+    }
+    tokio::time::sleep(EVENT_GAP * 2).await;
+    assert_eq!(h.plans(), vec![(Cause::Pressure, 0)]);
+    // A call starting with no queue reported plans nothing before the tick.
+    h.net.emit(live[5], StreamEvent::CallStarted);
+    tokio::time::sleep(EVENT_GAP * 2).await;
+    assert_eq!(h.plans(), vec![]);
+    ticks(1).await;
+    assert_eq!(h.plans().first().map(|p| p.0), Some(Cause::Tick));
 }

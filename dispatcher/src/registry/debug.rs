@@ -13,8 +13,9 @@ fn ms(d: Duration) -> u64 {
     d.as_millis().min(u128::from(u64::MAX)) as u64
 }
 
-/// Per tunnel id the servers with their figures, tier, the home and the spill share; per
-/// server its origin, lease and load. `wall` is the wall clock at `now`.
+/// Per tunnel id the servers with their figures, tier, the home, the spill share and why it
+/// last rose; per server its origin, lease, load (calls in flight, CPU) and this
+/// dispatcher's measured leg to it. `wall` is the wall clock at `now`.
 pub fn routes(table: &Table, router: &Router, now: Instant, wall: SystemTime) -> serde_json::Value {
     let lease = table.lease();
     let age = |t: Instant| now.saturating_duration_since(t);
@@ -71,6 +72,7 @@ pub fn routes(table: &Table, router: &Router, now: Instant, wall: SystemTime) ->
                 "policy": router.policy(),
                 "home": status.as_ref().and_then(|s| s.home.as_deref().map(str::to_string)),
                 "spill_share": status.as_ref().map(|s| s.spill_share).unwrap_or(0.0),
+                "spill_reason": status.as_ref().and_then(|s| s.spill_reason),
                 "order": order,
                 "servers": servers,
             })
@@ -94,6 +96,8 @@ pub fn routes(table: &Table, router: &Router, now: Instant, wall: SystemTime) ->
                 "tunnels": e.tunnels.len(),
                 "draining": e.draining(),
                 "calls_in_flight": e.load.as_ref().map(|(_, l)| l.calls_in_flight),
+                "cpu_permille": e.load.as_ref().map(|(_, l)| l.cpu_permille),
+                "forward_rtt_us": table.forward_rtt_of(e),
                 "load_age_ms": e.load.as_ref().map(|(at, _)| ms(age(*at))),
             })
         })

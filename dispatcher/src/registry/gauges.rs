@@ -1,11 +1,15 @@
-//! The routing gauges (`relay_dispatcher_spill_share{tunnel_id}`,
+//! The routing gauges (`relay_dispatcher_spill_share{tunnel_id}` and the
+//! `relay_dispatcher_spills_total{tunnel_id}` series, exported at 0 with it;
 //! `relay_dispatcher_server_rtt_seconds` and `relay_dispatcher_server_tier{server_id,
-//! tunnel_id}`, the server and tunnel counts), set from the plans the registry rebuilds.
+//! tunnel_id}`; per server `relay_dispatcher_server_load_ratio`,
+//! `relay_dispatcher_server_calls_in_flight` and `relay_dispatcher_forward_rtt_seconds`;
+//! the server and tunnel counts), set from the plans the registry rebuilds and the table.
 //!
-//! It remembers which label sets it exported, by tunnel id, so a tunnel id or a server that
-//! goes takes its series with it and a rebuild of one tunnel id touches only its own series.
+//! It remembers which label sets it exported, by tunnel id and by server, so a tunnel id or
+//! a server that goes takes its series with it and a rebuild of one tunnel id touches only
+//! its own series.
 
-use super::table::RouteCounts;
+use super::table::{RouteCounts, Table};
 use crate::metrics::Metrics;
 use crate::routing::{ServerView, TunnelStatus};
 use std::collections::{HashMap, HashSet};
@@ -14,6 +18,8 @@ pub struct Gauges {
     metrics: Metrics,
     /// Exported server ids, by tunnel id.
     exported: HashMap<String, HashSet<String>>,
+    /// Server ids with per-server series.
+    servers: HashSet<String>,
 }
 
 impl Gauges {
@@ -21,12 +27,46 @@ impl Gauges {
         Gauges {
             metrics,
             exported: HashMap::new(),
+            servers: HashSet::new(),
         }
     }
 
     pub fn counts(&self, counts: RouteCounts) {
         self.metrics.tunnel_servers.set(counts.servers as i64);
         self.metrics.tunnels.set(counts.tunnels as i64);
+    }
+
+    /// Sets each server's load, calls in flight and forward RTT from `table`; removes the
+    /// series of servers no longer in it.
+    pub fn servers(&mut self, table: &Table) {
+        let m = &self.metrics;
+        let mut now = HashSet::new();
+        for e in table.entries() {
+            let id = e.info.server_id.as_str();
+            m.server_load
+                .with_label_values(&[id])
+                .set(f64::from(e.cpu_permille()) / 1000.0);
+            let in_flight = e.load.as_ref().map_or(0, |(_, l)| l.calls_in_flight);
+            m.server_calls_in_flight
+                .with_label_values(&[id])
+                .set(i64::from(in_flight));
+            match table.forward_rtt_of(e) {
+                Some(us) => m
+                    .forward_rtt
+                    .with_label_values(&[id])
+                    .set(f64::from(us) / 1e6),
+                None => {
+                    let _ = m.forward_rtt.remove_label_values(&[id]);
+                }
+            }
+            now.insert(id.to_string());
+        }
+        for gone in self.servers.difference(&now) {
+            let _ = m.server_load.remove_label_values(&[gone]);
+            let _ = m.server_calls_in_flight.remove_label_values(&[gone]);
+            let _ = m.forward_rtt.remove_label_values(&[gone]);
+        }
+        self.servers = now;
     }
 
     /// Sets one tunnel id's series from its routing `status` and the servers holding it;
@@ -36,6 +76,7 @@ impl Gauges {
         let Some(status) = status.filter(|_| !views.is_empty()) else {
             if let Some(servers) = self.exported.remove(tunnel_id) {
                 let _ = m.spill_share.remove_label_values(&[tunnel_id]);
+                let _ = m.spills.remove_label_values(&[tunnel_id]);
                 for s in servers {
                     let _ = m.server_rtt.remove_label_values(&[&s, tunnel_id]);
                     let _ = m.server_tier.remove_label_values(&[&s, tunnel_id]);
@@ -46,6 +87,8 @@ impl Gauges {
         m.spill_share
             .with_label_values(&[tunnel_id])
             .set(status.spill_share);
+        // At 0 from the tunnel id's first plan, so `rate()` sees its first spill.
+        m.spills.with_label_values(&[tunnel_id]);
         let mut now: HashSet<String> = HashSet::with_capacity(views.len());
         for v in views {
             m.server_rtt

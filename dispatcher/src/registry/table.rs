@@ -1,7 +1,7 @@
 //! The routing table as a pure state machine: [`Table::apply`] takes one typed [`Event`]
 //! (a server joined, a tunnel id went up or down, a load report, a server left, leases
-//! checked, shared records read) with `now` as a value, and returns the [`Change`]s it
-//! made.
+//! checked, shared records read, this dispatcher's leg to a server measured) with `now` as
+//! a value, and returns the [`Change`]s it made.
 //!
 //! Why this shape: the table is the one place that decides what a report means, and every
 //! consumer (the Redis writer, the gauges, the forward-channel cache, the routing plans, the
@@ -59,6 +59,10 @@ pub struct LoadFigures {
     pub tunnels: BTreeMap<String, TunnelFigures>,
     pub calls_in_flight: u32,
     pub draining: bool,
+    /// The server's smoothed CPU use, per mille; 0 when it does not measure it (and in
+    /// records of dispatchers that did not know it).
+    #[serde(default)]
+    pub cpu_permille: u32,
 }
 
 /// A server's entry as shared between dispatchers (the JSON sealed into Redis by
@@ -118,6 +122,14 @@ pub enum Event {
     Leave { session: SessionId },
     /// Drop the local entries that have not reported within the lease.
     ExpireLeases,
+    /// This dispatcher's smoothed round trip to the server at `forward_url` (local or
+    /// shared), measured on its forward connection; `None` forgets it. Added to the RTT the
+    /// server reports for a tunnel id's streams. Changes no plan at once: the routing tick
+    /// rebuilds every plan.
+    ForwardRtt {
+        forward_url: String,
+        rtt_us: Option<u32>,
+    },
     /// Entries read back from the shared store.
     Shared {
         records: Vec<ServerRecord>,
@@ -188,6 +200,11 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// The server's smoothed CPU use from its last report, per mille (0: unknown).
+    pub fn cpu_permille(&self) -> u32 {
+        self.load.as_ref().map_or(0, |(_, l)| l.cpu_permille)
+    }
+
     pub fn draining(&self) -> bool {
         self.load.as_ref().is_some_and(|(_, l)| l.draining)
     }
@@ -219,9 +236,16 @@ impl Entry {
         }
     }
 
-    /// What the router sees of this entry for `tunnel_id`.
-    fn view(&self, tunnel_id: &str, at: Instant) -> ServerView {
+    /// What the router sees of this entry for `tunnel_id`; `forward_rtt_us` is this
+    /// dispatcher's leg to the server, when measured.
+    fn view(&self, tunnel_id: &str, at: Instant, forward_rtt_us: Option<u32>) -> ServerView {
         let f = self.figures(tunnel_id).cloned().unwrap_or_default();
+        // The latency of a call's path: this dispatcher's leg plus the agent leg the server
+        // measures; unknown until both are.
+        let rtt_us = match forward_rtt_us {
+            Some(fwd) if f.rtt_us > 0 => f.rtt_us.saturating_add(fwd),
+            _ => 0,
+        };
         ServerView {
             server_id: Arc::from(self.info.server_id.as_str()),
             forward_url: Arc::from(self.info.forward_url.as_str()),
@@ -230,7 +254,8 @@ impl Entry {
             idle: f.idle,
             busy: f.busy,
             queued: f.queued,
-            rtt_us: f.rtt_us,
+            rtt_us,
+            load_permille: self.cpu_permille(),
         }
     }
 }
@@ -276,6 +301,8 @@ pub struct Table {
     sessions: HashMap<SessionId, String>,
     /// Number of entries holding each tunnel id.
     holders: HashMap<String, usize>,
+    /// This dispatcher's smoothed round trip to each forward URL in use, microseconds.
+    forward_rtt: HashMap<String, u32>,
 }
 
 impl Table {
@@ -286,6 +313,7 @@ impl Table {
             entries: HashMap::new(),
             sessions: HashMap::new(),
             holders: HashMap::new(),
+            forward_rtt: HashMap::new(),
         }
     }
 
@@ -355,6 +383,22 @@ impl Table {
                 }
             }
             Event::Shared { records, prune } => self.shared(now, records, prune, &mut d),
+            Event::ForwardRtt {
+                forward_url,
+                rtt_us,
+            } => match rtt_us {
+                Some(us) if self.uses_forward_url(&forward_url) => {
+                    self.forward_rtt.insert(forward_url, us);
+                }
+                _ => {
+                    self.forward_rtt.remove(&forward_url);
+                }
+            },
+        }
+        if !d.gone.is_empty() {
+            let entries = &self.entries;
+            self.forward_rtt
+                .retain(|url, _| entries.values().any(|e| &e.info.forward_url == url));
         }
         Ok(self.changes(d))
     }
@@ -496,7 +540,10 @@ impl Table {
         }
         self.entries
             .values()
-            .filter_map(|e| Some(e.view(tunnel_id, *e.tunnels.get(tunnel_id)?)))
+            .filter_map(|e| {
+                let at = *e.tunnels.get(tunnel_id)?;
+                Some(e.view(tunnel_id, at, self.forward_rtt_of(e)))
+            })
             .collect()
     }
 
@@ -504,8 +551,12 @@ impl Table {
     pub fn all_views(&self) -> HashMap<String, Vec<ServerView>> {
         let mut views: HashMap<String, Vec<ServerView>> = HashMap::new();
         for e in self.entries.values() {
+            let fwd = self.forward_rtt_of(e);
             for (tid, at) in &e.tunnels {
-                views.entry(tid.clone()).or_default().push(e.view(tid, *at));
+                views
+                    .entry(tid.clone())
+                    .or_default()
+                    .push(e.view(tid, *at, fwd));
             }
         }
         views
@@ -544,6 +595,22 @@ impl Table {
         let mut members: Vec<_> = self.entries.values().map(Entry::member).collect();
         members.sort_by(|a, b| a.server_id.cmp(&b.server_id));
         members
+    }
+
+    /// This dispatcher's measured leg to `e`, microseconds.
+    pub fn forward_rtt_of(&self, e: &Entry) -> Option<u32> {
+        self.forward_rtt.get(&e.info.forward_url).copied()
+    }
+
+    /// `(server id, forward URL)` of every entry: what the forward leg is measured to.
+    pub fn forward_targets(&self) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = self
+            .entries
+            .values()
+            .map(|e| (e.info.server_id.clone(), e.info.forward_url.clone()))
+            .collect();
+        out.sort();
+        out
     }
 
     pub fn uses_forward_url(&self, forward_url: &str) -> bool {

@@ -62,6 +62,7 @@ fn load(tunnels: &[(&str, u32)], draining: bool) -> LoadFigures {
             .collect(),
         calls_in_flight: 0,
         draining,
+        cpu_permille: 0,
     }
 }
 

@@ -23,6 +23,7 @@ struct S {
     busy: u32,
     queued: u32,
     rtt_us: u32,
+    load_permille: u32,
     draining: bool,
     announced_ms: u64,
 }
@@ -34,6 +35,7 @@ fn s(id: &'static str, idle: u32, busy: u32, queued: u32) -> S {
         busy,
         queued,
         rtt_us: 0,
+        load_permille: 0,
         draining: false,
         announced_ms: 0,
     }
@@ -42,6 +44,11 @@ fn s(id: &'static str, idle: u32, busy: u32, queued: u32) -> S {
 impl S {
     fn rtt(mut self, ms: f64) -> Self {
         self.rtt_us = (ms * 1000.0) as u32;
+        self
+    }
+    /// Reported load (smoothed CPU use) as a fraction.
+    fn load(mut self, share: f64) -> Self {
+        self.load_permille = (share * 1000.0) as u32;
         self
     }
     fn draining(mut self) -> Self {
@@ -89,6 +96,7 @@ impl Sim {
                 busy: s.busy,
                 queued: s.queued,
                 rtt_us: s.rtt_us,
+                load_permille: s.load_permille,
             })
             .collect();
         let table = HashMap::from([("demo".to_string(), views)]);
@@ -305,22 +313,26 @@ fn sticky_follows_the_most_recent_announcement_and_never_spills() {
 }
 
 #[test]
-fn tiers_group_servers_within_max_of_best_plus_2ms_and_twice_best() {
+fn tiers_are_grouped_from_the_lowest_remaining_average() {
     let mut sim = Sim::new(RoutingPolicy::Available);
     let servers = [
         s("a", 1, 0, 0).rtt(1.0),
         s("b", 1, 0, 0).rtt(2.9),
         s("c", 1, 0, 0).rtt(4.0),
-        s("d", 1, 0, 0).rtt(30.0),
-        s("e", 1, 0, 0),
+        s("d", 1, 0, 0).rtt(7.5),
+        s("e", 1, 0, 0).rtt(30.0),
+        s("f", 1, 0, 0),
     ];
     sim.step(&servers);
-    // Bounds from best = 1 ms: 3 ms, 6 ms, 12 ms, 24 ms, 48 ms.
-    let tiers: Vec<usize> = ["a", "b", "c", "d", "e"]
+    // a anchors tier 0 (bound max(1 + 2, 2 x 1) = 3 ms: b); c is the lowest of what
+    // remains and anchors tier 1 (bound max(6, 8) = 8 ms: d); e is alone. Bounds taken
+    // from the best alone (3, 6, 12, 24 ms) would split c from d and put e in tier 4. f
+    // has no RTT yet: tier 0, no evidence against it.
+    let tiers: Vec<usize> = ["a", "b", "c", "d", "e", "f"]
         .iter()
         .map(|id| sim.tier(id))
         .collect();
-    assert_eq!(tiers, [0, 0, 1, 4, 0]);
+    assert_eq!(tiers, [0, 0, 1, 1, 2, 0]);
     // Slow paths: 2 x best wins over best + 2 ms.
     let mut sim = Sim::new(RoutingPolicy::Available);
     sim.step(&[
@@ -329,6 +341,42 @@ fn tiers_group_servers_within_max_of_best_plus_2ms_and_twice_best() {
         s("c", 1, 0, 0).rtt(81.0),
     ]);
     assert_eq!((sim.tier("a"), sim.tier("b"), sim.tier("c")), (0, 0, 1));
+}
+
+#[test]
+fn a_faster_server_appearing_above_a_group_does_not_split_it() {
+    for a_ms in [6.0, 7.0] {
+        let mut sim = Sim::new(RoutingPolicy::Available);
+        // b and c form one group: 19 ms is within max(10 + 2, 2 x 10) = 20 ms.
+        let bc = [s("b", 1, 0, 0).rtt(10.0), s("c", 1, 0, 0).rtt(19.0)];
+        sim.step(&bc);
+        assert_eq!((sim.tier("b"), sim.tier("c")), (0, 0));
+        // a appears above. Its own bound (12 or 14 ms) reaches b but not c: the group goes
+        // below a as a whole instead of b joining a and c being left alone.
+        sim.step(&[s("a", 1, 0, 0).rtt(a_ms), bc[0], bc[1]]);
+        assert_eq!(
+            (sim.tier("a"), sim.tier("b"), sim.tier("c")),
+            (0, 1, 1),
+            "a at {a_ms} ms"
+        );
+        // And it stays so while nothing moves.
+        for _ in 0..3 {
+            sim.step(&[s("a", 1, 0, 0).rtt(a_ms), bc[0], bc[1]]);
+        }
+        assert_eq!((sim.tier("b"), sim.tier("c")), (1, 1));
+    }
+}
+
+#[test]
+fn hysteresis_follows_the_groups_lowest_member() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 1, 0, 0).rtt(1.0), s("b", 1, 0, 0).rtt(2.5)]);
+    assert_eq!(sim.tier("b"), 0);
+    // a got slower: the group's bound is max(1.6 + 2, 3.2) = 3.6 ms, b may drift to 4.32.
+    sim.step(&[s("a", 1, 0, 0).rtt(1.6), s("b", 1, 0, 0).rtt(4.2)]);
+    assert_eq!(sim.tier("b"), 0, "with its group");
+    sim.step(&[s("a", 1, 0, 0).rtt(1.6), s("b", 1, 0, 0).rtt(4.4)]);
+    assert_eq!(sim.tier("b"), 1, "past the group's bound and margin");
 }
 
 #[test]
@@ -482,4 +530,136 @@ fn a_saturated_home_yields_across_tiers_and_tiers_can_be_turned_off() {
     sim2.step(&[s("near", 1, 0, 0).rtt(1.0), s("far", 21, 0, 0).rtt(10.0)]);
     assert_eq!(sim2.home(), "far");
     assert_eq!((sim2.tier("near"), sim2.tier("far")), (0, 0));
+}
+
+#[test]
+fn a_home_much_busier_than_a_peer_spills_a_share_of_its_calls() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 5, 1, 0).load(0.3), s("b", 4, 0, 0).load(0.3)]);
+    assert_eq!(sim.home(), "a");
+    // a at 85% CPU (below the high-water mark), b at 40%: more than the margin (0.25)
+    // apart. a is not saturated (it has idle streams), yet a share of its calls goes to b,
+    // in steps, up to spill_max.
+    for k in 1..=3 {
+        sim.step(&[s("a", 5, 1, 0).load(0.85), s("b", 4, 0, 0).load(0.4)]);
+        assert!(
+            approx(sim.spill(), 0.1 * f64::from(k)),
+            "step {k}: {}",
+            sim.spill()
+        );
+    }
+    let status = sim.router.status("demo").unwrap();
+    assert_eq!(status.spill_reason, Some("load"));
+    assert_eq!(sim.home(), "a", "the home stays where it is");
+    for _ in 0..10 {
+        sim.step(&[s("a", 5, 1, 0).load(0.85), s("b", 4, 0, 0).load(0.4)]);
+    }
+    assert!(approx(sim.spill(), 0.5));
+    assert_eq!(sim.spread(100)["b"], 50);
+    // Within the margin (60% against 40%): no reason to spill; the share decays.
+    sim.step(&[s("a", 5, 1, 0).load(0.6), s("b", 4, 0, 0).load(0.4)]);
+    assert!(approx(sim.spill(), 0.45));
+    // Two servers close together never trade calls, whatever their level.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    for _ in 0..5 {
+        sim.step(&[s("a", 5, 1, 0).load(0.7), s("b", 4, 0, 0).load(0.6)]);
+    }
+    assert_eq!(sim.spill(), 0.0);
+}
+
+#[test]
+fn a_server_above_the_high_water_mark_takes_no_new_home_and_hands_its_homes_to_a_cooler_peer() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    // a has the most idle streams but is at 95% CPU: the new home is b.
+    sim.step(&[s("a", 9, 0, 0).load(0.95), s("b", 2, 0, 0).load(0.3)]);
+    assert_eq!(sim.home(), "b");
+    // Nor does a dwarfed home yield to it.
+    for _ in 0..3 {
+        sim.step(&[s("a", 30, 0, 0).load(0.95), s("b", 1, 0, 0).load(0.3)]);
+    }
+    assert_eq!(sim.home(), "b");
+    // A home that gets hot hands the home to a clearly cooler peer: new calls go there.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 9, 0, 0).load(0.3), s("b", 2, 0, 0).load(0.3)]);
+    assert_eq!(sim.home(), "a");
+    sim.step(&[s("a", 9, 0, 0).load(0.95), s("b", 2, 0, 0).load(0.3)]);
+    assert_eq!(sim.home(), "b");
+    assert_eq!(sim.spread(100)["b"], 100);
+    // Not to a peer that is hot too, or not cool enough to keep it (within the margin of
+    // the mark): the home stays and spills by the margin instead.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 9, 0, 0).load(0.3), s("b", 2, 0, 0).load(0.3)]);
+    for _ in 0..3 {
+        sim.step(&[s("a", 9, 0, 0).load(0.95), s("b", 2, 0, 0).load(0.68)]);
+    }
+    assert_eq!(sim.home(), "a");
+    assert!(approx(sim.spill(), 0.3), "{}", sim.spill());
+    // When every server is hot, one of them is the home all the same.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 9, 0, 0).load(0.95), s("b", 2, 0, 0).load(0.99)]);
+    assert_eq!(sim.home(), "a");
+}
+
+#[test]
+fn with_the_load_signal_off_routing_ignores_the_load() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.router = Router::new(RoutingConfig {
+        load_aware: false,
+        ..cfg(RoutingPolicy::Available)
+    });
+    for _ in 0..5 {
+        sim.step(&[s("a", 9, 1, 0).load(0.95), s("b", 2, 0, 0).load(0.1)]);
+    }
+    assert_eq!(sim.home(), "a");
+    assert_eq!(sim.spill(), 0.0);
+}
+
+#[test]
+fn a_home_with_calls_queued_is_saturated_though_its_report_shows_an_idle_stream() {
+    // A stream that landed a moment before the queue's next call took it: the report shows
+    // it idle beside the queue. The calls wait all the same: spill, and yield to a server
+    // that dwarfs the home even in a worse tier.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 2, 0, 0).rtt(1.0), s("b", 2, 0, 0).rtt(9.0)]);
+    assert_eq!(sim.home(), "a");
+    sim.step(&[s("a", 1, 40, 30).rtt(1.0), s("b", 5, 0, 0).rtt(9.0)]);
+    assert!(approx(sim.spill(), 0.1), "{}", sim.spill());
+    sim.step(&[s("a", 1, 40, 30).rtt(1.0), s("b", 200, 0, 0).rtt(9.0)]);
+    assert_eq!(sim.home(), "b");
+}
+
+#[test]
+fn a_home_moved_for_load_is_not_taken_back_by_a_busier_server_that_dwarfs_it() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    // b holds most of the agent's streams; it gets hot and hands the home to a.
+    sim.step(&[s("a", 2, 0, 0).load(0.05), s("b", 9, 0, 0).load(0.3)]);
+    assert_eq!(sim.home(), "b");
+    sim.step(&[s("a", 2, 0, 0).load(0.05), s("b", 120, 0, 0).load(0.95)]);
+    assert_eq!(sim.home(), "a");
+    // b's load dips under the high-water mark: it dwarfs a, but is still much busier.
+    for _ in 0..5 {
+        sim.step(&[s("a", 2, 0, 0).load(0.05), s("b", 120, 0, 0).load(0.85)]);
+        assert_eq!(sim.home(), "a");
+    }
+    // Once it is cool again, the dwarfed home yields to it as before.
+    sim.step(&[s("a", 2, 0, 0).load(0.05), s("b", 120, 0, 0).load(0.2)]);
+    assert_eq!(sim.home(), "b");
+}
+
+#[test]
+fn a_busy_home_whose_rtt_grew_stays_unless_the_better_tier_can_take_its_calls() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 13, 0, 0).rtt(1.0), s("b", 1, 0, 0).rtt(1.2)]);
+    assert_eq!(sim.home(), "a");
+    // A burst on a: 300 calls, its RTT (through its busy event loop) grows to 9 ms. b, in
+    // the better tier now, holds one idle stream: the calls would only queue there.
+    for _ in 0..3 {
+        sim.step(&[s("a", 20, 300, 0).rtt(9.0), s("b", 1, 0, 0).rtt(1.2)]);
+    }
+    assert_eq!(sim.tier("b"), 0);
+    assert_eq!(sim.tier("a"), 1);
+    assert_eq!(sim.home(), "a");
+    // Once b could take them, the home moves down.
+    sim.step(&[s("a", 20, 300, 0).rtt(9.0), s("b", 320, 0, 0).rtt(1.2)]);
+    assert_eq!(sim.home(), "b");
 }

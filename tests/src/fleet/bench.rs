@@ -135,6 +135,7 @@ pub async fn bench(levels: &[usize], each: Duration) -> anyhow::Result<Vec<Row>>
         agents: rts[2].handle().clone(),
         lb: rts[3].handle().clone(),
         upstream: rts[4].handle().clone(),
+        per_server: Vec::new(),
     };
     let result = async {
         let stack = Stack::builder()

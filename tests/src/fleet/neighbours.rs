@@ -96,6 +96,7 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
         agents: rts[2].handle().clone(),
         lb: rts[3].handle().clone(),
         upstream: rts[4].handle().clone(),
+        per_server: Vec::new(),
     };
     let result = async {
         let stack = Stack::builder()

@@ -35,6 +35,11 @@ pub struct Sample {
     pub in_flight: u64,
     /// Calls queued on the tunnel servers (embedded mode only).
     pub queued: Option<f64>,
+    /// The load (CPU use, 0..=1) each server last reported, as the dispatcher has it
+    /// (embedded mode only).
+    pub load: BTreeMap<String, f64>,
+    /// Calls each server answered so far, as the dispatcher counts them (embedded mode).
+    pub answered_by: BTreeMap<String, u64>,
     /// Totals so far.
     pub sent: u64,
     pub ok: u64,
@@ -61,6 +66,8 @@ pub struct Point {
     pub streams: u64,
     pub in_flight: u64,
     pub queued: Option<f64>,
+    /// The load (CPU use, 0..=1) each server last reported (embedded mode only).
+    pub load: BTreeMap<String, f64>,
     /// Calls answered (ok or failed) per second since the previous point.
     pub calls_per_s: f64,
     /// Calls failed since the previous point.
@@ -70,6 +77,24 @@ pub struct Point {
     pub latency_p99_ms: Option<f64>,
     /// Coverage actions taken since the previous point, by action.
     pub actions: BTreeMap<String, u64>,
+}
+
+/// How many calls the servers with a busy neighbour still answered.
+#[derive(Clone, Debug, Serialize)]
+pub struct BusyShare {
+    pub servers: Vec<String>,
+    /// Seconds into the run the first neighbour started.
+    pub from_s: f64,
+    /// Their share (0..=1) of the calls answered since then (to a sample's precision).
+    pub share: f64,
+    pub calls: u64,
+    /// From when their load has been read and acted on (`from_s` plus a few seconds).
+    pub settled_from_s: f64,
+    /// Their share of the calls answered since `settled_from_s`.
+    pub settled_share: f64,
+    pub settled_calls: u64,
+    /// Latency of the calls started since `settled_from_s` (every server).
+    pub settled_latency_ms: Quantiles,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -147,6 +172,12 @@ pub struct Report {
     /// Streams at the end of the run.
     pub resting_streams: u64,
     pub end_streams_per_server: BTreeMap<String, u64>,
+    /// Calls each tunnel server answered over the run, from the dispatcher's
+    /// `relay_dispatcher_calls_by_server_total` (embedded mode).
+    pub calls_by_server: BTreeMap<String, u64>,
+    /// With a busy neighbour on a server (`load_server`): that server's share of the calls
+    /// answered from the fault to the end, and the calls counted.
+    pub busy: Option<BusyShare>,
     pub coverage_actions: BTreeMap<String, u64>,
     pub bursts: Vec<BurstReport>,
     pub cpu: Cpu,
@@ -187,6 +218,14 @@ pub(crate) struct Inputs<'a> {
     pub process_cpu: f64,
     pub memory: (u64, u64),
     pub running_servers: Vec<String>,
+    /// The dispatcher's calls by server at the end.
+    pub calls_by_server: BTreeMap<String, u64>,
+    pub busy: Option<BusyShare>,
+}
+
+/// Exact quantiles of latencies in ms.
+pub(crate) fn quantiles(v: Vec<f32>) -> Quantiles {
+    exact(v)
 }
 
 fn exact(mut v: Vec<f32>) -> Quantiles {
@@ -306,6 +345,7 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
             streams,
             in_flight: smp.in_flight,
             queued: smp.queued,
+            load: smp.load.clone(),
             calls_per_s,
             errors,
             latency_p50_ms: lat.as_ref().map(|q| q.p50),
@@ -404,6 +444,8 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
         peak_streams,
         resting_streams,
         end_streams_per_server,
+        calls_by_server: i.calls_by_server,
+        busy: i.busy,
         coverage_actions,
         bursts,
         cpu,
@@ -439,6 +481,34 @@ fn checks(s: &Scenario, r: &Report, rec: &RecInner, running: &[String]) -> Vec<C
                 r.calls_sent
             ),
             pass: ratio <= max,
+        });
+    }
+    if let Some(max) = e.max_latency_p99 {
+        out.push(Check {
+            name: "max_latency_p99".into(),
+            want: format!("<= {}", secs(max)),
+            got: format!("{:.2} ms", r.latency_ms.p99),
+            pass: r.latency_ms.p99 <= max.as_secs_f64() * 1000.0,
+        });
+    }
+    if let Some(max) = e.max_busy_share {
+        let (got, pass) = match &r.busy {
+            Some(b) => (
+                format!(
+                    "{:.1}% of {} calls from {:.0} s",
+                    b.settled_share * 100.0,
+                    b.settled_calls,
+                    b.settled_from_s
+                ),
+                b.settled_share <= max,
+            ),
+            None => ("not measured".into(), false),
+        };
+        out.push(Check {
+            name: "max_busy_share".into(),
+            want: format!("<= {:.1}%", max * 100.0),
+            got,
+            pass,
         });
     }
     if let Some(max) = e.max_queue_wait_p99 {
@@ -607,6 +677,40 @@ pub fn summary(r: &Report) -> String {
             per.join(", ")
         ),
     );
+    if !r.calls_by_server.is_empty() {
+        let total: u64 = r.calls_by_server.values().sum();
+        let per: Vec<String> = r
+            .calls_by_server
+            .iter()
+            .map(|(k, v)| format!("{k} {v} ({:.1}%)", *v as f64 * 100.0 / total.max(1) as f64))
+            .collect();
+        row(&mut o, "calls by server", per.join(", "));
+    }
+    if let Some(b) = &r.busy {
+        row(
+            &mut o,
+            "busy neighbour",
+            format!(
+                "{} answered {:.1}% of the {} calls from {:.1} s on, {:.1}% of the {} from {:.1} s",
+                b.servers.join(", "),
+                b.share * 100.0,
+                b.calls,
+                b.from_s,
+                b.settled_share * 100.0,
+                b.settled_calls,
+                b.settled_from_s
+            ),
+        );
+        row(
+            &mut o,
+            "  latency ms",
+            format!(
+                "of the calls from {:.1} s: {}",
+                b.settled_from_s,
+                q(&b.settled_latency_ms)
+            ),
+        );
+    }
     let acts: Vec<String> = ["grow", "fill", "evacuate", "recycle", "retire"]
         .iter()
         .map(|a| format!("{a} {}", r.coverage_actions.get(*a).copied().unwrap_or(0)))

@@ -16,12 +16,19 @@
 //! `fleet-upstream`); the report reads `/proc/self/task/*/stat` per thread name. The load
 //! generator and sampler run on the caller's runtime ("load generator" row). CPU of
 //! threads that exited during the run (idle blocking-pool threads) is only in the process
-//! total.
+//! total. A scenario with a busy neighbour (`load_server`) gives every tunnel server a
+//! one-thread runtime of its own (`fleet-ts-<n>`), whose CPU the server reports as its load;
+//! the neighbour is a task on that runtime that keeps its thread busy (its CPU counts as
+//! the tunnel servers').
+//!
+//! Load: open loop at the scenario's rate and bursts, plus `load.concurrency` closed-loop
+//! callers. The stream placement: the in-process fixture (`crate::lb`), or a real HAProxy
+//! (`servers.balancer = "haproxy"`, `crate::haproxy`).
 //!
 //! This module must not write to stdout; the progress line goes to stderr (TTY only).
 
 use super::report::{self, Report, Sample, ServerStreams};
-use super::scenario::{Distribution, FaultAction, Placement, Scenario};
+use super::scenario::{Balancer, Distribution, FaultAction, Placement, Scenario};
 use crate::client::Caller;
 use crate::lb::Policy;
 use crate::load::{Call, CallId, Ended, Expect, Ledger, Plan, Reason};
@@ -87,7 +94,8 @@ struct Rts {
 }
 
 impl Rts {
-    fn new() -> std::io::Result<Rts> {
+    /// `own_servers`: server slots that get a one-thread runtime of their own.
+    fn new(own_servers: usize) -> std::io::Result<Rts> {
         let mk = |name: &str, threads: usize| {
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(threads)
@@ -95,13 +103,20 @@ impl Rts {
                 .enable_all()
                 .build()
         };
-        let rts = vec![
+        let mut rts = vec![
             mk("fleet-dispatch", 1)?,
             mk("fleet-servers", 2)?,
             mk("fleet-agents", 2)?,
             mk("fleet-lb", 1)?,
             mk("fleet-upstream", 1)?,
         ];
+        let mut per_server = Vec::new();
+        for i in 0..own_servers {
+            let name = format!("fleet-ts-{}", i + 1);
+            let rt = mk(&name, 1)?;
+            per_server.push((rt.handle().clone(), name));
+            rts.push(rt);
+        }
         let h = |i: usize| rts[i].handle().clone();
         let handles = Runtimes {
             dispatcher: h(0),
@@ -109,6 +124,7 @@ impl Rts {
             agents: h(2),
             lb: h(3),
             upstream: h(4),
+            per_server,
         };
         Ok(Rts { rts, handles })
     }
@@ -118,6 +134,78 @@ impl Rts {
             rt.shutdown_background();
         }
     }
+}
+
+/// Busy neighbours: a task per loaded server slot keeping its runtime's thread busy.
+#[derive(Default)]
+struct Neighbours {
+    /// Each server slot's runtime (empty without per-server runtimes).
+    runtimes: Vec<tokio::runtime::Handle>,
+    /// Stops each running neighbour, by slot.
+    running: Mutex<BTreeMap<usize, CancellationToken>>,
+    /// Seconds into the run the first neighbour started.
+    from_s: Mutex<Option<f64>>,
+    /// Server ids that got a neighbour.
+    loaded: Mutex<Vec<String>>,
+}
+
+/// How long a busy neighbour runs before it lets the server's tasks have the thread: each
+/// task of the server waits up to this long for its turn, every time it wakes.
+const NEIGHBOUR_SLICE: Duration = Duration::from_millis(10);
+
+/// A busy neighbour: spins for a slice, yields, again, until `stop`.
+async fn busy_neighbour(stop: CancellationToken) {
+    while !stop.is_cancelled() {
+        let until = Instant::now() + NEIGHBOUR_SLICE;
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// The load each server last reported and the calls each answered so far, from the
+/// dispatcher's metrics.
+async fn dispatcher_view(admin: SocketAddr) -> (BTreeMap<String, f64>, BTreeMap<String, u64>) {
+    let Ok(text) = crate::procs::scrape(admin).await else {
+        return Default::default();
+    };
+    let calls = labelled(&text, "relay_dispatcher_calls_by_server_total", "server_id")
+        .into_iter()
+        .map(|(k, v)| (k, v as u64))
+        .collect();
+    (
+        labelled(&text, "relay_dispatcher_server_load_ratio", "server_id"),
+        calls,
+    )
+}
+
+/// How long after a busy neighbour starts its server's load is read high enough to act on
+/// (a few samples of the smoothed figure) and routing has stepped: the busy server's
+/// `settled` share counts from then.
+const SETTLE: Duration = Duration::from_secs(5);
+
+/// The samples of metric `name` in Prometheus text, by the value of label `label`.
+fn labelled(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+    let mut out: BTreeMap<String, f64> = BTreeMap::new();
+    let prefix = format!("{name}{{");
+    let key = format!("{label}=\"");
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(prefix.as_str()) else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let id = labels
+            .split(',')
+            .find_map(|l| l.strip_prefix(key.as_str()))
+            .and_then(|v| v.strip_suffix('"'));
+        if let (Some(id), Ok(v)) = (id, value.trim().parse::<f64>()) {
+            *out.entry(id.to_string()).or_default() += v;
+        }
+    }
+    out
 }
 
 /// The fleet under test, as the sampler and the fault injector see it.
@@ -488,6 +576,7 @@ fn component(thread: &str) -> &'static str {
         "fleet-agents" => "agents",
         "fleet-lb" => "load balancer",
         "fleet-upstream" => "upstream",
+        t if t.starts_with("fleet-ts-") => "tunnel servers",
         _ => "load generator",
     }
 }
@@ -508,7 +597,12 @@ fn cpu_by_component(
 /// Runs `scenario` and returns its report. Errors only if the fleet cannot be set up.
 pub async fn run(scenario: &Scenario, opts: RunOptions) -> anyhow::Result<Report> {
     scenario.validate()?;
-    let rts = Rts::new()?;
+    let own = if scenario.loads_servers() && matches!(opts.mode, Mode::Embedded) {
+        scenario.servers.count + scenario.servers.standby
+    } else {
+        0
+    };
+    let rts = Rts::new(own)?;
     let result = run_on(scenario, &opts, &rts).await;
     rts.stop();
     result
@@ -516,6 +610,7 @@ pub async fn run(scenario: &Scenario, opts: RunOptions) -> anyhow::Result<Report
 
 async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Result<Report> {
     let s = scenario;
+    let mut haproxy: Option<crate::haproxy::Haproxy> = None;
     let (fleet, caller, tunnel_ids) = match &opts.mode {
         Mode::Embedded => {
             // One line for the whole simulated fleet; each component's own would repeat
@@ -527,11 +622,11 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
             let cov = s.agents.coverage.clone();
             let (qt, mq) = (s.servers.queue_timeout, s.servers.max_queue);
             let zones: Vec<&str> = s.servers.zones.iter().map(String::as_str).collect();
-            let stack = Stack::builder()
+            let routing = s.routing.clone();
+            let mut b = Stack::builder()
                 .servers(s.servers.count)
                 .standby_servers(s.servers.standby)
                 .zones(&zones)
-                .placement(policy(s, s.servers.placement))
                 .lb_seed(s.seed)
                 .direct_urls(s.servers.direct)
                 .coverage(cov)
@@ -542,7 +637,41 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                     c.queue_timeout = qt;
                     c.max_queue_per_tunnel = mq;
                 })
-                .agent_config(|c| c.upstream_check.interval = Duration::from_secs(30))
+                .dispatcher_config(move |c| c.routing = routing);
+            let mut tunnels = None;
+            match s.servers.balancer {
+                Balancer::Fixture => b = b.placement(policy(s, s.servers.placement)),
+                Balancer::Haproxy => {
+                    // HAProxy in front of agent listeners bound now; the stack serves them.
+                    let listeners: Vec<std::net::TcpListener> = (0..s.servers.count)
+                        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+                        .collect::<Result<_, _>>()?;
+                    let backends = listeners
+                        .iter()
+                        .enumerate()
+                        .map(|(i, l)| {
+                            Ok(crate::haproxy::Backend {
+                                name: format!("ts-{}", i + 1),
+                                addr: l.local_addr()?,
+                                admin: None,
+                                weight: s.servers.weights.get(i).copied().unwrap_or(1),
+                                disabled: false,
+                            })
+                        })
+                        .collect::<std::io::Result<Vec<_>>>()?;
+                    let h = crate::haproxy::Haproxy::start(backends).await?;
+                    tunnels = Some(h.url());
+                    haproxy = Some(h);
+                    b = b.server_agent_listeners(listeners);
+                }
+            }
+            let stack = b
+                .agent_config(move |c| {
+                    c.upstream_check.interval = Duration::from_secs(30);
+                    if let Some(url) = tunnels {
+                        c.tunnels = vec![url];
+                    }
+                })
                 .start()
                 .await?;
             let caller = stack.caller();
@@ -607,14 +736,32 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
         _ => 0,
     };
     let ready = wait_ready(&fleet, &caller, &tunnel_ids, servers, &opts.stop).await;
+    let neighbours = Arc::new(Neighbours {
+        runtimes: rts
+            .handles
+            .per_server
+            .iter()
+            .map(|(h, _)| h.clone())
+            .collect(),
+        ..Neighbours::default()
+    });
     let report = match ready {
-        Ok(()) => Some(drive(s, opts, &fleet, caller, tunnel_ids).await),
+        Ok(()) => Some(drive(s, opts, &fleet, caller, tunnel_ids, &neighbours).await),
         Err(e) => {
             shutdown(fleet).await;
             return Err(e);
         }
     };
+    for stop in neighbours
+        .running
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .values()
+    {
+        stop.cancel();
+    }
     shutdown(fleet).await;
+    drop(haproxy);
     report.ok_or_else(|| anyhow::anyhow!("no report"))
 }
 
@@ -789,7 +936,11 @@ fn agent_actions(h: &AgentHandle) -> BTreeMap<String, u64> {
 async fn sample_fleet(
     fleet: &UnderTest,
     actions: &mut ActionTotals,
-) -> (BTreeMap<String, ServerStreams>, Option<f64>) {
+) -> (
+    BTreeMap<String, ServerStreams>,
+    Option<f64>,
+    (BTreeMap<String, f64>, BTreeMap<String, u64>),
+) {
     let mut servers: BTreeMap<String, ServerStreams> = BTreeMap::new();
     let mut add = |i: usize, h: &AgentHandle, actions: &mut ActionTotals| {
         for sv in &h.coverage().borrow().servers {
@@ -817,7 +968,9 @@ async fn sample_fleet(
             for s in st.servers.iter().flatten() {
                 servers.entry(s.server_id.clone()).or_default();
             }
-            (servers, Some(queued))
+            let admin = st.dispatcher_admin;
+            drop(st);
+            (servers, Some(queued), dispatcher_view(admin).await)
         }
         UnderTest::External { agents, .. } => {
             let a = agents.lock().await;
@@ -826,7 +979,7 @@ async fn sample_fleet(
                     add(i, h, actions);
                 }
             }
-            (servers, None)
+            (servers, None, Default::default())
         }
     }
 }
@@ -842,6 +995,7 @@ async fn drive(
     fleet: &UnderTest,
     caller: Caller,
     tunnel_ids: Vec<String>,
+    neighbours: &Arc<Neighbours>,
 ) -> Report {
     let rec = Arc::new(Recorder::default());
     let threads_before = procstat::threads();
@@ -888,12 +1042,34 @@ async fn drive(
         };
         tokio::spawn(crate::load::paced(
             calls.clone(),
-            caller,
+            caller.clone(),
             pace,
             start,
             stop.clone(),
         ))
     };
+    // Closed-loop callers: each starts its next call when its last one is answered, until
+    // the end of the run (its call in flight then still gets its outcome).
+    let closed_stop = CancellationToken::new();
+    let mut closed = tokio::task::JoinSet::new();
+    if s.load.concurrency > 0 {
+        crate::load::workers(
+            &calls,
+            &crate::load::Link::shared(caller),
+            0..s.load.concurrency,
+            &[],
+            &closed_stop,
+            &mut closed,
+        );
+        let (stop, closed_stop) = (stop.clone(), closed_stop.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tokio::time::sleep_until(end) => {}
+            }
+            closed_stop.cancel();
+        });
+    }
 
     // Faults.
     let faults = {
@@ -902,7 +1078,7 @@ async fn drive(
         let stop = stop.clone();
         let events = events.clone();
         let s = s.clone();
-        let fleet_faults = fault_target(fleet);
+        let fleet_faults = fault_target(fleet, neighbours.clone());
         tokio::spawn(async move {
             let mut added = 0;
             for f in list {
@@ -944,7 +1120,7 @@ async fn drive(
         let in_flight = rec.in_flight.load(Ordering::Relaxed);
         if now >= next_sample || (!generating && in_flight == 0) {
             next_sample += Duration::from_secs(1);
-            let (servers, queued) = sample_fleet(fleet, &mut actions).await;
+            let (servers, queued, (load, answered_by)) = sample_fleet(fleet, &mut actions).await;
             let (ok, failed) = (
                 rec.ok.load(Ordering::Relaxed),
                 rec.failed.load(Ordering::Relaxed),
@@ -958,6 +1134,8 @@ async fn drive(
                 servers,
                 in_flight: in_flight.max(0) as u64,
                 queued,
+                load,
+                answered_by,
                 sent: rec.sent.load(Ordering::Relaxed),
                 ok,
                 failed,
@@ -989,12 +1167,14 @@ async fn drive(
         let streams = |p: &Sample| -> u64 { p.servers.values().map(|v| v.idle + v.busy).sum() };
         while samples.last().is_some_and(|p| streams(p) > max) && Instant::now() < until {
             tick.tick().await;
-            let (servers, queued) = sample_fleet(fleet, &mut actions).await;
+            let (servers, queued, (load, answered_by)) = sample_fleet(fleet, &mut actions).await;
             samples.push(Sample {
                 t: start.elapsed().as_secs_f64(),
                 servers,
                 in_flight: rec.in_flight.load(Ordering::Relaxed).max(0) as u64,
                 queued,
+                load,
+                answered_by,
                 sent: rec.sent.load(Ordering::Relaxed),
                 ok: rec.ok.load(Ordering::Relaxed),
                 failed: rec.failed.load(Ordering::Relaxed),
@@ -1008,6 +1188,8 @@ async fn drive(
     }
     gen.abort();
     faults.abort();
+    closed_stop.cancel();
+    closed.abort_all();
     let _ = gen.await;
     let _ = faults.await;
     let ran_for = start.elapsed();
@@ -1053,6 +1235,61 @@ async fn drive(
             .collect(),
         UnderTest::External { .. } => Vec::new(),
     };
+    let by_server = match fleet {
+        UnderTest::Embedded(stack) => {
+            let admin = stack.lock().await.dispatcher_admin;
+            dispatcher_view(admin).await.1
+        }
+        UnderTest::External { .. } => BTreeMap::new(),
+    };
+    let from = *neighbours.from_s.lock().unwrap_or_else(|e| e.into_inner());
+    let busy = from.map(|from_s| {
+        let servers = neighbours
+            .loaded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        // Calls answered from the first sample at or after `t` to the end: all, theirs.
+        let since = |t: f64| {
+            let before = samples
+                .iter()
+                .find(|p| p.t >= t)
+                .map(|p| p.answered_by.clone())
+                .unwrap_or_default();
+            let after = |id: &String| {
+                by_server
+                    .get(id)
+                    .copied()
+                    .unwrap_or(0)
+                    .saturating_sub(before.get(id).copied().unwrap_or(0))
+            };
+            let all: u64 = by_server.keys().map(after).sum();
+            let theirs: u64 = servers.iter().map(after).sum();
+            (all, theirs)
+        };
+        let (calls, theirs) = since(from_s);
+        let settled_from_s = from_s + SETTLE.as_secs_f64();
+        let (settled_calls, settled) = since(settled_from_s);
+        let settled_latency = rec
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .latencies
+            .iter()
+            .filter(|(t, _)| f64::from(*t) >= settled_from_s)
+            .map(|(_, l)| *l)
+            .collect();
+        report::BusyShare {
+            servers,
+            from_s,
+            share: theirs as f64 / calls.max(1) as f64,
+            calls,
+            settled_from_s,
+            settled_share: settled as f64 / settled_calls.max(1) as f64,
+            settled_calls,
+            settled_latency_ms: report::quantiles(settled_latency),
+        }
+    });
     let events = events.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let inner = std::mem::take(&mut *rec.inner.lock().unwrap_or_else(|e| e.into_inner()));
     report::build(report::Inputs {
@@ -1076,6 +1313,8 @@ async fn drive(
         process_cpu,
         memory: procstat::memory_kib(),
         running_servers,
+        calls_by_server: by_server,
+        busy,
     })
 }
 
@@ -1103,7 +1342,7 @@ fn draw_progress(s: &Scenario, start: Instant, rec: &Recorder, rate: f64, stream
 /// What the fault task may touch.
 #[derive(Clone)]
 enum FaultTarget {
-    Embedded(Arc<tokio::sync::Mutex<Stack>>),
+    Embedded(Arc<tokio::sync::Mutex<Stack>>, Arc<Neighbours>),
     External {
         agents: Arc<tokio::sync::Mutex<Vec<Option<AgentHandle>>>>,
         configs: Vec<relay_agent::Config>,
@@ -1111,9 +1350,9 @@ enum FaultTarget {
     },
 }
 
-fn fault_target(fleet: &UnderTest) -> FaultTarget {
+fn fault_target(fleet: &UnderTest, neighbours: Arc<Neighbours>) -> FaultTarget {
     match fleet {
-        UnderTest::Embedded(s) => FaultTarget::Embedded(s.clone()),
+        UnderTest::Embedded(s) => FaultTarget::Embedded(s.clone(), neighbours),
         UnderTest::External {
             agents,
             configs,
@@ -1137,11 +1376,11 @@ async fn apply_fault(
     let idx = f.server.saturating_sub(1);
     let name = format!("ts-{}", f.server);
     match (target, f.action) {
-        (FaultTarget::Embedded(stack), FaultAction::KillServer) => {
+        (FaultTarget::Embedded(stack, _), FaultAction::KillServer) => {
             let done = stack.lock().await.kill_server(idx);
             format!("kill {name}{}", if done { "" } else { " (not running)" })
         }
-        (FaultTarget::Embedded(stack), FaultAction::DrainServer) => {
+        (FaultTarget::Embedded(stack, _), FaultAction::DrainServer) => {
             let taken = stack.lock().await.take_server(idx);
             match taken {
                 Some(h) => {
@@ -1151,13 +1390,13 @@ async fn apply_fault(
                 None => format!("drain {name} (not running)"),
             }
         }
-        (FaultTarget::Embedded(stack), FaultAction::StartServer) => {
+        (FaultTarget::Embedded(stack, _), FaultAction::StartServer) => {
             match stack.lock().await.start_server(idx).await {
                 Ok(()) => format!("start {name}"),
                 Err(e) => format!("start {name} failed: {e}"),
             }
         }
-        (FaultTarget::Embedded(stack), FaultAction::AddServer) => {
+        (FaultTarget::Embedded(stack, _), FaultAction::AddServer) => {
             let slot = s.servers.count + *added;
             *added += 1;
             match stack.lock().await.start_server(slot).await {
@@ -1165,7 +1404,7 @@ async fn apply_fault(
                 Err(e) => format!("add ts-{} failed: {e}", slot + 1),
             }
         }
-        (FaultTarget::Embedded(stack), FaultAction::RestartAgent) => {
+        (FaultTarget::Embedded(stack, _), FaultAction::RestartAgent) => {
             let h = stack.lock().await.take_agent(f.agent);
             if let Some(h) = h {
                 let _ = tokio::time::timeout(Duration::from_secs(15), h.shutdown()).await;
@@ -1175,7 +1414,45 @@ async fn apply_fault(
                 Err(e) => format!("restart agent {} failed: {e}", f.agent),
             }
         }
-        (FaultTarget::Embedded(stack), FaultAction::SetPlacement) => {
+        (FaultTarget::Embedded(_, n), FaultAction::LoadServer) => {
+            let Some(rt) = n.runtimes.get(idx) else {
+                return format!("load {name}: no runtime of its own");
+            };
+            let stop = CancellationToken::new();
+            let prev = n
+                .running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(idx, stop.clone());
+            if let Some(prev) = prev {
+                prev.cancel();
+            }
+            rt.spawn(busy_neighbour(stop));
+            n.from_s
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(f.at.as_secs_f64());
+            n.loaded
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(name.clone());
+            format!("busy neighbour on {name}")
+        }
+        (FaultTarget::Embedded(_, n), FaultAction::UnloadServer) => {
+            let stop = n
+                .running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&idx);
+            match stop {
+                Some(stop) => {
+                    stop.cancel();
+                    format!("busy neighbour off {name}")
+                }
+                None => format!("busy neighbour off {name} (none)"),
+            }
+        }
+        (FaultTarget::Embedded(stack, _), FaultAction::SetPlacement) => {
             let p = f.placement.unwrap_or(Placement::Uniform);
             match &stack.lock().await.lb {
                 Some(lb) => {

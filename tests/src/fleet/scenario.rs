@@ -38,6 +38,18 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "many-agents",
         include_str!("../../scenarios/many-agents.toml"),
     ),
+    (
+        "busy-server",
+        include_str!("../../scenarios/busy-server.toml"),
+    ),
+    (
+        "busy-server-blind",
+        include_str!("../../scenarios/busy-server-blind.toml"),
+    ),
+    (
+        "haproxy-90-10",
+        include_str!("../../scenarios/haproxy-90-10.toml"),
+    ),
 ];
 
 /// One simulated fleet run.
@@ -55,6 +67,8 @@ pub struct Scenario {
     pub seed: u64,
     pub servers: Servers,
     pub agents: Agents,
+    /// The dispatcher's `[routing]` settings (same keys as its config).
+    pub routing: relay_dispatcher::RoutingConfig,
     pub upstream: UpstreamSpec,
     pub load: Load,
     /// Faults on the timeline, in any order.
@@ -87,6 +101,20 @@ pub struct Servers {
     /// Each server advertises its agent listener as `direct_url`, so agents with
     /// `[agents.coverage] direct_growth = true` open missing streams straight to it.
     pub direct: bool,
+    /// What places the agents' streams: the in-process fixture (`placement`), or a real
+    /// HAProxy (`haproxy`: HTTP/2 both sides, each server at its `weights`, every one 1
+    /// when unset; needs the haproxy binary).
+    pub balancer: Balancer,
+}
+
+/// The load balancer in front of the tunnel servers' agent listeners.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Balancer {
+    /// `crate::lb`: placement by policy, changeable mid-run (`set_placement`).
+    Fixture,
+    /// `crate::haproxy`: a real HAProxy with the shipped config's settings.
+    Haproxy,
 }
 
 /// Stream placement policy of the load-balancer fixture.
@@ -158,6 +186,9 @@ pub struct Load {
     pub phases: Vec<Phase>,
     /// Bursts: `calls` calls at once at `at` to one tunnel id (beyond `max_in_flight`).
     pub bursts: Vec<Burst>,
+    /// Closed loop besides the rate: this many callers, each starting its next call when
+    /// its last one is answered, from the start for the whole duration. 0..=5000.
+    pub concurrency: usize,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -214,6 +245,12 @@ pub enum FaultAction {
     RestartAgent,
     /// Change the load balancer's placement policy.
     SetPlacement,
+    /// A busy neighbour on a server: a task that keeps the server's own runtime thread
+    /// busy (the server runs at full CPU; its calls wait their turn). Every server then runs
+    /// on a runtime of its own, whose threads' CPU it reports as its load.
+    LoadServer,
+    /// The busy neighbour goes.
+    UnloadServer,
 }
 
 /// `[expect]`: headline expectations; each one set is checked and shown in the report.
@@ -237,6 +274,13 @@ pub struct Expect {
     pub min_end_streams_per_server: Option<u64>,
     /// Calls failed after the last fault at most this many.
     pub max_failed_after_last_fault: Option<u64>,
+    /// Call latency p99 (the callers' view, every call) at most this.
+    #[serde(with = "humantime_serde")]
+    pub max_latency_p99: Option<Duration>,
+    /// Share (0..=1) of the calls answered by the server(s) `load_server` faults loaded,
+    /// from a few seconds after the first such fault (their load read and acted on) to
+    /// the end, at most this.
+    pub max_busy_share: Option<f64>,
 }
 
 impl Default for Scenario {
@@ -248,6 +292,7 @@ impl Default for Scenario {
             seed: 1,
             servers: Servers::default(),
             agents: Agents::default(),
+            routing: relay_dispatcher::RoutingConfig::default(),
             upstream: UpstreamSpec::default(),
             load: Load::default(),
             faults: Vec::new(),
@@ -268,6 +313,7 @@ impl Default for Servers {
             queue_timeout: Duration::from_secs(5),
             max_queue: 1024,
             direct: false,
+            balancer: Balancer::Fixture,
         }
     }
 }
@@ -302,6 +348,7 @@ impl Default for Load {
             call_timeout: Duration::from_secs(30),
             phases: Vec::new(),
             bursts: Vec::new(),
+            concurrency: 0,
         }
     }
 }
@@ -410,6 +457,33 @@ impl Scenario {
         if uses(Placement::Unfillable) {
             range("servers.unfillable", sv.unfillable, 1, slots)?;
         }
+        if sv.balancer == Balancer::Haproxy {
+            if sv.standby > 0 {
+                return Err(ConfigError::invalid(
+                    "servers.standby",
+                    "must be 0 with balancer = \"haproxy\": its backends are fixed at start",
+                ));
+            }
+            if !sv.weights.is_empty() && sv.weights.len() != sv.count {
+                return Err(ConfigError::invalid(
+                    "servers.weights",
+                    format!(
+                        "balancer = \"haproxy\" takes one weight per server ({})",
+                        sv.count
+                    ),
+                ));
+            }
+            if let Some(i) = self
+                .faults
+                .iter()
+                .position(|f| f.action == FaultAction::SetPlacement)
+            {
+                return Err(ConfigError::invalid(
+                    format!("faults[{i}].action"),
+                    "set_placement needs balancer = \"fixture\"",
+                ));
+            }
+        }
         let ag = &self.agents;
         range("agents.count", ag.count, 1, 5000)?;
         // The agent's own rules for its coverage keys.
@@ -423,6 +497,7 @@ impl Scenario {
         probe
             .validate()
             .map_err(|e| ConfigError::invalid("agents.coverage", e.to_string()))?;
+        self.routing.validate()?;
         let up = &self.upstream;
         range("upstream.latency", up.latency.as_secs_f64(), 0.0, 60.0)?;
         range("upstream.response_bytes", up.response_bytes, 0, MAX_BODY)?;
@@ -432,6 +507,7 @@ impl Scenario {
         range("load.max_in_flight", ld.max_in_flight, 1, 20_000)?;
         range("load.hot_share", ld.hot_share, 0.0, 1.0)?;
         range("load.hot_tunnels", ld.hot_tunnels, 1, ag.count)?;
+        range("load.concurrency", ld.concurrency, 0, 5000)?;
         range(
             "load.call_timeout",
             ld.call_timeout.as_secs_f64(),
@@ -455,7 +531,11 @@ impl Scenario {
         for (i, f) in self.faults.iter().enumerate() {
             within(&format!("faults[{i}].at"), f.at, self.duration)?;
             match f.action {
-                FaultAction::KillServer | FaultAction::DrainServer | FaultAction::StartServer => {
+                FaultAction::KillServer
+                | FaultAction::DrainServer
+                | FaultAction::StartServer
+                | FaultAction::LoadServer
+                | FaultAction::UnloadServer => {
                     range(&format!("faults[{i}].server"), f.server, 1, slots)?;
                 }
                 FaultAction::RestartAgent => {
@@ -489,6 +569,15 @@ impl Scenario {
         if let Some(r) = self.expect.max_failed_ratio {
             range("expect.max_failed_ratio", r, 0.0, 1.0)?;
         }
+        if let Some(r) = self.expect.max_busy_share {
+            range("expect.max_busy_share", r, 0.0, 1.0)?;
+            if !self.loads_servers() {
+                return Err(ConfigError::invalid(
+                    "expect.max_busy_share",
+                    "needs a load_server fault",
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -511,6 +600,14 @@ impl Scenario {
             f.at = t(f.at);
         }
         s
+    }
+
+    /// Whether a fault puts a busy neighbour on a server (every server then gets a runtime
+    /// of its own).
+    pub fn loads_servers(&self) -> bool {
+        self.faults
+            .iter()
+            .any(|f| f.action == FaultAction::LoadServer)
     }
 
     /// The load generator's target rate at `t` into the run.

@@ -4,10 +4,15 @@
 //! calls lasting whole ticks. No sockets, no clock: time is `base + tick`.
 //!
 //! One `step` is one sizing tick: retiring streams finish their handshake, the opens of
-//! earlier ticks land, calls end and arrive, the servers hand queued calls to their newest
-//! idle stream, then the agent takes a snapshot, plans, marks its closes retiring and
-//! issues its opens (they land `delay` ticks later). Every plan is checked against the
-//! invariants; breaches are collected in `violations`.
+//! earlier ticks land, calls end, the servers hand queued calls to their newest idle
+//! stream; the agent takes a snapshot and plans (its closes go retiring, its opens land
+//! `delay` ticks later); then the calls of that tick arrive, just after the agent's tick
+//! (the worst moment for a burst) and are handed out; last, when `events` is on and a
+//! server's queue grew, or its idle
+//! streams ran out while calls queue (as the agent sees it: without `hint` it does not
+//! know the queue, so every run-out counts), the agent plans once more for growth only
+//! (`Cause::Pressure`). Every plan is checked against the invariants; breaches are
+//! collected in `violations`.
 
 use super::*;
 use std::collections::VecDeque;
@@ -69,6 +74,8 @@ pub struct SimServer {
     /// Durations (ticks) of the calls waiting here.
     pub queue: VecDeque<u64>,
     pub draining: bool,
+    /// The queue length the agent was last told (the pressure hint it has).
+    told: u32,
 }
 
 impl SimServer {
@@ -83,6 +90,10 @@ impl SimServer {
                 .filter(|s| s.busy_until.is_some())
                 .count(),
         )
+    }
+
+    fn idle_now(&self) -> usize {
+        self.idle.len()
     }
 }
 
@@ -117,6 +128,13 @@ impl Load {
     }
 }
 
+/// Opens in flight: when they land and where (`None`: the load balancer places them).
+struct Pending {
+    at: u64,
+    count: u32,
+    server: Option<usize>,
+}
+
 pub struct Sim {
     pub planner: Planner,
     pub base: Instant,
@@ -129,13 +147,27 @@ pub struct Sim {
     pub delay: u64,
     /// Whether servers report queued calls (the pressure hint).
     pub hint: bool,
+    /// Whether the agent plans growth on events (a queue that grew, idle streams that ran
+    /// out) as well as on the tick. Events land like the tick's opens, `delay` later.
+    pub events: bool,
+    /// Whether servers offer a direct URL (`sim://<id>`); with `direct_growth` in the
+    /// config the agent opens there and those opens land on that server.
+    pub direct: bool,
+    /// Whether the servers are listed in the fleet the agent knows.
+    pub listed: bool,
     pub last_plan: Plan,
     pub violations: Vec<String>,
     /// Every action taken, with its tick.
     pub actions: Vec<(u64, Action)>,
     /// Opens that found no server (all draining).
     pub lost_opens: u32,
-    pending: VecDeque<(u64, u32)>,
+    /// Opens asked for, through the load balancer and direct.
+    pub opened: u32,
+    /// The most live streams at once.
+    pub peak_live: u32,
+    /// Where the agent's load-balanced opens landed.
+    pub tally: PlacementTally,
+    pending: VecDeque<Pending>,
     rr: usize,
     rng: Rng,
     next_id: StreamId,
@@ -159,16 +191,23 @@ impl Sim {
                     idle: Vec::new(),
                     queue: VecDeque::new(),
                     draining: false,
+                    told: 0,
                 })
                 .collect(),
             placement,
             load: Load::default(),
             delay: 1,
             hint: true,
+            events: true,
+            direct: false,
+            listed: false,
             last_plan: Plan::default(),
             violations: Vec::new(),
             actions: Vec::new(),
             lost_opens: 0,
+            opened: 0,
+            peak_live: 0,
+            tally: PlacementTally::default(),
             pending: VecDeque::new(),
             rr: 0,
             rng: Rng::new(7),
@@ -206,6 +245,17 @@ impl Sim {
         let i = self.index(id);
         for _ in 0..n {
             self.add_stream(i, at);
+        }
+    }
+
+    /// Records `n` earlier load-balanced landings as the placement policy would have made
+    /// them: what an agent that has been running knows of its load balancer.
+    pub fn learn_placement(&mut self, n: u32) {
+        for _ in 0..n {
+            if let Some(i) = self.place() {
+                let k = (self.servers[i].id.clone(), "1".to_string());
+                self.tally.land(&k);
+            }
         }
     }
 
@@ -281,8 +331,21 @@ impl Sim {
         self.servers.iter().map(SimServer::live).sum()
     }
 
+    /// Load-balanced opens in flight.
     pub fn opening(&self) -> u32 {
-        self.pending.iter().map(|p| p.1).sum()
+        self.pending
+            .iter()
+            .filter(|p| p.server.is_none())
+            .map(|p| p.count)
+            .sum()
+    }
+
+    fn opening_direct(&self, i: usize) -> u32 {
+        self.pending
+            .iter()
+            .filter(|p| p.server == Some(i))
+            .map(|p| p.count)
+            .sum()
     }
 
     /// Live streams per server, in server order.
@@ -293,22 +356,28 @@ impl Sim {
             .collect()
     }
 
-    pub fn snapshot(&self) -> Snapshot {
+    pub fn snapshot(&self, cause: Cause) -> Snapshot {
         Snapshot {
             now: self.now(),
+            cause,
             opening: self.opening(),
             servers: self
                 .servers
                 .iter()
-                .filter(|s| !s.streams.is_empty())
-                .map(|s| ServerView {
+                .enumerate()
+                .filter(|(_, s)| !s.streams.is_empty() || self.listed)
+                .map(|(i, s)| ServerView {
                     server_id: s.id.clone(),
                     instance_id: "1".into(),
                     zone: s.zone.clone(),
-                    listed: false,
+                    listed: self.listed,
                     cap: None,
-                    direct_url: String::new(),
-                    opening: 0,
+                    direct_url: if self.direct {
+                        format!("sim://{}", s.id)
+                    } else {
+                        String::new()
+                    },
+                    opening: self.opening_direct(i),
                     streams: s
                         .streams
                         .iter()
@@ -321,15 +390,37 @@ impl Sim {
                         })
                         .collect(),
                     queued: if self.hint { count(s.queue.len()) } else { 0 },
+                    hints: self.hint,
                     // Calls here last whole ticks: the busy streams are the peak.
                     peak_in_flight: 0,
+                    placed: self.tally.get(&(s.id.clone(), "1".to_string())),
                     draining: s.draining,
                 })
                 .collect(),
         }
     }
 
-    /// Runs one sizing tick.
+    /// Hands queued calls to idle streams; returns, per server, whether a call took its
+    /// last idle stream.
+    fn hand_off(&mut self) -> Vec<bool> {
+        let t = self.t;
+        let mut ran_out = vec![false; self.servers.len()];
+        for (i, s) in self.servers.iter_mut().enumerate() {
+            let mut handed = false;
+            while !s.queue.is_empty() {
+                let Some(id) = s.idle.pop() else { break };
+                let dur = s.queue.pop_front().unwrap_or(1);
+                if let Some(st) = s.streams.iter_mut().find(|st| st.id == id) {
+                    st.busy_until = Some(t + dur);
+                }
+                handed = true;
+            }
+            ran_out[i] = handed && s.idle_now() == 0;
+        }
+        ran_out
+    }
+
+    /// Runs one tick.
     pub fn step(&mut self) {
         let t = self.t;
         let now = self.now();
@@ -339,10 +430,24 @@ impl Sim {
                 .retain(|st| !(st.retiring && st.busy_until.is_none()));
         }
         // Opens land.
-        while self.pending.front().is_some_and(|p| p.0 <= t) {
-            let (_, n) = self.pending.pop_front().unwrap_or((0, 0));
-            for _ in 0..n {
-                match self.place() {
+        while self.pending.front().is_some_and(|p| p.at <= t) {
+            let Some(p) = self.pending.pop_front() else {
+                break;
+            };
+            for _ in 0..p.count {
+                let to = match p.server {
+                    Some(i) if !self.servers[i].draining => Some(i),
+                    Some(_) => None,
+                    None => {
+                        let i = self.place();
+                        if let Some(i) = i {
+                            let k = (self.servers[i].id.clone(), "1".to_string());
+                            self.tally.land(&k);
+                        }
+                        i
+                    }
+                };
+                match to {
                     Some(i) => self.add_stream(i, now),
                     None => self.lost_opens += 1,
                 }
@@ -360,7 +465,11 @@ impl Sim {
                 }
             }
         }
-        // Calls arrive; calls stranded on a server without streams move to the target.
+        let mut ran_out = self.hand_off();
+        // The agent's tick.
+        self.plan(Cause::Tick);
+        // Calls arrive, just after the tick; calls stranded on a server without streams
+        // move to the target.
         let target = self.target();
         for i in 0..self.servers.len() {
             if i != target && self.servers[i].live() == 0 && !self.servers[i].queue.is_empty() {
@@ -373,18 +482,29 @@ impl Sim {
                 .queue
                 .extend(std::iter::repeat_n(dur.max(1), n as usize));
         }
-        // Servers hand queued calls to their newest idle stream.
-        for s in &mut self.servers {
-            while !s.queue.is_empty() {
-                let Some(id) = s.idle.pop() else { break };
-                let dur = s.queue.pop_front().unwrap_or(1);
-                if let Some(st) = s.streams.iter_mut().find(|st| st.id == id) {
-                    st.busy_until = Some(t + dur);
-                }
-            }
+        for (i, r) in self.hand_off().into_iter().enumerate() {
+            ran_out[i] |= r;
         }
-        // The agent's tick.
-        let snap = self.snapshot();
+        // Events: a queue that grew, or idle streams that ran out while calls queue.
+        let mut event = false;
+        for (i, s) in self.servers.iter_mut().enumerate() {
+            let queued = count(s.queue.len());
+            let grew = self.hint && queued > s.told;
+            let run_out = ran_out[i] && (!self.hint || queued > 0);
+            event |= grew || run_out;
+            s.told = queued;
+        }
+        if self.events && event {
+            self.plan(Cause::Pressure);
+        }
+        self.peak_live = self.peak_live.max(self.live());
+        self.t += 1;
+    }
+
+    /// Takes a snapshot, plans, checks the plan and carries it out.
+    fn plan(&mut self, cause: Cause) {
+        let t = self.t;
+        let snap = self.snapshot(cause);
         let plan = self.planner.plan(&snap);
         self.check(&snap, &plan);
         for id in &plan.close {
@@ -399,29 +519,51 @@ impl Sim {
                 }
             }
         }
+        let at = t + self.delay.max(1);
         if plan.open > 0 {
-            self.pending.push_back((t + self.delay.max(1), plan.open));
+            self.pending.push_back(Pending {
+                at,
+                count: plan.open,
+                server: None,
+            });
         }
+        for d in &plan.direct {
+            let i = self.index(&d.server_id);
+            self.pending.push_back(Pending {
+                at,
+                count: d.count,
+                server: Some(i),
+            });
+        }
+        self.opened += plan.opens();
         self.actions
             .extend(plan.actions.iter().map(|a| (t, a.clone())));
         self.last_plan = plan;
-        self.t += 1;
     }
 
     /// The invariants every plan must keep.
     fn check(&mut self, snap: &Snapshot, plan: &Plan) {
         let t = self.t;
         let cfg = self.planner.config().clone();
+        let closing: std::collections::HashSet<StreamId> = plan.close.iter().copied().collect();
         let live: u32 = snap
             .servers
             .iter()
-            .map(|s| count(s.streams.iter().filter(|st| !st.retiring).count()))
-            .sum();
-        if live + snap.opening + plan.open > cfg.max_streams {
+            .flat_map(|s| &s.streams)
+            .filter(|st| !st.retiring && !closing.contains(&st.id))
+            .count() as u32;
+        let direct_opening: u32 = snap.servers.iter().map(|s| s.opening).sum();
+        let opening = snap.opening + direct_opening;
+        if live + opening + plan.opens() > cfg.max_streams {
             self.violations.push(format!(
-                "t{t}: live {live} + opening {} + open {} > max_streams {}",
-                snap.opening, plan.open, cfg.max_streams
+                "t{t}: live {live} + opening {opening} + open {} > max_streams {}",
+                plan.opens(),
+                cfg.max_streams
             ));
+        }
+        if snap.cause == Cause::Pressure && !plan.close.is_empty() {
+            self.violations
+                .push(format!("t{t}: an event plan closed streams: {plan:?}"));
         }
         let mut seen = std::collections::HashSet::new();
         for id in &plan.close {
@@ -486,5 +628,16 @@ impl Sim {
             .iter()
             .filter(|(_, a)| a.kind == kind)
             .collect()
+    }
+
+    /// Ticks in which the agent retired streams.
+    pub fn retire_steps(&self) -> Vec<u64> {
+        let mut steps: Vec<u64> = self
+            .actions_of(ActionKind::Retire)
+            .iter()
+            .map(|(t, _)| *t)
+            .collect();
+        steps.dedup();
+        steps
     }
 }

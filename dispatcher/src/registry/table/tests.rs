@@ -92,6 +92,7 @@ fn figures(idle: &[(&str, u32)], draining: bool) -> LoadFigures {
             .collect(),
         calls_in_flight: 0,
         draining,
+        cpu_permille: 0,
     }
 }
 
@@ -397,4 +398,58 @@ fn shared_records_route_and_local_entries_win() {
         Some(vec!["v".to_string()])
     );
     assert_eq!(s.table.local_record("x", "d1"), None);
+}
+
+#[test]
+fn a_servers_latency_is_this_dispatchers_leg_plus_the_agent_leg_once_both_are_measured() {
+    let mut sim = Sim::new();
+    sim.at_ms(0, join(1, "ts-1")).unwrap();
+    sim.at_ms(0, up(1, "demo")).unwrap();
+    let mut f = figures(&[("demo", 2)], false);
+    f.tunnels.get_mut("demo").unwrap().rtt_us = 1500;
+    f.cpu_permille = 420;
+    sim.at_ms(
+        10,
+        Event::Load {
+            session: SessionId(1),
+            load: f,
+        },
+    )
+    .unwrap();
+    let view = |sim: &Sim| sim.table.views("demo").remove(0);
+    assert_eq!(view(&sim).rtt_us, 0, "the forward leg is not measured yet");
+    assert_eq!(view(&sim).load_permille, 420);
+    let changes = sim
+        .at_ms(
+            20,
+            Event::ForwardRtt {
+                forward_url: "http://ts-1".into(),
+                rtt_us: Some(700),
+            },
+        )
+        .unwrap();
+    assert!(changes.is_empty(), "the routing tick takes it: {changes:?}");
+    assert_eq!(view(&sim).rtt_us, 2200);
+    // A leg to a URL no entry uses is not kept; one forgotten is unknown again.
+    sim.at_ms(
+        30,
+        Event::ForwardRtt {
+            forward_url: "http://elsewhere".into(),
+            rtt_us: Some(5),
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        sim.table.forward_targets(),
+        vec![("ts-1".to_string(), "http://ts-1".to_string())]
+    );
+    sim.at_ms(
+        40,
+        Event::ForwardRtt {
+            forward_url: "http://ts-1".into(),
+            rtt_us: None,
+        },
+    )
+    .unwrap();
+    assert_eq!(view(&sim).rtt_us, 0);
 }

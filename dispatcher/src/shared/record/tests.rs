@@ -24,6 +24,7 @@ fn record(id: &str, forward_url: &str) -> ServerRecord {
             tunnels: [("demo".to_string(), TunnelFigures::default())].into(),
             calls_in_flight: 0,
             draining: false,
+            cpu_permille: 0,
         }),
         dispatcher: "d1".into(),
     }
