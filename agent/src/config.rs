@@ -335,6 +335,7 @@ impl Config {
         let c = &self.coverage;
         nonzero(c.tick, "coverage.tick")?;
         nonzero(c.fill_retry, "coverage.fill_retry")?;
+        nonzero(c.reconnect, "coverage.reconnect")?;
         if c.max_streams == 0 {
             return Err(ConfigError::invalid(
                 "coverage.max_streams",

@@ -317,6 +317,9 @@ pub struct CoverageActor {
     direct_failed: HashMap<ServerKey, Instant>,
     /// Where load-balanced opens landed, for the placement shares.
     placements: PlacementTally,
+    /// Servers lost: the agent's last streams there closed because the path went silent or
+    /// broke, and none has landed there since (see `plan::ServerView::lost_since`).
+    lost: HashMap<ServerKey, Instant>,
     /// A growth trigger arrived (a queued-calls signal that rose, or a call that took a
     /// stream while calls queue): plan growth once [`EVENT_GAP`] since the last plan passed.
     growth_due: bool,
@@ -359,6 +362,7 @@ impl CoverageActor {
             caps: HashMap::new(),
             direct_failed: HashMap::new(),
             placements: PlacementTally::default(),
+            lost: HashMap::new(),
             growth_due: false,
             last_plan: None,
             tasks: JoinSet::new(),
@@ -461,6 +465,9 @@ impl CoverageActor {
                 if op.direct.is_none() {
                     self.placements.land(&server);
                 }
+                if let Some(since) = self.lost.remove(&server) {
+                    info!(server_id = %server.0, instance_id = %server.1, lost_ms = now.saturating_duration_since(since).as_millis() as u64, "tunnel server answers again; filling it back");
+                }
                 let info = self.servers.entry(server.clone()).or_default();
                 info.direct_url = l.direct_url;
                 let mut entry = Entry {
@@ -556,7 +563,24 @@ impl CoverageActor {
                 self.opening.remove(&id);
                 if let Some(e) = self.streams.get(&id) {
                     debug!(stream = id, server_id = %e.server.0, %reason, "tunnel stream closed");
+                    let server = e.server.clone();
                     self.remove_stream(id);
+                    // The last stream there went with its path: the server is lost until
+                    // a stream lands there again.
+                    let path_lost = matches!(
+                        reason,
+                        CloseReason::Silent
+                            | CloseReason::HeartbeatMissed
+                            | CloseReason::Lost
+                            | CloseReason::Status(_)
+                    );
+                    if path_lost
+                        && !self.servers.contains_key(&server)
+                        && !self.lost.contains_key(&server)
+                    {
+                        warn!(server_id = %server.0, instance_id = %server.1, %reason, "tunnel server lost: its path went silent or broke; reconnecting");
+                        self.lost.insert(server, now);
+                    }
                 }
                 self.replan_soon(now, ticker);
             }
@@ -664,6 +688,7 @@ impl CoverageActor {
                     peak_in_flight: info.map_or(0, |i| i.load.peak()),
                     placed: self.placements.get(&e.server),
                     draining: info.is_some_and(|i| i.draining),
+                    lost_since: None,
                 }
             });
             view.streams.push(StreamView {
@@ -696,6 +721,7 @@ impl CoverageActor {
                     peak_in_flight: 0,
                     placed: self.placements.get(&key),
                     draining: m.draining,
+                    lost_since: self.lost.get(&key).copied(),
                 });
             }
         }
@@ -725,6 +751,7 @@ impl CoverageActor {
             };
             self.caps.retain(|k, _| known(k));
             self.placements.retain(known);
+            self.lost.retain(|k, _| known(k));
             self.next_tick = now + self.settings.tick;
         }
         let snap = self.snapshot(now, cause);
@@ -863,7 +890,17 @@ impl CoverageActor {
                     busy: p.busy,
                     idle: p.idle,
                     budget: p.budget,
-                    state: p.state.as_str().to_string(),
+                    // A server the agent lost holds none of its streams: shown as lost
+                    // until one lands there again.
+                    state: if p.streams == 0
+                        && self
+                            .lost
+                            .contains_key(&(p.server_id.clone(), p.instance_id.clone()))
+                    {
+                        "lost".to_string()
+                    } else {
+                        p.state.as_str().to_string()
+                    },
                     short_for_s: p.short_for.as_secs(),
                 })
                 .collect(),

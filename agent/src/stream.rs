@@ -85,20 +85,23 @@ pub struct Dialer {
 
 /// One tunnel endpoint's recent opens: an endpoint whose opens fail (a dial or hello that
 /// times out, a refused connection) or whose path went silent is left out of new opens for
-/// a pause that doubles with each failure in a row (0.25 s to 4 s), so that while one of
+/// a pause that doubles with each failure in a row (0.25 s to 2 s), so that while one of
 /// several endpoints is unreachable the opens go to the others instead of each waiting out
-/// `connect_timeout` on it. After the pause the next open tries it again; a landing there
-/// clears it.
+/// `connect_timeout` on it. Once the pause is over, the next open goes there (one at a
+/// time: the probe), so an endpoint that answers again is found within a pause and an open;
+/// a landing there clears it.
 #[derive(Clone, Copy, Debug, Default)]
 struct EndpointHealth {
     failures: u32,
     down_until: Option<Instant>,
+    /// An open went there as the probe since the last failure, and has not ended.
+    probing: bool,
 }
 
 /// First pause of an endpoint whose open failed.
 const ENDPOINT_PAUSE_FIRST: Duration = Duration::from_millis(250);
 /// Longest pause.
-const ENDPOINT_PAUSE_MAX: Duration = Duration::from_secs(4);
+const ENDPOINT_PAUSE_MAX: Duration = Duration::from_secs(2);
 
 /// One cached connection of an endpoint.
 struct Conn {
@@ -226,22 +229,34 @@ impl Dialer {
         })
     }
 
-    /// A connection to a random endpoint among those not paused after failed opens (see
-    /// [`EndpointHealth`]); when every one is paused, the one whose pause ends first.
+    /// A connection to an endpoint: one whose pause after failed opens is over, as its
+    /// probe, if one is due (see [`EndpointHealth`]); else a random one among those not
+    /// paused; when every one is paused, the one whose pause ends first.
     pub(crate) fn pick(&self) -> Picked {
         let i = if self.endpoints.len() == 1 {
             0
         } else {
             let now = Instant::now();
-            let health = self.health.lock();
-            let up: Vec<usize> = (0..health.len())
-                .filter(|&i| health[i].down_until.is_none_or(|u| now >= u))
-                .collect();
-            match up.len() {
-                0 => (0..health.len())
-                    .min_by_key(|&i| health[i].down_until)
-                    .unwrap_or(0),
-                n => up[rand::random::<usize>() % n],
+            let mut health = self.health.lock();
+            let over = |h: &EndpointHealth| h.down_until.is_none_or(|u| now >= u);
+            let probe = (0..health.len())
+                .find(|&i| health[i].failures > 0 && !health[i].probing && over(&health[i]));
+            match probe {
+                Some(i) => {
+                    health[i].probing = true;
+                    i
+                }
+                None => {
+                    let up: Vec<usize> = (0..health.len())
+                        .filter(|&i| health[i].failures == 0 && over(&health[i]))
+                        .collect();
+                    match up.len() {
+                        0 => (0..health.len())
+                            .min_by_key(|&i| health[i].down_until)
+                            .unwrap_or(0),
+                        n => up[rand::random::<usize>() % n],
+                    }
+                }
             }
         };
         let endpoint = self.endpoints[i].clone();
@@ -259,6 +274,7 @@ impl Dialer {
         let mut health = self.health.lock();
         let h = &mut health[i];
         h.failures = h.failures.saturating_add(1);
+        h.probing = false;
         let pause = ENDPOINT_PAUSE_FIRST
             .saturating_mul(1 << h.failures.saturating_sub(1).min(8))
             .min(ENDPOINT_PAUSE_MAX);
@@ -269,7 +285,7 @@ impl Dialer {
         health
             .iter()
             .enumerate()
-            .any(|(j, h)| j != i && h.down_until.is_none_or(|u| now >= u))
+            .any(|(j, h)| j != i && h.failures == 0)
     }
 
     /// A stream landed through `endpoint`: it is not paused any more.
@@ -472,7 +488,13 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         let (out, inbound, hello) = match opened {
             Ok(Ok(x)) => x,
             Ok(Err(OpenError::Other(e))) => return open_failed(&ctx, &link, unreached(e)),
-            Ok(Err(e)) => return open_failed(&ctx, &link, e),
+            Ok(Err(e)) => {
+                // A server answered (refused the token, or at its cap): reachable.
+                if through {
+                    ctx.dialer.endpoint_ok(&endpoint_key);
+                }
+                return open_failed(&ctx, &link, e);
+            }
             Err(_) => {
                 // The connection may be dead without knowing it: dial afresh next time.
                 ctx.dialer.evict(channel_id);

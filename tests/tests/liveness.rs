@@ -24,51 +24,64 @@ const DETECTION: Duration = Duration::from_millis(2750);
 /// Slack for the test's own polling and a busy machine.
 const SLACK: Duration = Duration::from_millis(500);
 
+/// Which of two servers carries the load's calls (the tunnel id's home): waits until
+/// one of them carried 20 more calls than when asked.
+async fn busy_one(regs: [&prometheus::Registry; 2]) -> usize {
+    let calls = |r: &prometheus::Registry| value(r, "relay_tunnel_calls_total", &[]);
+    let before = [calls(regs[0]), calls(regs[1])];
+    relay_tests::eventually_ok(
+        "a server carries the calls",
+        Duration::from_secs(20),
+        || {
+            let now = [calls(regs[0]), calls(regs[1])];
+            let busy = (0..2).find(|&i| now[i] > before[i] + 20.0);
+            async move { busy.ok_or_else(|| format!("calls so far: {now:?}")) }
+        },
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_partition_of_one_server_is_found_in_seconds_and_costs_only_the_calls_it_held() {
+    // The agent reaches each server through a forwarder of its own; the one in front of
+    // the server carrying the calls goes silent.
     let listeners: Vec<std::net::TcpListener> = (0..2)
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
-    let ts1 = listeners[0].local_addr().unwrap();
-    let ts2 = listeners[1].local_addr().unwrap();
-    let path = Forwarder::start(ts1).await.unwrap();
-    let through_path = path.url();
+    let mut paths = Vec::new();
+    for l in &listeners {
+        paths.push(Forwarder::start(l.local_addr().unwrap()).await.unwrap());
+    }
+    let urls: Vec<String> = paths.iter().map(Forwarder::url).collect();
     let reserve = relay_agent::coverage::plan::CoverageConfig::default().reserve as f64;
     let stack = Stack::builder()
         .servers(2)
         .server_agent_listeners(listeners)
         .upstream_latency(CALL_TIME)
-        .agent_config(move |c| {
-            c.tunnels = vec![through_path, format!("http://{ts2}")];
-        })
+        .agent_config(move |c| c.tunnels = urls)
         .start()
         .await
         .unwrap();
     stack.wait_routable(Duration::from_secs(20)).await.unwrap();
     let registry = |i: usize| stack.servers[i].as_ref().unwrap().registry.clone();
-    let (r1, r2) = (registry(0), registry(1));
+    let regs = [registry(0), registry(1)];
     let streams =
         |r: &prometheus::Registry| value(r, "relay_tunnel_streams", &[("tunnel_id", TUNNEL_ID)]);
-    let calls = |r: &prometheus::Registry| value(r, "relay_tunnel_calls_total", &[]);
 
     let load = load::start(
         stack.caller(),
         LoadSpec::new(50, format!("/relay/{TUNNEL_ID}/hello"), 20_000),
     );
-    // Both servers hold streams and carry calls before the path goes silent.
-    let (c1, c2) = (calls(&r1), calls(&r2));
-    relay_tests::eventually("both servers carry calls", Duration::from_secs(20), || {
-        let both = calls(&r1) > c1 + 20.0 && calls(&r2) > c2 + 20.0;
-        async move { both }
-    })
-    .await;
+    // The server the calls go to is the one whose path goes silent.
+    let busy = busy_one([&regs[0], &regs[1]]).await;
+    let (r1, path) = (regs[busy].clone(), &paths[busy]);
 
     path.silence();
     let t0 = Instant::now();
     let found = relay_tests::time_until(PARTITION, || async { streams(&r1) == 0.0 }).await;
     let found = found.unwrap_or_else(|| {
         panic!(
-            "server 1 still holds {} streams of the silent path after {PARTITION:?}",
+            "the silent server still holds {} streams of its path after {PARTITION:?}",
             streams(&r1)
         )
     });
@@ -85,14 +98,14 @@ async fn a_silent_partition_of_one_server_is_found_in_seconds_and_costs_only_the
     })
     .await;
     let ledger = load.stop().await;
-    let back = back.expect("server 1 was not filled back after the heal");
+    let back = back.expect("the silent server was not filled back after the heal");
     eprintln!(
-        "server 1 back at its reserve {back:?} after the heal; {}",
+        "the silent server back at its reserve {back:?} after the heal; {}",
         ledger.summary()
     );
     assert!(
         back <= Duration::from_secs(5),
-        "server 1 back at its reserve only {back:?} after the heal"
+        "the silent server back at its reserve only {back:?} after the heal"
     );
 
     let detected = t0 + found;
@@ -134,23 +147,24 @@ async fn a_silent_partition_of_one_server_is_found_in_seconds_and_costs_only_the
 }
 
 /// Two tunnel servers behind a real HAProxy (HTTP/2 both sides, `mode http`: it answers
-/// HTTP/2 PINGs itself). `agent_path`: the agent reaches HAProxy through a forwarder;
-/// else HAProxy reaches server 1 through one. Returns the stack, HAProxy and the forwarder.
-async fn behind_haproxy(agent_path: bool) -> (Stack, Haproxy, Forwarder) {
+/// HTTP/2 PINGs itself). `agent_path`: the agent reaches HAProxy through a forwarder (the
+/// one returned); else HAProxy reaches each server through a forwarder of its own (both
+/// returned, in server order).
+async fn behind_haproxy(agent_path: bool) -> (Stack, Haproxy, Vec<Forwarder>) {
     let listeners: Vec<std::net::TcpListener> = (0..2)
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
     let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    // A placeholder target for the agent-side forwarder until HAProxy's port is known.
-    let server_path = Forwarder::start(addrs[0]).await.unwrap();
+    let mut server_paths = Vec::new();
+    if !agent_path {
+        for a in &addrs {
+            server_paths.push(Forwarder::start(*a).await.unwrap());
+        }
+    }
     let backends = (0..2)
         .map(|i| Backend {
             name: format!("ts-{}", i + 1),
-            addr: if i == 0 && !agent_path {
-                server_path.addr()
-            } else {
-                addrs[i]
-            },
+            addr: server_paths.get(i).map_or(addrs[i], Forwarder::addr),
             admin: None,
             weight: 50,
             disabled: false,
@@ -158,12 +172,12 @@ async fn behind_haproxy(agent_path: bool) -> (Stack, Haproxy, Forwarder) {
         .collect();
     let haproxy = Haproxy::start(backends).await.unwrap();
     let haproxy_addr: SocketAddr = haproxy.url().trim_start_matches("http://").parse().unwrap();
-    let (fwd, url) = if agent_path {
+    let (paths, url) = if agent_path {
         let f = Forwarder::start(haproxy_addr).await.unwrap();
         let url = f.url();
-        (f, url)
+        (vec![f], url)
     } else {
-        (server_path, haproxy.url())
+        (server_paths, haproxy.url())
     };
     let stack = Stack::builder()
         .servers(2)
@@ -174,7 +188,7 @@ async fn behind_haproxy(agent_path: bool) -> (Stack, Haproxy, Forwarder) {
         .await
         .unwrap();
     stack.wait_routable(Duration::from_secs(30)).await.unwrap();
-    (stack, haproxy, fwd)
+    (stack, haproxy, paths)
 }
 
 /// Checks the calls of `ledger` against a silence that began at `t0` and was found at
@@ -218,7 +232,8 @@ fn calls_held_on_the_path_ended_when_it_was_found(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn behind_an_l7_load_balancer_a_silent_agent_is_found_by_the_servers_in_seconds() {
-    let (stack, _haproxy, path) = behind_haproxy(true).await;
+    let (stack, _haproxy, paths) = behind_haproxy(true).await;
+    let path = &paths[0];
     let regs: Vec<prometheus::Registry> = (0..2)
         .map(|i| stack.servers[i].as_ref().unwrap().registry.clone())
         .collect();
@@ -255,10 +270,19 @@ async fn behind_an_l7_load_balancer_a_silent_agent_is_found_by_the_servers_in_se
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn behind_an_l7_load_balancer_a_silent_server_is_found_by_the_agent_in_seconds() {
-    let (stack, _haproxy, path) = behind_haproxy(false).await;
-    let r1 = stack.servers[0].as_ref().unwrap().registry.clone();
+    let (stack, _haproxy, paths) = behind_haproxy(false).await;
+    let regs: Vec<prometheus::Registry> = (0..2)
+        .map(|i| stack.servers[i].as_ref().unwrap().registry.clone())
+        .collect();
+    let load = load::start(
+        stack.caller(),
+        LoadSpec::new(20, format!("/relay/{TUNNEL_ID}/hello"), 20_000),
+    );
+    // The server carrying the calls is the one whose path from HAProxy goes silent.
+    let busy = busy_one([&regs[0], &regs[1]]).await;
+    let path = &paths[busy];
     let agent = stack.agent(0).unwrap().coverage();
-    let id1 = stack.server_id(0).unwrap().to_string();
+    let id1 = stack.server_id(busy).unwrap().to_string();
     let agent_streams_at_1 = || {
         agent
             .borrow()
@@ -268,15 +292,14 @@ async fn behind_an_l7_load_balancer_a_silent_server_is_found_by_the_agent_in_sec
             .map(|s| s.streams)
             .sum::<u32>()
     };
-    let load = load::start(
-        stack.caller(),
-        LoadSpec::new(20, format!("/relay/{TUNNEL_ID}/hello"), 20_000),
-    );
-    relay_tests::eventually("server 1 carries calls", Duration::from_secs(20), || {
-        let carried = value(&r1, "relay_tunnel_calls_total", &[("outcome", "ok")]) > 20.0
-            && agent_streams_at_1() > 0;
-        async move { carried }
-    })
+    relay_tests::eventually(
+        "the agent holds streams at the busy server",
+        Duration::from_secs(20),
+        || {
+            let held = agent_streams_at_1() > 0;
+            async move { held }
+        },
+    )
     .await;
     path.silence();
     let t0 = Instant::now();
@@ -314,31 +337,28 @@ async fn behind_an_l7_load_balancer_a_silent_server_is_found_by_the_agent_in_sec
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_path_from_the_dispatcher_to_a_server_is_found_in_seconds_and_calls_go_elsewhere()
 {
-    let forward = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let path = Forwarder::start(forward.local_addr().unwrap())
-        .await
-        .unwrap();
-    let stack = Stack::builder()
-        .servers(2)
-        .server_forward_listener(0, forward, path.url())
-        .upstream_latency(CALL_TIME)
-        .start()
-        .await
-        .unwrap();
+    // The dispatcher reaches each server through a forwarder of its own; the one in front
+    // of the server carrying the calls goes silent.
+    let mut builder = Stack::builder().servers(2).upstream_latency(CALL_TIME);
+    let mut paths = Vec::new();
+    for i in 0..2 {
+        let forward = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let path = Forwarder::start(forward.local_addr().unwrap())
+            .await
+            .unwrap();
+        builder = builder.server_forward_listener(i, forward, path.url());
+        paths.push(path);
+    }
+    let stack = builder.start().await.unwrap();
     stack.wait_routable(Duration::from_secs(20)).await.unwrap();
-    let r1 = stack.servers[0].as_ref().unwrap().registry.clone();
-    let r2 = stack.servers[1].as_ref().unwrap().registry.clone();
-    let calls = |r: &prometheus::Registry| value(r, "relay_tunnel_calls_total", &[]);
+    let regs: Vec<prometheus::Registry> = (0..2)
+        .map(|i| stack.servers[i].as_ref().unwrap().registry.clone())
+        .collect();
     let load = load::start(
         stack.caller(),
         LoadSpec::new(50, format!("/relay/{TUNNEL_ID}/hello"), 20_000),
     );
-    let (c1, c2) = (calls(&r1), calls(&r2));
-    relay_tests::eventually("both servers carry calls", Duration::from_secs(20), || {
-        let both = calls(&r1) > c1 + 20.0 && calls(&r2) > c2 + 20.0;
-        async move { both }
-    })
-    .await;
+    let path = &paths[busy_one([&regs[0], &regs[1]]).await];
     path.silence();
     let t0 = Instant::now();
     let admin = stack.dispatcher_admin;

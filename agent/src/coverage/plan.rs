@@ -154,6 +154,14 @@ pub struct CoverageConfig {
     /// stays short.
     #[serde(with = "humantime_serde")]
     pub fill_retry: Duration,
+    /// A lost server (its path went silent or broke) whose fill budget is spent gets one
+    /// open per `reconnect` for `reconnect_for` after it was lost (then one per
+    /// `fill_retry`), so that it is filled back within seconds of answering again.
+    #[serde(with = "humantime_serde")]
+    pub reconnect: Duration,
+    /// How long a lost server is reconnected to at the `reconnect` pace.
+    #[serde(with = "humantime_serde")]
+    pub reconnect_for: Duration,
     /// Streams younger than this are never retired.
     #[serde(with = "humantime_serde")]
     pub retire_min_age: Duration,
@@ -183,6 +191,8 @@ impl Default for CoverageConfig {
             evacuate_cooldown: Duration::from_secs(30),
             evacuated_for: Duration::from_secs(600),
             fill_retry: Duration::from_secs(30),
+            reconnect: Duration::from_secs(1),
+            reconnect_for: Duration::from_secs(300),
             retire_min_age: Duration::from_secs(120),
             retire_unused: Duration::from_secs(600),
             max_streams: 2048,
@@ -246,6 +256,11 @@ pub struct ServerView {
     pub placed: f64,
     /// The server sent Drain: it is going away.
     pub draining: bool,
+    /// Since when the server is lost: the agent's streams there closed because its path
+    /// went silent or broke, and none landed there since (`None`: not lost). A lost server
+    /// that stays listed is reconnected to at a quicker pace than other servers with none
+    /// of the agent's streams (`reconnect`).
+    pub lost_since: Option<Instant>,
 }
 
 /// Why the planner runs (see the module docs).
@@ -477,6 +492,9 @@ struct ServerMemory {
     short_idle_since: Option<Instant>,
     /// When it was evacuated (or seen draining).
     evacuated_at: Option<Instant>,
+    /// It held none of the agent's streams at the last plan: the first stream to land
+    /// there again starts a fresh fill (its budget spent while it was away is forgotten).
+    absent: bool,
 }
 
 /// The placement share floor's factor: a share is never taken below
@@ -716,6 +734,12 @@ impl Planner {
                 mem.evacuated_at = Some(now);
             }
             let live = count(view.streams.iter().filter(|st| !st.retiring).count());
+            if live > 0 && std::mem::take(&mut mem.absent) {
+                // Back: filled toward its reserve with a fresh budget.
+                mem.fill_opens = 0;
+                mem.paced_at = None;
+            }
+            mem.absent = live == 0;
             // A listed server with none of the agent's streams (new, or back as a new
             // instance) is filled like any other, unless it is being avoided.
             let absent_listed = live == 0 && view.listed && !view.draining && !recently(mem);
@@ -1065,6 +1089,13 @@ impl Planner {
             let mem = self.memory.entry(s.key()).or_default();
             let opens = opens_for(shortfall - landing, s.share);
             let left = budget.saturating_sub(mem.fill_opens);
+            // A lost server is reconnected to at a quicker pace for a while.
+            let retry = match s.view.lost_since {
+                Some(at) if tick.now.saturating_duration_since(at) < self.cfg.reconnect_for => {
+                    self.cfg.reconnect.min(retry)
+                }
+                _ => retry,
+            };
             let (want, pace) = if left > 0 {
                 (opens.min(left), String::new())
             } else if mem
@@ -1073,7 +1104,7 @@ impl Planner {
             {
                 (
                     1,
-                    format!(", budget spent: one open per {}s", retry.as_secs()),
+                    format!(", budget spent: one open per {}ms", retry.as_millis()),
                 )
             } else {
                 continue;

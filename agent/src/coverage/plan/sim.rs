@@ -395,6 +395,7 @@ impl Sim {
                     peak_in_flight: 0,
                     placed: self.tally.get(&(s.id.clone(), "1".to_string())),
                     draining: s.draining,
+                    lost_since: None,
                 })
                 .collect(),
         }

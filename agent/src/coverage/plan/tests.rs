@@ -69,6 +69,7 @@ impl Snap {
             peak_in_flight: 0,
             placed: 0.0,
             draining: false,
+            lost_since: None,
         }
     }
 
@@ -653,6 +654,7 @@ fn listed(id: &str, instance: &str) -> ServerView {
         peak_in_flight: 0,
         placed: 0.0,
         draining: false,
+        lost_since: None,
     }
 }
 
@@ -720,6 +722,54 @@ fn a_listed_server_no_stream_reaches_keeps_being_filled_at_a_bounded_rate() {
         .collect();
     assert_eq!(paced, expect);
     assert!(opens[2..].iter().all(|(_, n)| *n == 1));
+}
+
+#[test]
+fn a_lost_server_is_reconnected_to_each_second_and_filled_back_with_a_fresh_budget() {
+    let mut s = Snap::new();
+    let a = s.server("a", 2, 0);
+    let mut p = Planner::new(cfg());
+    let lost_at = s.at(0);
+    let lost = || ServerView {
+        lost_since: Some(lost_at),
+        ..listed("b", "1")
+    };
+    let mut opens = Vec::new();
+    for t in 0..12 {
+        let plan = p.plan(&s.snap(t, &[a.clone(), lost()]));
+        if plan.open > 0 {
+            opens.push((t, plan.open));
+        }
+    }
+    // The budget (8 opens) at once, then one open a second (`reconnect`), not one per
+    // fill_retry: a server lost to a silent path is found again within seconds.
+    assert_eq!(&opens[..2], &[(0, 4), (1, 4)], "{opens:?}");
+    assert!(
+        opens[2..].iter().all(|(_, n)| *n == 1) && opens.len() == 12,
+        "{opens:?}"
+    );
+    // It answers: a stream lands there. Its fill starts afresh, not paced by the budget
+    // its absence spent.
+    let mut back = s.server("b", 1, 0);
+    back.listed = true;
+    let plan = p.plan(&s.snap(12, &[a.clone(), back]));
+    assert_eq!(state_of(&plan, "b"), State::Filling);
+    assert!(
+        plan.open >= 2,
+        "toward the reserve at once: {:?}",
+        plan.actions
+    );
+    // After `reconnect_for`, a server still lost is paced like any other listed one.
+    let mut p = Planner::new(cfg());
+    let late = cfg().reconnect_for.as_secs();
+    let mut paced = Vec::new();
+    for t in late..late + 40 {
+        let plan = p.plan(&s.snap(t, &[a.clone(), lost()]));
+        if plan.open > 0 {
+            paced.push(t);
+        }
+    }
+    assert_eq!(paced, vec![late, late + 1, late + 31], "{paced:?}");
 }
 
 #[test]
