@@ -197,6 +197,10 @@ pub struct RoutingConfig {
     /// How much busier (CPU use, fraction) a home must be than a peer with idle streams
     /// for a share of its calls to spill there.
     pub load_margin: f64,
+    /// CPU use (fraction) below which a home never spills for load, however idle a peer:
+    /// it answers without waiting on its CPU, and moving calls would only split the
+    /// batches its connections carry.
+    pub load_floor: f64,
     /// CPU use (fraction) at or above which a server is given no new home while another
     /// with capacity is below it.
     pub load_high_water: f64,
@@ -216,6 +220,7 @@ impl Default for RoutingConfig {
             tier_hysteresis: 0.2,
             load_aware: true,
             load_margin: 0.25,
+            load_floor: 0.5,
             load_high_water: 0.9,
         }
     }
@@ -684,6 +689,12 @@ impl RoutingConfig {
             return Err(ConfigError::invalid(
                 "routing.load_margin",
                 "must be in (0, 1)",
+            ));
+        }
+        if !(r.load_floor.is_finite() && (0.0..1.0).contains(&r.load_floor)) {
+            return Err(ConfigError::invalid(
+                "routing.load_floor",
+                "must be in [0, 1)",
             ));
         }
         if !(r.load_high_water.is_finite() && r.load_high_water > 0.0 && r.load_high_water <= 1.0) {

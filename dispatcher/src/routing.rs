@@ -14,9 +14,13 @@
 //!     answered NO_CAPACITY): the targets are the other servers with idle streams (those below the
 //!     load high-water mark when there are any), or
 //!   - the home is *much busier* than a peer (`load_aware`): its load (the smoothed CPU
-//!     use it reports) exceeds the peer's by more than `load_margin`. A margin between two
-//!     figures, not a yes/no test of one: two servers at 60% and 70% never trade calls,
-//!     one at 95% spills to one at 40%. The targets are the peers that much less busy.
+//!     use it reports) exceeds the peer's by more than `load_margin`, and is at least
+//!     `load_floor`. A margin between two figures, not a yes/no test of one: two servers
+//!     at 60% and 70% never trade calls, one at 95% spills to one at 40%. The floor keeps
+//!     a home with CPU to spare (30% against an idle peer's 2%) whole: its calls do not
+//!     wait on its CPU, and spilling them would only split the batches its connections
+//!     carry (on shared hardware, for more CPU per call). The targets are the peers that
+//!     much less busy.
 //!
 //!   Targets are weighted by their idle streams, in their lowest latency tier. The share
 //!   rises by `spill_step` per step while the condition holds, falls by `spill_decay` per
@@ -606,8 +610,11 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
                     .copied()
                     .collect();
                 // Why calls would spill, and where to.
-                let busier_than =
-                    |v: &ServerView| cfg.load_aware && load(home) - load(v) > cfg.load_margin;
+                let busier_than = |v: &ServerView| {
+                    cfg.load_aware
+                        && load(home) >= cfg.load_floor
+                        && load(home) - load(v) > cfg.load_margin
+                };
                 let lighter: Vec<&ServerView> =
                     others.iter().filter(|v| busier_than(v)).copied().collect();
                 let (reason, pool): (Option<&'static str>, Vec<&ServerView>) = if saturated(home) {

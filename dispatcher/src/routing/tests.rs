@@ -565,6 +565,16 @@ fn a_home_much_busier_than_a_peer_spills_a_share_of_its_calls() {
         sim.step(&[s("a", 5, 1, 0).load(0.7), s("b", 4, 0, 0).load(0.6)]);
     }
     assert_eq!(sim.spill(), 0.0);
+    // A home with CPU to spare (below load_floor, 0.5) keeps its calls, however idle the
+    // peer: they do not wait on its CPU.
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    for _ in 0..5 {
+        sim.step(&[s("a", 5, 1, 0).load(0.3), s("b", 4, 0, 0).load(0.02)]);
+    }
+    assert_eq!(sim.spill(), 0.0);
+    // From the floor up, the margin decides.
+    sim.step(&[s("a", 5, 1, 0).load(0.55), s("b", 4, 0, 0).load(0.02)]);
+    assert!(approx(sim.spill(), 0.1), "{}", sim.spill());
 }
 
 #[test]
