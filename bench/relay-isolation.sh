@@ -3,9 +3,10 @@
 # servers, one agent; `relay-fleet upstream` as the upstream):
 #
 # 1. Stalled downloads: other callers' calls/s and latency (wrk, 16 connections,
-#    GET /relay/demo/hello) alone and with STALLS callers that each read their 256 MiB
-#    download's response head and then nothing (`relay-fleet stall`), and every relay
-#    process's RSS (VmRSS now, VmHWM so far) while they hold on. Between rounds the stalled
+#    GET /relay/demo/hello) alone and with STALLS callers of another tenant (a caller key
+#    of their own) that each read their 256 MiB download's response head and then nothing
+#    (`relay-fleet stall`), and every relay process's RSS (VmRSS now, VmHWM so far) while
+#    they hold on. Between rounds the stalled
 #    callers leave and the dispatcher is waited on to have no call in flight.
 # 2. A silent partition: the agent reaches tunnel server 1 through `relay-fleet forward`,
 #    which goes silent for PARTITION (connections left open) under `relay-fleet soak` in
@@ -65,9 +66,15 @@ wait_for() { # what seconds command...
 answers() { [ "$(curl -s -H "$AUTH" http://127.0.0.1:8080/relay/demo/hello)" = "hello from upstream" ]; }
 no_calls_in_flight() { [ "$(metric 9080 relay_dispatcher_calls_in_flight)" = 0 ]; }
 
+# The stalled callers are another tenant: a caller key of their own, so that the calls they
+# hold count toward their own max_concurrent_calls (256 by default), not the measured
+# caller's.
+{ cat examples/local/dispatcher.toml
+  printf '\n[[callers]]\nname = "stalled"\nkey = "stalled-caller-key"\ntunnels = ["*"]\n'
+} > "$work/dispatcher.toml"
 start_stack() { # agent flags...
   $BIN/relay-fleet upstream --listen 127.0.0.1:8000 --latency-ms "${UPSTREAM_MS:-0}" >"$work/upstream.log" 2>&1 & UP=$!; pids+=($UP)
-  $BIN/relay-dispatcher --config examples/local/dispatcher.toml >"$work/dispatcher.log" 2>&1 & DISP=$!; pids+=($DISP)
+  $BIN/relay-dispatcher --config "$work/dispatcher.toml" >"$work/dispatcher.log" 2>&1 & DISP=$!; pids+=($DISP)
   $BIN/relay-tunnel-server --config examples/local/tunnel-server-1.toml >"$work/ts1.log" 2>&1 & TS1=$!; pids+=($TS1)
   $BIN/relay-tunnel-server --config examples/local/tunnel-server-2.toml >"$work/ts2.log" 2>&1 & TS2=$!; pids+=($TS2)
   $BIN/relay-agent --config examples/local/agent.toml "$@" >"$work/agent.log" 2>&1 & AGENT=$!; pids+=($AGENT)
@@ -86,7 +93,7 @@ printf '%-8s %10s %9s %9s %9s %8s | %-15s %-15s %-15s %-15s\n' stalled calls/s p
 for k in $STALLS; do
   stall_pid=""
   if [ "$k" -gt 0 ]; then
-    $BIN/relay-fleet stall --front 127.0.0.1:8080 --callers "$k" \
+    $BIN/relay-fleet stall --front 127.0.0.1:8080 --callers "$k" --caller-key stalled-caller-key \
       --path /relay/demo/bytes/268435456 --hold 1h >"$work/stall-$k.log" 2>&1 & stall_pid=$!; pids+=($stall_pid)
     wait_for "$k stalled downloads hold their heads" 120 grep -q "hold their response head" "$work/stall-$k.log"
     # Held up: the upstream's answers stop moving once every window on the way is full.
