@@ -30,6 +30,8 @@ const STREAMS: u32 = 8;
 const MEASURE: Duration = Duration::from_secs(2);
 /// Callers of the small calls whose throughput is measured.
 const WORKERS: usize = 8;
+/// Measure windows taken, at most, with the calls stalled.
+const STALLED_WINDOWS: usize = 4;
 /// Large enough that no buffer on the way (kernel socket buffers included) absorbs it.
 const DOWNLOAD_BYTES: u64 = 64 * 1024 * 1024;
 const UPLOAD_BYTES: u64 = 64 * 1024 * 1024;
@@ -154,11 +156,19 @@ async fn check_tunnels(
             }
         }
     }
-    // Two windows with the calls stalled; the better one counts (a neighbour on the
-    // machine slows a window, a stall would slow both).
-    let (first, failed_first) = small_calls(&stack).await;
-    let (second, failed_second) = small_calls(&stack).await;
-    let (stalled, failed) = (first.max(second), failed_first + failed_second);
+    // Up to STALLED_WINDOWS windows with the calls stalled; the best one counts: a
+    // neighbour on the machine slows a window now and then (by 2x on a busy CI machine),
+    // a stall that takes other calls' capacity slows every window (to nothing, before
+    // the windows were sized to the streams).
+    let (mut stalled, mut failed) = (0.0f64, 0);
+    for _ in 0..STALLED_WINDOWS {
+        let (rate, failed_now) = small_calls(&stack).await;
+        stalled = stalled.max(rate);
+        failed += failed_now;
+        if stalled >= 0.8 * alone {
+            break;
+        }
+    }
     assert_eq!(
         failed, 0,
         "{what}: calls failed while {k} calls were stalled"
