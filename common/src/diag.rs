@@ -213,10 +213,11 @@ impl Diag {
     }
 
     /// Fetches `paths` from the admin listener at `addr` (an unspecified address is asked
-    /// on loopback) into `admin/<file>`; when the listener does not answer, adds
-    /// `admin/unreachable.txt` saying so. Returns whether it answered.
+    /// on loopback) into `<dir>/<file>`; when the listener does not answer, adds
+    /// `<dir>/unreachable.txt` saying so. Returns whether it answered.
     pub async fn admin(
         &mut self,
+        dir: &str,
         addr: SocketAddr,
         paths: &[(&str, &str)],
         timeout: Duration,
@@ -228,7 +229,7 @@ impl Diag {
             match get(addr, path, timeout).await {
                 Ok((status, body)) => {
                     reached = true;
-                    let name = format!("admin/{file}");
+                    let name = format!("{dir}/{file}");
                     let (body, cut) = cut(body.to_vec());
                     self.add(
                         &name,
@@ -255,7 +256,7 @@ impl Diag {
             } else {
                 format!("admin listener {addr} unreachable: nothing fetched from it")
             };
-            self.add("admin/unreachable.txt", text, about);
+            self.add(&format!("{dir}/unreachable.txt"), text, about);
         }
         reached
     }
@@ -315,8 +316,9 @@ impl Diag {
     }
 
     /// Scrubs every secret from every member and writes the archive: each member under
-    /// `<binary>-diag/`, plus `summary.txt`. The file is created with mode 0600.
-    pub fn write(mut self, output: &Path) -> Result<Vec<String>, DiagError> {
+    /// `<binary>-diag/`, plus `summary.txt`. The file is created with mode 0600. Returns
+    /// what to tell the user: where it went and the summary.
+    pub fn write(mut self, output: &Path) -> Result<String, DiagError> {
         let summary = format!(
             "{} diag: what this archive holds (secrets are redacted in every file)\n\n{}\n",
             self.binary,
@@ -351,7 +353,6 @@ impl Diag {
         let mut tar = tar::Builder::new(gz);
         let mtime = crate::wall::unix_ms() / 1000;
         let prefix = format!("{}-diag", self.binary);
-        let mut names = Vec::new();
         for m in &self.members {
             let mut header = tar::Header::new_gnu();
             header.set_size(m.data.len() as u64);
@@ -361,13 +362,41 @@ impl Diag {
             let name = format!("{prefix}/{}", m.name);
             tar.append_data(&mut header, &name, m.data.as_slice())
                 .map_err(err)?;
-            names.push(name);
         }
         let gz = tar.into_inner().map_err(err)?;
         let file = gz.finish().map_err(err)?;
         file.sync_all().map_err(err)?;
-        Ok(names)
+        let summary = String::from_utf8_lossy(&self.members[0].data);
+        Ok(format!(
+            "wrote {} ({} files)\n{summary}",
+            output.display(),
+            self.members.len()
+        ))
     }
+}
+
+/// Fails early, before anything is collected, when the archive could not be written
+/// (its folder missing or read-only). Leaves no file behind and an existing one as it was.
+pub fn check_output(output: &Path) -> Result<(), DiagError> {
+    let err = |source| DiagError::Write {
+        path: output.to_path_buf(),
+        source,
+    };
+    if output.exists() {
+        return std::fs::OpenOptions::new()
+            .append(true)
+            .open(output)
+            .map(drop)
+            .map_err(err);
+    }
+    open_private(output).map_err(err)?;
+    std::fs::remove_file(output).map_err(err)
+}
+
+/// The `admin_listen` of a parsed config file, when it is set and an address: for a config
+/// that does not load as a whole.
+pub fn admin_listen_of(config: Option<&toml::Value>) -> Option<SocketAddr> {
+    config?.get("admin_listen")?.as_str()?.parse().ok()
 }
 
 fn open_private(path: &Path) -> std::io::Result<std::fs::File> {
@@ -682,8 +711,8 @@ mod tests {
         d.add("a.txt", "line with s3cret-value inside", "x");
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("d.tar.gz");
-        let names = d.write(&out).unwrap();
-        assert!(names.contains(&"relay-test-diag/a.txt".to_string()));
+        let told = d.write(&out).unwrap();
+        assert!(told.contains("a.txt"), "{told}");
         let f = std::fs::File::open(&out).unwrap();
         let mut ar = tar::Archive::new(flate2::read::GzDecoder::new(f));
         let mut all = Vec::new();
