@@ -196,7 +196,11 @@ impl Diag {
                 self.secret(&v);
                 lines.push(format!("{k}={REDACTED}"));
             } else {
-                lines.push(format!("{k}={}", redact_url(&v).0));
+                let (shown, password) = redact_url(&v);
+                if let Some(p) = password {
+                    self.secret(&p);
+                }
+                lines.push(format!("{k}={shown}"));
             }
         }
         let n = lines.len();

@@ -38,6 +38,10 @@ struct Args {
     /// The shared registry's record key (overrides `[registry] record_key`).
     #[arg(long, env = "RELAY_REGISTRY_RECORD_KEY", hide_env_values = true)]
     registry_record_key: Option<String>,
+    /// The shared registry's Redis URL (overrides `[registry] url`): a URL with a password
+    /// can then come from a secret store instead of the config file.
+    #[arg(long, env = "RELAY_REGISTRY_URL", hide_env_values = true)]
+    registry_url: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -73,6 +77,9 @@ fn config(args: Args) -> anyhow::Result<Config> {
     if let Some(key) = args.registry_record_key {
         config.registry.record_key = Some(relay_common::Secret::new(key));
     }
+    if let Some(url) = args.registry_url {
+        config.registry.url = Some(relay_common::Secret::new(url));
+    }
     config.validate()?;
     Ok(config)
 }
@@ -104,7 +111,7 @@ fn main_inner(args: Args) -> anyhow::Result<()> {
 /// when the archive is written (whatever the running dispatcher answered: the archive
 /// says), 1 when the config file cannot be read or the archive cannot be written.
 async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::ExitCode {
-    use relay_common::diag::{admin_listen_of, Diag};
+    use relay_common::diag::{admin_listen_of, redact_url, Diag};
     let fail = |e: &dyn std::fmt::Display| {
         eprintln!("relay-dispatcher diag: {e}");
         std::process::ExitCode::FAILURE
@@ -210,6 +217,26 @@ mod tests {
         assert_eq!(
             c.registry.record_key.as_ref().map(|k| k.expose()),
             Some("0123456789abcdef0123456789abcdef")
+        );
+    }
+
+    #[test]
+    fn the_registry_url_flag_overrides_the_config() {
+        let example = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/local/dispatcher.toml"
+        );
+        let args = Args::parse_from([
+            "relay-dispatcher",
+            "--config",
+            example,
+            "--registry-url",
+            "redis://relay:pw@10.0.0.5:6379/0",
+        ]);
+        let c = config(args).unwrap();
+        assert_eq!(
+            c.registry.url.as_ref().map(|u| u.expose()),
+            Some("redis://relay:pw@10.0.0.5:6379/0")
         );
     }
 }
