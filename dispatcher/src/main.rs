@@ -132,6 +132,9 @@ async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::E
     {
         d.secret(s);
     }
+    if let Some((_, Some(password))) = args.registry_url.as_deref().map(redact_url) {
+        d.secret(&password);
+    }
     let admin_flag = args.admin_listen;
     let loaded = config(args);
     let admin = opts
