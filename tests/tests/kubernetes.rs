@@ -31,7 +31,8 @@ fn every_kustomization_renders_and_validates_against_the_kubernetes_schemas() {
         "overlays/agent",
     ] {
         assert!(
-            text.lines().any(|l| l.starts_with(&format!("ok   {dir}: "))),
+            text.lines()
+                .any(|l| l.starts_with(&format!("ok   {dir}: "))),
             "{dir} was not checked:\n{text}"
         );
     }
