@@ -509,35 +509,27 @@ async fn get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(u16, By
 
 /// Whether a config key holds a secret. `table` is the name of the table the key is in
 /// (`tls`, `registry`, `callers`, ...; empty at the top). A `key` in a TLS section is the
-/// path of a private key file, kept; the file itself is never read.
+/// path of a private key file, kept; the file itself is never read. Header names count as
+/// keys too (`set_headers = { Authorization = "..." }`), with `-` read as `_`.
 pub fn is_secret_key(table: &str, key: &str) -> bool {
-    let k = key.to_ascii_lowercase();
+    let k = key.to_ascii_lowercase().replace('-', "_");
     if k == "key" {
         return !table.to_ascii_lowercase().ends_with("tls");
     }
-    const NAMES: [&str; 6] = [
-        "token",
-        "password",
-        "passwd",
-        "secret",
-        "credential",
-        "auth",
-    ];
-    if NAMES.contains(&k.as_str()) {
-        return true;
-    }
-    const SUFFIXES: [&str; 8] = [
+    const NAMES: [&str; 6] = ["token", "passwd", "credential", "auth", "apikey", "key_sha256"];
+    const PARTS: [&str; 4] = ["password", "secret", "authorization", "cookie"];
+    const SUFFIXES: [&str; 6] = [
         "_token",
-        "_password",
         "_passwd",
-        "_secret",
         "_key",
         "_key_sha256",
         "_credential",
         "_credentials",
     ];
     // `token_file`, `token_store` name files (never read by diag): kept.
-    SUFFIXES.iter().any(|s| k.ends_with(s)) || k == "key_sha256"
+    NAMES.contains(&k.as_str())
+        || PARTS.iter().any(|p| k.contains(p))
+        || SUFFIXES.iter().any(|s| k.ends_with(s))
 }
 
 /// Whether a `RELAY_*` variable holds a secret (`RELAY_TOKEN`, `RELAY_CALLER_KEY`, ...).
@@ -658,6 +650,9 @@ mod tests {
             [[callers]]
             name = "other"
             key_sha256 = "abcdef"
+            [[allow]]
+            name = "r"
+            set_headers = { Authorization = "Bearer upstream-cred-7", "X-Api-Key" = "api-key-8", "x-trace" = "kept-9" }
         "#;
         let (_, out, secrets) = redact_toml(text).unwrap();
         for s in [
@@ -669,6 +664,8 @@ mod tests {
             "caller-key-6",
             "abcdef",
             "commented-secret",
+            "upstream-cred-7",
+            "api-key-8",
         ] {
             assert!(!out.contains(s), "{s} in {out}");
         }
@@ -682,6 +679,7 @@ mod tests {
             "rediss://relay:<redacted>@10.0.0.5:6380/0",
             "key_prefix = \"relay\"",
             "name = \"backend\"",
+            "kept-9",
         ] {
             assert!(out.contains(kept), "{kept} missing from {out}");
         }
