@@ -516,7 +516,14 @@ pub fn is_secret_key(table: &str, key: &str) -> bool {
     if k == "key" {
         return !table.to_ascii_lowercase().ends_with("tls");
     }
-    const NAMES: [&str; 6] = ["token", "passwd", "credential", "auth", "apikey", "key_sha256"];
+    const NAMES: [&str; 6] = [
+        "token",
+        "passwd",
+        "credential",
+        "auth",
+        "apikey",
+        "key_sha256",
+    ];
     const PARTS: [&str; 4] = ["password", "secret", "authorization", "cookie"];
     const SUFFIXES: [&str; 6] = [
         "_token",
