@@ -403,14 +403,18 @@ pub fn admin_listen_of(config: Option<&toml::Value>) -> Option<SocketAddr> {
     config?.get("admin_listen")?.as_str()?.parse().ok()
 }
 
+/// Creates or truncates `path`, readable by its owner only (also when it existed before
+/// with another mode).
 fn open_private(path: &Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
-        .open(path)
+        .open(path)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(file)
 }
 
 /// `data` with every occurrence of `needle` replaced.
@@ -720,8 +724,12 @@ mod tests {
         d.add("a.txt", "line with s3cret-value inside", "x");
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("d.tar.gz");
+        std::fs::write(&out, "an older file anyone could read").unwrap();
         let told = d.write(&out).unwrap();
         assert!(told.contains("a.txt"), "{told}");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&out).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
         let f = std::fs::File::open(&out).unwrap();
         let mut ar = tar::Archive::new(flate2::read::GzDecoder::new(f));
         let mut all = Vec::new();
