@@ -1,7 +1,8 @@
 //! `relay-agent`: parse flags and config, init tracing, start the runtime the config sizes,
 //! bind the admin listener, run until SIGTERM/SIGINT, map errors to an exit code.
 //! `relay-agent check` runs the preflight (`relay_agent::check`) with the same config, flags
-//! and environment instead.
+//! and environment instead; `relay-agent diag` writes a support archive
+//! (`relay_common::diag`) with the check's results in it.
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -66,6 +67,14 @@ enum Command {
         #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
         max_clock_skew: std::time::Duration,
     },
+    /// Support archive (.tar.gz): version, the config with every secret redacted, the
+    /// running agent's /systemcheck, /readyz and /metrics (from its admin listener), the
+    /// last log lines, and the results of `relay-agent check`. Takes the same config,
+    /// flags and environment as the agent.
+    Diag {
+        #[command(flatten)]
+        diag: relay_common::diag::DiagArgs,
+    },
 }
 
 fn load(args: Args) -> Result<Config, relay_common::config::ConfigError> {
@@ -107,15 +116,27 @@ fn load(args: Args) -> Result<Config, relay_common::config::ConfigError> {
 
 fn main() -> std::process::ExitCode {
     let mut args = Args::parse();
-    if let Some(Command::Check { max_clock_skew }) = args.command.take() {
+    match args.command.take() {
         // A short preflight: the default runtime, whatever the config sizes for serving.
-        return match relay_common::runtime::build(None) {
-            Ok(runtime) => runtime.block_on(check(args, max_clock_skew)),
-            Err(e) => {
-                eprintln!("relay-agent check: cannot start the runtime: {e}");
-                std::process::ExitCode::from(2)
-            }
-        };
+        Some(Command::Check { max_clock_skew }) => {
+            return match relay_common::runtime::build(None) {
+                Ok(runtime) => runtime.block_on(check(args, max_clock_skew)),
+                Err(e) => {
+                    eprintln!("relay-agent check: cannot start the runtime: {e}");
+                    std::process::ExitCode::from(2)
+                }
+            };
+        }
+        Some(Command::Diag { diag: opts }) => {
+            return match relay_common::runtime::build(None) {
+                Ok(runtime) => runtime.block_on(diag(args, opts)),
+                Err(e) => {
+                    eprintln!("relay-agent diag: cannot start the runtime: {e}");
+                    std::process::ExitCode::FAILURE
+                }
+            };
+        }
+        None => {}
     }
     relay_common::telemetry::init("info");
     match main_inner(args) {
@@ -169,4 +190,95 @@ async fn check(args: Args, max_clock_skew: std::time::Duration) -> std::process:
     print!("{}", report.table());
     eprintln!("relay-agent check: {}", report.verdict());
     std::process::ExitCode::from(code)
+}
+
+/// `relay-agent diag`: collects the archive, writes it, says where on stderr. Exit 0 when
+/// the archive is written (whatever the running agent answered: the archive says), 1 when
+/// the config file cannot be read or the archive cannot be written.
+async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::ExitCode {
+    use relay_common::diag::Diag;
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("relay-agent diag: {e}");
+        std::process::ExitCode::FAILURE
+    };
+    if let Err(e) = relay_common::diag::check_output(&opts.output) {
+        return fail(&e);
+    }
+    let mut d = Diag::new("relay-agent", env!("CARGO_PKG_VERSION"));
+    let source = match &args.config {
+        Some(p) => p.display().to_string(),
+        None => "(flags and environment)".to_string(),
+    };
+    let file = match &args.config {
+        Some(path) => match d.config("config.toml", path) {
+            Ok(v) => v,
+            Err(e) => return fail(&e),
+        },
+        None => {
+            d.note(
+                "config.toml",
+                "no --config: flags, RELAY_* variables and defaults only",
+            );
+            None
+        }
+    };
+    d.environment();
+    if let Some(t) = &args.token {
+        d.secret(t);
+    }
+    let admin_flag = args.admin_listen;
+    let loaded = load(args);
+    let admin = opts
+        .admin
+        .or_else(|| loaded.as_ref().ok().map(|c| c.admin_listen))
+        .or(admin_flag)
+        .or_else(|| relay_common::diag::admin_listen_of(file.as_ref()))
+        .unwrap_or_else(|| Config::default().admin_listen);
+    match &loaded {
+        // The token read from `token_file` (or given by flag): scrubbed wherever it shows.
+        Ok(c) => d.secret(c.token.expose()),
+        Err(e) => d.add(
+            "config-error.txt",
+            format!("{e}\n"),
+            format!("the config does not load: {e}"),
+        ),
+    }
+    d.admin(
+        "admin",
+        admin,
+        &[
+            ("/systemcheck", "systemcheck.json"),
+            ("/readyz", "readyz.json"),
+            ("/healthz", "healthz.txt"),
+            ("/metrics", "metrics.txt"),
+        ],
+        opts.timeout,
+    )
+    .await;
+    d.logs(
+        opts.log_file.as_deref(),
+        opts.journal_unit
+            .as_deref()
+            .unwrap_or("relay-agent.service"),
+        opts.log_lines,
+    );
+    let report = match &loaded {
+        Err(e) => relay_agent::check::Report::config_failed(&source, &e.to_string()),
+        Ok(config) => {
+            let opts = relay_agent::check::CheckOptions::default();
+            relay_agent::check::run(config, &source, &opts).await
+        }
+    };
+    d.add(
+        "check.txt",
+        format!("{}\n{}\n", report.table(), report.verdict()),
+        format!("relay-agent check: {}", report.verdict()),
+    );
+    match d.write(&opts.output) {
+        Ok(summary) => {
+            eprintln!("{summary}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
 }

@@ -8,6 +8,7 @@ pub mod admin;
 pub mod config;
 #[cfg(any(test, feature = "dev-certs"))]
 pub mod devcerts;
+pub mod diag;
 pub mod glob;
 pub mod grpc;
 pub mod h2;

@@ -1,8 +1,9 @@
 //! `relay-dispatcher`: parse config, init tracing, start the runtime the config sizes, bind
 //! the three listeners, run until SIGTERM/SIGINT, map errors to exit code 1.
+//! `relay-dispatcher diag` writes a support archive (`relay_common::diag`) instead.
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use relay_dispatcher::{CallerConfig, Config, Listeners};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,8 +11,15 @@ use tokio::net::TcpListener;
 
 /// The relay dispatcher: HTTP front for backends, routing calls to tunnel servers.
 #[derive(Parser, Debug)]
-#[command(name = "relay-dispatcher", version, about)]
+#[command(
+    name = "relay-dispatcher",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// TOML config file (defaults apply without one).
     #[arg(long, env = "RELAY_CONFIG")]
     config: Option<PathBuf>,
@@ -30,6 +38,24 @@ struct Args {
     /// The shared registry's record key (overrides `[registry] record_key`).
     #[arg(long, env = "RELAY_REGISTRY_RECORD_KEY", hide_env_values = true)]
     registry_record_key: Option<String>,
+    /// The shared registry's Redis URL (overrides `[registry] url`): a URL with a password
+    /// can then come from a secret store instead of the config file.
+    #[arg(long, env = "RELAY_REGISTRY_URL", hide_env_values = true)]
+    registry_url: Option<String>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Support archive (.tar.gz): version, the config with every secret redacted (caller
+    /// keys, server_key, record_key, the Redis URL's password), the running dispatcher's
+    /// /readyz, /debug/routes and /metrics from its admin listener, and the last log lines.
+    Diag {
+        /// The dispatcher's config file.
+        #[arg(long, env = "RELAY_CONFIG")]
+        config: PathBuf,
+        #[command(flatten)]
+        diag: relay_common::diag::DiagArgs,
+    },
 }
 
 fn config(args: Args) -> anyhow::Result<Config> {
@@ -51,6 +77,9 @@ fn config(args: Args) -> anyhow::Result<Config> {
     if let Some(key) = args.registry_record_key {
         config.registry.record_key = Some(relay_common::Secret::new(key));
     }
+    if let Some(url) = args.registry_url {
+        config.registry.url = Some(relay_common::Secret::new(url));
+    }
     config.validate()?;
     Ok(config)
 }
@@ -71,20 +100,103 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn main_inner() -> anyhow::Result<()> {
-    let config = config(Args::parse())?;
+fn main_inner(args: Args) -> anyhow::Result<()> {
+    let config = config(args)?;
     relay_common::runtime::build(config.worker_threads)
         .context("cannot start the runtime")?
         .block_on(serve(config))
 }
 
-fn main() {
+/// `relay-dispatcher diag`: collects the archive, writes it, says where on stderr. Exit 0
+/// when the archive is written (whatever the running dispatcher answered: the archive
+/// says), 1 when the config file cannot be read or the archive cannot be written.
+async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::ExitCode {
+    use relay_common::diag::{admin_listen_of, redact_url, Diag};
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("relay-dispatcher diag: {e}");
+        std::process::ExitCode::FAILURE
+    };
+    if let Err(e) = relay_common::diag::check_output(&opts.output) {
+        return fail(&e);
+    }
+    let mut d = Diag::new("relay-dispatcher", env!("CARGO_PKG_VERSION"));
+    let path = args.config.clone().unwrap_or_default();
+    let file = match d.config("config.toml", &path) {
+        Ok(v) => v,
+        Err(e) => return fail(&e),
+    };
+    d.environment();
+    for s in [&args.caller_key, &args.registry_record_key]
+        .into_iter()
+        .flatten()
+    {
+        d.secret(s);
+    }
+    if let Some((_, Some(password))) = args.registry_url.as_deref().map(redact_url) {
+        d.secret(&password);
+    }
+    let admin_flag = args.admin_listen;
+    let loaded = config(args);
+    let admin = opts
+        .admin
+        .or_else(|| loaded.as_ref().ok().map(|c| c.admin_listen))
+        .or(admin_flag)
+        .or_else(|| admin_listen_of(file.as_ref()))
+        .unwrap_or_else(|| Config::default().admin_listen);
+    if let Err(e) = &loaded {
+        d.add(
+            "config-error.txt",
+            format!("{e:#}\n"),
+            format!("the config does not load: {e:#}"),
+        );
+    }
+    d.admin(
+        "admin",
+        admin,
+        &[
+            ("/readyz", "readyz.json"),
+            ("/debug/routes", "routes.json"),
+            ("/healthz", "healthz.txt"),
+            ("/metrics", "metrics.txt"),
+        ],
+        opts.timeout,
+    )
+    .await;
+    d.logs(
+        opts.log_file.as_deref(),
+        opts.journal_unit
+            .as_deref()
+            .unwrap_or("relay-dispatcher.service"),
+        opts.log_lines,
+    );
+    match d.write(&opts.output) {
+        Ok(summary) => {
+            eprintln!("{summary}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let mut args = Args::parse();
+    if let Some(Command::Diag { config, diag: opts }) = args.command.take() {
+        args.config = Some(config);
+        return match relay_common::runtime::build(None) {
+            Ok(runtime) => runtime.block_on(diag(args, opts)),
+            Err(e) => {
+                eprintln!("relay-dispatcher diag: cannot start the runtime: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     relay_common::telemetry::init("info");
-    if let Err(e) = main_inner() {
+    if let Err(e) = main_inner(args) {
         tracing::error!(error = %format!("{e:#}"), "relay-dispatcher failed");
         eprintln!("relay-dispatcher: {e:#}");
-        std::process::exit(1);
+        return std::process::ExitCode::FAILURE;
     }
+    std::process::ExitCode::SUCCESS
 }
 
 #[cfg(test)]
@@ -108,6 +220,26 @@ mod tests {
         assert_eq!(
             c.registry.record_key.as_ref().map(|k| k.expose()),
             Some("0123456789abcdef0123456789abcdef")
+        );
+    }
+
+    #[test]
+    fn the_registry_url_flag_overrides_the_config() {
+        let example = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/local/dispatcher.toml"
+        );
+        let args = Args::parse_from([
+            "relay-dispatcher",
+            "--config",
+            example,
+            "--registry-url",
+            "redis://relay:pw@10.0.0.5:6379/0",
+        ]);
+        let c = config(args).unwrap();
+        assert_eq!(
+            c.registry.url.as_ref().map(|u| u.expose()),
+            Some("redis://relay:pw@10.0.0.5:6379/0")
         );
     }
 }

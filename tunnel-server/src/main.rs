@@ -1,6 +1,7 @@
 //! `relay-tunnel-server`: parse config, init tracing, start the runtime the config sizes,
 //! bind, run until SIGTERM/SIGINT.
-//! `relay-tunnel-server tokens add | revoke | list` edits a token store file instead.
+//! `relay-tunnel-server tokens add | revoke | list` edits a token store file instead;
+//! `relay-tunnel-server diag` writes a support archive (`relay_common::diag`).
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -60,6 +61,17 @@ enum Command {
     /// change up on SIGHUP, or by themselves within `reload_interval`.
     #[command(subcommand)]
     Tokens(Tokens),
+    /// Support archive (.tar.gz): version, the config (and the co-located front's) with
+    /// every secret redacted, the running server's /readyz and /metrics (and the front's
+    /// /debug/routes) from its admin listener, and the last log lines. The token store is
+    /// not included.
+    Diag {
+        /// The server's config file.
+        #[arg(long, env = "RELAY_CONFIG")]
+        config: PathBuf,
+        #[command(flatten)]
+        diag: relay_common::diag::DiagArgs,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -191,14 +203,27 @@ fn tokens(cmd: Tokens) -> anyhow::Result<()> {
 
 fn main() -> std::process::ExitCode {
     let mut args = Args::parse();
-    if let Some(Command::Tokens(cmd)) = args.command.take() {
-        return match tokens(cmd) {
-            Ok(()) => std::process::ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("relay-tunnel-server tokens: {e:#}");
-                std::process::ExitCode::FAILURE
-            }
-        };
+    match args.command.take() {
+        Some(Command::Tokens(cmd)) => {
+            return match tokens(cmd) {
+                Ok(()) => std::process::ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("relay-tunnel-server tokens: {e:#}");
+                    std::process::ExitCode::FAILURE
+                }
+            };
+        }
+        Some(Command::Diag { config, diag: opts }) => {
+            args.config = Some(config);
+            return match relay_common::runtime::build(None) {
+                Ok(runtime) => runtime.block_on(diag(args, opts)),
+                Err(e) => {
+                    eprintln!("relay-tunnel-server diag: cannot start the runtime: {e}");
+                    std::process::ExitCode::FAILURE
+                }
+            };
+        }
+        None => {}
     }
     relay_common::telemetry::init("info");
     match main_inner(args) {
@@ -211,6 +236,23 @@ fn main() -> std::process::ExitCode {
 }
 
 fn main_inner(args: Args) -> anyhow::Result<()> {
+    let config = load(args)?;
+    let front_config = match &config.front_config {
+        Some(path) => Some(
+            relay_common::config::load::<relay_dispatcher::Config>(Some(path))
+                .with_context(|| format!("front_config {}", path.display()))?,
+        ),
+        None => None,
+    };
+    // The process has one runtime: the tunnel server's `worker_threads` sizes it, the
+    // front config's (the dispatcher's own, when it runs alone) is not used.
+    relay_common::runtime::build(config.worker_threads)
+        .context("cannot start the runtime")?
+        .block_on(serve(config, front_config))
+}
+
+/// The config file with the flags and `RELAY_*` variables applied, validated.
+fn load(args: Args) -> anyhow::Result<Config> {
     let mut config: Config = relay_common::config::load(args.config.as_deref())?;
     if let Some(v) = args.server_id {
         config.server_id = v;
@@ -243,18 +285,110 @@ fn main_inner(args: Args) -> anyhow::Result<()> {
         config.front_config = Some(v);
     }
     config.validate()?;
-    let front_config = match &config.front_config {
-        Some(path) => Some(
-            relay_common::config::load::<relay_dispatcher::Config>(Some(path))
-                .with_context(|| format!("front_config {}", path.display()))?,
-        ),
-        None => None,
+    Ok(config)
+}
+
+/// `relay-tunnel-server diag`: collects the archive, writes it, says where on stderr.
+/// Exit 0 when the archive is written (whatever the running server answered: the archive
+/// says), 1 when a config file cannot be read or the archive cannot be written.
+async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::ExitCode {
+    use relay_common::diag::{admin_listen_of, Diag};
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("relay-tunnel-server diag: {e}");
+        std::process::ExitCode::FAILURE
     };
-    // The process has one runtime: the tunnel server's `worker_threads` sizes it, the
-    // front config's (the dispatcher's own, when it runs alone) is not used.
-    relay_common::runtime::build(config.worker_threads)
-        .context("cannot start the runtime")?
-        .block_on(serve(config, front_config))
+    if let Err(e) = relay_common::diag::check_output(&opts.output) {
+        return fail(&e);
+    }
+    let mut d = Diag::new("relay-tunnel-server", env!("CARGO_PKG_VERSION"));
+    let path = args.config.clone().unwrap_or_default();
+    let file = match d.config("config.toml", &path) {
+        Ok(v) => v,
+        Err(e) => return fail(&e),
+    };
+    d.environment();
+    if let Some(k) = &args.dispatcher_key {
+        d.secret(k);
+    }
+    let admin_flag = args.admin_listen;
+    let loaded = load(args);
+    let admin = opts
+        .admin
+        .or_else(|| loaded.as_ref().ok().map(|c| c.admin_listen))
+        .or(admin_flag)
+        .or_else(|| admin_listen_of(file.as_ref()))
+        .unwrap_or_else(|| Config::default().admin_listen);
+    match &loaded {
+        Ok(c) => {
+            if let Some(store) = &c.token_store {
+                d.note(
+                    "token store",
+                    format!("{} not included (token hashes)", store.display()),
+                );
+            }
+        }
+        Err(e) => d.add(
+            "config-error.txt",
+            format!("{e:#}\n"),
+            format!("the config does not load: {e:#}"),
+        ),
+    }
+    d.admin(
+        "admin",
+        admin,
+        &[
+            ("/readyz", "readyz.json"),
+            ("/healthz", "healthz.txt"),
+            ("/metrics", "metrics.txt"),
+        ],
+        opts.timeout,
+    )
+    .await;
+    // The co-located mode: the front's config and admin listener too.
+    let front_path = match &loaded {
+        Ok(c) => c.front_config.clone(),
+        Err(_) => file
+            .as_ref()
+            .and_then(|v| v.get("front_config")?.as_str().map(PathBuf::from)),
+    };
+    if let Some(front_path) = front_path {
+        match d.config("front-config.toml", &front_path) {
+            Ok(front_file) => {
+                let front_admin =
+                    relay_common::config::load::<relay_dispatcher::Config>(Some(&front_path))
+                        .ok()
+                        .map(|c| c.admin_listen)
+                        .or_else(|| admin_listen_of(front_file.as_ref()))
+                        .unwrap_or_else(|| relay_dispatcher::Config::default().admin_listen);
+                d.admin(
+                    "front-admin",
+                    front_admin,
+                    &[
+                        ("/readyz", "readyz.json"),
+                        ("/debug/routes", "routes.json"),
+                        ("/metrics", "metrics.txt"),
+                    ],
+                    opts.timeout,
+                )
+                .await;
+            }
+            Err(e) => d.note("front-config.toml", e.to_string()),
+        }
+    }
+    d.logs(
+        opts.log_file.as_deref(),
+        opts.journal_unit
+            .as_deref()
+            .unwrap_or("relay-tunnel-server.service"),
+        opts.log_lines,
+    );
+    match d.write(&opts.output) {
+        Ok(summary) => {
+            eprintln!("{summary}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
 }
 
 async fn serve(
