@@ -14,6 +14,7 @@ pub mod h2;
 pub mod h2io;
 pub mod hop;
 pub mod hosts;
+pub mod html;
 pub mod listen;
 pub mod peer;
 pub mod rtt;

@@ -472,6 +472,29 @@ impl Hub {
             .collect()
     }
 
+    /// Per tunnel id, what the status page and `/debug/tunnels` show: every stream here
+    /// (retiring ones too) besides the load report's figures. Sorted by tunnel id.
+    pub fn tunnel_status(&self) -> Vec<crate::status::TunnelStatus> {
+        let mut out: Vec<_> = self
+            .tunnels
+            .iter()
+            .map(|t| {
+                let rtt_us = t.rtt.lock().micros();
+                let s = t.slots.lock();
+                crate::status::TunnelStatus {
+                    tunnel_id: t.id.clone(),
+                    streams: s.streams().len() as u32,
+                    idle: s.idle(|h| h.is_usable()) as u32,
+                    busy: s.busy() as u32,
+                    queued: s.queued(),
+                    rtt_us,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.tunnel_id.cmp(&b.tunnel_id));
+        out
+    }
+
     /// Tells each tunnel id's agent how many of its calls wait here, when that changed,
     /// and again every [`PRESSURE_REFRESH`] while calls wait (the agent forgets a hint that
     /// is not refreshed).

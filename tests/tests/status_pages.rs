@@ -1,0 +1,137 @@
+//! The status pages at `/` on each admin listener, as a browser renders them: headless
+//! Chromium's DOM of each page against a running stack shows the ids, states and counts
+//! the JSON endpoints (`/systemcheck`, `/debug/routes`, `/debug/tunnels`) report at the
+//! same moment, and a server id with markup in it is shown as text, never as an element.
+//!
+//! Needs Debian's `chromium` (scripts/test installs it); without it these tests fail
+//! saying so. `RELAY_STATUS_SCREENSHOTS=docs cargo test -p relay-tests --test status_pages
+//! -- --ignored screenshots` refreshes the screenshots README shows.
+
+use relay_tests::browser::{self, table_rows};
+use relay_tests::client::Caller;
+use relay_tests::eventually_ok;
+use relay_tests::stack::{Stack, TUNNEL_ID};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// A server id a hostile or careless operator could configure: valid (printable ASCII, no
+/// spaces) and an element if a page wrote it unescaped.
+const HOSTILE: &str = "<img/src=x/onerror=alert(1)>";
+/// How HOSTILE reads in a serialized DOM where it is text.
+const HOSTILE_AS_TEXT: &str = "&lt;img/src=x/onerror=alert(1)&gt;";
+
+const WITHIN: Duration = Duration::from_secs(60);
+
+async fn stack_with_a_hostile_server_id() -> Stack {
+    let stack = Stack::builder()
+        .servers(2)
+        .server_ids(&["ts-1", HOSTILE])
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(30)).await.unwrap();
+    stack
+}
+
+/// GET `path` on `addr` as JSON; an error (never an empty document) when the read fails.
+async fn get_json(addr: SocketAddr, path: &str) -> Result<serde_json::Value, String> {
+    let a = Caller::new(addr, None)
+        .get(path)
+        .await
+        .map_err(|e| format!("GET {path}: {e}"))?;
+    Ok(a.json())
+}
+
+/// The page's markup never turned HOSTILE into an element, and shows it as text.
+fn shows_hostile_as_text(dom: &str) {
+    assert!(
+        !dom.contains("<img"),
+        "the hostile server id became an element: {dom}"
+    );
+    assert!(
+        dom.contains(HOSTILE_AS_TEXT),
+        "the hostile server id is not shown as text: {dom}"
+    );
+}
+
+fn u(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Polls until Chromium's DOM of `url` and the JSON at `json_path` taken just before and
+/// just after it agree by `rows_of`; returns that DOM.
+async fn dom_agreeing_with(
+    what: &str,
+    addr: SocketAddr,
+    json_path: &str,
+    table: &'static str,
+    rows_of: impl Fn(&serde_json::Value) -> Result<Vec<Vec<String>>, String>,
+    columns: usize,
+) -> String {
+    let url = format!("http://{addr}/");
+    eventually_ok(what, WITHIN, || async {
+        let before = rows_of(&get_json(addr, json_path).await?)?;
+        let dom = browser::dump_dom(&url).await.map_err(|e| e.to_string())?;
+        let after = rows_of(&get_json(addr, json_path).await?)?;
+        if before != after {
+            return Err(format!("{json_path} moved during the render"));
+        }
+        let shown: Vec<Vec<String>> = table_rows(&dom, table)
+            .ok_or_else(|| format!("no table {table} in {dom}"))?
+            .into_iter()
+            .map(|r| r.into_iter().take(columns).collect())
+            .collect();
+        if shown == after {
+            Ok(dom)
+        } else {
+            Err(format!("page shows {shown:?}, {json_path} says {after:?}"))
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tunnel_servers_page_shows_its_tunnels_as_debug_tunnels_reports_them() {
+    browser::chromium();
+    let stack = stack_with_a_hostile_server_id().await;
+    for server in stack.servers.iter().flatten() {
+        let rows_of = |v: &serde_json::Value| -> Result<Vec<Vec<String>>, String> {
+            let tunnels = v["tunnels"].as_array().ok_or("no tunnels")?;
+            // The agent covers every server: a page with no stream to show proves nothing.
+            if !tunnels
+                .iter()
+                .any(|t| t["tunnel_id"] == TUNNEL_ID && t["streams"].as_u64() > Some(0))
+            {
+                return Err(format!("{TUNNEL_ID} holds no stream yet: {v}"));
+            }
+            Ok(tunnels
+                .iter()
+                .map(|t| {
+                    ["tunnel_id", "streams", "idle", "busy", "queued"]
+                        .iter()
+                        .map(|k| u(&t[*k]))
+                        .collect()
+                })
+                .collect())
+        };
+        let dom = dom_agreeing_with(
+            &format!("{}'s page agrees with its /debug/tunnels", server.server_id),
+            server.admin_addr,
+            "/debug/tunnels",
+            "tunnels",
+            rows_of,
+            5,
+        )
+        .await;
+        assert!(dom.contains("serving"), "{dom}");
+        if server.server_id == HOSTILE {
+            shows_hostile_as_text(&dom);
+        } else {
+            assert!(!dom.contains("<img"), "{dom}");
+        }
+    }
+    stack.shutdown().await;
+}
