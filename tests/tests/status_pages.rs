@@ -135,3 +135,83 @@ async fn the_tunnel_servers_page_shows_its_tunnels_as_debug_tunnels_reports_them
     }
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dispatchers_page_shows_the_routes_as_debug_routes_reports_them() {
+    browser::chromium();
+    let stack = stack_with_a_hostile_server_id().await;
+    let addr = stack.dispatcher_admin;
+    let tunnel_rows = |v: &serde_json::Value| -> Result<Vec<Vec<String>>, String> {
+        let tunnels = v["tunnels"].as_array().ok_or("no tunnels")?;
+        let demo = tunnels
+            .iter()
+            .find(|t| t["tunnel_id"] == TUNNEL_ID)
+            .ok_or_else(|| format!("{TUNNEL_ID} not routed yet: {v}"))?;
+        // Both servers hold the agent's streams: the row names both.
+        if demo["servers"].as_array().map(Vec::len) != Some(2) {
+            return Err(format!("{TUNNEL_ID} not on both servers yet: {v}"));
+        }
+        Ok(tunnels
+            .iter()
+            .map(|t| {
+                vec![
+                    u(&t["tunnel_id"]),
+                    u(&t["home"]),
+                    relay_dispatcher::status::holders(t),
+                    relay_dispatcher::status::percent(&t["spill_share"]),
+                ]
+            })
+            .collect())
+    };
+    let dom = dom_agreeing_with(
+        "the dispatcher's page agrees with /debug/routes on tunnel ids",
+        addr,
+        "/debug/routes",
+        "tunnels",
+        tunnel_rows,
+        4,
+    )
+    .await;
+    shows_hostile_as_text(&dom);
+    let server_rows = |v: &serde_json::Value| -> Result<Vec<Vec<String>>, String> {
+        let servers = v["servers"].as_array().ok_or("no servers")?;
+        if servers.len() != 2 {
+            return Err(format!("not both servers yet: {v}"));
+        }
+        Ok(servers
+            .iter()
+            .map(|s| {
+                let state = if s["draining"] == true {
+                    "draining"
+                } else {
+                    "serving"
+                };
+                vec![
+                    u(&s["server_id"]),
+                    u(&s["zone"]),
+                    u(&s["origin"]),
+                    state.to_string(),
+                    u(&s["tunnels"]),
+                ]
+            })
+            .collect())
+    };
+    let dom = dom_agreeing_with(
+        "the dispatcher's page agrees with /debug/routes on servers",
+        addr,
+        "/debug/routes",
+        "servers",
+        server_rows,
+        5,
+    )
+    .await;
+    shows_hostile_as_text(&dom);
+    let routes = get_json(addr, "/debug/routes").await.unwrap();
+    let registry = format!(
+        "Registry {}: <span class=\"ok\">{}</span>",
+        u(&routes["registry"]["backend"]),
+        u(&routes["registry"]["state"])
+    );
+    assert!(dom.contains(&registry), "{registry} not in {dom}");
+    stack.shutdown().await;
+}
