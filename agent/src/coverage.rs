@@ -5,8 +5,8 @@
 //! a server's last idle stream while calls queue there), it takes a `Snapshot`, asks the
 //! pure planner (`plan.rs`) for a `Plan`, and carries it out: tells the streams in
 //! `plan.close` to retire, spawns stream opens (behind a jittered exponential backoff gate
-//! after failed opens), logs and counts each coverage action, and publishes the states on a
-//! `watch`. Event plans are at most one per [`EVENT_GAP`]; they only grow (the planner's
+//! after failed opens), logs and counts each coverage action (keeping the last [`RECENT_ACTIONS`]), and
+//! publishes the states and those actions on a `watch`. Event plans are at most one per [`EVENT_GAP`]; they only grow (the planner's
 //! `Cause::Pressure`).
 //!
 //! The actor never awaits the network: opens and retires run in the stream tasks, whose
@@ -27,7 +27,7 @@ use plan::{
     StreamId, StreamView,
 };
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
@@ -174,6 +174,24 @@ pub struct CoverageView {
     pub live: u32,
     /// `coverage.grace`: how long a server carrying calls may stay short.
     pub grace_s: u64,
+    /// The last [`RECENT_ACTIONS`] coverage actions carried out, newest first.
+    pub recent_actions: Vec<ActionReport>,
+}
+
+/// How many coverage actions the view keeps.
+pub const RECENT_ACTIONS: usize = 20;
+
+/// One coverage action carried out, as its log line says it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ActionReport {
+    /// When (wall clock, milliseconds since the Unix epoch).
+    pub unix_ms: u64,
+    pub server_id: String,
+    /// `grow`, `fill`, `evacuate`, `recycle` or `retire`.
+    pub action: &'static str,
+    /// Streams opened or closed.
+    pub count: u32,
+    pub reason: String,
 }
 
 /// The actor's own knobs (the rules are in the planner).
@@ -337,6 +355,8 @@ pub struct CoverageActor {
     exported_short: HashSet<String>,
     next_tick: Instant,
     shutting_down: bool,
+    /// The last [`RECENT_ACTIONS`] actions, oldest first.
+    recent: VecDeque<ActionReport>,
 }
 
 impl CoverageActor {
@@ -376,6 +396,7 @@ impl CoverageActor {
             exported_short: HashSet::new(),
             next_tick: Instant::now(),
             shutting_down: false,
+            recent: VecDeque::with_capacity(RECENT_ACTIONS),
         };
         (actor, view_rx)
     }
@@ -801,6 +822,16 @@ impl CoverageActor {
             }
             info!(server_id = %a.server_id, action = a.kind.as_str(), count = a.count, reason = %a.reason, "coverage action");
             self.metrics.action(a.kind, a.count);
+            if self.recent.len() == RECENT_ACTIONS {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(ActionReport {
+                unix_ms: relay_common::wall::unix_ms(),
+                server_id: a.server_id.clone(),
+                action: a.kind.as_str(),
+                count: a.count,
+                reason: a.reason.clone(),
+            });
         }
         self.publish(&snap, &plan);
     }
@@ -908,6 +939,7 @@ impl CoverageActor {
             opening: self.opening.len() as u32,
             live,
             grace_s: self.settings.grace.as_secs(),
+            recent_actions: self.recent.iter().rev().cloned().collect(),
         };
         self.view.send_replace(view);
     }

@@ -215,3 +215,158 @@ async fn the_dispatchers_page_shows_the_routes_as_debug_routes_reports_them() {
     assert!(dom.contains(&registry), "{registry} not in {dom}");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_page_shows_what_systemcheck_reports() {
+    browser::chromium();
+    let stack = Stack::builder()
+        .servers(2)
+        .server_ids(&["ts-1", HOSTILE])
+        .agent_config(|c| {
+            // Only /hello is let through: a call elsewhere is refused by the agent.
+            c.allow = vec![relay_agent::config::AllowRule {
+                name: Some("hello <b>only</b>".into()),
+                methods: vec!["GET".into()],
+                path: "/hello".into(),
+                ..Default::default()
+            }];
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(30)).await.unwrap();
+    let caller = stack.caller();
+    let refused = caller
+        .get(&format!("/relay/{TUNNEL_ID}/not-allowed"))
+        .await
+        .unwrap();
+    assert_eq!(refused.status, 403, "{}", refused.text());
+    let addr = stack.agent_admin.unwrap();
+
+    let server_rows = |v: &serde_json::Value| -> Result<Vec<Vec<String>>, String> {
+        let servers = v["servers"].as_array().ok_or("no servers")?;
+        let covered = servers.len() == 2
+            && servers.iter().all(|s| s["state"] == "covered")
+            && v["upstream"]["reachable"] == true;
+        if !covered {
+            return Err(format!(
+                "not both servers covered and the upstream checked: {v}"
+            ));
+        }
+        Ok(servers
+            .iter()
+            .map(|s| {
+                [
+                    "server_id",
+                    "instance_id",
+                    "zone",
+                    "state",
+                    "streams",
+                    "idle",
+                    "busy",
+                    "budget",
+                ]
+                .iter()
+                .map(|k| u(&s[*k]))
+                .collect()
+            })
+            .collect())
+    };
+    let dom = dom_agreeing_with(
+        "the agent's page agrees with /systemcheck on servers",
+        addr,
+        "/systemcheck",
+        "servers",
+        server_rows,
+        8,
+    )
+    .await;
+    shows_hostile_as_text(&dom);
+    assert!(
+        dom.contains("Healthy</span>: every /systemcheck rule holds."),
+        "{dom}"
+    );
+    assert!(
+        dom.contains("Ready</span>: a call could be served now"),
+        "{dom}"
+    );
+
+    let call_rows = |v: &serde_json::Value| -> Result<Vec<Vec<String>>, String> {
+        let minutes = v["recent_calls"].as_array().ok_or("no recent_calls")?;
+        let sum = |outcome: &str| {
+            minutes
+                .iter()
+                .map(|m| m["calls"][outcome].as_u64().unwrap_or(0))
+                .sum::<u64>()
+        };
+        if sum("ok") == 0 || sum("refused") != 1 {
+            return Err(format!("the calls made are not all counted: {v}"));
+        }
+        Ok(minutes
+            .iter()
+            .map(|m| {
+                let calls = m["calls"].as_object().map(|c| c.values().map(u).collect());
+                let mut row = vec![u(&m["minutes_ago"])];
+                row.extend(calls.unwrap_or_else(Vec::new));
+                row
+            })
+            .collect())
+    };
+    let dom = dom_agreeing_with(
+        "the agent's page agrees with /systemcheck on calls per minute",
+        addr,
+        "/systemcheck",
+        "calls",
+        call_rows,
+        usize::MAX,
+    )
+    .await;
+    assert!(dom.contains("<th>refused</th>"), "{dom}");
+
+    let action_rows = |v: &serde_json::Value| -> Result<Vec<Vec<String>>, String> {
+        let actions = v["recent_actions"].as_array().ok_or("no recent_actions")?;
+        if actions.is_empty() {
+            return Err(format!("no coverage action shown: {v}"));
+        }
+        Ok(actions
+            .iter()
+            .map(|a| {
+                ["server_id", "action", "count", "reason"]
+                    .iter()
+                    .map(|k| u(&a[*k]))
+                    .collect()
+            })
+            .collect())
+    };
+    let url = format!("http://{addr}/");
+    let dom = eventually_ok(
+        "the agent's page lists the actions /systemcheck lists",
+        WITHIN,
+        || async {
+            let want = action_rows(&get_json(addr, "/systemcheck").await?)?;
+            let dom = browser::dump_dom(&url).await.map_err(|e| e.to_string())?;
+            let after = action_rows(&get_json(addr, "/systemcheck").await?)?;
+            // The first column is the time of the action.
+            let shown: Vec<Vec<String>> = table_rows(&dom, "actions")
+                .ok_or("no actions table")?
+                .into_iter()
+                .map(|r| r.into_iter().skip(1).collect())
+                .collect();
+            if want == after && shown == after {
+                Ok(dom)
+            } else {
+                Err(format!("page shows {shown:?}, /systemcheck says {after:?}"))
+            }
+        },
+    )
+    .await;
+
+    let rules = table_rows(&dom, "rules").expect("a rules table");
+    assert_eq!(
+        rules,
+        vec![vec!["hello <b>only</b>", "GET", "/hello", "-", "-"]],
+        "{dom}"
+    );
+    assert!(!dom.contains("<b>"), "{dom}");
+    stack.shutdown().await;
+}
