@@ -87,6 +87,17 @@ pub async fn dump_dom(url: &str) -> anyhow::Result<String> {
     run(&["--dump-dom".to_string(), url.to_string()]).await
 }
 
+/// The DOM of `url` after `ms` of the page's own (virtual) time: its timers fire, so a
+/// refreshing page has refreshed by then.
+pub async fn dump_dom_after(url: &str, ms: u64) -> anyhow::Result<String> {
+    run(&[
+        format!("--virtual-time-budget={ms}"),
+        "--dump-dom".to_string(),
+        url.to_string(),
+    ])
+    .await
+}
+
 /// A PNG of `url` at `width` x `height` written to `path`.
 pub async fn screenshot(url: &str, path: &Path, width: u32, height: u32) -> anyhow::Result<()> {
     run(&[

@@ -370,3 +370,50 @@ async fn the_agents_page_shows_what_systemcheck_reports() {
     assert!(!dom.contains("<b>"), "{dom}");
     stack.shutdown().await;
 }
+
+/// Every page is whole without JavaScript: the HTML as served (what a browser without
+/// script shows) holds the tables with their rows, says it is static, and has no
+/// `<meta http-equiv="refresh">`. With script the page refreshes itself: after more than
+/// one refresh period the script has fetched the page again and swapped in its content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_page_reads_without_javascript_and_refreshes_with_it() {
+    browser::chromium();
+    let stack = stack_with_a_hostile_server_id().await;
+    let pages = [
+        (stack.agent_admin.unwrap(), "servers"),
+        (stack.dispatcher_admin, "tunnels"),
+        (stack.servers[0].as_ref().unwrap().admin_addr, "tunnels"),
+    ];
+    let period_ms = u64::from(relay_common::html::REFRESH_SECONDS) * 1000;
+    for (addr, table) in pages {
+        let url = format!("http://{addr}/");
+        let table_shown = |dom: &str| table_rows(dom, table).is_some_and(|r| !r.is_empty());
+        eventually_ok(&format!("{url} as served"), WITHIN, || async {
+            let a = Caller::new(addr, None)
+                .get("/")
+                .await
+                .map_err(|e| e.to_string())?;
+            let html = a.text();
+            let static_page = a.status == 200
+                && html.contains("static page: reload to refresh")
+                && !html.contains("http-equiv")
+                && table_shown(&html);
+            static_page.then_some(()).ok_or(html)
+        })
+        .await;
+        eventually_ok(
+            &format!("{url} refreshed by its script"),
+            WITHIN,
+            || async {
+                let dom = browser::dump_dom_after(&url, period_ms * 2 + period_ms / 2)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let refreshed =
+                    dom.contains("<span id=\"refresh\">refreshed ") && table_shown(&dom);
+                refreshed.then_some(()).ok_or(dom)
+            },
+        )
+        .await;
+    }
+    stack.shutdown().await;
+}
