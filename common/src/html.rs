@@ -136,8 +136,8 @@ header{background:#24292f;color:#fff;padding:10px 20px}header h1{font-size:18px;
 header p{margin:2px 0 0;color:#c9d1d9;font-size:12px}main{padding:8px 20px 20px}\
 section{background:#fff;border:1px solid #d8dee4;border-radius:6px;padding:8px 14px;margin:12px 0}\
 h2{font-size:15px;margin:4px 0 8px}table{border-collapse:collapse;width:100%}\
-th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eaeef2;vertical-align:top;word-break:break-all}\
-th{font-weight:600;color:#57606a;font-size:12px}td.n,th.n{text-align:right}\
+th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #eaeef2;vertical-align:top;overflow-wrap:break-word}\
+th{font-weight:600;color:#57606a;font-size:12px;white-space:nowrap}\
 .ok{color:#1a7f37;font-weight:600}.bad{color:#cf222e;font-weight:600}.warn{color:#9a6700;font-weight:600}\
 .muted{color:#6e7781}ul{margin:4px 0;padding-left:20px}code{font-size:13px}";
 

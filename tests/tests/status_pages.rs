@@ -417,3 +417,73 @@ async fn every_page_reads_without_javascript_and_refreshes_with_it() {
     }
     stack.shutdown().await;
 }
+
+/// Writes the screenshots README shows (`status-agent.png`, `status-dispatcher.png`,
+/// `status-tunnel-server.png`) into `$RELAY_STATUS_SCREENSHOTS` (a path from the workspace
+/// root, or absolute), from a stack of two
+/// servers that has carried a few calls (one refused by the agent's accept rules).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "writes files: RELAY_STATUS_SCREENSHOTS=docs cargo test ... -- --ignored screenshots"]
+async fn screenshots() {
+    // Relative to the workspace root (cargo runs tests in the package's directory).
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(
+            std::env::var_os("RELAY_STATUS_SCREENSHOTS")
+                .expect("RELAY_STATUS_SCREENSHOTS names the directory to write into"),
+        );
+    let stack = Stack::builder()
+        .servers(2)
+        .agent_config(|c| {
+            c.allow = vec![relay_agent::config::AllowRule {
+                name: Some("api-read".into()),
+                methods: vec!["GET".into(), "HEAD".into()],
+                path: "/**".into(),
+                ..Default::default()
+            }];
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(30)).await.unwrap();
+    let caller = stack.caller();
+    for _ in 0..20 {
+        caller
+            .get(&format!("/relay/{TUNNEL_ID}/hello"))
+            .await
+            .unwrap();
+    }
+    let refused = caller
+        .call(caller.request(
+            http::Method::POST,
+            &format!("/relay/{TUNNEL_ID}/hello"),
+            bytes::Bytes::new(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(refused.status, 403);
+    let agent = stack.agent_admin.unwrap();
+    eventually_ok("both servers covered", WITHIN, || async {
+        let v = get_json(agent, "/systemcheck").await?;
+        let covered = v["servers"]
+            .as_array()
+            .is_some_and(|s| s.len() == 2 && s.iter().all(|s| s["state"] == "covered"))
+            && v["upstream"]["reachable"] == true;
+        covered.then_some(()).ok_or(v.to_string())
+    })
+    .await;
+    let shots = [
+        ("status-agent.png", agent),
+        ("status-dispatcher.png", stack.dispatcher_admin),
+        (
+            "status-tunnel-server.png",
+            stack.servers[0].as_ref().unwrap().admin_addr,
+        ),
+    ];
+    for (name, addr) in shots {
+        browser::screenshot(&format!("http://{addr}/"), &dir.join(name), 1200, 900)
+            .await
+            .unwrap();
+    }
+    stack.shutdown().await;
+}
