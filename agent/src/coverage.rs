@@ -160,6 +160,9 @@ pub struct ServerReport {
     pub state: String,
     /// Seconds the server has been short without a break (0 when covered).
     pub short_for_s: u64,
+    /// Smoothed time of the calls on its streams, from start to end as the agent saw them
+    /// (upstream time included), in microseconds; `None` before its first call.
+    pub call_time_us: Option<u32>,
 }
 
 /// What the actor publishes after every tick.
@@ -230,6 +233,8 @@ struct Entry {
     load: Arc<Load>,
     zone: String,
     busy: bool,
+    /// When the call on it started (while busy).
+    busy_since: Instant,
     opened_at: Instant,
     last_used: Instant,
     retiring: bool,
@@ -257,6 +262,8 @@ struct ServerInfo {
     /// From the server's hello.
     direct_url: String,
     load: Arc<Load>,
+    /// Smoothed time of the calls on its streams, start to end as the actor sees them.
+    call_time: relay_common::rtt::Rtt,
 }
 
 impl ServerInfo {
@@ -496,6 +503,7 @@ impl CoverageActor {
                     load: info.load.clone(),
                     zone: l.zone,
                     busy: false,
+                    busy_since: now,
                     opened_at: now,
                     last_used: now,
                     retiring: false,
@@ -517,6 +525,7 @@ impl CoverageActor {
                 if let Some(e) = self.streams.get_mut(&id) {
                     if !e.busy {
                         e.busy = true;
+                        e.busy_since = now;
                         e.load.started();
                     }
                     // A call took a stream while calls queue there: the server has no idle
@@ -537,6 +546,10 @@ impl CoverageActor {
                 if let Some(e) = self.streams.get_mut(&id) {
                     if e.busy {
                         e.load.ended();
+                        if let Some(info) = self.servers.get_mut(&e.server) {
+                            let took = now.saturating_duration_since(e.busy_since);
+                            info.call_time.observe(took.as_secs_f64() * 1e6);
+                        }
                     }
                     e.busy = false;
                     e.last_used = now;
@@ -933,6 +946,11 @@ impl CoverageActor {
                         p.state.as_str().to_string()
                     },
                     short_for_s: p.short_for.as_secs(),
+                    call_time_us: self
+                        .servers
+                        .get(&(p.server_id.clone(), p.instance_id.clone()))
+                        .map(|i| i.call_time.micros())
+                        .filter(|us| *us > 0),
                 })
                 .collect(),
             streams_total: self.streams.len() as u32,

@@ -324,8 +324,11 @@ pub struct RecentCalls {
     epoch: Instant,
     /// Slot `m % RECENT_MINUTES` holds minute `m` (since `epoch`) and its counts per
     /// outcome (indexed as `CallOutcome::ALL`); a slot holding an older minute is stale.
-    ring: Arc<Mutex<[(Option<u64>, [u64; CallOutcome::ALL.len()]); RECENT_MINUTES]>>,
+    ring: Arc<Mutex<[MinuteSlot; RECENT_MINUTES]>>,
 }
+
+/// One minute of [`RecentCalls`]: which minute, and its counts per outcome.
+type MinuteSlot = (Option<u64>, [u64; CallOutcome::ALL.len()]);
 
 impl RecentCalls {
     pub fn new(epoch: Instant) -> Self {

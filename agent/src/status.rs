@@ -77,6 +77,11 @@ pub fn page(c: &SystemCheck) -> String {
                 text(s.busy),
                 text(s.budget),
                 text(format!("{}s", s.short_for_s)),
+                text(match s.call_time_us {
+                    Some(us) if us < 1000 => format!("{us} µs"),
+                    Some(us) => format!("{:.1} ms", f64::from(us) / 1000.0),
+                    None => "-".to_string(),
+                }),
             ]
         })
         .collect();
@@ -94,6 +99,7 @@ pub fn page(c: &SystemCheck) -> String {
                 "busy",
                 "budget",
                 "short for",
+                "call time",
             ],
             rows,
             "No tunnel server known yet.",
@@ -230,6 +236,7 @@ mod tests {
                 budget: 5,
                 state: "short".into(),
                 short_for_s: 12,
+                call_time_us: Some(2500),
             }],
             upstream: UpstreamHealth {
                 url: format!("http://{BAD}/"),
@@ -268,6 +275,7 @@ mod tests {
         assert!(p.contains("Not healthy"));
         assert!(p.contains("<li>server &lt;img/src=x/onerror=alert(1)&gt; carries 3 calls</li>"));
         assert!(p.contains("<th>upstream timeout</th>"));
+        assert!(p.contains("<td>12s</td><td>2.5 ms</td>"), "{p}");
         assert!(p.contains("<tr><td>0</td><td>7</td><td>1</td></tr>"), "{p}");
         assert!(p.contains("<td>01:02:03 UTC</td>"));
         assert!(p.contains("<td>/api/**</td><td>&lt;img/src=x/onerror=alert(1)&gt;</td><td>-</td>"));

@@ -282,6 +282,14 @@ async fn the_agents_page_shows_what_systemcheck_reports() {
     )
     .await;
     shows_hostile_as_text(&dom);
+    // The calls made went through one of the servers: its call time is shown.
+    let rows = table_rows(&dom, "servers").unwrap();
+    assert!(
+        rows.iter().any(|r| r
+            .get(9)
+            .is_some_and(|t| t.ends_with(" ms") || t.ends_with(" µs"))),
+        "no call time shown: {rows:?}"
+    );
     assert!(
         dom.contains("Healthy</span>: every /systemcheck rule holds."),
         "{dom}"
