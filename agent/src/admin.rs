@@ -14,11 +14,13 @@
 //!
 //! Besides the verdict, `/systemcheck` shows what the agent did lately and what it lets
 //! through: the last coverage actions with their reasons, the calls of the last minutes
-//! by outcome, and the accept rules in force. The status page at `/` (`crate::status`)
-//! renders this same document.
+//! by outcome, and the accept rules in force. The status page at `/` (`page`) renders this
+//! same document.
 //!
 //! Answers come from `watch` snapshots (the coverage actor's last tick, the last upstream
 //! check) and the per-minute call counters; a request never triggers network work.
+
+mod page;
 
 use crate::config::UpstreamCheckConfig;
 use crate::coverage::{ActionReport, CoverageView, ServerReport};
@@ -182,7 +184,7 @@ pub fn admin(
                 };
                 Some(json(status, &serde_json::to_value(&c).unwrap_or_default()))
             }
-            "/" => Some(relay_common::html::response(crate::status::page(&check()))),
+            "/" => Some(relay_common::html::response(page::page(&check()))),
             _ => None,
         })
 }

@@ -5,7 +5,7 @@
 //! pure rules), `stream` (one tunnel stream), `call` (one call on a stream), `filter`
 //! (the customer's accept filters, request safety checks and size limits; default deny),
 //! `upstream` (the HTTP client to the origin), `admin` (`/systemcheck`, `/readyz`,
-//! `/metrics`), `status` (the status page at `/`), `metrics`. `run` wires them together; `spawn` does the same and returns a
+//! `/metrics`, and the status page at `/`), `metrics`. `run` wires them together; `spawn` does the same and returns a
 //! handle the end-to-end tests can observe. `check` is the preflight (`relay-agent check`).
 
 pub mod admin;
@@ -17,7 +17,6 @@ pub mod error;
 pub mod filter;
 pub mod liveness;
 pub mod metrics;
-pub mod status;
 pub mod stream;
 pub mod upstream;
 

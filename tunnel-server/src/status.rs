@@ -4,25 +4,9 @@
 //!
 //! Reading only: this module must not change the hub.
 
-use crate::hub::Hub;
+use crate::hub::{Hub, TunnelStatus};
 use relay_common::html::{self, badge, para, section, table, text, Html};
 use serde::Serialize;
-
-/// One tunnel id's streams here.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct TunnelStatus {
-    pub tunnel_id: String,
-    /// Every stream of the tunnel id here, retiring ones included.
-    pub streams: u32,
-    /// Streams that can take a call now.
-    pub idle: u32,
-    /// Streams carrying a call (or reserved by a queued one).
-    pub busy: u32,
-    /// Calls waiting for a stream (the queue depth).
-    pub queued: u32,
-    /// Smoothed ping round trip to the agent's streams, microseconds (0: no sample yet).
-    pub rtt_us: u32,
-}
 
 /// The document `/debug/tunnels` serves and the page renders.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

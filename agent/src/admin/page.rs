@@ -6,7 +6,7 @@
 //! Server ids, zones, reasons and error texts come from peers: every string goes through
 //! `relay_common::html::text`. This module only renders; it decides nothing.
 
-use crate::admin::SystemCheck;
+use super::SystemCheck;
 use relay_common::html::{self, badge, para, section, table, text, Html};
 
 /// `unix_ms` as `HH:MM:SS UTC`.
