@@ -158,7 +158,7 @@ mod tests {
     fn the_page_escapes_every_peer_supplied_string() {
         let bad = "<img/src=x/onerror=alert(1)>";
         let routes = serde_json::json!({
-            "tunnels": [{"tunnel_id": "demo", "home": bad, "spill_share": 0.25,
+            "tunnels": [{"tunnel_id": bad, "home": bad, "spill_share": 0.25,
                          "spill_reason": "load", "policy": "home",
                          "servers": [{"server_id": bad, "tier": 0}, {"server_id": "ts-2", "tier": 1}]}],
             "servers": [{"server_id": bad, "zone": bad, "origin": "local", "draining": false,
@@ -172,6 +172,8 @@ mod tests {
             "<td>&lt;img/src=x/onerror=alert(1)&gt; (tier 0), ts-2 (tier 1)</td><td>25%</td>"
         ));
         assert!(p.contains("12.5%") && p.contains("1.5 ms"));
+        // Tunnel ids are checked where they enter, and escaped here all the same.
+        assert!(p.contains("<tr><td>&lt;img/src=x/onerror=alert(1)&gt;</td>"));
     }
 
     #[test]

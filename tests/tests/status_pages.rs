@@ -379,6 +379,70 @@ async fn the_agents_page_shows_what_systemcheck_reports() {
     stack.shutdown().await;
 }
 
+/// While a server drains with a call in flight, its page says so, as `/debug/tunnels`
+/// does at the same moment, and shows the busy stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tunnel_servers_page_says_draining_while_it_drains() {
+    browser::chromium();
+    // The drain lasts its grace: the agent's idle streams have nowhere else to go.
+    let grace = Duration::from_secs(15);
+    let mut stack = Stack::builder()
+        .servers(1)
+        .tunnel_config(|c| c.shutdown_grace = grace)
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(30)).await.unwrap();
+    let caller = stack.caller();
+    // A call that lasts longer than the test: the drain waits for it.
+    let call =
+        tokio::spawn(async move { caller.get(&format!("/relay/{TUNNEL_ID}/slow/120000")).await });
+    let server = stack.take_server(0).unwrap();
+    let addr = server.admin_addr;
+    let url = format!("http://{addr}/");
+    let busy_of = |v: &serde_json::Value| {
+        v["tunnels"]
+            .as_array()
+            .and_then(|t| t.iter().find(|t| t["tunnel_id"] == TUNNEL_ID))
+            .map(|t| u(&t["busy"]))
+    };
+    eventually_ok("the call is in flight", WITHIN, || async {
+        let v = get_json(addr, "/debug/tunnels").await?;
+        (busy_of(&v).as_deref() == Some("1"))
+            .then_some(())
+            .ok_or(v.to_string())
+    })
+    .await;
+    let draining = tokio::spawn(server.shutdown());
+    eventually_ok(
+        "the page says draining as /debug/tunnels does",
+        WITHIN,
+        || async {
+            let before = get_json(addr, "/debug/tunnels").await?;
+            let dom = browser::dump_dom(&url).await.map_err(|e| e.to_string())?;
+            let after = get_json(addr, "/debug/tunnels").await?;
+            let both = before["draining"] == true && after["draining"] == true;
+            let shown =
+                dom.contains("<span class=\"bad\">draining</span>") && !dom.contains("serving");
+            let rows = table_rows(&dom, "tunnels").unwrap_or_default();
+            let busy_shown = rows.iter().any(|r| {
+                r.first().map(String::as_str) == Some(TUNNEL_ID)
+                    && r.get(3).cloned() == busy_of(&after)
+            });
+            (both && shown && busy_shown && busy_of(&after).as_deref() == Some("1"))
+                .then_some(())
+                .ok_or(format!("{after}: {dom}"))
+        },
+    )
+    .await;
+    call.abort();
+    tokio::time::timeout(grace + Duration::from_secs(15), draining)
+        .await
+        .expect("the drain ends within its grace")
+        .unwrap();
+    stack.shutdown().await;
+}
+
 /// Every page is whole without JavaScript: the HTML as served (what a browser without
 /// script shows) holds the tables with their rows, says it is static, and has no
 /// `<meta http-equiv="refresh">`. With script the page refreshes itself: after more than

@@ -97,7 +97,7 @@ mod tests {
             zone: "z\"1".into(),
             draining: true,
             tunnels: vec![TunnelStatus {
-                tunnel_id: "demo".into(),
+                tunnel_id: "demo&<b>".into(),
                 streams: 3,
                 idle: 1,
                 busy: 2,
@@ -110,7 +110,7 @@ mod tests {
         assert!(p.contains("&lt;img/src=x/onerror=alert(1)&gt;"));
         assert!(p.contains("z&quot;1"));
         assert!(p.contains(
-            "<tr><td>demo</td><td>3</td><td>1</td><td>2</td><td>4</td><td>1.5 ms</td></tr>"
+            "<tr><td>demo&amp;&lt;b&gt;</td><td>3</td><td>1</td><td>2</td><td>4</td><td>1.5 ms</td></tr>"
         ));
         assert!(p.contains("draining"));
     }
