@@ -12,17 +12,27 @@
 //! `/readyz` answers whether a call could be served now: 503 with no live stream or an
 //! unreachable upstream; a short server still serves (its calls queue), so it stays 200.
 //!
+//! Besides the verdict, `/systemcheck` shows what the agent did lately and what it lets
+//! through: the last coverage actions with their reasons, the calls of the last minutes
+//! by outcome, and the accept rules in force. The status page at `/` (`page`) renders this
+//! same document.
+//!
 //! Answers come from `watch` snapshots (the coverage actor's last tick, the last upstream
-//! check); a request never triggers network work.
+//! check) and the per-minute call counters; a request never triggers network work.
+
+mod page;
 
 use crate::config::UpstreamCheckConfig;
-use crate::coverage::{CoverageView, ServerReport};
+use crate::coverage::{ActionReport, CoverageView, ServerReport};
+use crate::filter::AllowRule;
+use crate::metrics::{MinuteCalls, RecentCalls};
 use crate::upstream::Upstream;
 use http::StatusCode;
 use relay_common::admin::{json, Admin};
 use serde::Serialize;
+use std::sync::Arc;
 use tokio::sync::watch;
-use tokio::time::MissedTickBehavior;
+use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -62,12 +72,57 @@ pub struct SystemCheck {
     pub upstream: UpstreamHealth,
     pub streams_total: u32,
     pub opening: u32,
+    /// The last coverage actions, newest first.
+    pub recent_actions: Vec<ActionReport>,
+    /// Calls of the last minutes by outcome, the minute under way first.
+    pub recent_calls: Vec<MinuteCalls>,
+    /// The `[[allow]]` rules in force, in order.
+    pub accept_rules: Vec<RuleReport>,
+}
+
+/// One `[[allow]]` rule as `/systemcheck` shows it: what it matches on, without the
+/// required headers' and query parameters' value patterns (a required header's value can
+/// be a shared secret).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RuleReport {
+    /// The rule's `name`, or `allow[i]`.
+    pub name: String,
+    pub methods: Vec<String>,
+    pub path: String,
+    /// Names of the headers the rule requires.
+    pub headers: Vec<String>,
+    /// Names of the query parameters the rule requires.
+    pub query: Vec<String>,
+}
+
+impl RuleReport {
+    pub fn of(rules: &[AllowRule]) -> Vec<Self> {
+        rules
+            .iter()
+            .enumerate()
+            .map(|(i, r)| RuleReport {
+                name: r.name.clone().unwrap_or_else(|| format!("allow[{i}]")),
+                methods: r.methods.clone(),
+                path: r.path.clone(),
+                headers: r.headers.keys().cloned().collect(),
+                query: r.query.keys().cloned().collect(),
+            })
+            .collect()
+    }
+}
+
+/// What `/systemcheck` shows besides coverage and the upstream: the call counters and the
+/// accept rules. Cheap to clone.
+#[derive(Clone)]
+pub struct Activity {
+    pub calls: RecentCalls,
+    pub rules: Arc<Vec<RuleReport>>,
 }
 
 impl SystemCheck {
     /// The verdict over the coverage actor's last tick and the last upstream check (see
     /// the module docs).
-    pub fn build(view: &CoverageView, upstream: &UpstreamHealth) -> Self {
+    pub fn build(view: &CoverageView, upstream: &UpstreamHealth, activity: &Activity) -> Self {
         let mut problems = Vec::new();
         if view.live == 0 {
             problems.push(format!(
@@ -98,6 +153,9 @@ impl SystemCheck {
             upstream: upstream.clone(),
             streams_total: view.streams_total,
             opening: view.opening,
+            recent_actions: view.recent_actions.clone(),
+            recent_calls: activity.calls.minutes(Instant::now()),
+            accept_rules: activity.rules.to_vec(),
         }
     }
 }
@@ -107,8 +165,9 @@ pub fn admin(
     registry: prometheus::Registry,
     coverage: watch::Receiver<CoverageView>,
     upstream: watch::Receiver<UpstreamHealth>,
+    activity: Activity,
 ) -> Admin {
-    let check = move || SystemCheck::build(&coverage.borrow(), &upstream.borrow());
+    let check = move || SystemCheck::build(&coverage.borrow(), &upstream.borrow(), &activity);
     let ready_check = check.clone();
     Admin::new(registry)
         .with_ready(move || {
@@ -125,6 +184,7 @@ pub fn admin(
                 };
                 Some(json(status, &serde_json::to_value(&c).unwrap_or_default()))
             }
+            "/" => Some(relay_common::html::response(page::page(&check()))),
             _ => None,
         })
 }

@@ -5,8 +5,8 @@
 //! a server's last idle stream while calls queue there), it takes a `Snapshot`, asks the
 //! pure planner (`plan.rs`) for a `Plan`, and carries it out: tells the streams in
 //! `plan.close` to retire, spawns stream opens (behind a jittered exponential backoff gate
-//! after failed opens), logs and counts each coverage action, and publishes the states on a
-//! `watch`. Event plans are at most one per [`EVENT_GAP`]; they only grow (the planner's
+//! after failed opens), logs and counts each coverage action (keeping the last [`RECENT_ACTIONS`]), and
+//! publishes the states and those actions on a `watch`. Event plans are at most one per [`EVENT_GAP`]; they only grow (the planner's
 //! `Cause::Pressure`).
 //!
 //! The actor never awaits the network: opens and retires run in the stream tasks, whose
@@ -27,7 +27,7 @@ use plan::{
     StreamId, StreamView,
 };
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
@@ -160,6 +160,9 @@ pub struct ServerReport {
     pub state: String,
     /// Seconds the server has been short without a break (0 when covered).
     pub short_for_s: u64,
+    /// Smoothed time of the calls on its streams, from start to end as the agent saw them
+    /// (upstream time included), in microseconds; `None` before its first call.
+    pub call_time_us: Option<u32>,
 }
 
 /// What the actor publishes after every tick.
@@ -174,6 +177,24 @@ pub struct CoverageView {
     pub live: u32,
     /// `coverage.grace`: how long a server carrying calls may stay short.
     pub grace_s: u64,
+    /// The last [`RECENT_ACTIONS`] coverage actions carried out, newest first.
+    pub recent_actions: Vec<ActionReport>,
+}
+
+/// How many coverage actions the view keeps.
+pub const RECENT_ACTIONS: usize = 20;
+
+/// One coverage action carried out, as its log line says it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ActionReport {
+    /// When (wall clock, milliseconds since the Unix epoch).
+    pub unix_ms: u64,
+    pub server_id: String,
+    /// `grow`, `fill`, `evacuate`, `recycle` or `retire`.
+    pub action: &'static str,
+    /// Streams opened or closed.
+    pub count: u32,
+    pub reason: String,
 }
 
 /// The actor's own knobs (the rules are in the planner).
@@ -212,6 +233,8 @@ struct Entry {
     load: Arc<Load>,
     zone: String,
     busy: bool,
+    /// When the call on it started (while busy).
+    busy_since: Instant,
     opened_at: Instant,
     last_used: Instant,
     retiring: bool,
@@ -239,6 +262,8 @@ struct ServerInfo {
     /// From the server's hello.
     direct_url: String,
     load: Arc<Load>,
+    /// Smoothed time of the calls on its streams, start to end as the actor sees them.
+    call_time: relay_common::rtt::Rtt,
 }
 
 impl ServerInfo {
@@ -337,6 +362,8 @@ pub struct CoverageActor {
     exported_short: HashSet<String>,
     next_tick: Instant,
     shutting_down: bool,
+    /// The last [`RECENT_ACTIONS`] actions, oldest first.
+    recent: VecDeque<ActionReport>,
 }
 
 impl CoverageActor {
@@ -376,6 +403,7 @@ impl CoverageActor {
             exported_short: HashSet::new(),
             next_tick: Instant::now(),
             shutting_down: false,
+            recent: VecDeque::with_capacity(RECENT_ACTIONS),
         };
         (actor, view_rx)
     }
@@ -475,6 +503,7 @@ impl CoverageActor {
                     load: info.load.clone(),
                     zone: l.zone,
                     busy: false,
+                    busy_since: now,
                     opened_at: now,
                     last_used: now,
                     retiring: false,
@@ -496,6 +525,7 @@ impl CoverageActor {
                 if let Some(e) = self.streams.get_mut(&id) {
                     if !e.busy {
                         e.busy = true;
+                        e.busy_since = now;
                         e.load.started();
                     }
                     // A call took a stream while calls queue there: the server has no idle
@@ -516,6 +546,10 @@ impl CoverageActor {
                 if let Some(e) = self.streams.get_mut(&id) {
                     if e.busy {
                         e.load.ended();
+                        if let Some(info) = self.servers.get_mut(&e.server) {
+                            let took = now.saturating_duration_since(e.busy_since);
+                            info.call_time.observe(took.as_secs_f64() * 1e6);
+                        }
                     }
                     e.busy = false;
                     e.last_used = now;
@@ -801,6 +835,16 @@ impl CoverageActor {
             }
             info!(server_id = %a.server_id, action = a.kind.as_str(), count = a.count, reason = %a.reason, "coverage action");
             self.metrics.action(a.kind, a.count);
+            if self.recent.len() == RECENT_ACTIONS {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(ActionReport {
+                unix_ms: relay_common::wall::unix_ms(),
+                server_id: a.server_id.clone(),
+                action: a.kind.as_str(),
+                count: a.count,
+                reason: a.reason.clone(),
+            });
         }
         self.publish(&snap, &plan);
     }
@@ -902,12 +946,18 @@ impl CoverageActor {
                         p.state.as_str().to_string()
                     },
                     short_for_s: p.short_for.as_secs(),
+                    call_time_us: self
+                        .servers
+                        .get(&(p.server_id.clone(), p.instance_id.clone()))
+                        .map(|i| i.call_time.micros())
+                        .filter(|us| *us > 0),
                 })
                 .collect(),
             streams_total: self.streams.len() as u32,
             opening: self.opening.len() as u32,
             live,
             grace_s: self.settings.grace.as_secs(),
+            recent_actions: self.recent.iter().rev().cloned().collect(),
         };
         self.view.send_replace(view);
     }

@@ -5,7 +5,7 @@
 //! pure rules), `stream` (one tunnel stream), `call` (one call on a stream), `filter`
 //! (the customer's accept filters, request safety checks and size limits; default deny),
 //! `upstream` (the HTTP client to the origin), `admin` (`/systemcheck`, `/readyz`,
-//! `/metrics`), `metrics`. `run` wires them together; `spawn` does the same and returns a
+//! `/metrics`, and the status page at `/`), `metrics`. `run` wires them together; `spawn` does the same and returns a
 //! handle the end-to-end tests can observe. `check` is the preflight (`relay-agent check`).
 
 pub mod admin;
@@ -23,7 +23,7 @@ pub mod upstream;
 pub use config::Config;
 pub use error::RunError;
 
-use admin::{SystemCheck, UpstreamHealth};
+use admin::{Activity, RuleReport, SystemCheck, UpstreamHealth};
 use coverage::{ActorSettings, CoverageActor, CoverageView};
 use std::future::Future;
 use std::sync::Arc;
@@ -52,6 +52,7 @@ pub struct AgentHandle {
     registry: prometheus::Registry,
     coverage: watch::Receiver<CoverageView>,
     upstream: watch::Receiver<UpstreamHealth>,
+    activity: Activity,
     stop: CancellationToken,
     task: Option<JoinHandle<()>>,
 }
@@ -74,7 +75,11 @@ impl AgentHandle {
 
     /// What `/systemcheck` would answer now.
     pub fn systemcheck(&self) -> SystemCheck {
-        SystemCheck::build(&self.coverage.borrow(), &self.upstream.borrow())
+        SystemCheck::build(
+            &self.coverage.borrow(),
+            &self.upstream.borrow(),
+            &self.activity,
+        )
     }
 
     /// Stops the agent and waits until every stream is gone (bounded by the drain grace).
@@ -136,6 +141,10 @@ pub fn start(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         );
     }
     let rules = policy.rule_count();
+    let activity = Activity {
+        calls: metrics.recent_calls.clone(),
+        rules: Arc::new(RuleReport::of(&config.allow)),
+    };
     let calls = call::CallContext::new(
         upstream.clone(),
         policy,
@@ -165,7 +174,12 @@ pub fn start(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         upstream.origin(),
         config.upstream_check.path
     )));
-    let admin_routes = admin::admin(registry.clone(), coverage_rx.clone(), health_rx.clone());
+    let admin_routes = admin::admin(
+        registry.clone(),
+        coverage_rx.clone(),
+        health_rx.clone(),
+        activity.clone(),
+    );
 
     let stop = CancellationToken::new();
     let stop_admin = CancellationToken::new();
@@ -199,6 +213,7 @@ pub fn start(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
         registry,
         coverage: coverage_rx,
         upstream: health_rx,
+        activity,
         stop,
         task: Some(task),
     })

@@ -1,14 +1,21 @@
 //! The agent's Prometheus metrics, registered on an explicit `Registry` passed down from
 //! `run` (never a global).
 //!
-//! This module only defines and updates series; it decides nothing.
+//! This module only defines and updates series; it decides nothing. Besides the
+//! Prometheus series it keeps [`RecentCalls`], the calls of the last minutes by outcome
+//! that `/systemcheck` and the status page show.
 
 use crate::coverage::plan::{ActionKind, State};
 use crate::filter::Reason;
+use parking_lot::Mutex;
 use prometheus::{
     Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
     Opts, Registry,
 };
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use tokio::time::Instant;
 
 /// How a call ended, as counted in `relay_agent_calls_total{outcome}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,6 +117,8 @@ pub struct AgentMetrics {
     /// `relay_agent_direct_urls_refused_total`: direct URLs of tunnel servers not dialed
     /// because `direct_hosts` does not allow their host.
     pub direct_urls_refused: IntCounter,
+    /// Calls of the last [`RECENT_MINUTES`] minutes by outcome (`/systemcheck`).
+    pub recent_calls: RecentCalls,
 }
 
 impl AgentMetrics {
@@ -226,6 +235,7 @@ impl AgentMetrics {
             stream_opens,
             filter_refusals,
             direct_urls_refused,
+            recent_calls: RecentCalls::new(Instant::now()),
         })
     }
 
@@ -239,6 +249,7 @@ impl AgentMetrics {
     pub fn call_ended(&self, outcome: CallOutcome, seconds: f64) {
         self.calls.with_label_values(&[outcome.as_str()]).inc();
         self.call_duration.observe(seconds);
+        self.recent_calls.record(Instant::now(), outcome);
     }
 
     pub fn stream_opened(&self, result: OpenResult) {
@@ -291,6 +302,123 @@ impl AgentMetrics {
             let _ = self
                 .coverage_state
                 .remove_label_values(&[server_id, s.as_str()]);
+        }
+    }
+}
+
+/// Minutes of calls [`RecentCalls`] keeps.
+pub const RECENT_MINUTES: usize = 10;
+
+/// Calls that ended in one minute, by outcome (every outcome, zeros included).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MinuteCalls {
+    /// 0 is the minute under way (minutes count from the agent's start).
+    pub minutes_ago: u32,
+    pub calls: BTreeMap<&'static str, u64>,
+}
+
+/// Calls ended per minute by outcome over the last [`RECENT_MINUTES`] minutes: a ring of
+/// per-minute counters, bounded whatever the traffic. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct RecentCalls {
+    epoch: Instant,
+    /// Slot `m % RECENT_MINUTES` holds minute `m` (since `epoch`) and its counts per
+    /// outcome (indexed as `CallOutcome::ALL`); a slot holding an older minute is stale.
+    ring: Arc<Mutex<[MinuteSlot; RECENT_MINUTES]>>,
+}
+
+/// One minute of [`RecentCalls`]: which minute, and its counts per outcome.
+type MinuteSlot = (Option<u64>, [u64; CallOutcome::ALL.len()]);
+
+impl RecentCalls {
+    pub fn new(epoch: Instant) -> Self {
+        RecentCalls {
+            epoch,
+            ring: Arc::new(Mutex::new(
+                [(None, [0; CallOutcome::ALL.len()]); RECENT_MINUTES],
+            )),
+        }
+    }
+
+    fn minute(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_secs() / 60
+    }
+
+    /// Counts one call that ended at `now` with `outcome`.
+    pub fn record(&self, now: Instant, outcome: CallOutcome) {
+        let minute = self.minute(now);
+        let mut ring = self.ring.lock();
+        let slot = &mut ring[(minute % RECENT_MINUTES as u64) as usize];
+        if slot.0 != Some(minute) {
+            *slot = (Some(minute), [0; CallOutcome::ALL.len()]);
+        }
+        slot.1[outcome as usize] += 1;
+    }
+
+    /// The last [`RECENT_MINUTES`] minutes as of `now`, the minute under way first (minutes
+    /// before the agent started are left out).
+    pub fn minutes(&self, now: Instant) -> Vec<MinuteCalls> {
+        let minute = self.minute(now);
+        let ring = self.ring.lock();
+        (0..RECENT_MINUTES as u64)
+            .take_while(|ago| *ago <= minute)
+            .map(|ago| {
+                let m = minute - ago;
+                let slot = &ring[(m % RECENT_MINUTES as u64) as usize];
+                let counts = if slot.0 == Some(m) {
+                    slot.1
+                } else {
+                    [0; CallOutcome::ALL.len()]
+                };
+                MinuteCalls {
+                    minutes_ago: ago as u32,
+                    calls: CallOutcome::ALL
+                        .iter()
+                        .map(|o| (o.as_str(), counts[*o as usize]))
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod recent_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn recent_calls_count_per_minute_and_forget_after_ten() {
+        let t0 = Instant::now();
+        let r = RecentCalls::new(t0);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        r.record(at(1), CallOutcome::Ok);
+        r.record(at(59), CallOutcome::Ok);
+        r.record(at(61), CallOutcome::Refused);
+        let m = r.minutes(at(70));
+        assert_eq!(m.len(), 2);
+        assert_eq!(
+            (m[0].minutes_ago, m[0].calls["refused"], m[0].calls["ok"]),
+            (0, 1, 0)
+        );
+        assert_eq!((m[1].minutes_ago, m[1].calls["ok"]), (1, 2));
+        assert_eq!(m[1].calls.len(), CallOutcome::ALL.len());
+        // Ten minutes later minute 0 has left the window, and its slot is reused afresh.
+        r.record(at(600 + 5), CallOutcome::StreamLost);
+        let m = r.minutes(at(600 + 5));
+        assert_eq!(m.len(), RECENT_MINUTES);
+        assert_eq!(m[0].calls["stream_lost"], 1);
+        assert_eq!(m[0].calls["ok"], 0);
+        assert_eq!(m[9].minutes_ago, 9);
+        assert_eq!(m[9].calls["refused"], 1);
+        let total: u64 = m.iter().flat_map(|x| x.calls.values()).sum();
+        assert_eq!(total, 2);
+    }
+
+    #[test]
+    fn outcomes_index_the_counters_in_their_listed_order() {
+        for (i, o) in CallOutcome::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i, "{}", o.as_str());
         }
     }
 }

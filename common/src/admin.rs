@@ -1,7 +1,8 @@
 //! The admin HTTP listener every binary runs: `GET /metrics` (Prometheus text from the
 //! binary's own registry, and the runtime's worker threads), `GET /healthz` (the process
 //! is up), `GET /readyz` (the binary's readiness check) and any extra routes the binary
-//! adds (the agent's `/systemcheck`, the dispatcher's `/debug/routes`).
+//! adds (the agent's `/systemcheck`, the dispatcher's `/debug/routes`, the tunnel
+//! server's `/debug/tunnels`, and each one's status page at `/`, see `crate::html`).
 //!
 //! It owns no product state: every answer comes from closures the binary supplies.
 //! It accepts through `listen::incoming` with [`ListenerLimits::admin`]: a cap on

@@ -1,6 +1,7 @@
 //! Pieces every relay binary shares: the admin HTTP listener (`/metrics`, `/healthz`,
-//! `/readyz` and binary-specific routes), TOML config loading with errors that name the
-//! key, the `Secret` newtype, the tokio runtime, shutdown signals and tracing setup.
+//! `/readyz` and binary-specific routes), the status pages' HTML (`html`: layout, tables,
+//! escaping), TOML config loading with errors that name the key, the `Secret` newtype, the
+//! tokio runtime, shutdown signals and tracing setup.
 //!
 //! Nothing here knows about tunnels or calls; it must stay free of product logic.
 
@@ -15,6 +16,7 @@ pub mod h2;
 pub mod h2io;
 pub mod hop;
 pub mod hosts;
+pub mod html;
 pub mod listen;
 pub mod peer;
 pub mod rtt;

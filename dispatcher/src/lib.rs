@@ -36,6 +36,7 @@ pub mod registry;
 pub mod report;
 pub mod routing;
 pub mod shared;
+pub mod status;
 
 pub use config::{
     CallerConfig, Config, RegistryBackend, RegistryConfig, RoutingConfig, RoutingPolicy,
@@ -362,11 +363,17 @@ pub async fn start_with(
                 )
             })
             .with_routes(move |path| {
-                (path == "/debug/routes").then(|| {
+                let snap = || {
                     let mut snap = routes_debug.snapshot();
                     snap["registry"] = registry_status(&health_debug).1;
-                    admin::json(http::StatusCode::OK, &snap)
-                })
+                    snap
+                };
+                match path {
+                    "/debug/routes" => Some(admin::json(http::StatusCode::OK, &snap())),
+                    // The status page: the same document, as HTML.
+                    "/" => Some(relay_common::html::response(status::page(&snap()))),
+                    _ => None,
+                }
             })
     };
     let admin_task = tokio::spawn(admin::serve(

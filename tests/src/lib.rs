@@ -3,12 +3,13 @@
 //! server for the dispatcher's tests (`fake_server`), a hand-driven agent (`hostile`), a
 //! backend client (`client`), the tests' load generator with its call ledger (`load`) and
 //! the per-hop accounting (`ledger`), the stream-placing load-balancer fixture (`lb`), real
-//! HAProxy and Redis fixtures (`haproxy`, `redis`), simulated upstreams (`upstream`), and
-//! generated TLS sets (`certs`). Tests wait for conditions with [`eventually`],
-//! [`eventually_ok`] or [`time_until`], and watch a window with [`holds_for`] where
-//! something must not happen. The `relay-fleet` binary (demo and load tester) is built on
-//! it.
+//! HAProxy and Redis fixtures (`haproxy`, `redis`), simulated upstreams (`upstream`),
+//! generated TLS sets (`certs`), and headless Chromium for the status pages (`browser`).
+//! Tests wait for conditions with [`eventually`], [`eventually_ok`] or [`time_until`], and
+//! watch a window with [`holds_for`] where something must not happen. The `relay-fleet`
+//! binary (demo and load tester) is built on it.
 
+pub mod browser;
 pub mod certs;
 pub mod checks;
 pub mod client;

@@ -97,6 +97,7 @@ type AgentTweak = Box<dyn FnOnce(&mut relay_agent::Config) + Send>;
 pub struct StackBuilder {
     servers: usize,
     zones: Vec<String>,
+    server_ids: Vec<String>,
     placement: Option<Policy>,
     coverage: CoverageConfig,
     upstream_latency: Duration,
@@ -125,6 +126,7 @@ impl Default for StackBuilder {
         StackBuilder {
             servers: 2,
             zones: vec![],
+            server_ids: vec![],
             placement: None,
             coverage: CoverageConfig::default(),
             upstream_latency: Duration::ZERO,
@@ -157,6 +159,12 @@ impl StackBuilder {
     /// Zone of each server in order (the rest get "zone-<i>").
     pub fn zones(mut self, zones: &[&str]) -> Self {
         self.zones = zones.iter().map(|z| z.to_string()).collect();
+        self
+    }
+
+    /// Server id of each server in order (the rest get "ts-<i>").
+    pub fn server_ids(mut self, ids: &[&str]) -> Self {
+        self.server_ids = ids.iter().map(|z| z.to_string()).collect();
         self
     }
 
@@ -371,7 +379,11 @@ impl StackBuilder {
         let mut servers = Vec::new();
         for i in 0..self.servers + self.standby {
             let mut cfg = tunnel_cfg.clone();
-            cfg.server_id = format!("ts-{}", i + 1);
+            cfg.server_id = self
+                .server_ids
+                .get(i)
+                .cloned()
+                .unwrap_or_else(|| format!("ts-{}", i + 1));
             cfg.zone = self
                 .zones
                 .get(i)
@@ -677,7 +689,7 @@ impl Stack {
         self.respawn_agent(i).await
     }
 
-    /// Server id of slot `i` (`ts-{i+1}`), running or not.
+    /// Server id of slot `i` (`ts-{i+1}` unless the builder named it), running or not.
     pub fn server_id(&self, i: usize) -> Option<&str> {
         self.slots.get(i).map(|c| c.server_id.as_str())
     }

@@ -707,16 +707,20 @@ async fn no_secret_appears_in_logs_metrics_debug_pages_or_answers_at_debug_level
         seen.admin(
             who,
             d.admin,
-            &["/metrics", "/debug/routes", "/readyz", "/healthz"],
+            &["/metrics", "/debug/routes", "/readyz", "/healthz", "/"],
         )
         .await;
     }
     for s in [&ts1, &ts2] {
-        seen.admin(&s.server_id, s.admin_addr, &["/metrics", "/readyz"])
-            .await;
+        seen.admin(
+            &s.server_id,
+            s.admin_addr,
+            &["/metrics", "/readyz", "/debug/tunnels", "/"],
+        )
+        .await;
     }
     for (who, a) in [("agent", &agent), ("bad agent", &bad_agent)] {
-        seen.admin(who, a.admin, &["/metrics", "/systemcheck", "/readyz"])
+        seen.admin(who, a.admin, &["/metrics", "/systemcheck", "/readyz", "/"])
             .await;
     }
     let procs: [(&str, &Proc); 6] = [

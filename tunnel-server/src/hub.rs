@@ -36,6 +36,22 @@ pub use crate::slots::AddError;
 /// How often a standing pressure hint is sent again while calls wait.
 pub const PRESSURE_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// One tunnel id's streams here.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct TunnelStatus {
+    pub tunnel_id: String,
+    /// Every stream of the tunnel id here, retiring ones included.
+    pub streams: u32,
+    /// Streams that can take a call now.
+    pub idle: u32,
+    /// Streams carrying a call (or reserved by a queued one).
+    pub busy: u32,
+    /// Calls waiting for a stream (the queue depth).
+    pub queued: u32,
+    /// Smoothed ping round trip to the agent's streams, microseconds (0: no sample yet).
+    pub rtt_us: u32,
+}
+
 pub struct Hub {
     /// Random per process start: this life of the server id (`ServerHello.instance_id`).
     pub instance_id: String,
@@ -470,6 +486,29 @@ impl Hub {
                 }
             })
             .collect()
+    }
+
+    /// Per tunnel id, what the status page and `/debug/tunnels` show: every stream here
+    /// (retiring ones too) besides the load report's figures. Sorted by tunnel id.
+    pub fn tunnel_status(&self) -> Vec<TunnelStatus> {
+        let mut out: Vec<_> = self
+            .tunnels
+            .iter()
+            .map(|t| {
+                let rtt_us = t.rtt.lock().micros();
+                let s = t.slots.lock();
+                TunnelStatus {
+                    tunnel_id: t.id.clone(),
+                    streams: s.streams().len() as u32,
+                    idle: s.idle(|h| h.is_usable()) as u32,
+                    busy: s.busy() as u32,
+                    queued: s.queued(),
+                    rtt_us,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.tunnel_id.cmp(&b.tunnel_id));
+        out
     }
 
     /// Tells each tunnel id's agent how many of its calls wait here, when that changed,

@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod outcome;
 pub mod report;
 pub mod slots;
+pub mod status;
 pub mod stream;
 pub mod tokens;
 
@@ -403,15 +404,28 @@ pub async fn start_with_front(
     }));
 
     let ready_hub = hub.clone();
+    let status_hub = hub.clone();
+    let (status_id, status_zone) = (server_id.clone(), config.zone.clone());
     let admin = relay_common::admin::Admin::new(registry.clone())
         .with_listener_metrics(listener_metrics)
         .with_ready(move || {
-        let draining = ready_hub.is_draining();
-        (
-            !draining,
-            serde_json::json!({ "draining": draining, "tunnels": ready_hub.tunnel_ids().len() }),
-        )
-    });
+            let draining = ready_hub.is_draining();
+            (
+                !draining,
+                serde_json::json!({ "draining": draining, "tunnels": ready_hub.tunnel_ids().len() }),
+            )
+        })
+        .with_routes(move |path| {
+            let status = || status::Status::of(&status_hub, &status_id, &status_zone);
+            match path {
+                "/" => Some(relay_common::html::response(status::page(&status()))),
+                "/debug/tunnels" => Some(relay_common::admin::json(
+                    http::StatusCode::OK,
+                    &serde_json::to_value(status()).unwrap_or_default(),
+                )),
+                _ => None,
+            }
+        });
     tasks.push(tokio::spawn(relay_common::admin::serve(
         listeners.admin,
         admin,
