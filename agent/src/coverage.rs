@@ -95,7 +95,10 @@ pub enum StreamEvent {
     /// The ServerHello arrived: the stream is open on that server.
     Landed(Landing),
     CallStarted,
-    CallEnded,
+    /// The call on the stream ended; with how long it took from its head to its end when
+    /// it was answered (the stream task's own clock: the actor may see both events of a
+    /// short call at once).
+    CallEnded(Option<Duration>),
     /// The server's latest count of this tunnel id's queued calls.
     Pressure(u32),
     /// The server sent Drain: its streams are recycled as the plan decides.
@@ -160,8 +163,9 @@ pub struct ServerReport {
     pub state: String,
     /// Seconds the server has been short without a break (0 when covered).
     pub short_for_s: u64,
-    /// Smoothed time of the calls on its streams, from start to end as the agent saw them
-    /// (upstream time included), in microseconds; `None` before its first call.
+    /// Smoothed time of the answered calls on its streams, from their head to their end as
+    /// the stream saw them (upstream time included), in microseconds; `None` before the
+    /// first answered call.
     pub call_time_us: Option<u32>,
 }
 
@@ -233,8 +237,6 @@ struct Entry {
     load: Arc<Load>,
     zone: String,
     busy: bool,
-    /// When the call on it started (while busy).
-    busy_since: Instant,
     opened_at: Instant,
     last_used: Instant,
     retiring: bool,
@@ -503,7 +505,6 @@ impl CoverageActor {
                     load: info.load.clone(),
                     zone: l.zone,
                     busy: false,
-                    busy_since: now,
                     opened_at: now,
                     last_used: now,
                     retiring: false,
@@ -525,7 +526,6 @@ impl CoverageActor {
                 if let Some(e) = self.streams.get_mut(&id) {
                     if !e.busy {
                         e.busy = true;
-                        e.busy_since = now;
                         e.load.started();
                     }
                     // A call took a stream while calls queue there: the server has no idle
@@ -542,13 +542,12 @@ impl CoverageActor {
                     }
                 }
             }
-            StreamEvent::CallEnded => {
+            StreamEvent::CallEnded(took) => {
                 if let Some(e) = self.streams.get_mut(&id) {
                     if e.busy {
                         e.load.ended();
-                        if let Some(info) = self.servers.get_mut(&e.server) {
-                            let took = now.saturating_duration_since(e.busy_since);
-                            info.call_time.observe(took.as_secs_f64() * 1e6);
+                        if let (Some(info), Some(took)) = (self.servers.get_mut(&e.server), took) {
+                            info.call_time.observe_duration(took);
                         }
                     }
                     e.busy = false;

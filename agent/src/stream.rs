@@ -896,7 +896,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                         CallOutcome::StreamLost,
                         call.started.elapsed().as_secs_f64(),
                     );
-                    self.emit(id, StreamEvent::CallEnded);
+                    self.emit(id, StreamEvent::CallEnded(None));
                 }
                 return reason;
             }
@@ -923,13 +923,14 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
     async fn call_done(&mut self, id: u64, outcome: CallOutcome) -> Result<(), CloseReason> {
         self.call_fut.clear();
         self.clear_body();
+        let mut took = None;
         if let Some(call) = self.call.take() {
-            self.ctx
-                .metrics
-                .call_ended(outcome, call.started.elapsed().as_secs_f64());
+            let elapsed = call.started.elapsed();
+            self.ctx.metrics.call_ended(outcome, elapsed.as_secs_f64());
             self.last_ended = Some(call.id);
+            took = (outcome == CallOutcome::Ok).then_some(elapsed);
         }
-        self.emit(id, StreamEvent::CallEnded);
+        self.emit(id, StreamEvent::CallEnded(took));
         if outcome == CallOutcome::StreamLost {
             return Err(CloseReason::Lost);
         }
@@ -1167,7 +1168,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                         self.last_ended = Some(call.id);
                     }
                     debug!(call_id = cancel.call_id, "call cancelled by the server");
-                    self.emit(id, StreamEvent::CallEnded);
+                    self.emit(id, StreamEvent::CallEnded(None));
                     self.send(call_error(
                         cancel.call_id,
                         CallErrorKind::Cancelled,

@@ -251,10 +251,10 @@ async fn calls_between_ticks_count_as_the_most_in_flight_at_once() {
         h.net.emit(*id, StreamEvent::CallStarted);
     }
     for id in &live[..3] {
-        h.net.emit(*id, StreamEvent::CallEnded);
+        h.net.emit(*id, StreamEvent::CallEnded(None));
     }
     h.net.emit(live[0], StreamEvent::CallStarted);
-    h.net.emit(live[0], StreamEvent::CallEnded);
+    h.net.emit(live[0], StreamEvent::CallEnded(None));
     ticks(1).await;
     assert_eq!(h.handle.view().borrow().servers[0].busy, 3);
     ticks(1).await;
