@@ -128,13 +128,7 @@ fn main() -> std::process::ExitCode {
             };
         }
         Some(Command::Diag { diag: opts }) => {
-            return match relay_common::runtime::build(None) {
-                Ok(runtime) => runtime.block_on(diag(args, opts)),
-                Err(e) => {
-                    eprintln!("relay-agent diag: cannot start the runtime: {e}");
-                    std::process::ExitCode::FAILURE
-                }
-            };
+            return relay_common::diag::run("relay-agent", diag(args, opts));
         }
         None => {}
     }
@@ -192,37 +186,24 @@ async fn check(args: Args, max_clock_skew: std::time::Duration) -> std::process:
     std::process::ExitCode::from(code)
 }
 
-/// `relay-agent diag`: collects the archive, writes it, says where on stderr. Exit 0 when
-/// the archive is written (whatever the running agent answered: the archive says), 1 when
-/// the config file cannot be read or the archive cannot be written.
-async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::ExitCode {
+/// `relay-agent diag`: collects the archive and writes it (whatever the running agent
+/// answered: the archive says); fails when the config file cannot be read or the archive
+/// cannot be written.
+async fn diag(
+    args: Args,
+    opts: relay_common::diag::DiagArgs,
+) -> Result<String, relay_common::diag::DiagError> {
     use relay_common::diag::Diag;
-    let fail = |e: &dyn std::fmt::Display| {
-        eprintln!("relay-agent diag: {e}");
-        std::process::ExitCode::FAILURE
-    };
-    if let Err(e) = relay_common::diag::check_output(&opts.output) {
-        return fail(&e);
-    }
-    let mut d = Diag::new("relay-agent", env!("CARGO_PKG_VERSION"));
     let source = match &args.config {
         Some(p) => p.display().to_string(),
         None => "(flags and environment)".to_string(),
     };
-    let file = match &args.config {
-        Some(path) => match d.config("config.toml", path) {
-            Ok(v) => v,
-            Err(e) => return fail(&e),
-        },
-        None => {
-            d.note(
-                "config.toml",
-                "no --config: flags, RELAY_* variables and defaults only",
-            );
-            None
-        }
-    };
-    d.environment();
+    let (mut d, file) = Diag::start(
+        "relay-agent",
+        env!("CARGO_PKG_VERSION"),
+        &opts.output,
+        args.config.as_deref(),
+    )?;
     if let Some(t) = &args.token {
         d.secret(t);
     }
@@ -237,11 +218,7 @@ async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::E
     match &loaded {
         // The token read from `token_file` (or given by flag): scrubbed wherever it shows.
         Ok(c) => d.secret(c.token.expose()),
-        Err(e) => d.add(
-            "config-error.txt",
-            format!("{e}\n"),
-            format!("the config does not load: {e}"),
-        ),
+        Err(e) => d.config_error(e),
     }
     d.admin(
         "admin",
@@ -274,11 +251,5 @@ async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::E
         format!("{}\n{}\n", report.table(), report.verdict()),
         format!("relay-agent check: {}", report.verdict()),
     );
-    match d.write(&opts.output) {
-        Ok(summary) => {
-            eprintln!("{summary}");
-            std::process::ExitCode::SUCCESS
-        }
-        Err(e) => fail(&e),
-    }
+    d.write(&opts.output)
 }

@@ -117,6 +117,41 @@ impl Diag {
         d
     }
 
+    /// Starts the archive of a `diag` subcommand: fails early when `output` could not be
+    /// written ([`check_output`]), then adds the config file at `config` (redacted; `None`:
+    /// a note that there is none) and the environment. Returns the parsed config file too,
+    /// for what a config that does not load still tells (its `admin_listen`).
+    pub fn start(
+        binary: &str,
+        version: &str,
+        output: &Path,
+        config: Option<&Path>,
+    ) -> Result<(Self, Option<toml::Value>), DiagError> {
+        check_output(output)?;
+        let mut d = Diag::new(binary, version);
+        let file = match config {
+            Some(path) => d.config("config.toml", path)?,
+            None => {
+                d.note(
+                    "config.toml",
+                    "no --config: flags, RELAY_* variables and defaults only",
+                );
+                None
+            }
+        };
+        d.environment();
+        Ok((d, file))
+    }
+
+    /// The config did not load: why, as `config-error.txt`.
+    pub fn config_error(&mut self, e: &dyn std::fmt::Display) {
+        self.add(
+            "config-error.txt",
+            format!("{e:#}\n"),
+            format!("the config does not load: {e:#}"),
+        );
+    }
+
     /// Adds a member with a one-line description for the summary.
     pub fn add(&mut self, name: &str, data: impl Into<Vec<u8>>, about: impl AsRef<str>) {
         self.summary
@@ -376,6 +411,32 @@ impl Diag {
             output.display(),
             self.members.len()
         ))
+    }
+}
+
+/// Runs a `diag` subcommand on a runtime of its own: `collect` gathers and writes the
+/// archive and returns what to tell the user (printed on stderr, exit 0), or why it could
+/// not (printed after `binary`'s name, exit 1).
+pub fn run<F>(binary: &str, collect: F) -> std::process::ExitCode
+where
+    F: std::future::Future<Output = Result<String, DiagError>>,
+{
+    let result = match crate::runtime::build(None) {
+        Ok(runtime) => runtime.block_on(collect),
+        Err(e) => {
+            eprintln!("{binary} diag: cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match result {
+        Ok(summary) => {
+            eprintln!("{summary}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{binary} diag: {e}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }
 

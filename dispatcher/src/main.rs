@@ -107,25 +107,20 @@ fn main_inner(args: Args) -> anyhow::Result<()> {
         .block_on(serve(config))
 }
 
-/// `relay-dispatcher diag`: collects the archive, writes it, says where on stderr. Exit 0
-/// when the archive is written (whatever the running dispatcher answered: the archive
-/// says), 1 when the config file cannot be read or the archive cannot be written.
-async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::ExitCode {
+/// `relay-dispatcher diag`: collects the archive and writes it (whatever the running
+/// dispatcher answered: the archive says); fails when the config file cannot be read or the
+/// archive cannot be written.
+async fn diag(
+    args: Args,
+    opts: relay_common::diag::DiagArgs,
+) -> Result<String, relay_common::diag::DiagError> {
     use relay_common::diag::{admin_listen_of, redact_url, Diag};
-    let fail = |e: &dyn std::fmt::Display| {
-        eprintln!("relay-dispatcher diag: {e}");
-        std::process::ExitCode::FAILURE
-    };
-    if let Err(e) = relay_common::diag::check_output(&opts.output) {
-        return fail(&e);
-    }
-    let mut d = Diag::new("relay-dispatcher", env!("CARGO_PKG_VERSION"));
-    let path = args.config.clone().unwrap_or_default();
-    let file = match d.config("config.toml", &path) {
-        Ok(v) => v,
-        Err(e) => return fail(&e),
-    };
-    d.environment();
+    let (mut d, file) = Diag::start(
+        "relay-dispatcher",
+        env!("CARGO_PKG_VERSION"),
+        &opts.output,
+        args.config.as_deref(),
+    )?;
     for s in [&args.caller_key, &args.registry_record_key]
         .into_iter()
         .flatten()
@@ -144,11 +139,7 @@ async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::E
         .or_else(|| admin_listen_of(file.as_ref()))
         .unwrap_or_else(|| Config::default().admin_listen);
     if let Err(e) = &loaded {
-        d.add(
-            "config-error.txt",
-            format!("{e:#}\n"),
-            format!("the config does not load: {e:#}"),
-        );
+        d.config_error(e);
     }
     d.admin(
         "admin",
@@ -169,26 +160,14 @@ async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::E
             .unwrap_or("relay-dispatcher.service"),
         opts.log_lines,
     );
-    match d.write(&opts.output) {
-        Ok(summary) => {
-            eprintln!("{summary}");
-            std::process::ExitCode::SUCCESS
-        }
-        Err(e) => fail(&e),
-    }
+    d.write(&opts.output)
 }
 
 fn main() -> std::process::ExitCode {
     let mut args = Args::parse();
     if let Some(Command::Diag { config, diag: opts }) = args.command.take() {
         args.config = Some(config);
-        return match relay_common::runtime::build(None) {
-            Ok(runtime) => runtime.block_on(diag(args, opts)),
-            Err(e) => {
-                eprintln!("relay-dispatcher diag: cannot start the runtime: {e}");
-                std::process::ExitCode::FAILURE
-            }
-        };
+        return relay_common::diag::run("relay-dispatcher", diag(args, opts));
     }
     relay_common::telemetry::init("info");
     if let Err(e) = main_inner(args) {

@@ -215,13 +215,7 @@ fn main() -> std::process::ExitCode {
         }
         Some(Command::Diag { config, diag: opts }) => {
             args.config = Some(config);
-            return match relay_common::runtime::build(None) {
-                Ok(runtime) => runtime.block_on(diag(args, opts)),
-                Err(e) => {
-                    eprintln!("relay-tunnel-server diag: cannot start the runtime: {e}");
-                    std::process::ExitCode::FAILURE
-                }
-            };
+            return relay_common::diag::run("relay-tunnel-server", diag(args, opts));
         }
         None => {}
     }
@@ -288,25 +282,20 @@ fn load(args: Args) -> anyhow::Result<Config> {
     Ok(config)
 }
 
-/// `relay-tunnel-server diag`: collects the archive, writes it, says where on stderr.
-/// Exit 0 when the archive is written (whatever the running server answered: the archive
-/// says), 1 when a config file cannot be read or the archive cannot be written.
-async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::ExitCode {
+/// `relay-tunnel-server diag`: collects the archive and writes it (whatever the running
+/// server answered: the archive says); fails when the config file cannot be read or the
+/// archive cannot be written.
+async fn diag(
+    args: Args,
+    opts: relay_common::diag::DiagArgs,
+) -> Result<String, relay_common::diag::DiagError> {
     use relay_common::diag::{admin_listen_of, Diag};
-    let fail = |e: &dyn std::fmt::Display| {
-        eprintln!("relay-tunnel-server diag: {e}");
-        std::process::ExitCode::FAILURE
-    };
-    if let Err(e) = relay_common::diag::check_output(&opts.output) {
-        return fail(&e);
-    }
-    let mut d = Diag::new("relay-tunnel-server", env!("CARGO_PKG_VERSION"));
-    let path = args.config.clone().unwrap_or_default();
-    let file = match d.config("config.toml", &path) {
-        Ok(v) => v,
-        Err(e) => return fail(&e),
-    };
-    d.environment();
+    let (mut d, file) = Diag::start(
+        "relay-tunnel-server",
+        env!("CARGO_PKG_VERSION"),
+        &opts.output,
+        args.config.as_deref(),
+    )?;
     if let Some(k) = &args.dispatcher_key {
         d.secret(k);
     }
@@ -327,11 +316,7 @@ async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::E
                 );
             }
         }
-        Err(e) => d.add(
-            "config-error.txt",
-            format!("{e:#}\n"),
-            format!("the config does not load: {e:#}"),
-        ),
+        Err(e) => d.config_error(e),
     }
     d.admin(
         "admin",
@@ -382,13 +367,7 @@ async fn diag(args: Args, opts: relay_common::diag::DiagArgs) -> std::process::E
             .unwrap_or("relay-tunnel-server.service"),
         opts.log_lines,
     );
-    match d.write(&opts.output) {
-        Ok(summary) => {
-            eprintln!("{summary}");
-            std::process::ExitCode::SUCCESS
-        }
-        Err(e) => fail(&e),
-    }
+    d.write(&opts.output)
 }
 
 async fn serve(
