@@ -21,6 +21,7 @@ use crate::filter::{log_path, short, Policy, Reason, Rejection};
 use crate::metrics::{AgentMetrics, CallOutcome};
 use crate::upstream::{RequestBody, Upstream, UpstreamRequest};
 use bytes::Bytes;
+use relay_common::trace::{CallTrace, KeyValue, SpanKind, TraceId, TRACEPARENT};
 use relay_proto::agent_frame::Kind;
 use relay_proto::{AgentFrame, BodyChunk, CallError, CallErrorKind, RequestHead, ResponseHead};
 use std::sync::Arc;
@@ -104,8 +105,54 @@ pub(crate) async fn run_call(
     tunnel_peer: Option<std::net::IpAddr>,
     call_out: CallOut,
 ) -> CallOutcome {
+    // This agent's span of the call: the tunnel server's span is its parent (or the
+    // caller's `traceparent`, from a peer that does not fill the head's field).
+    let trace = CallTrace::from_head_or_header(
+        head.trace
+            .map(|t| (t.trace_id_high, t.trace_id_low, t.parent_id, t.flags)),
+        head.trace
+            .is_none()
+            .then(|| traceparent_record(&head.headers, ctx.max_headers))
+            .flatten(),
+    );
+    let call_id = head.call_id;
+    tracing::debug!(call_id, trace_id = %trace.trace_id, method = ?short(&head.method), "call started");
+    let outcome = serve_call(&ctx, head, body, tunnel_peer, &call_out, &trace).await;
+    trace.end(
+        "relay.agent.call",
+        SpanKind::Client,
+        (outcome != CallOutcome::Ok).then(|| outcome.as_str()),
+        || {
+            vec![
+                KeyValue::new("relay.outcome", outcome.as_str()),
+                KeyValue::new("relay.call_id", call_id as i64),
+            ]
+        },
+    );
+    outcome
+}
+
+/// The value of a `traceparent` header among a head's first `max` header records.
+fn traceparent_record(headers: &[Bytes], max: usize) -> Option<&[u8]> {
+    headers
+        .iter()
+        .take(max)
+        .filter_map(|record| relay_proto::parse_header(record).ok())
+        .find(|(name, _)| name.eq_ignore_ascii_case(TRACEPARENT.as_bytes()))
+        .map(|(_, value)| value)
+}
+
+async fn serve_call(
+    ctx: &Arc<CallContext>,
+    head: RequestHead,
+    body: RequestBody,
+    tunnel_peer: Option<std::net::IpAddr>,
+    call_out: &CallOut,
+    trace: &CallTrace,
+) -> CallOutcome {
     let out = &call_out.tx;
     let call_id = head.call_id;
+    let trace_id = trace.trace_id;
     let Ok(_permit) = ctx.inflight.clone().try_acquire_owned() else {
         let refusal = Rejection::Refused {
             reason: Reason::Concurrency,
@@ -114,7 +161,7 @@ pub(crate) async fn run_call(
                 ctx.max_inflight
             ),
         };
-        return reject(&ctx, out, &head, refusal).await;
+        return reject(ctx, out, &head, refusal, trace_id).await;
     };
     let asked = if head.deadline_ms > 0 {
         Duration::from_millis(u64::from(head.deadline_ms))
@@ -134,24 +181,29 @@ pub(crate) async fn run_call(
                 ctx.max_headers
             ),
         };
-        return reject(&ctx, out, &head, refusal).await;
+        return reject(ctx, out, &head, refusal, trace_id).await;
     }
     let prepared = match ctx.policy.prepare_call(&head, tunnel_peer) {
         Ok(p) => p,
-        Err(r) => return reject(&ctx, out, &head, r).await,
+        Err(r) => return reject(ctx, out, &head, r, trace_id).await,
     };
-    tracing::debug!(call_id, rule = %prepared.rule, "call allowed");
+    tracing::debug!(call_id, %trace_id, rule = %prepared.rule, "call allowed");
+    let mut headers = prepared.headers;
+    // The upstream sees the trace with this agent's span as its parent.
+    if let Ok(value) = http::HeaderValue::from_str(&trace.traceparent()) {
+        headers.insert(TRACEPARENT, value);
+    }
     let request = UpstreamRequest {
         method: prepared.method,
         path_and_query: prepared.path_and_query.as_str().to_owned(),
-        headers: prepared.headers,
+        headers,
         body,
         body_limit: ctx.policy.limits().max_body_bytes,
         close_connection: prepared.close_connection,
     };
     let mut response = match ctx.upstream.send(request, deadline).await {
         Ok(r) => r,
-        Err(e) => return fail(&ctx, out, call_id, &e, capped).await,
+        Err(e) => return fail(ctx, out, call_id, trace_id, &e, capped).await,
     };
 
     let mut empty = response.is_empty();
@@ -171,8 +223,10 @@ pub(crate) async fn run_call(
             }
             Ok(Ok(Some((data, false)))) => first = Some(data),
             Ok(Ok(None)) => empty = true,
-            Ok(Err(e)) => return fail(&ctx, out, call_id, &e, capped).await,
-            Err(_) => return fail(&ctx, out, call_id, &UpstreamError::Timeout, capped).await,
+            Ok(Err(e)) => return fail(ctx, out, call_id, trace_id, &e, capped).await,
+            Err(_) => {
+                return fail(ctx, out, call_id, trace_id, &UpstreamError::Timeout, capped).await
+            }
         }
     }
     let head = ResponseHead {
@@ -222,8 +276,8 @@ pub(crate) async fn run_call(
     match streamed {
         Ok(Ok(true)) => CallOutcome::Ok,
         Ok(Ok(false)) => CallOutcome::StreamLost,
-        Ok(Err(e)) => fail(&ctx, out, call_id, &e, capped).await,
-        Err(_) => fail(&ctx, out, call_id, &UpstreamError::Timeout, capped).await,
+        Ok(Err(e)) => fail(ctx, out, call_id, trace_id, &e, capped).await,
+        Err(_) => fail(ctx, out, call_id, trace_id, &UpstreamError::Timeout, capped).await,
     }
 }
 
@@ -267,6 +321,7 @@ async fn fail(
     ctx: &CallContext,
     out: &mpsc::Sender<AgentFrame>,
     call_id: u64,
+    trace_id: TraceId,
     e: &UpstreamError,
     capped: bool,
 ) -> CallOutcome {
@@ -280,9 +335,9 @@ async fn fail(
     };
     if let UpstreamError::BodyTooLarge(_) = e {
         ctx.metrics.refused(Reason::BodySize);
-        tracing::warn!(call_id, reason = Reason::BodySize.as_str(), detail = %message, "call refused");
+        tracing::warn!(call_id, %trace_id, reason = Reason::BodySize.as_str(), detail = %message, "call refused");
     } else {
-        tracing::info!(call_id, kind = kind.as_str_name(), error = %message, "call failed");
+        tracing::info!(call_id, %trace_id, kind = kind.as_str_name(), error = %message, "call failed");
     }
     match out.send(call_error(call_id, kind, message)).await {
         Ok(()) => outcome,
@@ -297,6 +352,7 @@ async fn reject(
     out: &mpsc::Sender<AgentFrame>,
     head: &RequestHead,
     rejection: Rejection,
+    trace_id: TraceId,
 ) -> CallOutcome {
     let call_id = head.call_id;
     let method = short(&head.method);
@@ -304,11 +360,11 @@ async fn reject(
     let (kind, outcome) = match rejection.reason() {
         Some(reason) => {
             ctx.metrics.refused(reason);
-            tracing::warn!(call_id, method = ?method, path = ?path, reason = reason.as_str(), detail = %rejection.message(), "call refused");
+            tracing::warn!(call_id, %trace_id, method = ?method, path = ?path, reason = reason.as_str(), detail = %rejection.message(), "call refused");
             (CallErrorKind::Refused, CallOutcome::Refused)
         }
         None => {
-            tracing::info!(call_id, method = ?method, path = ?path, detail = %rejection.message(), "bad request");
+            tracing::info!(call_id, %trace_id, method = ?method, path = ?path, detail = %rejection.message(), "bad request");
             (CallErrorKind::BadRequest, CallOutcome::BadRequest)
         }
     };

@@ -144,6 +144,9 @@ fn main() -> std::process::ExitCode {
 }
 
 fn main_inner(args: Args) -> anyhow::Result<()> {
+    // Spans over OTLP when the OpenTelemetry variables name a collector; held to the end,
+    // when it flushes what is queued.
+    let _spans = relay_common::trace::init_export("relay-agent").map_err(anyhow::Error::msg)?;
     let config = load(args)?;
     relay_common::runtime::build(config.worker_threads)
         .context("cannot start the runtime")?

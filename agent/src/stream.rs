@@ -1051,7 +1051,6 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     )));
                 }
                 // A head that crossed our GoingAway on the wire is still served.
-                debug!(call_id = head.call_id, method = ?head.method, "call started");
                 let (body_tx, body) = if !head.body.is_empty() {
                     // The head keeps it too: the accept filter checks it against the head.
                     (None, RequestBody::Whole(head.body.clone()))

@@ -75,9 +75,20 @@ fn frame() -> impl Strategy<Value = ServerFrame> {
         any::<bool>(),
         // A body inside the head: none, or a few bytes (with or without end_of_stream).
         prop_oneof![Just(Vec::new()), prop::collection::vec(any::<u8>(), 1..64)],
+        // A trace context: none, or any ids and flags (zero ids included).
+        proptest::option::of((any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>())),
     )
         .prop_map(
-            |(call_id, method, path_and_query, headers, deadline_ms, end_of_stream, body)| {
+            |(
+                call_id,
+                method,
+                path_and_query,
+                headers,
+                deadline_ms,
+                end_of_stream,
+                body,
+                trace,
+            )| {
                 ServerFrame::of(In::RequestHead(RequestHead {
                     call_id,
                     method,
@@ -86,6 +97,14 @@ fn frame() -> impl Strategy<Value = ServerFrame> {
                     deadline_ms,
                     end_of_stream,
                     body: body.into(),
+                    trace: trace.map(|(trace_id_high, trace_id_low, parent_id, flags)| {
+                        relay_proto::TraceParent {
+                            trace_id_high,
+                            trace_id_low,
+                            parent_id,
+                            flags,
+                        }
+                    }),
                 }))
             },
         );

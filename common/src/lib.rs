@@ -29,6 +29,7 @@ pub mod telemetry;
 #[cfg(any(test, feature = "test-util"))]
 pub mod testing;
 pub mod tls;
+pub mod trace;
 pub mod tunnel_id;
 pub mod wall;
 

@@ -41,6 +41,7 @@ use futures::StreamExt;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
 use parking_lot::{Mutex, MutexGuard};
+use relay_common::trace::{CallTrace, KeyValue, SpanKind};
 use relay_proto::forward_request::Kind as ReqKind;
 use relay_proto::forward_response::Kind as RespKind;
 use relay_proto::{BodyChunk, CallHead, ForwardRequest, ForwardResponse, MAX_CHUNK};
@@ -365,6 +366,10 @@ pub struct CallGuard {
     permit: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The caller's slot for the call's tunnel id, given back when the call ends.
     tunnel_slot: Option<crate::quota::TunnelSlot>,
+    /// The call's span in this process, ended with the call's outcome.
+    trace: Option<CallTrace>,
+    /// The call's tunnel id, kept only for an exported span's attributes.
+    traced_tunnel: Option<String>,
 }
 
 impl CallGuard {
@@ -377,6 +382,26 @@ impl CallGuard {
             server_id: None,
             permit: None,
             tunnel_slot: None,
+            trace: None,
+            traced_tunnel: None,
+        }
+    }
+
+    /// The call's span in this process: ended, and exported if export is on, when the
+    /// call's outcome is recorded.
+    pub fn set_trace(&mut self, trace: CallTrace) {
+        self.trace = Some(trace);
+    }
+
+    /// The call's trace id, for its log lines.
+    pub fn trace_id(&self) -> Option<relay_common::trace::TraceId> {
+        self.trace.map(|t| t.trace_id)
+    }
+
+    /// The call's tunnel id, for its exported span (kept only when the span is exported).
+    pub fn set_tunnel(&mut self, tunnel_id: &str) {
+        if self.trace.is_some_and(|t| t.exported()) {
+            self.traced_tunnel = Some(tunnel_id.to_string());
         }
     }
 
@@ -413,6 +438,19 @@ impl CallGuard {
         self.metrics
             .call_duration
             .observe(self.start.elapsed().as_secs_f64());
+        if let Some(trace) = self.trace.take() {
+            let error = (outcome != "ok").then_some(outcome);
+            trace.end("relay.dispatcher.call", SpanKind::Server, error, || {
+                let mut attributes = vec![
+                    KeyValue::new("relay.outcome", outcome),
+                    KeyValue::new("relay.server_id", server.to_string()),
+                ];
+                if let Some(tunnel) = self.traced_tunnel.take() {
+                    attributes.push(KeyValue::new("relay.tunnel_id", tunnel));
+                }
+                attributes
+            });
+        }
     }
 }
 
@@ -584,7 +622,8 @@ impl Streamed {
         why: String,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.done = true;
-        tracing::warn!(call_id = self.call_id, outcome = outcome.as_str(), reason = %why, "response aborted after its head");
+        let trace_id = self.guard.trace_id();
+        tracing::warn!(call_id = self.call_id, trace_id = trace_id.map(tracing::field::display), outcome = outcome.as_str(), reason = %why, "response aborted after its head");
         self.guard.finish(outcome);
         Poll::Ready(Some(Err(Box::new(BodyAborted(why)))))
     }

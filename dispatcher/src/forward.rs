@@ -257,6 +257,10 @@ pub struct CallPlan {
     pub headers: Vec<bytes::Bytes>,
     pub end_of_stream: bool,
     pub deadline: Instant,
+    /// The trace context the tunnel server receives (the dispatcher's span as its parent).
+    pub trace: relay_proto::TraceParent,
+    /// The call's trace id, for its log lines.
+    pub trace_id: relay_common::trace::TraceId,
 }
 
 /// The tunnel server's answer: its response head and the stream carrying the body.
@@ -316,13 +320,13 @@ impl Forwarder {
             if attempt > 0 {
                 if !body.replayable() {
                     debug!(
-                        call_id = plan.call_id, tunnel_id = %plan.tunnel_id,
+                        call_id = plan.call_id, trace_id = %plan.trace_id, tunnel_id = %plan.tunnel_id,
                         "not retrying: request body already sent beyond replay"
                     );
                     break;
                 }
                 self.metrics.retries.inc();
-                info!(call_id = plan.call_id, tunnel_id = %plan.tunnel_id, server_id = %target.server_id, reason = %last.message, "retrying on another tunnel server");
+                info!(call_id = plan.call_id, trace_id = %plan.trace_id, tunnel_id = %plan.tunnel_id, server_id = %target.server_id, reason = %last.message, "retrying on another tunnel server");
             }
             self.metrics
                 .routing_decisions
@@ -337,7 +341,7 @@ impl Forwarder {
                             .note_no_capacity(&plan.tunnel_id, &target.server_id);
                     }
                     let may = self.rules.allows(retry, &plan.method, nth(attempt + 1));
-                    debug!(call_id = plan.call_id, tunnel_id = %plan.tunnel_id, server_id = %target.server_id, code = failure.code.as_str(), ?retry, may, "forward attempt failed");
+                    debug!(call_id = plan.call_id, trace_id = %plan.trace_id, tunnel_id = %plan.tunnel_id, server_id = %target.server_id, code = failure.code.as_str(), ?retry, may, "forward attempt failed");
                     last = failure;
                     if !may {
                         break;
@@ -403,6 +407,7 @@ impl Forwarder {
                     // A small whole body may be put here by the attempt's stream, for a
                     // server that reads it here (`body::AttemptStream`).
                     body: Default::default(),
+                    trace: Some(plan.trace),
                 }),
                 queue_handshake: true,
             }))
@@ -536,7 +541,7 @@ impl Forwarder {
                     };
                     if let Err(status) = proceeded {
                         // The call's own stream tells how it ended.
-                        debug!(call_id = plan.call_id, tunnel_id = %plan.tunnel_id, server_id = %route.server_id, %status, "proceed failed");
+                        debug!(call_id = plan.call_id, trace_id = %plan.trace_id, tunnel_id = %plan.tunnel_id, server_id = %route.server_id, %status, "proceed failed");
                     }
                 }
                 RespKind::Body(_) | RespKind::Queued(_) | RespKind::Reserved(_) => {

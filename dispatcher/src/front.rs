@@ -41,6 +41,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use relay_common::h2::H2Limits;
 use relay_common::listen::{self, Conn, HeldBody, ListenerGuard};
 use relay_common::tls::TlsServer;
+use relay_common::trace::{CallTrace, TraceContext, TraceId, TRACEPARENT};
 use relay_common::tunnel_id::is_valid as valid_tunnel_id;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -151,6 +152,7 @@ impl Front {
     fn accept<'a>(
         &'a self,
         parts: &http::request::Parts,
+        trace_id: TraceId,
     ) -> Result<Accepted<'a>, (Failure, Option<String>)> {
         if headers::head_size(&parts.method, &parts.uri, &parts.headers) > self.max_header_bytes {
             let f = Failure::new(
@@ -191,7 +193,7 @@ impl Front {
                 ErrorCode::Forbidden,
                 "this caller key may not reach this tunnel id",
             );
-            info!(caller = %caller.config.name, %tunnel_id, "call forbidden: tunnel id not in the caller's tunnels");
+            info!(caller = %caller.config.name, %trace_id, %tunnel_id, "call forbidden: tunnel id not in the caller's tunnels");
             return Err((f, Some(tunnel_id)));
         }
         if let Some(max) = self.max_request_body_bytes {
@@ -235,7 +237,7 @@ impl Front {
                     caller.config.max_concurrent_calls
                 ),
             );
-            info!(caller = %caller.config.name, %tunnel_id, "call refused: caller at max_concurrent_calls");
+            info!(caller = %caller.config.name, %trace_id, %tunnel_id, "call refused: caller at max_concurrent_calls");
             return Err((f, Some(tunnel_id)));
         };
         let tunnel_slot = match (
@@ -251,7 +253,7 @@ impl Front {
                             "this caller has {max} calls in flight to this tunnel id, its max_concurrent_calls_per_tunnel"
                         ),
                     );
-                    info!(caller = %caller.config.name, %tunnel_id, "call refused: caller at max_concurrent_calls_per_tunnel");
+                    info!(caller = %caller.config.name, %trace_id, %tunnel_id, "call refused: caller at max_concurrent_calls_per_tunnel");
                     return Err((f, Some(tunnel_id)));
                 }
             },
@@ -291,10 +293,19 @@ impl Front {
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
         let mut guard = CallGuard::new(self.metrics.clone());
         let (parts, body) = req.into_parts();
-        let mut accepted = match self.accept(&parts) {
+        // The backend's trace (W3C `traceparent`), or one started here.
+        let trace = CallTrace::begin(
+            parts
+                .headers
+                .get(TRACEPARENT)
+                .and_then(|v| TraceContext::from_traceparent(v.as_bytes())),
+        );
+        guard.set_trace(trace);
+        let trace_id = trace.trace_id;
+        let mut accepted = match self.accept(&parts, trace_id) {
             Ok(a) => a,
             Err((failure, tunnel_id)) => {
-                debug!(call_id, code = failure.code.as_str(), path = %parts.uri.path(), "call rejected");
+                debug!(call_id, %trace_id, code = failure.code.as_str(), path = %parts.uri.path(), "call rejected");
                 return self.fail(guard, &failure, tunnel_id.as_deref());
             }
         };
@@ -307,13 +318,16 @@ impl Front {
         // No span per call: the subscriber's formatting of a span's fields cost about 5% of
         // the dispatcher's CPU per relayed call, for lines that are rare. Each event of a
         // call names it instead (call_id, tunnel_id, caller).
-        self.relay(call_id, start, guard, parts, body, accepted)
+        guard.set_tunnel(&accepted.tunnel_id);
+        self.relay(call_id, trace, start, guard, parts, body, accepted)
             .await
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn relay(
         &self,
         call_id: u64,
+        trace: CallTrace,
         start: Instant,
         mut guard: CallGuard,
         parts: http::request::Parts,
@@ -322,12 +336,13 @@ impl Front {
     ) -> Response<RelayBody> {
         let tunnel_id = accepted.tunnel_id;
         let caller = accepted.caller;
+        let trace_id = trace.trace_id;
         let Some(pick) = self.routes.route(&tunnel_id) else {
             let f = Failure::new(
                 ErrorCode::TunnelUnavailable,
                 "no tunnel server holds streams for this tunnel id",
             );
-            info!(call_id, %tunnel_id, caller, code = f.code.as_str(), "call failed");
+            info!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), "call failed");
             return self.fail(guard, &f, Some(&tunnel_id));
         };
         if pick.spilled {
@@ -350,6 +365,16 @@ impl Front {
             headers: headers::request_to_wire(&parts.headers),
             end_of_stream,
             deadline: start + accepted.timeout,
+            trace: {
+                let (trace_id_high, trace_id_low, parent_id, flags) = trace.to_head();
+                relay_proto::TraceParent {
+                    trace_id_high,
+                    trace_id_low,
+                    parent_id,
+                    flags,
+                }
+            },
+            trace_id,
         };
         let forwarded = tokio::select! {
             // The body's failure first: it resets the attempt's RPC (see `AttemptStream`),
@@ -366,7 +391,7 @@ impl Front {
         let mut answer = match forwarded {
             Ok(a) => a,
             Err((f, server)) => {
-                info!(call_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = ?server, "call failed");
+                info!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = ?server, "call failed");
                 guard.set_server(server);
                 return self.fail(guard, &f, Some(&tunnel_id));
             }
@@ -382,7 +407,7 @@ impl Front {
                     ErrorCode::UpstreamError,
                     format!("agent answered with unusable status {}", answer.head.status),
                 );
-                info!(call_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, "call failed");
+                info!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, "call failed");
                 return self.fail(guard, &f, Some(&tunnel_id));
             }
         };
@@ -397,7 +422,7 @@ impl Front {
                 ErrorCode::BadResponse,
                 format!("the response head has {problem}{limits}"),
             );
-            warn!(call_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
+            warn!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
             return self.fail_after_head(guard, answer, &f, &tunnel_id);
         }
         if answer.head.body.len() > relay_proto::MAX_CHUNK
@@ -407,12 +432,12 @@ impl Front {
                 ErrorCode::BadResponse,
                 "the response head carries a body over 64 KiB or before the response's end",
             );
-            warn!(call_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
+            warn!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
             return self.fail_after_head(guard, answer, &f, &tunnel_id);
         }
         let (headers, invalid) = headers::response_from_wire(&answer.head.headers);
         if invalid > 0 {
-            warn!(call_id, %tunnel_id, caller, invalid, server_id = %answer.server_id, "dropped invalid response headers");
+            warn!(call_id, %trace_id, %tunnel_id, caller, invalid, server_id = %answer.server_id, "dropped invalid response headers");
         }
         let host = parts.uri.authority().map(|a| a.as_str()).or_else(|| {
             parts
@@ -439,10 +464,10 @@ impl Front {
                     relay_proto::escape_message(&other, 128)
                 ),
             );
-            warn!(call_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
+            warn!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
             return self.fail_after_head(guard, answer, &f, &tunnel_id);
         }
-        debug!(call_id, %tunnel_id, server_id = %answer.server_id, status = status.as_u16(), "response head");
+        debug!(call_id, %trace_id, %tunnel_id, server_id = %answer.server_id, status = status.as_u16(), "response head");
         let body = if answer.head.end_of_stream {
             guard.finish(CallOutcome::Ok);
             // A small body may travel inside the head.

@@ -101,6 +101,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 }
 
 fn main_inner(args: Args) -> anyhow::Result<()> {
+    // Spans over OTLP when the OpenTelemetry variables name a collector; held to the end,
+    // when it flushes what is queued.
+    let _spans =
+        relay_common::trace::init_export("relay-dispatcher").map_err(anyhow::Error::msg)?;
     let config = config(args)?;
     relay_common::runtime::build(config.worker_threads)
         .context("cannot start the runtime")?

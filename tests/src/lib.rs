@@ -22,6 +22,7 @@ pub mod lb;
 pub mod ledger;
 pub mod load;
 pub mod metrics;
+pub mod otlp;
 pub mod procfleet;
 pub mod procs;
 pub mod promql;

@@ -42,6 +42,7 @@ use crate::hub::{AcquireError, Hub, Lease};
 use crate::outcome::Outcome;
 use dashmap::DashMap;
 use futures::{FutureExt, Stream, StreamExt};
+use relay_common::trace::{CallTrace, KeyValue, SpanKind};
 use relay_proto::{
     forward_request, forward_response, server_frame, BodyChunk, Cancel, ForwardRequest,
     ForwardResponse, Queued, RequestHead, ServerFrame, StreamReserved,
@@ -160,6 +161,8 @@ pub struct Call {
     /// The call came on a carrier (`Forward.Carry`): its request frames are watched until
     /// the call ends, not only until its body's end.
     pub carrier: bool,
+    /// This server's span of the call (its trace id is on the call's log lines).
+    pub trace: CallTrace,
 }
 
 /// What the call holds while it runs on a stream; dropped (stream given back, gauge down)
@@ -189,8 +192,26 @@ impl Call {
         // Counted, then the stream goes back and the call leaves the gauge, all before the
         // caller hears the answer: a caller that saw its answer sees the server at rest.
         self.hub.metrics.call(&outcome);
+        let outcome_name = outcome.as_str();
         drop(on_stream);
-        outcome.log(&self.tunnel_id, call_id, started.elapsed());
+        outcome.log(
+            &self.tunnel_id,
+            call_id,
+            self.trace.trace_id,
+            started.elapsed(),
+        );
+        self.trace.end(
+            "relay.tunnel_server.call",
+            SpanKind::Server,
+            (!matches!(outcome_name, "ok")).then_some(outcome_name),
+            || {
+                vec![
+                    KeyValue::new("relay.outcome", outcome_name),
+                    KeyValue::new("relay.tunnel_id", self.tunnel_id.clone()),
+                    KeyValue::new("relay.call_id", call_id as i64),
+                ]
+            },
+        );
         match outcome.into_answer() {
             Some(last) => self.to_caller.send(Ok(last)).await.is_ok(),
             None => false,
@@ -293,7 +314,7 @@ impl Call {
                 end: true,
             });
         }
-        debug!(tunnel_id = %self.tunnel_id, call_id, stream_id = stream.id, "call on stream");
+        debug!(tunnel_id = %self.tunnel_id, call_id, trace_id = %self.trace.trace_id, stream_id = stream.id, "call on stream");
         // A body in the head counts against the request credit (at least two chunks, so it
         // is there at once).
         take_credit(&request_credit, head.body.len()).await;

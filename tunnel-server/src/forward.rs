@@ -25,6 +25,7 @@ use crate::hub::Hub;
 use crate::outcome::Outcome;
 use futures::future::BoxFuture;
 use futures::{Stream, StreamExt};
+use relay_common::trace::CallTrace;
 use relay_dispatcher::hop::{LocalServer, RequestFrames, ResponseFrames};
 use relay_proto::{
     forward_request, CallHead, ForwardRequest, ForwardResponse, ProceedReply, ProceedRequest,
@@ -146,7 +147,26 @@ impl Parts {
         to_caller: ToCaller,
         carrier: bool,
     ) -> Call {
+        let mut request = request;
+        // This server's span of the call: the dispatcher's span is its parent, and it is
+        // the agent's; the agent gets it in the head it receives.
+        let trace = CallTrace::from_head_or_header(
+            request
+                .trace
+                .map(|t| (t.trace_id_high, t.trace_id_low, t.parent_id, t.flags)),
+            None,
+        );
+        if request.trace.is_some() {
+            let (trace_id_high, trace_id_low, parent_id, flags) = trace.to_head();
+            request.trace = Some(relay_proto::TraceParent {
+                trace_id_high,
+                trace_id_low,
+                parent_id,
+                flags,
+            });
+        }
         Call {
+            trace,
             carrier,
             hub: self.hub.clone(),
             tunnel_id: head.tunnel_id,

@@ -230,6 +230,10 @@ fn main() -> std::process::ExitCode {
 }
 
 fn main_inner(args: Args) -> anyhow::Result<()> {
+    // Spans over OTLP when the OpenTelemetry variables name a collector; held to the end,
+    // when it flushes what is queued.
+    let _spans =
+        relay_common::trace::init_export("relay-tunnel-server").map_err(anyhow::Error::msg)?;
     let config = load(args)?;
     let front_config = match &config.front_config {
         Some(path) => Some(

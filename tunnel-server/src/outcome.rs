@@ -7,6 +7,7 @@
 //! (`crate::stream`) builds one when the agent's frame or the stream's end closes the
 //! call, and routes it to the call task.
 
+use relay_common::trace::TraceId;
 use relay_proto::{
     forward_response, CallError, CallErrorKind, ForwardError, ForwardErrorKind, ForwardResponse,
 };
@@ -109,10 +110,11 @@ impl Outcome {
     }
 
     /// The call's one log line.
-    pub fn log(&self, tunnel_id: &str, call_id: u64, elapsed: Duration) {
+    pub fn log(&self, tunnel_id: &str, call_id: u64, trace_id: TraceId, elapsed: Duration) {
         tracing::debug!(
             %tunnel_id,
             call_id,
+            %trace_id,
             outcome = self.as_str(),
             elapsed_ms = elapsed.as_millis() as u64,
             "call ended"
