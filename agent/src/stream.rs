@@ -702,6 +702,8 @@ pub(crate) async fn open(
 /// The call in flight on a stream.
 struct ActiveCall {
     id: u64,
+    /// The trace the head named, for the stream's log lines about the call.
+    trace_id: Option<relay_common::trace::TraceId>,
     /// Feeds the upstream request body; `None` once the body ended or is no longer read.
     body: Option<mpsc::Sender<Bytes>>,
     started: Instant,
@@ -1070,6 +1072,15 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                 self.request_unacked = head.body.len() as u32;
                 self.call = Some(ActiveCall {
                     id: head.call_id,
+                    trace_id: head.trace.and_then(|t| {
+                        relay_common::trace::TraceContext::from_head(
+                            t.trace_id_high,
+                            t.trace_id_low,
+                            t.parent_id,
+                            t.flags,
+                        )
+                        .map(|cx| cx.trace_id)
+                    }),
                     body: body_tx,
                     started: Instant::now(),
                     credit: credit.clone(),
@@ -1159,14 +1170,20 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                     // Dropping the call future drops the upstream request.
                     self.call_fut.clear();
                     self.clear_body();
+                    let mut trace_id = None;
                     if let Some(call) = self.call.take() {
                         self.ctx.metrics.call_ended(
                             CallOutcome::Cancelled,
                             call.started.elapsed().as_secs_f64(),
                         );
                         self.last_ended = Some(call.id);
+                        trace_id = call.trace_id;
                     }
-                    debug!(call_id = cancel.call_id, "call cancelled by the server");
+                    debug!(
+                        call_id = cancel.call_id,
+                        trace_id = trace_id.map(tracing::field::display),
+                        "call cancelled by the server"
+                    );
                     self.emit(id, StreamEvent::CallEnded(None));
                     self.send(call_error(
                         cancel.call_id,

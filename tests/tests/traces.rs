@@ -47,8 +47,7 @@ impl Trio {
         let upstream = Upstream::builder().spawn().await.unwrap();
         let mut vars = vec![(
             "RELAY_LOG".to_string(),
-            "info,relay_dispatcher=debug,relay_tunnel_server=debug,relay_agent=debug"
-                .to_string(),
+            "info,relay_dispatcher=debug,relay_tunnel_server=debug,relay_agent=debug".to_string(),
         )];
         vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.clone())));
         let how = Spawn {
@@ -179,7 +178,10 @@ async fn the_callers_trace_reaches_the_upstream_and_every_hops_log() {
     let received = upstream_header(&answer, "traceparent").expect("the upstream got a traceparent");
     let (trace, parent, flags) = fields(&received);
     assert_eq!(trace, TRACE, "the upstream sees the caller's trace");
-    assert_ne!(parent, CALLER_SPAN, "the agent's span is the upstream's parent");
+    assert_ne!(
+        parent, CALLER_SPAN,
+        "the agent's span is the upstream's parent"
+    );
     assert_eq!(flags, "01", "the sampled flag is kept");
     assert_eq!(
         upstream_header(&answer, "tracestate").as_deref(),
@@ -213,7 +215,11 @@ async fn a_call_without_a_usable_traceparent_gets_a_trace_started_by_the_dispatc
     }
     started.sort();
     started.dedup();
-    assert_eq!(started.len(), 3, "each call got a trace of its own: {started:?}");
+    assert_eq!(
+        started.len(),
+        3,
+        "each call got a trace of its own: {started:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -260,7 +266,10 @@ async fn with_otlp_on_a_collector_receives_one_span_per_hop_each_parented_by_the
     assert_eq!(dispatcher.parent_span_id, CALLER_SPAN, "{spans:#?}");
     assert_eq!(server.parent_span_id, dispatcher.span_id, "{spans:#?}");
     assert_eq!(agent.parent_span_id, server.span_id, "{spans:#?}");
-    assert_eq!(upstream_parent, agent.span_id, "the upstream's parent is the agent's span");
+    assert_eq!(
+        upstream_parent, agent.span_id,
+        "the upstream's parent is the agent's span"
+    );
     for span in &spans {
         assert!(
             span.attributes
@@ -281,7 +290,10 @@ async fn with_otlp_on_a_collector_receives_one_span_per_hop_each_parented_by_the
 #[test]
 fn an_otlp_endpoint_that_is_not_a_url_stops_the_binary_naming_the_variable() {
     let dir = ScratchDir::new("traces-bad-endpoint").unwrap();
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/local/dispatcher.toml");
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/local/dispatcher.toml"
+    );
     let out = std::process::Command::new(binary("relay-dispatcher").unwrap())
         .args(["--config", example])
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4317 <bad>")

@@ -256,6 +256,7 @@ impl Call {
             let request_credit = credit.as_ref().map(|c| c.request.clone());
             let slot = CallSlot {
                 call_id,
+                trace_id: self.trace.trace_id,
                 to_caller: self.to_caller.clone(),
                 done: done_tx,
                 head_seen: false,

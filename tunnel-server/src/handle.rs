@@ -104,6 +104,8 @@ pub struct StreamCredit {
 #[derive(Debug)]
 pub struct CallSlot {
     pub call_id: u64,
+    /// The call's trace id, for the stream's log lines about the call.
+    pub trace_id: relay_common::trace::TraceId,
     /// The dispatcher's response stream for this call.
     pub to_caller: mpsc::Sender<Result<ForwardResponse, Status>>,
     /// The call's task: hears how the call ended on this stream.
@@ -423,6 +425,7 @@ mod tests {
         let (done, rx) = oneshot::channel();
         let slot = CallSlot {
             call_id,
+            trace_id: relay_common::trace::TraceId([1; 16]),
             to_caller,
             done,
             head_seen: false,

@@ -539,6 +539,7 @@ impl Reader {
             Kind::ResponseHead(head) => {
                 let call_id = head.call_id;
                 let end = head.end_of_stream;
+                let mut trace_id = None;
                 let to_caller = self
                     .handle
                     .route(call_id, |slot| {
@@ -548,6 +549,7 @@ impl Reader {
                             )));
                         }
                         slot.head_seen = true;
+                        trace_id = Some(slot.trace_id);
                         Ok(())
                     })
                     .map_err(protocol)?;
@@ -562,7 +564,7 @@ impl Reader {
                     limits.max_response_headers,
                     limits.max_response_header_bytes,
                 ) {
-                    return Err(self.refuse_response(call_id, why));
+                    return Err(self.refuse_response(call_id, trace_id, why));
                 }
                 let frame = ForwardResponse::of(forward_response::Kind::Head(head));
                 if end {
@@ -623,9 +625,14 @@ impl Reader {
     /// stream) with BAD_RESPONSE, the caller's 502. A peer that sends such heads takes no
     /// further call on that stream. The records themselves pass on to the dispatcher as
     /// they came, without being decoded and encoded again.
-    fn refuse_response(&self, call_id: u64, problem: relay_proto::HeadProblem) -> End {
+    fn refuse_response(
+        &self,
+        call_id: u64,
+        trace_id: Option<relay_common::trace::TraceId>,
+        problem: relay_proto::HeadProblem,
+    ) -> End {
         let why = format!("the agent's response head has {problem}");
-        warn!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, call_id, reason = %why, "response head refused");
+        warn!(tunnel_id = %self.handle.tunnel_id, stream_id = self.handle.id, call_id, trace_id = trace_id.map(tracing::field::display), reason = %why, "response head refused");
         let (status, caller_reads) = match problem {
             relay_proto::HeadProblem::OverLimit(_) => (
                 Status::resource_exhausted(why.clone()),
