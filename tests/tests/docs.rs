@@ -225,6 +225,70 @@ fn every_relative_link_in_the_documentation_resolves() {
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
 
+/// README is the entry point, not the reference: it stays short.
+#[test]
+fn readme_stays_an_entry_point() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let lines = readme.lines().count();
+    assert!(
+        lines <= 400,
+        "README.md has {lines} lines: at most 400 (reference text belongs in docs/)"
+    );
+}
+
+/// README's code map has a row per workspace crate, and every file it says to start
+/// reading exists in that crate.
+#[test]
+fn the_code_map_names_every_crate_and_files_that_exist() {
+    let root = repo();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let map = &readme[readme.find("## Code map").expect("README has a code map")..];
+    let map = &map[..map[3..].find("\n## ").map_or(map.len(), |i| i + 3)];
+    let mut crates = BTreeSet::new();
+    let mut problems = Vec::new();
+    for row in map.lines().filter(|l| l.starts_with("| [`")) {
+        let cells: Vec<&str> = row.split(" | ").collect();
+        let dir = cells[0]
+            .split('`')
+            .nth(1)
+            .unwrap()
+            .trim_end_matches('/')
+            .to_string();
+        let start = cells.last().unwrap().trim_end_matches(" |");
+        for file in start.split('`').skip(1).step_by(2) {
+            // `scenarios/*.toml`: the folder must exist and hold such a file.
+            let exists = match file.rsplit_once("/*") {
+                Some((folder, ext)) => std::fs::read_dir(root.join(&dir).join(folder))
+                    .map(|mut d| d.any(|e| e.unwrap().file_name().to_string_lossy().ends_with(ext)))
+                    .unwrap_or(false),
+                None => root.join(&dir).join(file).is_file(),
+            };
+            if !exists {
+                problems.push(format!("{dir}/{file}"));
+            }
+        }
+        crates.insert(dir);
+    }
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let manifest: toml::Value = toml::from_str(&manifest).unwrap();
+    let members: BTreeSet<String> = manifest["workspace"]["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_str().unwrap().to_string())
+        .collect();
+    let unmapped: Vec<_> = members.difference(&crates).collect();
+    assert!(
+        unmapped.is_empty(),
+        "workspace crates without a row in README's code map: {unmapped:?}"
+    );
+    assert!(
+        problems.is_empty(),
+        "README's code map names files that do not exist (a file moved or split: name \
+         where to start reading now): {problems:?}"
+    );
+}
+
 /// The key no config struct has.
 const PROBE: &str = "zz_docs_probe_key";
 
