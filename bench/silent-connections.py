@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# Silent connections against the HTTP front of examples/local (running, see README): opens
+# Silent connections against the HTTP front of examples/local (running, see docs/running.md): opens
 # N TCP connections from 127.0.0.2 that never send a byte (50 at a time), and reports how
 # many the front closes at once (front_limits.max_connections_per_source), when the last one
 # is closed (front_limits.first_byte_timeout), and the answers and times of curl calls from

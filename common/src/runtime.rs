@@ -8,7 +8,7 @@
 //! process is a second thread to wake across cores, steal work and park again. On two
 //! cores with the three relay processes, the upstream and the load generator, one worker
 //! per process cut the CPU per call by about a fifth and raised calls/s by a tenth
-//! (`bench/relay-bench.sh`, README).
+//! (`bench/relay-bench.sh`, docs/benchmarks.md).
 //!
 //! `worker_threads = 1` builds a current-thread runtime (the main thread runs every task;
 //! blocking work still gets its own threads): with a single worker there is nothing to
@@ -27,7 +27,7 @@
 //! (relay 0.79-0.96x the nginx chain). Taking 16 events a turn hands the first calls on
 //! while the rest are still read, so neighbouring processes work side by side: calls/s at
 //! 64 connections rose by a tenth and more, and moved within the run-to-run spread at 1 and
-//! 16 connections (README, benchmark: the figures and the commands).
+//! 16 connections (docs/benchmarks.md: the figures and the commands).
 //!
 //! The key is read before the runtime exists, so the binaries build it here instead of
 //! with `#[tokio::main]`.

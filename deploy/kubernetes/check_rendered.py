@@ -14,8 +14,8 @@ import tomllib
 
 import yaml
 
-# Each binary's drain when its config does not set shutdown_grace (README, Configuration
-# reference); the agent's drain grace is fixed.
+# Each binary's drain when its config does not set shutdown_grace (docs/configuration.md);
+# the agent's drain grace is fixed.
 DEFAULT_DRAIN = {"relay-tunnel-server": 30, "relay-dispatcher": 10}
 AGENT_DRAIN = 10
 # Spare seconds between the end of the drain and SIGKILL.

@@ -209,7 +209,7 @@ pub fn client(url: &Secret, tls: &RedisTls) -> Result<redis::Client, ConfigError
     };
     let info = url.expose().into_connection_info().map_err(bad_url)?;
     // No `CLIENT SETINFO` after connecting: the commands the relay sends are exactly the
-    // ones its documented ACL grants (see README, "Routing and the shared registry").
+    // ones its documented ACL grants (see docs/routing.md, "Routing and the shared registry").
     let info = info
         .clone()
         .set_redis_settings(info.redis_settings().clone().set_skip_set_lib_name());

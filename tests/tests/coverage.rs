@@ -244,19 +244,19 @@ fn shape(v: &serde_json::Value, at: &str, out: &mut BTreeSet<String>) {
     }
 }
 
-/// README's `/systemcheck` example shows what a running agent serves: the same fields,
+/// docs/coverage.md's `/systemcheck` example shows what a running agent serves: the same fields,
 /// nested the same way, with the same types (a field the example shows as null is only
 /// required to exist).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_readmes_systemcheck_example_matches_what_the_agent_serves() {
-    let readme = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"),
+async fn the_documented_systemcheck_example_matches_what_the_agent_serves() {
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/coverage.md"),
     )
     .unwrap();
-    let from = readme
+    let from = doc
         .find("Watching it: `GET /systemcheck`")
-        .expect("README describes /systemcheck");
-    let block = &readme[from..];
+        .expect("docs/coverage.md describes /systemcheck");
+    let block = &doc[from..];
     let start = block.find("```json\n").expect("an example") + "```json\n".len();
     let end = start + block[start..].find("```").unwrap();
     let example: serde_json::Value = serde_json::from_str(&block[start..end]).unwrap();
@@ -296,12 +296,12 @@ async fn the_readmes_systemcheck_example_matches_what_the_agent_serves() {
     assert_eq!(
         want.difference(&got).collect::<Vec<_>>(),
         Vec::<&String>::new(),
-        "README shows what the agent does not serve (served: {served})"
+        "docs/coverage.md shows what the agent does not serve (served: {served})"
     );
     assert_eq!(
         got.difference(&want).collect::<Vec<_>>(),
         Vec::<&String>::new(),
-        "the agent serves what README does not show"
+        "the agent serves what docs/coverage.md does not show"
     );
     stack.shutdown().await;
 }

@@ -1,7 +1,8 @@
 //! The deploy kit (`deploy/`), checked with the tools operators use it with:
 //!
 //! - the Prometheus rules pass `promtool check rules` and `promtool test rules`, every alert
-//!   has a test where it fires and one where it stays quiet, and a runbook line in README;
+//!   has a test where it fires and one where it stays quiet, and a runbook line in
+//!   docs/operations.md;
 //! - the systemd units are hardened and pass `systemd-analyze verify` with no complaint;
 //! - `systemctl reload` (SIGHUP) never stops a binary, even one with nothing to reload;
 //! - every query of the Grafana dashboard and of the rules names only metrics and labels
@@ -150,15 +151,15 @@ fn alert_rules_pass_promtool_and_every_alert_has_tests_and_a_runbook_line() {
         "alerts without a test where they stay quiet: {unquiet:?}"
     );
 
-    // README's runbook has a row per alert.
-    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    // The runbook (docs/operations.md) has a row per alert.
+    let runbook = std::fs::read_to_string(repo().join("docs/operations.md")).unwrap();
     let missing: Vec<_> = alerts
         .iter()
-        .filter(|a| !readme.contains(&format!("| `{a}` |")))
+        .filter(|a| !runbook.contains(&format!("| `{a}` |")))
         .collect();
     assert!(
         missing.is_empty(),
-        "alerts without a runbook row in README.md: {missing:?}"
+        "alerts without a runbook row in docs/operations.md: {missing:?}"
     );
 }
 
@@ -987,7 +988,7 @@ async fn every_query_names_only_metrics_and_labels_the_relay_exports() {
         "the dashboard has only {} queries",
         queries.len()
     );
-    // The dashboard shows what README promises: coverage per server, calls by outcome,
+    // The dashboard shows what docs/operations.md promises: coverage per server, calls by outcome,
     // latency and queue wait, spill share, RTT and tiers, registry health, certificates.
     let used: BTreeSet<String> = queries
         .iter()

@@ -1,4 +1,4 @@
-//! README's claims about the binaries themselves, checked on the real processes
+//! The documentation's claims about the binaries themselves, checked on the real processes
 //! (`relay_tests::procs`: the `relay-dispatcher`, `relay-tunnel-server` and `relay-agent`
 //! built next to this test, each with a generated config, on loopback):
 //!
@@ -100,7 +100,7 @@ impl Trio {
 // ---------------------------------------------------------------------------------------
 // Memory: a large response read slowly
 
-/// README's bound: no relay process's peak RSS passes this while a response of any size
+/// docs/benchmarks.md's bound: no relay process's peak RSS passes this while a response of any size
 /// streams to a slow caller (debug builds included; release builds stay far below).
 const RSS_BOUND_MIB: u64 = 64;
 
@@ -127,8 +127,7 @@ async fn read_slowly(trio: &Trio, total: u64, rate: u64, deadline: Duration) -> 
         &format!("/relay/{TUNNEL_ID}/bytes/{total}"),
         Bytes::new(),
     );
-    // The deadline bounds the whole call, body included (README, "Calling through the
-    // relay").
+    // The deadline bounds the whole call, body included (docs/calling.md).
     req.headers_mut().insert(
         "x-relay-timeout-ms",
         deadline.as_millis().to_string().parse().unwrap(),
@@ -197,7 +196,7 @@ fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
 }
 
-/// Streams `total` bytes read at `rate` and checks README's claims about it.
+/// Streams `total` bytes read at `rate` and checks docs/benchmarks.md's claims about it.
 async fn large_response_read_slowly(tag: &str, total: u64, rate: u64) {
     // Twice the time the read takes, and a minute.
     let deadline = Duration::from_secs(60 + 2 * total / rate);
@@ -242,7 +241,7 @@ async fn a_large_response_read_slowly_keeps_every_process_within_its_memory_boun
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "17 minutes: 1 GiB read at 1 MiB/s, README's full-size figure; run by hand"]
+#[ignore = "17 minutes: 1 GiB read at 1 MiB/s, the documented full-size figure; run by hand"]
 async fn a_1_gib_response_read_at_1_mib_per_second_keeps_every_process_within_its_memory_bound() {
     large_response_read_slowly("slow-read-1g", 1 << 30, 1 << 20).await;
 }
@@ -762,7 +761,7 @@ async fn no_secret_appears_in_logs_metrics_debug_pages_or_answers_at_debug_level
 /// Idle streams a tunnel server holds: 10 agents' worth (one connection and one token each,
 /// as 10 agents at 1,000 streams) on one server process.
 const IDLE_STREAMS: usize = 10_000;
-/// What they may add to the server's memory: README's bound for a server holding them
+/// What they may add to the server's memory: docs/benchmarks.md's bound for a server holding them
 /// (100 MiB) less the release binary's own RSS at start (about 9 MiB). The streams' cost,
 /// not the process's total, is what is checked, because the debug binary these tests run
 /// starts 11 MiB larger than a release one.

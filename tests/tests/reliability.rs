@@ -219,7 +219,7 @@ fn distinct_body(seed: u64, len: usize) -> Bytes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_posts_with_large_bodies_on_a_killed_server_process_succeed_elsewhere_intact() {
-    // README: queued calls are safe to retry, POSTs included. A POST waiting in a queue has
+    // docs/routing.md: queued calls are safe to retry, POSTs included. A POST waiting in a queue has
     // sent as much of its body as the forward stream window admits (1 MiB) before the
     // server reads any; it must still be retried elsewhere, whole, and reach the upstream
     // once. Bodies of 1 MiB and of 4 MiB (four windows: the rest is pulled from the caller
@@ -1028,7 +1028,7 @@ async fn sigkilled_server_behind_haproxy_fails_only_its_calls_and_growth_elsewhe
 }
 
 /// How long after a restarted dispatcher listens again the tunnel servers report to it at
-/// the latest (README, "Operations": their report stream retries back off to 1 s, with
+/// the latest (docs/operations.md: their report stream retries back off to 1 s, with
 /// up to 25% jitter).
 const REPORT_RETRY_MAX: Duration = Duration::from_millis(1250);
 

@@ -1091,7 +1091,7 @@ async fn forged_tampered_moved_and_replayed_registry_records_get_no_call_and_are
 
 // ---------------------------------------------------------------- TLS and an ACL user
 
-/// The ACL README documents for the relay's Redis user, for key prefix `prefix`: the
+/// The ACL docs/routing.md documents for the relay's Redis user, for key prefix `prefix`: the
 /// commands the shared registry sends, on its own keys only.
 fn relay_acl(user: &str, password: &str, prefix: &str) -> Vec<String> {
     let rule = format!(

@@ -5,7 +5,7 @@
 //!
 //! Needs Debian's `chromium` (scripts/test installs it); without it these tests fail
 //! saying so. `RELAY_STATUS_SCREENSHOTS=docs cargo test -p relay-tests --test status_pages
-//! -- --ignored screenshots` refreshes the screenshots README shows.
+//! -- --ignored screenshots` refreshes the screenshots docs/running.md shows.
 
 use relay_tests::browser::{self, table_rows};
 use relay_tests::client::Caller;
@@ -490,7 +490,7 @@ async fn every_page_reads_without_javascript_and_refreshes_with_it() {
     stack.shutdown().await;
 }
 
-/// Writes the screenshots README shows (`status-agent.png`, `status-dispatcher.png`,
+/// Writes the screenshots docs/running.md shows (`status-agent.png`, `status-dispatcher.png`,
 /// `status-tunnel-server.png`) into `$RELAY_STATUS_SCREENSHOTS` (a path from the workspace
 /// root, or absolute), from a stack of two
 /// servers that has carried a few calls (one refused by the agent's accept rules).

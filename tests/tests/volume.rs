@@ -5,7 +5,7 @@
 //! abuse guards) in any process's log.
 //!
 //! The long versions (a million calls, 30 minutes) are `relay-fleet soak` runs a person
-//! makes; README's "Volume" section shows them.
+//! makes; docs/load-testing.md's "Volume" section shows them.
 
 use relay_tests::soak::{self, Embedded, Fault, FaultTiming, Mode, SoakConfig, SoakReport};
 use std::time::Duration;

@@ -16,7 +16,7 @@
 //! every response spawns a task that waits for its connection to be ready before it goes
 //! back. An agent has one origin; its pool is a stack. Measured with callgrind on the
 //! benchmark's GETs, the hyper-util path cost the agent about 8,400 instructions per call
-//! (`Client::send_request` and below), a seventh of its total; see README, Benchmark.
+//! (`Client::send_request` and below), a seventh of its total (`bench/`, docs/benchmarks.md).
 //!
 //! Must not: look at requests or responses (the caller builds and reads them), or follow
 //! anything but the configured origin (it dials only `authority`).
