@@ -190,7 +190,7 @@ async fn serve_call(
     tracing::debug!(call_id, %trace_id, rule = %prepared.rule, "call allowed");
     let mut headers = prepared.headers;
     // The upstream sees the trace with this agent's span as its parent.
-    if let Ok(value) = http::HeaderValue::from_str(&trace.traceparent()) {
+    if let Ok(value) = http::HeaderValue::from_bytes(&trace.traceparent()) {
         headers.insert(TRACEPARENT, value);
     }
     let request = UpstreamRequest {

@@ -265,9 +265,23 @@ impl CallTrace {
         }
     }
 
-    /// The `traceparent` value for the next hop (version 00, this span as the parent).
-    pub fn traceparent(&self) -> String {
-        format!("00-{}-{}-{:02x}", self.trace_id, self.span_id, self.flags)
+    /// The `traceparent` value for the next hop (version 00, this span as the parent):
+    /// 55 ASCII bytes, written without an allocation.
+    pub fn traceparent(&self) -> [u8; 55] {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [b'-'; 55];
+        out[0] = b'0';
+        out[1] = b'0';
+        let mut put = |at: usize, bytes: &[u8]| {
+            for (i, b) in bytes.iter().enumerate() {
+                out[at + 2 * i] = HEX[usize::from(b >> 4)];
+                out[at + 2 * i + 1] = HEX[usize::from(b & 0xf)];
+            }
+        };
+        put(3, &self.trace_id.0);
+        put(36, &self.span_id.0);
+        put(53, &[self.flags]);
+        out
     }
 
     /// Whether this span will be exported when it ends (export is on and the trace is
@@ -488,7 +502,11 @@ mod tests {
         assert_eq!(hop.trace_id, incoming.trace_id);
         assert_eq!(hop.parent_id, Some(incoming.parent_id));
         assert_ne!(hop.span_id, incoming.parent_id);
-        let next = TraceContext::from_traceparent(hop.traceparent().as_bytes()).unwrap();
+        let next = TraceContext::from_traceparent(&hop.traceparent()).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&hop.traceparent()).unwrap(),
+            format!("00-{}-{}-01", hop.trace_id, hop.span_id)
+        );
         assert_eq!(next, hop.child_context());
         assert_eq!(next.parent_id, hop.span_id);
         let (high, low, parent, flags) = hop.child_context().to_head();
@@ -505,7 +523,7 @@ mod tests {
         assert_eq!(a.parent_id, None);
         assert_ne!(a.trace_id, b.trace_id);
         assert_eq!(a.flags, SAMPLED);
-        assert!(a.traceparent().ends_with("-01"));
+        assert!(a.traceparent().ends_with(b"-01"));
     }
 
     #[test]
