@@ -739,9 +739,9 @@ type StartCall<F> = fn(
 /// The future of the call in flight, in one allocation the stream keeps from its first call
 /// to its end. A call's future is about 2.6 KiB: boxing each one was an allocation past
 /// glibc's per-thread cache (with a consolidation of its free lists) and a free per call.
-struct CallSlot<F>(Option<Pin<Box<Option<F>>>>);
+struct CallFutureBox<F>(Option<Pin<Box<Option<F>>>>);
 
-impl<F: Future<Output = CallOutcome>> CallSlot<F> {
+impl<F: Future<Output = CallOutcome>> CallFutureBox<F> {
     fn is_none(&self) -> bool {
         self.0.as_ref().is_none_or(|f| f.is_none())
     }
@@ -782,7 +782,7 @@ struct Session<F> {
     linger: Pin<Box<Sleep>>,
     call: Option<ActiveCall>,
     start_call: StartCall<F>,
-    call_fut: CallSlot<F>,
+    call_fut: CallFutureBox<F>,
     /// The remote address of this stream's connection, handed to its calls.
     tunnel_peer: Option<std::net::IpAddr>,
     /// Request body chunks (and their end flags) waiting for room in the body channel.
@@ -831,7 +831,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
             linger: Box::pin(tokio::time::sleep_until(far)),
             call: None,
             start_call,
-            call_fut: CallSlot(None),
+            call_fut: CallFutureBox(None),
             tunnel_peer: None,
             pending: Default::default(),
             credit,
