@@ -123,17 +123,18 @@ struct Agent {
     /// The sizing actor: it owns every tunnel stream and their calls.
     actor: CoverageActor,
     coverage: watch::Receiver<CoverageView>,
-    /// The upstream reachability check, and where it publishes.
-    upstream_check: (upstream::Upstream, config::UpstreamCheckConfig),
-    health: (
-        watch::Sender<UpstreamHealth>,
-        watch::Receiver<UpstreamHealth>,
-    ),
+    /// The upstream reachability check: what it checks, and where it publishes.
+    upstream: upstream::Upstream,
+    upstream_check: config::UpstreamCheckConfig,
+    health_tx: watch::Sender<UpstreamHealth>,
+    health: watch::Receiver<UpstreamHealth>,
     /// The admin listener and what it serves.
-    admin: (TcpListener, relay_common::admin::Admin),
-    /// What is reloaded on SIGHUP or when its files change (the tunnel TLS), how often
+    admin_listener: TcpListener,
+    admin: relay_common::admin::Admin,
+    /// What is reloaded on SIGHUP or when its files change (the tunnel TLS), and how often
     /// the files are checked.
-    reloads: (Vec<Arc<dyn Reload>>, std::time::Duration),
+    reloads: Vec<Arc<dyn Reload>>,
+    reload_interval: std::time::Duration,
 }
 
 impl Agent {
@@ -222,10 +223,14 @@ impl Agent {
             activity,
             actor,
             coverage,
-            upstream_check: (upstream, config.upstream_check.clone()),
-            health: (health_tx, health_rx),
-            admin: (admin, admin_routes),
-            reloads: (reloads, config.reload_interval),
+            upstream,
+            upstream_check: config.upstream_check.clone(),
+            health_tx,
+            health: health_rx,
+            admin_listener: admin,
+            admin: admin_routes,
+            reloads,
+            reload_interval: config.reload_interval,
         })
     }
 
@@ -235,20 +240,20 @@ impl Agent {
         let tasks = TaskTracker::new();
         // Certificates: new connections use the reloaded ones, established streams keep
         // theirs. (The SIGHUP handler is installed here, before anything serves.)
-        let (reloads, poll) = self.reloads;
-        let reload = tasks.spawn(relay_common::tls::watch(reloads, poll, stop.all.clone()));
-        let (upstream, check) = self.upstream_check;
-        let (health_tx, health) = self.health;
+        let reload = tasks.spawn(relay_common::tls::watch(
+            self.reloads,
+            self.reload_interval,
+            stop.all.clone(),
+        ));
         let checker = tasks.spawn(admin::check_upstream(
-            upstream,
-            check,
-            health_tx,
+            self.upstream,
+            self.upstream_check,
+            self.health_tx,
             stop.streams.clone(),
         ));
-        let (listener, routes) = self.admin;
         let admin = tasks.spawn(relay_common::admin::serve(
-            listener,
-            routes,
+            self.admin_listener,
+            self.admin,
             stop.all.clone().cancelled_owned(),
         ));
         let actor = self.actor;
@@ -261,7 +266,7 @@ impl Agent {
         AgentHandle {
             registry: self.registry,
             coverage: self.coverage,
-            upstream: health,
+            upstream: self.health,
             activity: self.activity,
             stop,
             tasks,

@@ -128,6 +128,7 @@ impl Pool {
             !std::mem::replace(&mut idle.reaping, true)
         };
         if start_reaper {
+            // The reaper is owned by the pool (it holds a `Weak`) and ends with it.
             // Outside a runtime (a response dropped on a plain thread) checkouts and returns
             // still expire connections; the next return in a runtime starts the task.
             match tokio::runtime::Handle::try_current() {
