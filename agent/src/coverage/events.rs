@@ -1,6 +1,6 @@
 //! The actor's reading of its streams' news (`CoverageActor::on_event`): landings, calls
-//! started and ended, pressure hints, draining, closes (a lost path marks its server lost)
-//! and failed opens (the direct-open fallback, learnt caps, the backoff).
+//! started and ended, pressure hints, fleet news, draining, closes (a lost path marks its
+//! server lost) and failed opens (the direct-open fallback, learnt caps, the backoff).
 
 use super::*;
 
