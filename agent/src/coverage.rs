@@ -45,7 +45,7 @@ use tokio::time::{Instant, Interval, MissedTickBehavior, Sleep};
 use tracing::{debug, info, warn};
 
 use backoff::Backoff;
-pub use view::{ActionReport, CoverageView, ServerReport, RECENT_ACTIONS};
+pub use view::{ActionReport, CoverageView, ReportedState, ServerReport, RECENT_ACTIONS};
 
 /// Where a stream landed: its server's `ServerHello`.
 #[derive(Clone, Debug, PartialEq)]

@@ -14,13 +14,44 @@ pub struct ServerReport {
     pub busy: u32,
     pub idle: u32,
     pub budget: u32,
-    pub state: String,
+    pub state: ReportedState,
     /// Seconds the server has been short without a break (0 when covered).
     pub short_for_s: u64,
     /// Smoothed time of the answered calls on its streams, from their head to their end as
     /// the stream saw them (upstream time included), in microseconds; `None` before the
     /// first answered call.
     pub call_time_us: Option<u32>,
+}
+
+/// A server's state as the view reports it: its coverage state from the last plan, or
+/// lost (its path went silent or broke and none of the agent's streams is there). In the
+/// JSON it is the state's name (`covered`, ..., `lost`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReportedState {
+    Plan(State),
+    Lost,
+}
+
+impl ReportedState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReportedState::Plan(s) => s.as_str(),
+            ReportedState::Lost => "lost",
+        }
+    }
+}
+
+impl Serialize for ReportedState {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+/// Compares by name, as the JSON reads (`state == "covered"`).
+impl PartialEq<&str> for ReportedState {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
 }
 
 /// What the actor publishes after every tick.
@@ -121,9 +152,9 @@ impl CoverageActor {
                             .lost
                             .contains_key(&(p.server_id.clone(), p.instance_id.clone()))
                     {
-                        "lost".to_string()
+                        ReportedState::Lost
                     } else {
-                        p.state.as_str().to_string()
+                        ReportedState::Plan(p.state)
                     },
                     short_for_s: p.short_for.as_secs(),
                     call_time_us: self
@@ -140,5 +171,20 @@ impl CoverageActor {
             recent_actions: self.recent.iter().rev().cloned().collect(),
         };
         self.view.send_replace(view);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reported_state_is_its_name_in_the_json() {
+        for s in State::ALL {
+            let json = serde_json::to_value(ReportedState::Plan(s)).unwrap();
+            assert_eq!(json, s.as_str());
+        }
+        assert_eq!(serde_json::to_value(ReportedState::Lost).unwrap(), "lost");
+        assert!(ReportedState::Plan(State::Covered) == "covered");
     }
 }
