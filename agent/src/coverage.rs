@@ -13,8 +13,15 @@
 //! news comes back as `StreamEvent`s. How a stream is opened is behind `Connector`, so
 //! tests drive the actor with fake streams under paused time. The rules themselves live in
 //! `plan`, which must not read the clock or do I/O.
+//!
+//! This file holds the actor's types, its loop, the snapshot and the carrying out of a
+//! plan; `events` reads the streams' news, `view` publishes the view and the per-server
+//! gauges, `backoff` is the gate in front of opens.
 
+mod backoff;
+mod events;
 pub mod plan;
+mod view;
 
 #[cfg(test)]
 mod tests;
@@ -36,6 +43,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, Interval, MissedTickBehavior, Sleep};
 use tracing::{debug, info, warn};
+
+use backoff::Backoff;
+pub use view::{ActionReport, CoverageView, ReportedState, ServerReport, RECENT_ACTIONS};
 
 /// Where a stream landed: its server's `ServerHello`.
 #[derive(Clone, Debug, PartialEq)]
@@ -148,57 +158,6 @@ impl PlanStep for Planner {
     fn plan(&mut self, snapshot: &Snapshot) -> Plan {
         Planner::plan(self, snapshot)
     }
-}
-
-/// One server as `/systemcheck` shows it (from the last tick's plan).
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct ServerReport {
-    pub server_id: String,
-    pub instance_id: String,
-    pub zone: String,
-    pub streams: u32,
-    pub busy: u32,
-    pub idle: u32,
-    pub budget: u32,
-    pub state: String,
-    /// Seconds the server has been short without a break (0 when covered).
-    pub short_for_s: u64,
-    /// Smoothed time of the answered calls on its streams, from their head to their end as
-    /// the stream saw them (upstream time included), in microseconds; `None` before the
-    /// first answered call.
-    pub call_time_us: Option<u32>,
-}
-
-/// What the actor publishes after every tick.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct CoverageView {
-    pub servers: Vec<ServerReport>,
-    /// Landed streams, retiring ones included.
-    pub streams_total: u32,
-    /// Streams being opened (no hello yet).
-    pub opening: u32,
-    /// Live (non-retiring) streams across servers.
-    pub live: u32,
-    /// `coverage.grace`: how long a server carrying calls may stay short.
-    pub grace_s: u64,
-    /// The last [`RECENT_ACTIONS`] coverage actions carried out, newest first.
-    pub recent_actions: Vec<ActionReport>,
-}
-
-/// How many coverage actions the view keeps.
-pub const RECENT_ACTIONS: usize = 20;
-
-/// One coverage action carried out, as its log line says it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct ActionReport {
-    /// When (wall clock, milliseconds since the Unix epoch).
-    pub unix_ms: u64,
-    pub server_id: String,
-    /// `grow`, `fill`, `evacuate`, `recycle` or `retire`.
-    pub action: &'static str,
-    /// Streams opened or closed.
-    pub count: u32,
-    pub reason: String,
 }
 
 /// The actor's own knobs (the rules are in the planner).
@@ -482,178 +441,6 @@ impl CoverageActor {
         }
     }
 
-    fn on_event(&mut self, id: StreamId, ev: StreamEvent, ticker: &mut Interval) {
-        let now = Instant::now();
-        match ev {
-            StreamEvent::Landed(l) => {
-                let Some(op) = self.opening.remove(&id) else {
-                    return;
-                };
-                self.backoff.reset();
-                debug!(stream = id, server_id = %l.server_id, instance_id = %l.instance_id, zone = %l.zone, "tunnel stream landed");
-                let server = (l.server_id, l.instance_id);
-                if op.direct.is_none() {
-                    self.placements.land(&server);
-                }
-                if let Some(since) = self.lost.remove(&server) {
-                    info!(server_id = %server.0, instance_id = %server.1, lost_ms = now.saturating_duration_since(since).as_millis() as u64, "tunnel server answers again; filling it back");
-                }
-                let info = self.servers.entry(server.clone()).or_default();
-                info.direct_url = l.direct_url;
-                let mut entry = Entry {
-                    server,
-                    load: info.load.clone(),
-                    zone: l.zone,
-                    busy: false,
-                    opened_at: now,
-                    last_used: now,
-                    retiring: false,
-                    retire: op.retire,
-                };
-                if self.shutting_down {
-                    retire(&mut entry);
-                }
-                let first = !self.streams.values().any(|e| !e.retiring);
-                self.streams.insert(id, entry);
-                if first && !self.shutting_down {
-                    // The first live stream: calls can reach the agent now, so /systemcheck
-                    // and /readyz say so at once rather than up to a tick later. An extra
-                    // tick, outside the cadence (which stays as it was).
-                    self.plan_now(Cause::Tick);
-                }
-            }
-            StreamEvent::CallStarted => {
-                if let Some(e) = self.streams.get_mut(&id) {
-                    if !e.busy {
-                        e.busy = true;
-                        e.load.started();
-                    }
-                    // A call took a stream while calls queue there: the server has no idle
-                    // stream left, and what opens to it may not be enough. The call is one
-                    // of the queued ones (a server queues calls only while it has no idle
-                    // stream), so the hint counts one less until the next one corrects it:
-                    // streams landing between two hints are not counted twice (busy, and
-                    // still queued).
-                    if let Some(info) = self.servers.get_mut(&e.server) {
-                        if info.fresh_queued(now) > 0 {
-                            info.queued -= 1;
-                            self.growth_due = true;
-                        }
-                    }
-                }
-            }
-            StreamEvent::CallEnded(took) => {
-                if let Some(e) = self.streams.get_mut(&id) {
-                    if e.busy {
-                        e.load.ended();
-                        if let (Some(info), Some(took)) = (self.servers.get_mut(&e.server), took) {
-                            info.call_time.observe_duration(took);
-                        }
-                    }
-                    e.busy = false;
-                    e.last_used = now;
-                }
-            }
-            StreamEvent::Pressure(queued) => {
-                if let Some(e) = self.streams.get(&id) {
-                    let info = self.servers.entry(e.server.clone()).or_default();
-                    if queued > info.fresh_queued(now) {
-                        // The queue grew: grow now, not at the next tick.
-                        self.growth_due = true;
-                    }
-                    info.queued = queued;
-                    info.queued_at = Some(now);
-                }
-            }
-            StreamEvent::Fleet(members) => {
-                if members != self.fleet {
-                    debug!(members = members.len(), "fleet news");
-                    let joined = members.iter().any(|m| {
-                        !self
-                            .fleet
-                            .iter()
-                            .any(|o| o.server_id == m.server_id && o.instance_id == m.instance_id)
-                    });
-                    self.fleet = members;
-                    if joined {
-                        // A server to cover that we did not know: fill it soon, not a tick later.
-                        self.replan_soon(now, ticker);
-                    }
-                }
-            }
-            StreamEvent::Drained => {
-                if let Some(e) = self.streams.get_mut(&id) {
-                    // The stream keeps serving; the plan recycles it once another server
-                    // is covered (make before break).
-                    let server = self.servers.entry(e.server.clone()).or_default();
-                    if !server.draining {
-                        info!(server_id = %e.server.0, instance_id = %e.server.1, "tunnel server is draining");
-                    }
-                    server.draining = true;
-                }
-            }
-            StreamEvent::Closed(reason) => {
-                self.opening.remove(&id);
-                if let Some(e) = self.streams.get(&id) {
-                    debug!(stream = id, server_id = %e.server.0, %reason, "tunnel stream closed");
-                    let server = e.server.clone();
-                    self.remove_stream(id);
-                    // The last stream there went with its path: the server is lost until
-                    // a stream lands there again.
-                    let path_lost = matches!(
-                        reason,
-                        CloseReason::Silent
-                            | CloseReason::HeartbeatMissed
-                            | CloseReason::Lost
-                            | CloseReason::Status(_)
-                    );
-                    if path_lost
-                        && !self.servers.contains_key(&server)
-                        && !self.lost.contains_key(&server)
-                    {
-                        warn!(server_id = %server.0, instance_id = %server.1, %reason, "tunnel server lost: its path went silent or broke; reconnecting");
-                        self.lost.insert(server, now);
-                    }
-                }
-                self.replan_soon(now, ticker);
-            }
-            StreamEvent::OpenFailed(err) => {
-                let Some(op) = self.opening.remove(&id) else {
-                    return;
-                };
-                if let (Some(key), false) = (&op.direct, matches!(err, OpenError::Exhausted(..))) {
-                    // The direct path failed: the load balancer takes over for a while;
-                    // not a reason to back off opens through it.
-                    if self.direct_failed.insert(key.clone(), now).is_none() {
-                        warn!(server_id = %key.0, error = %err, "direct open failed; growing through the load balancer for {}s", DIRECT_RETRY.as_secs());
-                    }
-                    return;
-                }
-                match &err {
-                    OpenError::Exhausted(_, refused) => {
-                        debug!(stream = id, error = %err, "stream landed on a server at its cap; will open again");
-                        // Learn the cap, so the plan stops asking that server for more.
-                        if let Some(r) = refused {
-                            if let Some(cap) = r.cap {
-                                let key = (r.server_id.clone(), r.instance_id.clone());
-                                if self.caps.insert(key, cap) != Some(cap) {
-                                    info!(server_id = %r.server_id, instance_id = %r.instance_id, cap, "tunnel server refuses streams over its per-token cap; growth there stops at it");
-                                }
-                            }
-                        }
-                    }
-                    OpenError::Unauthenticated(_) | OpenError::Other(_) => {
-                        self.backoff.failed(now, op.started, &err)
-                    }
-                    // The dialer paused that endpoint; the next opens go through the others.
-                    OpenError::Endpoint(_) => {
-                        debug!(stream = id, error = %err, "open through a paused endpoint failed");
-                    }
-                }
-            }
-        }
-    }
-
     fn remove_stream(&mut self, id: StreamId) {
         let Some(e) = self.streams.remove(&id) else {
             return;
@@ -875,92 +662,6 @@ impl CoverageActor {
         self.task_ids.insert(handle.id(), id);
     }
 
-    fn publish(&mut self, snap: &Snapshot, plan: &Plan) {
-        // Metrics are per server id (what operators see); instances of one id add up and
-        // the state shown is that of the instance holding the most streams.
-        let mut per_id: BTreeMap<&str, (u32, u32, Option<State>, usize)> = BTreeMap::new();
-        for s in snap.servers.iter().filter(|s| !s.streams.is_empty()) {
-            let busy = s.streams.iter().filter(|st| st.busy).count() as u32;
-            let idle = s.streams.len() as u32 - busy;
-            let state = plan
-                .states
-                .iter()
-                .find(|p| p.server_id == s.server_id && p.instance_id == s.instance_id)
-                .map(|p| p.state);
-            let e = per_id.entry(&s.server_id).or_insert((0, 0, None, 0));
-            e.0 += idle;
-            e.1 += busy;
-            if s.streams.len() >= e.3 {
-                e.2 = state;
-                e.3 = s.streams.len();
-            }
-        }
-        let mut current = HashSet::new();
-        for (id, (idle, busy, state, _)) in per_id {
-            self.metrics.set_server(id, idle, busy, state);
-            current.insert(id.to_string());
-        }
-        for gone in self.exported.difference(&current) {
-            self.metrics.remove_server(gone);
-        }
-        self.exported = current;
-        // Short-for per server id: the longest of its instances, for every server the
-        // tick planned (a server can be short while holding no stream).
-        let mut short: BTreeMap<&str, Duration> = BTreeMap::new();
-        for p in &plan.states {
-            let e = short.entry(&p.server_id).or_default();
-            *e = (*e).max(p.short_for);
-        }
-        for (id, d) in &short {
-            self.metrics.set_short(id, *d);
-        }
-        let short: HashSet<String> = short.into_keys().map(str::to_string).collect();
-        for gone in self.exported_short.difference(&short) {
-            self.metrics.remove_short(gone);
-        }
-        self.exported_short = short;
-        let live = self.streams.values().filter(|e| !e.retiring).count() as u32;
-        self.metrics.streams_live.set(i64::from(live));
-        let view = CoverageView {
-            servers: plan
-                .states
-                .iter()
-                .map(|p| ServerReport {
-                    server_id: p.server_id.clone(),
-                    instance_id: p.instance_id.clone(),
-                    zone: p.zone.clone(),
-                    streams: p.streams,
-                    busy: p.busy,
-                    idle: p.idle,
-                    budget: p.budget,
-                    // A server the agent lost holds none of its streams: shown as lost
-                    // until one lands there again.
-                    state: if p.streams == 0
-                        && self
-                            .lost
-                            .contains_key(&(p.server_id.clone(), p.instance_id.clone()))
-                    {
-                        "lost".to_string()
-                    } else {
-                        p.state.as_str().to_string()
-                    },
-                    short_for_s: p.short_for.as_secs(),
-                    call_time_us: self
-                        .servers
-                        .get(&(p.server_id.clone(), p.instance_id.clone()))
-                        .map(|i| i.call_time.micros())
-                        .filter(|us| *us > 0),
-                })
-                .collect(),
-            streams_total: self.streams.len() as u32,
-            opening: self.opening.len() as u32,
-            live,
-            grace_s: self.settings.grace.as_secs(),
-            recent_actions: self.recent.iter().rev().cloned().collect(),
-        };
-        self.view.send_replace(view);
-    }
-
     /// Two-phase stop: every stream sends GoingAway and finishes its call; after
     /// `drain_grace` whatever is left is dropped.
     async fn drain(mut self) {
@@ -1006,101 +707,5 @@ fn retire(e: &mut Entry) {
     e.retiring = true;
     if let Some(tx) = e.retire.take() {
         let _ = tx.send(());
-    }
-}
-
-/// The gate in front of opens after consecutive failed opens: jittered exponential delay,
-/// one step (and one log line) per batch of failures, cleared by a landing.
-struct Backoff {
-    initial: Duration,
-    max: Duration,
-    step: u32,
-    until: Option<Instant>,
-    step_started: Option<Instant>,
-}
-
-impl Backoff {
-    fn new(initial: Duration, max: Duration) -> Self {
-        Backoff {
-            initial,
-            max,
-            step: 0,
-            until: None,
-            step_started: None,
-        }
-    }
-
-    fn allows(&self, now: Instant) -> bool {
-        self.until.is_none_or(|u| now >= u)
-    }
-
-    fn failed(&mut self, now: Instant, open_started: Instant, err: &OpenError) {
-        // Opens started before the current step belong to the batch that caused it.
-        if self.step_started.is_some_and(|s| open_started < s) {
-            return;
-        }
-        self.step = self.step.saturating_add(1);
-        let exp = self.step.saturating_sub(1).min(20);
-        let base = self.initial.saturating_mul(1 << exp).min(self.max);
-        // Equal jitter: half fixed, half random, so failed agents do not retry in step.
-        let half = base / 2;
-        let jitter = half.mul_f64(rand::random::<f64>());
-        let delay = half + jitter;
-        self.until = Some(now + delay);
-        self.step_started = Some(now);
-        warn!(attempt = self.step, delay_ms = delay.as_millis() as u64, reason = %err, "tunnel stream open failed; backing off");
-    }
-
-    fn reset(&mut self) {
-        if self.step > 0 {
-            info!(
-                after_attempts = self.step,
-                "tunnel stream landed; open backoff cleared"
-            );
-        }
-        self.step = 0;
-        self.until = None;
-        self.step_started = None;
-    }
-}
-
-/// A running actor: dropping it (or `shutdown`) stops the actor and its streams.
-pub struct CoverageHandle {
-    stop: Option<oneshot::Sender<()>>,
-    view: watch::Receiver<CoverageView>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl CoverageHandle {
-    /// Spawns `actor` on the current runtime.
-    pub fn spawn(actor: CoverageActor, view: watch::Receiver<CoverageView>) -> Self {
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(actor.run(async move {
-            let _ = stopped.await;
-        }));
-        CoverageHandle {
-            stop: Some(stop),
-            view,
-            task: Some(task),
-        }
-    }
-
-    pub fn view(&self) -> watch::Receiver<CoverageView> {
-        self.view.clone()
-    }
-
-    /// Retires every stream, waits for calls in flight (bounded) and the actor's end.
-    pub async fn shutdown(mut self) {
-        self.stop.take();
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
-        }
-    }
-}
-
-impl Drop for CoverageHandle {
-    fn drop(&mut self) {
-        // Dropping `stop` resolves the actor's shutdown future; it then drains on its own.
-        self.stop.take();
     }
 }

@@ -100,6 +100,8 @@ impl Paths {
                 });
                 p.seen();
                 map.insert(key, Arc::downgrade(&p));
+                // Owned by the path (it holds a `Weak`): it ends within a tick of the
+                // path's last stream, and the streams end before the agent does.
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
                     rt.spawn(watch(Arc::downgrade(&p), server_id.to_string()));
                 }

@@ -7,6 +7,8 @@
 //! `relay_common::html::text`. This module only renders; it decides nothing.
 
 use super::SystemCheck;
+use crate::coverage::plan::State;
+use crate::coverage::ReportedState;
 use relay_common::html::{self, badge, para, section, table, text, Html};
 
 /// `unix_ms` as `HH:MM:SS UTC`.
@@ -65,13 +67,13 @@ pub fn page(c: &SystemCheck) -> String {
         .servers
         .iter()
         .map(|s| {
-            let good = s.state == "covered";
-            let bad = matches!(s.state.as_str(), "short" | "lost");
+            let good = s.state == ReportedState::Plan(State::Covered);
+            let bad = s.state == ReportedState::Lost;
             vec![
                 text(&s.server_id),
                 text(&s.instance_id),
                 text(&s.zone),
-                badge(&s.state, good, bad),
+                badge(s.state.as_str(), good, bad),
                 text(s.streams),
                 text(s.idle),
                 text(s.busy),
@@ -234,7 +236,7 @@ mod tests {
                 busy: 3,
                 idle: 1,
                 budget: 5,
-                state: "short".into(),
+                state: ReportedState::Plan(State::Growing),
                 short_for_s: 12,
                 call_time_us: Some(2500),
             }],

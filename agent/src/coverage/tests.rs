@@ -500,3 +500,44 @@ async fn a_call_taking_a_stream_while_calls_queue_plans_growth_counting_it_out_o
     ticks(1).await;
     assert_eq!(h.plans().first().map(|p| p.0), Some(Cause::Tick));
 }
+
+/// A running actor under test: dropping it (or `shutdown`) stops the actor and its streams.
+pub struct CoverageHandle {
+    stop: Option<oneshot::Sender<()>>,
+    view: watch::Receiver<CoverageView>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl CoverageHandle {
+    /// Spawns `actor` on the current runtime.
+    pub fn spawn(actor: CoverageActor, view: watch::Receiver<CoverageView>) -> Self {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(actor.run(async move {
+            let _ = stopped.await;
+        }));
+        CoverageHandle {
+            stop: Some(stop),
+            view,
+            task: Some(task),
+        }
+    }
+
+    pub fn view(&self) -> watch::Receiver<CoverageView> {
+        self.view.clone()
+    }
+
+    /// Retires every stream, waits for calls in flight (bounded) and the actor's end.
+    pub async fn shutdown(mut self) {
+        self.stop.take();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for CoverageHandle {
+    fn drop(&mut self) {
+        // Dropping `stop` resolves the actor's shutdown future; it then drains on its own.
+        self.stop.take();
+    }
+}

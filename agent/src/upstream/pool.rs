@@ -26,8 +26,9 @@ use http::uri::Authority;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -38,10 +39,12 @@ pub(super) const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// The connections to one origin. Cheap to clone.
 #[derive(Clone)]
 pub(super) struct Pool {
-    shared: Arc<Shared>,
+    origin: Arc<OriginPool>,
 }
 
-struct Shared {
+/// What every clone of a `Pool` shares: the origin's address, how to dial it, and its
+/// idle connections.
+struct OriginPool {
     /// The origin's host (an IPv6 address without its brackets) and port (80 if unset).
     host: String,
     port: u16,
@@ -72,7 +75,7 @@ impl Pool {
             .and_then(|h| h.strip_suffix(']'))
             .unwrap_or(host);
         Pool {
-            shared: Arc::new(Shared {
+            origin: Arc::new(OriginPool {
                 host: host.to_string(),
                 port: authority.port_u16().unwrap_or(80),
                 connect_timeout,
@@ -116,20 +119,21 @@ impl Pool {
         }
         let now = Instant::now();
         let start_reaper = {
-            let mut idle = self.shared.lock();
+            let mut idle = self.origin.idle.lock();
             expire(&mut idle.conns, now);
-            if idle.conns.len() >= self.shared.max_idle {
+            if idle.conns.len() >= self.origin.max_idle {
                 return;
             }
             idle.conns.push_back((conn, now));
             !std::mem::replace(&mut idle.reaping, true)
         };
         if start_reaper {
+            // The reaper is owned by the pool (it holds a `Weak`) and ends with it.
             // Outside a runtime (a response dropped on a plain thread) checkouts and returns
             // still expire connections; the next return in a runtime starts the task.
             match tokio::runtime::Handle::try_current() {
-                Ok(rt) => drop(rt.spawn(reap(Arc::downgrade(&self.shared)))),
-                Err(_) => self.shared.lock().reaping = false,
+                Ok(rt) => drop(rt.spawn(reap(Arc::downgrade(&self.origin)))),
+                Err(_) => self.origin.idle.lock().reaping = false,
             }
         }
     }
@@ -137,11 +141,11 @@ impl Pool {
     /// How many connections wait in the pool (for tests).
     #[cfg(test)]
     pub(super) fn idle_len(&self) -> usize {
-        self.shared.lock().conns.len()
+        self.origin.idle.lock().conns.len()
     }
 
     fn take_idle(&self) -> Option<SendRequest<ReqBody>> {
-        let mut idle = self.shared.lock();
+        let mut idle = self.origin.idle.lock();
         expire(&mut idle.conns, Instant::now());
         while let Some((conn, _)) = idle.conns.pop_back() {
             if !conn.is_closed() {
@@ -154,7 +158,7 @@ impl Pool {
     /// A new connection, its driver spawned.
     async fn connect(&self) -> Result<SendRequest<ReqBody>, SendError> {
         let tcp = self.dial().await.map_err(|e| {
-            SendError::Connect(format!("{}:{}", self.shared.host, self.shared.port), e)
+            SendError::Connect(format!("{}:{}", self.origin.host, self.origin.port), e)
         })?;
         let (conn, driver) = http1::handshake(TokioIo::new(tcp)).await?;
         tokio::spawn(async move {
@@ -167,10 +171,10 @@ impl Pool {
 
     /// The TCP connection: each resolved address in turn, all within the connect timeout.
     async fn dial(&self) -> std::io::Result<TcpStream> {
-        let shared = &self.shared;
+        let origin = &self.origin;
         let attempt = async {
             let mut last = None;
-            for addr in tokio::net::lookup_host((shared.host.as_str(), shared.port)).await? {
+            for addr in tokio::net::lookup_host((origin.host.as_str(), origin.port)).await? {
                 match TcpStream::connect(addr).await {
                     Ok(tcp) => {
                         tcp.set_nodelay(true)?;
@@ -182,34 +186,25 @@ impl Pool {
             Err(last
                 .unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no address")))
         };
-        match tokio::time::timeout(shared.connect_timeout, attempt).await {
+        match tokio::time::timeout(origin.connect_timeout, attempt).await {
             Ok(r) => r,
             Err(_) => Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
-                format!("connect timed out after {:?}", shared.connect_timeout),
+                format!("connect timed out after {:?}", origin.connect_timeout),
             )),
         }
     }
 }
 
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
-        // The lock guards a plain list: a panic elsewhere cannot leave it half-changed.
-        self.idle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
 /// Closes the connections that waited longer than `IDLE_TIMEOUT`, every third of it, for
 /// as long as the pool lives.
-async fn reap(pool: Weak<Shared>) {
+async fn reap(pool: Weak<OriginPool>) {
     loop {
         tokio::time::sleep(IDLE_TIMEOUT / 3).await;
-        let Some(shared) = pool.upgrade() else {
+        let Some(origin) = pool.upgrade() else {
             return;
         };
-        let mut idle = shared.lock();
+        let mut idle = origin.idle.lock();
         expire(&mut idle.conns, Instant::now());
         idle.conns.retain(|(c, _)| !c.is_closed());
     }
