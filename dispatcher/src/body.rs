@@ -33,8 +33,8 @@
 //! - [`CallGuard`] records each call's outcome and duration exactly once, whether it ends
 //!   normally, with an error, or by the caller going away (dropped = `cancelled`).
 
+use crate::colocated::ResponseFrames;
 use crate::error::RequestBodyError;
-use crate::hop::ResponseFrames;
 use crate::metrics::{CallOutcome, Metrics};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -364,7 +364,7 @@ pub struct CallGuard {
     /// The caller's concurrency slot, given back when the call ends.
     permit: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The caller's slot for the call's tunnel id, given back when the call ends.
-    tunnel_slot: Option<crate::quota::TunnelSlot>,
+    tunnel_slot: Option<crate::quota::TunnelPermit>,
 }
 
 impl CallGuard {
@@ -381,7 +381,7 @@ impl CallGuard {
     }
 
     /// Holds the caller's slot for the call's tunnel id until the call ends.
-    pub fn hold_tunnel(&mut self, slot: crate::quota::TunnelSlot) {
+    pub fn hold_tunnel(&mut self, slot: crate::quota::TunnelPermit) {
         self.tunnel_slot = Some(slot);
     }
 

@@ -45,7 +45,7 @@
 //! `Forward.Call` streams were.
 
 use crate::body::{AttemptStream, RPC_END_WAIT};
-use crate::hop::ResponseFrames;
+use crate::colocated::ResponseFrames;
 use futures::{FutureExt, Stream, StreamExt};
 use parking_lot::Mutex;
 use relay_proto::forward_client::ForwardClient;

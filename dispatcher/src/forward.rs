@@ -3,7 +3,7 @@
 //! It owns the per-server hops (the connections to each `forward_url`, see `pool`, on
 //! which calls travel on reused carriers, `Forward.Carry`, see `carrier`, or as one
 //! `Forward.Call` each to a server that does not know carriers; or the in-process tunnel
-//! server of the co-located mode, see `hop`) and the attempt logic up to the response head.
+//! server of the co-located mode, see `colocated`) and the attempt logic up to the response head.
 //! Both gRPC forms frame a call alike, so everything below holds for either; a carrier the
 //! server ended before it took the call is one more "never reached an agent". It must not
 //! parse HTTP or choose error bodies: it hands back a `ResponseHead` plus the response
@@ -42,12 +42,12 @@
 
 use crate::body::RequestBody;
 use crate::carrier;
+use crate::colocated::{Local, LocalServer, ResponseFrames};
 use crate::config::RoutingPolicy;
 use crate::error::{ErrorCode, Failure, Retry};
-use crate::hop::{Local, LocalServer, ResponseFrames};
 use crate::metrics::Metrics;
 use crate::pool::{ConnId, Remote, RemoteParts};
-use crate::registry::Registry;
+use crate::registry::Routes;
 use crate::routing::{Pick, Target};
 use futures::StreamExt;
 use parking_lot::Mutex;
@@ -270,7 +270,7 @@ pub struct Forwarder {
     pub channels: Channels,
     pub metrics: Metrics,
     /// For per-call feedback (NO_CAPACITY answers) to the router.
-    pub registry: Arc<Registry>,
+    pub routes: Arc<Routes>,
     pub rules: RetryRules,
     pub max_attempts: usize,
     /// Request body bytes kept for a retry (`body::replay_limit` of the forward stream
@@ -333,7 +333,7 @@ impl Forwarder {
                 Ok(answer) => return Ok(answer),
                 Err((failure, retry)) => {
                     if retry == Retry::NoCapacity {
-                        self.registry
+                        self.routes
                             .note_no_capacity(&plan.tunnel_id, &target.server_id);
                     }
                     let may = self.rules.allows(retry, &plan.method, nth(attempt + 1));

@@ -30,8 +30,8 @@ use crate::error::{ErrorCode, Failure, RequestBodyError};
 use crate::forward::{CallPlan, Forwarder};
 use crate::headers::{self, TIMEOUT_HEADER};
 use crate::metrics::{CallOutcome, Metrics};
-use crate::quota::{TunnelSlot, TunnelSlots};
-use crate::registry::Registry;
+use crate::quota::{TunnelPermit, TunnelQuota};
+use crate::registry::Routes;
 use futures::StreamExt;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
@@ -58,7 +58,7 @@ struct Caller {
     config: CallerConfig,
     slots: Arc<Semaphore>,
     /// Calls in flight per tunnel id, when `max_concurrent_calls_per_tunnel` is set.
-    per_tunnel: Option<Arc<TunnelSlots>>,
+    per_tunnel: Option<Arc<TunnelQuota>>,
 }
 
 /// The request-handling half of the front, shared by all connections.
@@ -71,7 +71,7 @@ pub struct Front {
     /// `max_response_headers` / `max_response_header_bytes`.
     head_limits: relay_proto::HeadLimits,
     body_idle_timeout: Duration,
-    routes: Arc<Registry>,
+    routes: Arc<Routes>,
     forwarder: Forwarder,
     /// Shared with every call's guard: one reference count per call, not a clone of every
     /// metric handle.
@@ -88,13 +88,13 @@ struct Accepted<'a> {
     /// The caller's concurrency slot for this call (moved into the call's guard).
     permit: Option<OwnedSemaphorePermit>,
     /// The caller's slot for this tunnel id, with `max_concurrent_calls_per_tunnel`.
-    tunnel_slot: Option<TunnelSlot>,
+    tunnel_slot: Option<TunnelPermit>,
 }
 
 impl Front {
     pub fn new(
         config: &Config,
-        routes: Arc<Registry>,
+        routes: Arc<Routes>,
         forwarder: Forwarder,
         metrics: Metrics,
     ) -> Self {

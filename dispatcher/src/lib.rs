@@ -22,12 +22,12 @@
 
 pub mod body;
 pub mod carrier;
+pub mod colocated;
 pub mod config;
 pub mod error;
 pub mod forward;
 pub mod front;
 pub mod headers;
-pub mod hop;
 pub mod latency;
 pub mod metrics;
 pub mod pool;
@@ -44,7 +44,7 @@ pub use config::{
 pub use error::RunError;
 
 use forward::{Channels, Forwarder};
-use registry::Registry;
+use registry::Routes;
 use relay_common::admin::{self, Admin};
 use relay_common::config::ConfigError;
 use relay_common::listen::{self, ListenerGuard, ListenerLimits, ListenerMetrics};
@@ -143,13 +143,13 @@ pub async fn start(config: Config, listeners: Listeners) -> Result<DispatcherHan
     start_with(config, listeners, None).await
 }
 
-/// [`start`], with the tunnel server of this process when co-located (`hop::Local`): calls
+/// [`start`], with the tunnel server of this process when co-located (`colocated::Local`): calls
 /// routed to its `forward_url` reach it without gRPC, and it comes first among the servers
 /// holding a call's tunnel id.
 pub async fn start_with(
     config: Config,
     listeners: Listeners,
-    local: Option<hop::Local>,
+    local: Option<colocated::Local>,
 ) -> Result<DispatcherHandle, RunError> {
     config.validate()?;
     let transport = config.transport()?;
@@ -223,7 +223,7 @@ pub async fn start_with(
     let dispatcher_id = format!("dispatcher@{registry_addr}");
     let shared = config.registry.backend == RegistryBackend::Redis;
     let routes = Arc::new(
-        Registry::new(
+        Routes::new(
             config.routing.clone(),
             config.registry.lease,
             dispatcher_id,
@@ -253,7 +253,7 @@ pub async fn start_with(
             .map_err(|e| ConfigError::invalid("registry.forward_hosts", e))?;
             let health = Arc::new(SharedHealth::default());
             let store = SharedStore {
-                registry: routes.clone(),
+                routes: routes.clone(),
                 client,
                 key_prefix: config.registry.key_prefix.clone(),
                 lease: config.registry.lease,
@@ -389,7 +389,7 @@ pub async fn start_with(
         Forwarder {
             channels,
             metrics: metrics.clone(),
-            registry: routes.clone(),
+            routes: routes.clone(),
             rules: forward::RetryRules {
                 policy: config.routing.policy,
                 retry_idempotent: config.routing.retry_idempotent,

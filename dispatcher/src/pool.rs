@@ -25,7 +25,7 @@
 
 use crate::body::AttemptStream;
 use crate::carrier::Carriers;
-use crate::hop::ResponseFrames;
+use crate::colocated::ResponseFrames;
 use futures::StreamExt;
 use parking_lot::Mutex;
 use relay_common::grpc::GrpcClient;
