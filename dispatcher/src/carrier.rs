@@ -44,8 +44,9 @@
 //! when a call next takes one. Busy carriers are bounded by the calls in flight, as
 //! `Forward.Call` streams were.
 
-use crate::body::{AttemptStream, RPC_END_WAIT};
 use crate::colocated::ResponseFrames;
+use crate::replay::AttemptStream;
+use crate::response::RPC_END_WAIT;
 use futures::{FutureExt, Stream, StreamExt};
 use parking_lot::Mutex;
 use relay_proto::forward_client::ForwardClient;

@@ -11,7 +11,7 @@
 //!
 //! Retry rules (servers in the order the router picked, at most `max_attempts`, all within
 //! the call's deadline, and only while the request body sent so far can be replayed: the
-//! replay limit covers what a queued call can have sent, see `body`):
+//! replay limit covers what a queued call can have sent, see `replay`):
 //! - the call never reached an agent (the server could not be reached, refused the RPC,
 //!   ended the carrier before taking the call, or answered UNKNOWN_TUNNEL / DRAINING):
 //!   retried on the next server;
@@ -40,7 +40,6 @@
 //! Each failure's half of the decision is made once, where the failure is known, as a
 //! [`Retry`] (`error.rs`); [`RetryRules::allows`] adds the configured half.
 
-use crate::body::RequestBody;
 use crate::carrier;
 use crate::colocated::{Local, LocalServer, ResponseFrames};
 use crate::config::RoutingPolicy;
@@ -48,6 +47,7 @@ use crate::error::{ErrorCode, Failure, Retry};
 use crate::metrics::Metrics;
 use crate::pool::{ConnId, Remote, RemoteParts};
 use crate::registry::Routes;
+use crate::replay::RequestBody;
 use crate::routing::{Pick, Target};
 use futures::StreamExt;
 use parking_lot::Mutex;
@@ -273,7 +273,7 @@ pub struct Forwarder {
     pub routes: Arc<Routes>,
     pub rules: RetryRules,
     pub max_attempts: usize,
-    /// Request body bytes kept for a retry (`body::replay_limit` of the forward stream
+    /// Request body bytes kept for a retry (`replay::replay_limit` of the forward stream
     /// window): enough that a call waiting in a queue stays replayable.
     pub replay_limit: usize,
 }
@@ -401,7 +401,7 @@ impl Forwarder {
                         .max(1),
                     end_of_stream: plan.end_of_stream,
                     // A small whole body may be put here by the attempt's stream, for a
-                    // server that reads it here (`body::AttemptStream`).
+                    // server that reads it here (`replay::AttemptStream`).
                     body: Default::default(),
                 }),
                 queue_handshake: true,
@@ -518,7 +518,7 @@ impl Forwarder {
                     let (failure, retry) = Failure::from_forward_error(&e);
                     // The server ends the RPC right after its error: read that end rather
                     // than resetting a stream the server is still closing.
-                    crate::body::finish_rpc(&mut stream).await;
+                    crate::response::finish_rpc(&mut stream).await;
                     return Err((failure, retry));
                 }
                 RespKind::Queued(_) if stage == Stage::Sent => {

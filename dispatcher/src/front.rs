@@ -3,7 +3,7 @@
 //!
 //! It owns request validation (head size, path, caller key, tunnel id, deadline), the
 //! choice of servers to try, and turning the tunnel server's answer (or a [`Failure`]) into
-//! the caller's response. It must not buffer bodies (see `body`) and must never log or
+//! the caller's response. It must not buffer bodies (see `replay`, `response`) and must never log or
 //! forward the caller key.
 //!
 //! What comes back from a tunnel server is a peer's word, checked before it reaches the
@@ -17,21 +17,23 @@
 //!   while a refusal tells the caller plainly, and the backend never resends its key and
 //!   body into another tenant's tunnel;
 //! - the body is bounded in time by the call's deadline and by `body_idle_timeout`
-//!   between two frames (see `body`).
+//!   between two frames (see `response`).
 //!
 //! Concurrency: a caller holds at most `max_concurrent_calls` calls in flight, and with
 //! `max_concurrent_calls_per_tunnel` at most that many to any one tunnel id, so one
 //! tenant's slow calls cannot take every slot of a key several tenants share. Both answer
 //! 429 `too_many_calls`; the slots are given back when the call ends (its body included).
 
-use crate::body::{BodyTimers, CallGuard, CallerBody, RelayBody, RequestBody};
 use crate::config::{CallerConfig, Config, MIN_HEADER_BYTES};
 use crate::error::{ErrorCode, Failure, RequestBodyError};
 use crate::forward::{CallPlan, Forwarder};
 use crate::headers::{self, TIMEOUT_HEADER};
 use crate::metrics::{CallOutcome, Metrics};
+use crate::outcome::CallGuard;
 use crate::quota::{TunnelPermit, TunnelQuota};
 use crate::registry::Routes;
+use crate::replay::{CallerBody, RequestBody};
+use crate::response::{BodyTimers, RelayBody};
 use futures::StreamExt;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
@@ -469,7 +471,7 @@ impl Front {
 impl Front {
     /// The tunnel server's answer is refused after its head arrived: the caller gets
     /// `failure`. A response that ended with its head has its RPC read to the end in the
-    /// background (see `body::poll_rpc_end`); one with a body to come is cancelled, like a
+    /// background (see `response::poll_rpc_end`); one with a body to come is cancelled, like a
     /// call whose caller went away, so the agent stops sending it.
     fn fail_after_head(
         &self,
@@ -480,7 +482,7 @@ impl Front {
     ) -> Response<RelayBody> {
         if answer.head.end_of_stream {
             let mut stream = answer.stream;
-            tokio::spawn(async move { crate::body::finish_rpc(&mut stream).await });
+            tokio::spawn(async move { crate::response::finish_rpc(&mut stream).await });
         }
         self.fail(guard, failure, Some(tunnel_id))
     }

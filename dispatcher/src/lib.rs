@@ -20,7 +20,6 @@
 //! task, as the agent's and the tunnel server's handles do; `run` serves until a shutdown
 //! future resolves.
 
-pub mod body;
 pub mod carrier;
 pub mod colocated;
 pub mod config;
@@ -30,10 +29,13 @@ pub mod front;
 pub mod headers;
 pub mod latency;
 pub mod metrics;
+pub mod outcome;
 pub mod pool;
 pub mod quota;
 pub mod registry;
+pub mod replay;
 pub mod report;
+pub mod response;
 pub mod routing;
 pub mod shared;
 pub mod status;
@@ -395,7 +397,7 @@ pub async fn start_with(
                 retry_idempotent: config.routing.retry_idempotent,
             },
             max_attempts: config.routing.max_attempts as usize,
-            replay_limit: body::replay_limit(config.forward_h2()?.stream_window_bytes),
+            replay_limit: replay::replay_limit(config.forward_h2()?.stream_window_bytes),
         },
         metrics,
     ));

@@ -23,9 +23,9 @@
 //! This module must not decide retries or parse answers (`forward` does); it places
 //! streams on connections.
 
-use crate::body::AttemptStream;
 use crate::carrier::Carriers;
 use crate::colocated::ResponseFrames;
+use crate::replay::AttemptStream;
 use futures::StreamExt;
 use parking_lot::Mutex;
 use relay_common::grpc::GrpcClient;

@@ -1,0 +1,76 @@
+//! How a call ends: [`CallGuard`] records each call's outcome and duration exactly once,
+//! whether it ends normally, with an error, or by the caller going away (dropped =
+//! `cancelled`).
+
+use crate::metrics::{CallOutcome, Metrics};
+use std::sync::Arc;
+use tokio::time::Instant;
+
+/// Records one call's outcome and duration once; dropping it unrecorded means the caller
+/// went away (`cancelled`).
+pub struct CallGuard {
+    metrics: Arc<Metrics>,
+    start: Instant,
+    recorded: bool,
+    /// The tunnel server that answered (or the last one tried).
+    server_id: Option<Arc<str>>,
+    /// The caller's concurrency slot, given back when the call ends.
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The caller's slot for the call's tunnel id, given back when the call ends.
+    tunnel_slot: Option<crate::quota::TunnelPermit>,
+}
+
+impl CallGuard {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        metrics.calls_in_flight.inc();
+        CallGuard {
+            metrics,
+            start: Instant::now(),
+            recorded: false,
+            server_id: None,
+            permit: None,
+            tunnel_slot: None,
+        }
+    }
+
+    /// Holds the caller's slot for the call's tunnel id until the call ends.
+    pub fn hold_tunnel(&mut self, slot: crate::quota::TunnelPermit) {
+        self.tunnel_slot = Some(slot);
+    }
+
+    /// Holds the caller's concurrency slot until the call ends.
+    pub fn hold(&mut self, permit: tokio::sync::OwnedSemaphorePermit) {
+        self.permit = Some(permit);
+    }
+
+    /// The server the call went to, for the per-server outcome counter.
+    pub fn set_server(&mut self, server_id: Option<Arc<str>>) {
+        self.server_id = server_id;
+    }
+
+    pub fn finish(&mut self, outcome: CallOutcome) {
+        if self.recorded {
+            return;
+        }
+        self.recorded = true;
+        self.permit = None;
+        self.tunnel_slot = None;
+        self.metrics.calls_in_flight.dec();
+        let outcome = outcome.as_str();
+        self.metrics.calls.with_label_values(&[outcome]).inc();
+        let server = self.server_id.as_deref().unwrap_or("none");
+        self.metrics
+            .calls_by_server
+            .with_label_values(&[server, outcome])
+            .inc();
+        self.metrics
+            .call_duration
+            .observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        self.finish(CallOutcome::Cancelled);
+    }
+}
