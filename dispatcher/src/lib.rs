@@ -6,13 +6,20 @@
 //! response back. Three listeners: the HTTP front (HTTP/1.1 + h2c), the registry gRPC
 //! listener, and the admin listener (`/metrics`, `/healthz`, `/readyz`, `/debug/routes`).
 //!
-//! Modules: `config` (settings), `front` (HTTP), `forward` (calls to tunnel servers and
-//! retries), `body` (streaming bodies both ways), `headers` (header rules), `routing` (the
-//! pure routing decision: sticky / available, spill share, load, latency tiers), `latency`
-//! (this dispatcher's measured leg to each tunnel server), `registry` (the
-//! routing table as a pure state machine, leases, and the shell that carries its changes
-//! out to the plans, gauges, shared store and forward channels), `shared` (the Redis-backed shared registry), `report` (the
-//! gRPC service feeding the table), `metrics`, `error`.
+//! Modules, in the order a call meets them: `front` (the HTTP listener and request
+//! checks), `call` (one call from accept to outcome: routing, attempts, head checks, the
+//! one log line and metric), `attempt` (pure: which server is tried next, retry rules, the
+//! queue handshake), `replay` (the request body, replayable for a retry), `forward` (one
+//! attempt's RPC and the hops to each tunnel server), `pool` and `carrier` (connections and
+//! reused `Forward.Carry` RPCs), `colocated` (the tunnel server in this process),
+//! `response` (the response body), `outcome` (each call's metrics, recorded once). Beside
+//! them: `config` (settings, one file per section), `headers` (header rules), `quota` (a
+//! caller's calls per tunnel id), `routing` (the pure routing decision: sticky / available,
+//! spill share, load, latency tiers), `latency` (this dispatcher's measured leg to each
+//! tunnel server), `registry` (the routing table as a pure state machine, leases, and the
+//! shell, `Routes`, that carries its changes out to the plans, gauges, shared store and
+//! forward channels), `shared` (the Redis-backed shared registry), `report` (the gRPC
+//! service feeding the table), `status` (the admin status page), `metrics`, `error`.
 //!
 //! The crate never buffers a whole body, never logs or forwards a caller key, and takes
 //! already-bound listeners so tests and the one-process demo can run it on `127.0.0.1:0`.
@@ -20,6 +27,8 @@
 //! task, as the agent's and the tunnel server's handles do; `run` serves until a shutdown
 //! future resolves.
 
+pub mod attempt;
+pub mod call;
 pub mod carrier;
 pub mod colocated;
 pub mod config;
@@ -385,22 +394,24 @@ pub async fn start_with(
     ));
 
     // HTTP front.
-    let front = Arc::new(front::Front::new(
-        &config,
-        routes.clone(),
-        Forwarder {
+    let calls = call::Calls {
+        routes: routes.clone(),
+        forwarder: Forwarder {
             channels,
             metrics: metrics.clone(),
-            routes: routes.clone(),
-            rules: forward::RetryRules {
-                policy: config.routing.policy,
-                retry_idempotent: config.routing.retry_idempotent,
-            },
-            max_attempts: config.routing.max_attempts as usize,
-            replay_limit: replay::replay_limit(config.forward_h2()?.stream_window_bytes),
         },
-        metrics,
-    ));
+        rules: attempt::RetryRules {
+            policy: config.routing.policy,
+            retry_idempotent: config.routing.retry_idempotent,
+            max_attempts: config.routing.max_attempts as usize,
+        },
+        replay_limit: replay::replay_limit(config.forward_h2()?.stream_window_bytes),
+        max_request_body_bytes: config.max_request_body_bytes,
+        head_limits: config.response_head_limits(),
+        body_idle_timeout: config.body_idle_timeout,
+        metrics: Arc::new(metrics),
+    };
+    let front = Arc::new(front::Front::new(&config, calls));
     let front_stop = CancellationToken::new();
     let front_task = tokio::spawn(front::serve(
         listeners.http,
