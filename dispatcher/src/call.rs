@@ -33,9 +33,9 @@
 use crate::attempt::{Attempts, Next, RetryRules, Stop};
 use crate::error::{ErrorCode, Failure, RequestBodyError, Retry};
 use crate::forward::{Answer, CallPlan, Forwarder};
+use crate::guard::CallGuard;
 use crate::headers;
 use crate::metrics::{CallOutcome, Metrics};
-use crate::outcome::CallGuard;
 use crate::quota::TunnelPermit;
 use crate::registry::Routes;
 use crate::replay::{CallerBody, RequestBody};

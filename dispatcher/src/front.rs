@@ -16,8 +16,8 @@
 use crate::call::{Accepted, Calls, Ids, Outcome};
 use crate::config::{CallerConfig, Config, MIN_HEADER_BYTES};
 use crate::error::{ErrorCode, Failure};
+use crate::guard::CallGuard;
 use crate::headers::{self, TIMEOUT_HEADER};
-use crate::outcome::CallGuard;
 use crate::quota::TunnelQuota;
 use crate::response::RelayBody;
 use futures::StreamExt;

@@ -6,20 +6,22 @@
 //! response back. Three listeners: the HTTP front (HTTP/1.1 + h2c), the registry gRPC
 //! listener, and the admin listener (`/metrics`, `/healthz`, `/readyz`, `/debug/routes`).
 //!
-//! Modules, in the order a call meets them: `front` (the HTTP listener and request
-//! checks), `call` (one call from accept to outcome: routing, attempts, head checks, the
-//! one log line and metric), `attempt` (pure: which server is tried next, retry rules, the
-//! queue handshake), `replay` (the request body, replayable for a retry), `forward` (one
+//! Modules, in the order a call meets them: `front` (the HTTP listener and request checks),
+//! `call` (one call from accept to outcome: routing, attempts, head checks, the one log
+//! line and metric), `attempt` (pure: which server is tried next, retry rules, the queue
+//! handshake), `replay` (the request body, replayable for a retry), `forward` (one
 //! attempt's RPC and the hops to each tunnel server), `pool` and `carrier` (connections and
 //! reused `Forward.Carry` RPCs), `colocated` (the tunnel server in this process),
-//! `response` (the response body), `outcome` (each call's metrics, recorded once). Beside
-//! them: `config` (settings, one file per section), `headers` (header rules), `quota` (a
-//! caller's calls per tunnel id), `routing` (the pure routing decision: sticky / available,
-//! spill share, load, latency tiers), `latency` (this dispatcher's measured leg to each
-//! tunnel server), `registry` (the routing table as a pure state machine, leases, and the
-//! shell, `Routes`, that carries its changes out to the plans, gauges, shared store and
-//! forward channels), `shared` (the Redis-backed shared registry), `report` (the gRPC
-//! service feeding the table), `status` (the admin status page), `metrics`, `error`.
+//! `response` (the response body), `guard` (each call's metrics, recorded once, and its
+//! slots). Beside them: `config` (settings, one file per section), `headers` (header
+//! rules), `quota` (a caller's calls per tunnel id), `routing` (the pure routing decision:
+//! sticky / available, spill share, load, latency tiers), `latency` (this dispatcher's
+//! measured leg to each tunnel server), `registry` (the routing table as a pure state
+//! machine, leases, and the shell, `Routes`, that carries its changes out to the plans,
+//! gauges, shared store and forward channels), `shared` (the Redis-backed shared registry),
+//! `report` (the gRPC service feeding the table), `status` (the admin status page),
+//! `start` (every component built from the config, then spawned and stopped in order),
+//! `metrics`, `error`.
 //!
 //! The crate never buffers a whole body, never logs or forwards a caller key, and takes
 //! already-bound listeners so tests and the one-process demo can run it on `127.0.0.1:0`.
@@ -35,10 +37,10 @@ pub mod config;
 pub mod error;
 pub mod forward;
 pub mod front;
+pub mod guard;
 pub mod headers;
 pub mod latency;
 pub mod metrics;
-pub mod outcome;
 pub mod pool;
 pub mod quota;
 pub mod registry;

@@ -1,9 +1,10 @@
-//! The request replay: [`RequestBody`] turns the caller's body into `BodyChunk` frames of at most
-//! `MAX_CHUNK` bytes, pulled by the Forward.Call request stream only as fast as gRPC/HTTP2
-//! flow control lets it send (back-pressure). It hands the body to one forward attempt at
-//! a time and keeps the frames sent so far, up to a replay limit, so that a retry on
-//! another tunnel server can replay them and then go on pulling the rest from the caller;
-//! beyond the limit the call is no longer retryable and the kept frames are dropped.
+//! The request replay: [`RequestBody`] turns the caller's body into `BodyChunk` frames of
+//! at most `MAX_CHUNK` bytes, pulled by the Forward.Call request stream only as fast as
+//! gRPC/HTTP2 flow control lets it send (back-pressure). It hands the body to one forward
+//! attempt at a time and keeps the frames sent so far, up to a replay limit, so that a
+//! retry on another tunnel server can replay them and then go on pulling the rest from the
+//! caller; beyond the limit the call is no longer retryable and the kept frames are
+//! dropped.
 //!
 //! The replay limit ([`replay_limit`]) is what one forward RPC can carry before the tunnel
 //! server reads any of it: its HTTP/2 stream window plus the few chunks hyper and tonic

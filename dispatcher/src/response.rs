@@ -1,21 +1,21 @@
-//! The response body: [`RelayBody`] is what the caller reads, either a small fixed body (error JSON) or
-//! the tunnel server's `BodyChunk` frames, polled one by one as the caller reads. Any
-//! failure after the head is a body error, so hyper aborts the response (HTTP/1: the
-//! connection closes before the end; h2: RST_STREAM) and the caller never mistakes a
-//! truncated body for a complete one. The body is bounded in time ([`BodyTimers`]): by
-//! the call's deadline (which covers the whole call, body included) and by
-//! `body_idle_timeout` between two frames, so a peer that trickles a byte now and then
-//! cannot hold the call and its caller's concurrency slots forever. Either cut counts
-//! as its own outcome (`deadline_exceeded`, `body_idle_timeout`). A body chunk over
-//! `MAX_CHUNK` from the tunnel server cuts the body too.
+//! The response body: [`RelayBody`] is what the caller reads, either a small fixed body
+//! (error JSON) or the tunnel server's `BodyChunk` frames, polled one by one as the caller
+//! reads. Any failure after the head is a body error, so hyper aborts the response (HTTP/1:
+//! the connection closes before the end; h2: RST_STREAM) and the caller never mistakes a
+//! truncated body for a complete one. The body is bounded in time ([`BodyTimers`]): by the
+//! call's deadline (which covers the whole call, body included) and by `body_idle_timeout`
+//! between two frames, so a peer that trickles a byte now and then cannot hold the call and
+//! its caller's concurrency slots forever. Either cut counts as its own outcome
+//! (`deadline_exceeded`, `body_idle_timeout`). A body chunk over `MAX_CHUNK` from the
+//! tunnel server cuts the body too.
 //!
-//! The call's outcome is recorded through its [`CallGuard`] (see `outcome`) when the body
+//! The call's outcome is recorded through its [`CallGuard`] (see `guard`) when the body
 //! ends, is cut, or is dropped (the caller went away). It must not read the request body
 //! beyond noticing that reading it failed (`replay`).
 
 use crate::colocated::ResponseFrames;
+use crate::guard::CallGuard;
 use crate::metrics::CallOutcome;
-use crate::outcome::CallGuard;
 use crate::replay::{BoxError, RequestBody};
 use bytes::Bytes;
 use futures::StreamExt;

@@ -4,7 +4,7 @@
 //! [`Dispatcher::spawn`] runs each under one [`TaskTracker`] and one cancellation tree,
 //! and hands back the [`DispatcherHandle`](crate::DispatcherHandle).
 //!
-//! The order of stopping is written once, in [`StopOrder`] and [`supervise`]: the HTTP
+//! The order of stopping is written once, in `StopOrder` and `supervise`: the HTTP
 //! front drains first (calls in flight get `shutdown_grace`), then the registry listener
 //! closes its report streams (within [`REGISTRY_STOP_GRACE`]), then everything else (the
 //! shared store, the latency probes, the routing tick, the certificate reload, the admin

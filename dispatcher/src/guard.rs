@@ -1,6 +1,7 @@
-//! How a call ends: [`CallGuard`] records each call's outcome and duration exactly once,
+//! A call's guard: [`CallGuard`] records each call's outcome and duration exactly once,
 //! whether it ends normally, with an error, or by the caller going away (dropped =
-//! `cancelled`).
+//! `cancelled`), and holds the caller's slots until then. How the call ended is decided by
+//! `call` (up to the response head) and `response` (the body).
 
 use crate::metrics::{CallOutcome, Metrics};
 use std::sync::Arc;
