@@ -16,7 +16,7 @@
 //!   request half closed, its end read in the background, so neither side resets);
 //! - the carrier broke or ended: dropped.
 //!
-//! What keeps a retry safe (`forward`): a server ends a carrier cleanly only while no call
+//! What keeps a retry safe (`attempt`): a server ends a carrier cleanly only while no call
 //! on it is unanswered, so a carrier that ends cleanly before any frame of its call's answer
 //! never gave the call to an agent ([`not_taken`]). An idle carrier is checked before
 //! reuse: one whose server ended it or whose connection broke while it idled is dropped, so
@@ -44,8 +44,9 @@
 //! when a call next takes one. Busy carriers are bounded by the calls in flight, as
 //! `Forward.Call` streams were.
 
-use crate::body::{AttemptStream, RPC_END_WAIT};
-use crate::hop::ResponseFrames;
+use crate::colocated::ResponseFrames;
+use crate::replay::AttemptStream;
+use crate::response::RPC_END_WAIT;
 use futures::{FutureExt, Stream, StreamExt};
 use parking_lot::Mutex;
 use relay_proto::forward_client::ForwardClient;

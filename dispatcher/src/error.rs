@@ -123,7 +123,7 @@ impl ErrorCode {
 }
 
 /// What a failed forward attempt allows: decided once, where the failure is known, and
-/// read by `forward::RetryRules::allows`, which adds the configuration (policy,
+/// read by `attempt::RetryRules::allows`, which adds the configuration (policy,
 /// `retry_idempotent`) and the next server's idle streams.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Retry {
@@ -197,7 +197,7 @@ impl Retry {
 
     /// Whether a call's transport error is its connection's (a socket error, or the
     /// connection ending, gracefully or not) rather than one stream's reset: that
-    /// connection must not carry the next call (see `Forwarder`).
+    /// connection must not carry the next call (see `forward::Forwarder`).
     pub fn connection_lost(status: &tonic::Status) -> bool {
         let mut next = std::error::Error::source(status);
         while let Some(e) = next {
@@ -293,6 +293,14 @@ impl Failure {
             code,
             message: message.into(),
         }
+    }
+
+    /// A request body over `max_request_body_bytes` (`max`): declared, or read.
+    pub fn body_too_large(max: u64) -> Self {
+        Failure::new(
+            ErrorCode::BodyTooLarge,
+            format!("request body over {max} bytes (max_request_body_bytes)"),
+        )
     }
 
     /// Maps a tunnel server's `ForwardError` to the caller's answer and what it allows

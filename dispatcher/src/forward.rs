@@ -1,54 +1,30 @@
-//! Forwarding one call to a tunnel server, retrying on another server while that is safe.
+//! One forward attempt's transport: the hops to each tunnel server and the RPC of one
+//! attempt, up to the response head.
 //!
 //! It owns the per-server hops (the connections to each `forward_url`, see `pool`, on
 //! which calls travel on reused carriers, `Forward.Carry`, see `carrier`, or as one
 //! `Forward.Call` each to a server that does not know carriers; or the in-process tunnel
-//! server of the co-located mode, see `hop`) and the attempt logic up to the response head.
-//! Both gRPC forms frame a call alike, so everything below holds for either; a carrier the
-//! server ended before it took the call is one more "never reached an agent". It must not
-//! parse HTTP or choose error bodies: it hands back a `ResponseHead` plus the response
-//! stream, or a [`Failure`].
+//! server of the co-located mode, see `colocated`). Both gRPC forms frame a call alike, so
+//! everything below holds for either; a carrier the server ended before it took the call is
+//! one more "never reached an agent".
 //!
-//! Retry rules (servers in the order the router picked, at most `max_attempts`, all within
-//! the call's deadline, and only while the request body sent so far can be replayed: the
-//! replay limit covers what a queued call can have sent, see `body`):
-//! - the call never reached an agent (the server could not be reached, refused the RPC,
-//!   ended the carrier before taking the call, or answered UNKNOWN_TUNNEL / DRAINING):
-//!   retried on the next server;
-//! - NO_CAPACITY (never reached an agent either): fed back to the router as saturation, and
-//!   under the `available` policy retried on the next server if that one reported idle
-//!   streams; under `sticky` it goes back to the caller (the seed behaviour);
-//! - the server queued the call (`Queued`) and died before it reserved a stream and we sent
-//!   `Forward.Proceed` (the queue handshake, see `CallHead.queue_handshake`): no agent saw
-//!   it, so it is retried on the next server like any call that never reached an agent.
-//!   The go-ahead is a unary RPC rather than a frame on the call's request stream, so that
-//!   the request stream still ends with the body (a bodiless call half-closes with its
-//!   head, as without the handshake) and only calls that queued pay for it;
-//! - the call may have started (the stream or the server died before the response head):
-//!   retried only for idempotent methods (GET, HEAD, OPTIONS, PUT, DELETE) when
-//!   `[routing] retry_idempotent = true`; otherwise the caller gets a 502 `stream_lost`
-//!   that says the call may have reached the agent;
-//! - anything the agent answered is final.
-//!
-//! Once a response head is in hand the call is never retried: the head goes to the caller.
-//!
-//! In the co-located mode the tunnel server in this process comes first among the servers
-//! the router picked for a call (it holds streams of the tunnel id, or the router would not
-//! have picked it): the call then skips a network hop. The others follow in the router's
-//! order, for retries.
-//!
-//! Each failure's half of the decision is made once, where the failure is known, as a
-//! [`Retry`] (`error.rs`); [`RetryRules::allows`] adds the configured half.
+//! [`Forwarder::attempt`] sends one attempt's request (the head, then the body from
+//! `replay`), reads the frames before the response head into the queue handshake
+//! ([`attempt::Handshake`](crate::attempt::Handshake), which decides what each means) and
+//! carries out its steps: count a queued call, send `Forward.Proceed`, read a refusing
+//! server's RPC to its end. Which server an attempt goes to and whether a failed one is
+//! retried are `call`'s, by the rules in `attempt`. It must not parse HTTP or choose error
+//! bodies: it hands back a `ResponseHead` plus the response stream, or a [`Failure`] with
+//! its [`Retry`].
 
-use crate::body::RequestBody;
+use crate::attempt::{self, Event, Handshake, Step};
 use crate::carrier;
-use crate::config::RoutingPolicy;
-use crate::error::{ErrorCode, Failure, Retry};
-use crate::hop::{Local, LocalServer, ResponseFrames};
+use crate::colocated::{Local, LocalServer, ResponseFrames};
+use crate::error::{Failure, Retry};
 use crate::metrics::Metrics;
 use crate::pool::{ConnId, Remote, RemoteParts};
-use crate::registry::Registry;
-use crate::routing::{Pick, Target};
+use crate::replay::RequestBody;
+use crate::routing::Target;
 use futures::StreamExt;
 use parking_lot::Mutex;
 use relay_common::grpc::GrpcClient;
@@ -61,47 +37,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
-use tracing::{debug, info};
-
-/// The configured half of the retry decision; the failure's half is its [`Retry`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RetryRules {
-    pub policy: RoutingPolicy,
-    /// `[routing] retry_idempotent`.
-    pub retry_idempotent: bool,
-}
-
-impl RetryRules {
-    /// Whether a call whose attempt failed with `retry` goes to `next`, the next server
-    /// the router picked (if any; the attempt count and body replay are checked by the
-    /// caller).
-    pub fn allows(&self, retry: Retry, method: &str, next: Option<&Target>) -> bool {
-        match retry {
-            Retry::Safe => true,
-            Retry::NoCapacity => {
-                self.policy == RoutingPolicy::Available && next.is_some_and(|n| n.idle > 0)
-            }
-            Retry::MaybeStarted => self.retry_idempotent && idempotent(method),
-            Retry::Never => false,
-        }
-    }
-}
-
-/// Where one forward attempt stands in the queue handshake.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stage {
-    /// The server may hand the call to an agent without telling us first.
-    Sent,
-    /// The server said `Queued` and we have not sent `Proceed`: no agent has the call.
-    Queued,
-    /// We sent `Proceed`: the call may have reached the agent.
-    Proceeded,
-}
-
-/// Methods that may be retried after they may have reached an agent, when configured.
-pub fn idempotent(method: &str) -> bool {
-    matches!(method, "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE")
-}
+use tracing::debug;
 
 /// The connections to each tunnel server `forward_url` (`pool`), over TLS (`https://`
 /// URLs, with the `[forward_tls]` client config) or plain h2c (`http://`, only with
@@ -270,86 +206,20 @@ pub struct Answer {
     pub server_id: Arc<str>,
 }
 
+/// One attempt's transport, shared by every call.
 pub struct Forwarder {
     pub channels: Channels,
+    /// `carriers_opened` and `queued`.
     pub metrics: Metrics,
-    /// For per-call feedback (NO_CAPACITY answers) to the router.
-    pub registry: Arc<Registry>,
-    pub rules: RetryRules,
-    pub max_attempts: usize,
-    /// Request body bytes kept for a retry (`body::replay_limit` of the forward stream
-    /// window): enough that a call waiting in a queue stays replayable.
-    pub replay_limit: usize,
 }
 
-/// A failed call and the server that gave the last answer, if any was tried.
-pub type Failed = (Failure, Option<Arc<str>>);
-
 impl Forwarder {
-    /// Forwards the call to the picked servers in order, retrying while the rules in the
-    /// module docs allow. The caller bounds this with the call's deadline.
-    pub async fn forward(
-        &self,
-        plan: &CallPlan,
-        body: &RequestBody,
-        pick: &Pick,
-    ) -> Result<Answer, Failed> {
-        let mut last = Failure::new(
-            ErrorCode::TunnelUnavailable,
-            "no tunnel server holds streams for this tunnel id",
-        );
-        let mut last_server = None;
-        // The router's order, with the co-located server (if picked) moved to the front.
-        let local = match self.channels.local {
-            Some(_) => pick
-                .servers
-                .iter()
-                .position(|t| self.channels.is_local(&t.forward_url)),
-            None => None,
-        };
-        let nth = |n: usize| -> Option<&Target> {
-            let i = match local {
-                Some(l) if n == 0 => l,
-                Some(l) if n <= l => n - 1,
-                _ => n,
-            };
-            pick.servers.get(i)
-        };
-        for attempt in 0..self.max_attempts {
-            let Some(target) = nth(attempt) else { break };
-            if attempt > 0 {
-                if !body.replayable() {
-                    debug!(
-                        call_id = plan.call_id, trace_id = %plan.trace_id, tunnel_id = %plan.tunnel_id,
-                        "not retrying: request body already sent beyond replay"
-                    );
-                    break;
-                }
-                self.metrics.retries.inc();
-                info!(call_id = plan.call_id, trace_id = %plan.trace_id, tunnel_id = %plan.tunnel_id, server_id = %target.server_id, reason = %last.message, "retrying on another tunnel server");
-            }
-            self.metrics
-                .routing_decisions
-                .with_label_values(&[&*target.server_id])
-                .inc();
-            last_server = Some(target.server_id.clone());
-            match self.attempt(plan, body, target, attempt as u32).await {
-                Ok(answer) => return Ok(answer),
-                Err((failure, retry)) => {
-                    if retry == Retry::NoCapacity {
-                        self.registry
-                            .note_no_capacity(&plan.tunnel_id, &target.server_id);
-                    }
-                    let may = self.rules.allows(retry, &plan.method, nth(attempt + 1));
-                    debug!(call_id = plan.call_id, trace_id = %plan.trace_id, tunnel_id = %plan.tunnel_id, server_id = %target.server_id, code = failure.code.as_str(), ?retry, may, "forward attempt failed");
-                    last = failure;
-                    if !may {
-                        break;
-                    }
-                }
-            }
-        }
-        Err((last, last_server))
+    /// The co-located tunnel server's place among `servers`, if it is there.
+    pub fn local_among(&self, servers: &[Target]) -> Option<usize> {
+        self.channels.local.as_ref()?;
+        servers
+            .iter()
+            .position(|t| self.channels.is_local(&t.forward_url))
     }
 
     /// A call whose connection broke leaves that connection behind: the next call to the
@@ -373,24 +243,21 @@ impl Forwarder {
         }
     }
 
-    async fn attempt(
+    /// Attempt number `attempt` (from 0) of the call `plan` on `route`: its answer's head
+    /// and stream, or its failure and what that allows.
+    pub async fn attempt(
         &self,
         plan: &CallPlan,
         body: &RequestBody,
         route: &Target,
         attempt: u32,
     ) -> Result<Answer, (Failure, Retry)> {
-        let unreachable = |why: String| {
-            Failure::new(
-                ErrorCode::TunnelServerUnreachable,
-                format!("tunnel server {}: {why}", route.server_id),
-            )
-        };
+        let mut handshake = Handshake::new(&route.server_id);
         let hop = self
             .channels
             .get(&route.forward_url)
-            .map_err(|e| (unreachable(e.to_string()), Retry::Safe))?;
-        let remaining = plan.deadline.saturating_duration_since(Instant::now());
+            .map_err(|e| (handshake.unreachable(e), Retry::Safe))?;
+        let deadline_ms = attempt::deadline_ms(plan.deadline, Instant::now());
         let head = || {
             ForwardRequest::of(ReqKind::Head(CallHead {
                 tunnel_id: plan.tunnel_id.clone(),
@@ -399,13 +266,10 @@ impl Forwarder {
                     method: plan.method.clone(),
                     path_and_query: plan.path_and_query.clone(),
                     headers: plan.headers.clone(),
-                    // At least 1 ms: 0 would mean "no deadline" on the wire.
-                    deadline_ms: u32::try_from(remaining.as_millis())
-                        .unwrap_or(u32::MAX)
-                        .max(1),
+                    deadline_ms,
                     end_of_stream: plan.end_of_stream,
                     // A small whole body may be put here by the attempt's stream, for a
-                    // server that reads it here (`body::AttemptStream`).
+                    // server that reads it here (`replay::AttemptStream`).
                     body: Default::default(),
                     trace: Some(plan.trace),
                 }),
@@ -413,33 +277,6 @@ impl Forwarder {
             }))
         };
         let request = body.attempt(attempt, head());
-        // A call lost after it left: safe to retry only while it waited in the server's
-        // queue (the queue handshake below), otherwise it may have reached the agent.
-        let lost = |queued: bool, what: String| {
-            if queued {
-                (
-                    Failure::new(
-                        ErrorCode::TunnelServerUnreachable,
-                        format!(
-                            "tunnel server {} {what} while the call waited in its queue",
-                            route.server_id
-                        ),
-                    ),
-                    Retry::Safe,
-                )
-            } else {
-                (
-                    Failure::new(
-                        ErrorCode::StreamLost,
-                        format!(
-                            "tunnel server {} {what} before the response head; the call may have reached the agent, so it was not retried",
-                            route.server_id
-                        ),
-                    ),
-                    Retry::MaybeStarted,
-                )
-            }
-        };
         let called = match &hop {
             Hop::Remote(remote) => {
                 // A server without carriers: this call and the next ones go as
@@ -468,209 +305,71 @@ impl Forwarder {
                 let why =
                     relay_proto::escape_message(status.message(), relay_proto::MAX_PEER_MESSAGE);
                 // The co-located server's statuses carry no transport error: its own word.
-                return Err(match Retry::of_call_error(&status) {
-                    Retry::MaybeStarted => lost(false, format!("went away ({why})")),
-                    retry => (unreachable(why), retry),
-                });
+                return Err(handshake.open_failed(why, Retry::of_call_error(&status)));
             }
         };
-        // The queue handshake: between the server's `Queued` and our `Proceed` no agent
-        // can have seen the call, so losing the server then is safe to retry.
-        let mut stage = Stage::Sent;
         loop {
-            let kind = match stream.next().await.transpose() {
-                Ok(Some(ForwardResponse { kind: Some(kind) })) => kind,
-                Ok(Some(ForwardResponse { kind: None })) => {
-                    return Err((
-                        Failure::new(ErrorCode::StreamLost, "tunnel server sent an empty frame"),
-                        if stage == Stage::Queued {
-                            Retry::Safe
-                        } else {
-                            Retry::Never
-                        },
-                    ))
-                }
-                Ok(None) => return Err(lost(stage == Stage::Queued, "ended the call".into())),
-                // A carrier the server ended between calls: it never took this one.
+            let mut answer = None;
+            let event = match stream.next().await.transpose() {
+                Ok(Some(ForwardResponse { kind: Some(kind) })) => match kind {
+                    RespKind::Head(head) => {
+                        answer = Some(head);
+                        Event::Head
+                    }
+                    RespKind::Error(e) => {
+                        let (failure, retry) = Failure::from_forward_error(&e);
+                        Event::Error(failure, retry)
+                    }
+                    RespKind::Queued(_) => Event::Queued,
+                    RespKind::Reserved(r) => Event::Reserved(r.reservation),
+                    RespKind::Body(_) => Event::Body,
+                },
+                Ok(Some(ForwardResponse { kind: None })) => Event::Empty,
+                Ok(None) => Event::Ended,
                 Err(status) if carrier::not_taken(&status) => {
-                    return Err((unreachable(status.message().to_string()), Retry::Safe))
+                    Event::NotTaken(status.message().to_string())
                 }
                 Err(status) => {
                     self.forget_broken(&hop, conn, &status);
-                    return Err(lost(
-                        stage == Stage::Queued,
-                        format!(
-                            "went away ({})",
-                            relay_proto::escape_message(
-                                status.message(),
-                                relay_proto::MAX_PEER_MESSAGE
-                            )
-                        ),
-                    ));
+                    Event::Broke(relay_proto::escape_message(
+                        status.message(),
+                        relay_proto::MAX_PEER_MESSAGE,
+                    ))
                 }
             };
-            match kind {
-                RespKind::Head(head) => {
-                    // Never retried from here: the frames kept for a retry can go.
-                    body.settle();
-                    return Ok(Answer {
-                        head,
-                        stream,
-                        server_id: route.server_id.clone(),
-                    });
-                }
-                RespKind::Error(e) => {
-                    let (failure, retry) = Failure::from_forward_error(&e);
-                    // The server ends the RPC right after its error: read that end rather
-                    // than resetting a stream the server is still closing.
-                    crate::body::finish_rpc(&mut stream).await;
-                    return Err((failure, retry));
-                }
-                RespKind::Queued(_) if stage == Stage::Sent => {
-                    self.metrics.queued.inc();
-                    stage = Stage::Queued;
-                }
-                RespKind::Reserved(r) if stage == Stage::Queued => {
-                    // From here on the call may reach the agent, whatever the RPC's fate.
-                    stage = Stage::Proceeded;
+            match handshake.on(event) {
+                Step::Queued => self.metrics.queued.inc(),
+                Step::Proceed(reservation) => {
                     let proceeded = match &hop {
                         Hop::Remote(remote) => {
-                            remote.proceed(r.reservation).await.map_err(|(s, _)| s)
+                            remote.proceed(reservation).await.map_err(|(s, _)| s)
                         }
-                        Hop::Local(server) => server.proceed(r.reservation),
+                        Hop::Local(server) => server.proceed(reservation),
                     };
                     if let Err(status) = proceeded {
                         // The call's own stream tells how it ended.
                         debug!(call_id = plan.call_id, trace_id = %plan.trace_id, tunnel_id = %plan.tunnel_id, server_id = %route.server_id, %status, "proceed failed");
                     }
                 }
-                RespKind::Body(_) | RespKind::Queued(_) | RespKind::Reserved(_) => {
-                    return Err((
-                        Failure::new(
-                            ErrorCode::StreamLost,
-                            "tunnel server broke the forward protocol before the response head",
-                        ),
-                        if stage == Stage::Queued {
-                            Retry::Safe
-                        } else {
-                            Retry::Never
-                        },
-                    ))
+                Step::Answered => {
+                    if let Some(head) = answer {
+                        // Never retried from here: the frames kept for a retry can go.
+                        body.settle();
+                        return Ok(Answer {
+                            head,
+                            stream,
+                            server_id: route.server_id.clone(),
+                        });
+                    }
                 }
+                Step::Refused(failure, retry) => {
+                    // The server ends the RPC right after its error: read that end rather
+                    // than resetting a stream the server is still closing.
+                    crate::response::finish_rpc(&mut stream).await;
+                    return Err((failure, retry));
+                }
+                Step::Failed(failure, retry) => return Err((failure, retry)),
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn target(idle: u32) -> Target {
-        Target {
-            server_id: "s2".into(),
-            forward_url: "http://127.0.0.1:1".into(),
-            idle,
-        }
-    }
-
-    /// The retry table: each failure's [`Retry`] against the configuration, the method and
-    /// the next server the router picked.
-    #[test]
-    fn retry_table_of_rules() {
-        use RoutingPolicy::{Available, Sticky};
-        let rules = |policy, retry_idempotent| RetryRules {
-            policy,
-            retry_idempotent,
-        };
-        let (idle, busy) = (target(3), target(0));
-        let cases: [(RetryRules, Retry, &str, Option<&Target>, bool); 14] = [
-            // Never reached an agent: always to the next server.
-            (rules(Sticky, false), Retry::Safe, "POST", Some(&busy), true),
-            (rules(Available, false), Retry::Safe, "POST", None, true),
-            // NO_CAPACITY: only under `available`, only onto a server with idle streams.
-            (
-                rules(Available, false),
-                Retry::NoCapacity,
-                "POST",
-                Some(&idle),
-                true,
-            ),
-            (
-                rules(Available, false),
-                Retry::NoCapacity,
-                "POST",
-                Some(&busy),
-                false,
-            ),
-            (
-                rules(Available, false),
-                Retry::NoCapacity,
-                "POST",
-                None,
-                false,
-            ),
-            (
-                rules(Sticky, true),
-                Retry::NoCapacity,
-                "GET",
-                Some(&idle),
-                false,
-            ),
-            // May have started: idempotent methods, when configured.
-            (
-                rules(Sticky, true),
-                Retry::MaybeStarted,
-                "GET",
-                Some(&idle),
-                true,
-            ),
-            (
-                rules(Sticky, true),
-                Retry::MaybeStarted,
-                "DELETE",
-                None,
-                true,
-            ),
-            (
-                rules(Sticky, true),
-                Retry::MaybeStarted,
-                "POST",
-                Some(&idle),
-                false,
-            ),
-            (
-                rules(Sticky, true),
-                Retry::MaybeStarted,
-                "PATCH",
-                Some(&idle),
-                false,
-            ),
-            (
-                rules(Available, false),
-                Retry::MaybeStarted,
-                "GET",
-                Some(&idle),
-                false,
-            ),
-            // Final.
-            (
-                rules(Available, true),
-                Retry::Never,
-                "GET",
-                Some(&idle),
-                false,
-            ),
-            (rules(Sticky, true), Retry::Never, "PUT", Some(&idle), false),
-            (rules(Available, false), Retry::Never, "POST", None, false),
-        ];
-        for (rules, retry, method, next, want) in cases {
-            assert_eq!(
-                rules.allows(retry, method, next),
-                want,
-                "{rules:?} {retry:?} {method} next idle {:?}",
-                next.map(|n| n.idle)
-            );
         }
     }
 }

@@ -1,41 +1,27 @@
 //! The HTTP front backends call: `ANY /relay/{tunnel_id}/{path}?{query}` with
 //! `Authorization: Bearer <caller key>`, served as HTTP/1.1 and h2c on one listener.
 //!
-//! It owns request validation (head size, path, caller key, tunnel id, deadline), the
-//! choice of servers to try, and turning the tunnel server's answer (or a [`Failure`]) into
-//! the caller's response. It must not buffer bodies (see `body`) and must never log or
-//! forward the caller key.
+//! It owns the listener (connections, their limits, draining) and request validation
+//! (head size, path, caller key, tunnel id, deadline, concurrency). It must not buffer
+//! bodies (see `replay`, `response`) and must never log or forward the caller key.
 //!
-//! What comes back from a tunnel server is a peer's word, checked before it reaches the
-//! caller:
-//! - a response head over `max_response_headers` or `max_response_header_bytes` gets 502
-//!   `bad_response` (checked on lengths only, before any header is parsed);
-//! - a `Location` that sends a redirect-following backend to another tunnel id on this
-//!   front (`/relay/<other id>/...`, relative or absolute with this front's host; see
-//!   `headers::redirect_into_other_tunnel`) gets 502 `bad_response` rather than being
-//!   rewritten: a rewrite would have to guess where the upstream meant to send the caller,
-//!   while a refusal tells the caller plainly, and the backend never resends its key and
-//!   body into another tenant's tunnel;
-//! - the body is bounded in time by the call's deadline and by `body_idle_timeout`
-//!   between two frames (see `body`).
+//! Each accepted request becomes a call (`call`), which routes it and answers; a refused
+//! one ends there too, through the same `call::Outcome`.
 //!
 //! Concurrency: a caller holds at most `max_concurrent_calls` calls in flight, and with
 //! `max_concurrent_calls_per_tunnel` at most that many to any one tunnel id, so one
 //! tenant's slow calls cannot take every slot of a key several tenants share. Both answer
 //! 429 `too_many_calls`; the slots are given back when the call ends (its body included).
 
-use crate::body::{BodyTimers, CallGuard, CallerBody, RelayBody, RequestBody};
+use crate::call::{Accepted, Calls, Ids, Outcome};
 use crate::config::{CallerConfig, Config, MIN_HEADER_BYTES};
-use crate::error::{ErrorCode, Failure, RequestBodyError};
-use crate::forward::{CallPlan, Forwarder};
+use crate::error::{ErrorCode, Failure};
+use crate::guard::CallGuard;
 use crate::headers::{self, TIMEOUT_HEADER};
-use crate::metrics::{CallOutcome, Metrics};
-use crate::quota::{TunnelSlot, TunnelSlots};
-use crate::registry::Registry;
+use crate::quota::TunnelQuota;
+use crate::response::RelayBody;
 use futures::StreamExt;
-use http::{HeaderMap, Request, Response, StatusCode};
-use http_body::Body;
-use http_body_util::{BodyExt, Limited};
+use http::{HeaderMap, Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use relay_common::h2::H2Limits;
@@ -48,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -59,7 +45,7 @@ struct Caller {
     config: CallerConfig,
     slots: Arc<Semaphore>,
     /// Calls in flight per tunnel id, when `max_concurrent_calls_per_tunnel` is set.
-    per_tunnel: Option<Arc<TunnelSlots>>,
+    per_tunnel: Option<Arc<TunnelQuota>>,
 }
 
 /// The request-handling half of the front, shared by all connections.
@@ -69,36 +55,13 @@ pub struct Front {
     call_timeout: Duration,
     max_call_timeout: Duration,
     max_header_bytes: usize,
-    /// `max_response_headers` / `max_response_header_bytes`.
-    head_limits: relay_proto::HeadLimits,
-    body_idle_timeout: Duration,
-    routes: Arc<Registry>,
-    forwarder: Forwarder,
-    /// Shared with every call's guard: one reference count per call, not a clone of every
-    /// metric handle.
-    metrics: Arc<Metrics>,
+    /// What runs each accepted call.
+    calls: Calls,
     next_call_id: AtomicU64,
 }
 
-/// A request that passed validation.
-struct Accepted<'a> {
-    caller: &'a str,
-    tunnel_id: String,
-    path_and_query: String,
-    timeout: Duration,
-    /// The caller's concurrency slot for this call (moved into the call's guard).
-    permit: Option<OwnedSemaphorePermit>,
-    /// The caller's slot for this tunnel id, with `max_concurrent_calls_per_tunnel`.
-    tunnel_slot: Option<TunnelSlot>,
-}
-
 impl Front {
-    pub fn new(
-        config: &Config,
-        routes: Arc<Registry>,
-        forwarder: Forwarder,
-        metrics: Metrics,
-    ) -> Self {
+    pub fn new(config: &Config, calls: Calls) -> Self {
         Front {
             callers: config
                 .callers
@@ -113,11 +76,7 @@ impl Front {
             call_timeout: config.call_timeout,
             max_call_timeout: config.max_call_timeout,
             max_header_bytes: config.max_header_bytes,
-            head_limits: config.response_head_limits(),
-            body_idle_timeout: config.body_idle_timeout,
-            routes,
-            forwarder,
-            metrics: Arc::new(metrics),
+            calls,
             next_call_id: AtomicU64::new(1),
         }
     }
@@ -203,7 +162,7 @@ impl Front {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<u64>().ok());
             if declared.is_some_and(|n| n > max) {
-                return Err((body_too_large(max), Some(tunnel_id)));
+                return Err((Failure::body_too_large(max), Some(tunnel_id)));
             }
         }
         let timeout = match parts.headers.get(TIMEOUT_HEADER) {
@@ -240,7 +199,7 @@ impl Front {
             info!(caller = %caller.config.name, %trace_id, %tunnel_id, "call refused: caller at max_concurrent_calls");
             return Err((f, Some(tunnel_id)));
         };
-        let tunnel_slot = match (
+        let tunnel_permit = match (
             &caller.per_tunnel,
             caller.config.max_concurrent_calls_per_tunnel,
         ) {
@@ -264,34 +223,16 @@ impl Front {
             tunnel_id,
             path_and_query,
             timeout,
-            permit: Some(permit),
-            tunnel_slot,
+            permit,
+            tunnel_permit,
         })
-    }
-
-    /// Reading the caller's body failed: over `max_request_body_bytes`, or broken.
-    fn body_failure(&self, why: RequestBodyError) -> Failure {
-        match (why, self.max_request_body_bytes) {
-            (RequestBodyError::TooLarge, Some(max)) => body_too_large(max),
-            (why, _) => Failure::new(ErrorCode::BadRequest, why.to_string()),
-        }
-    }
-
-    fn fail(
-        &self,
-        mut guard: CallGuard,
-        failure: &Failure,
-        tunnel_id: Option<&str>,
-    ) -> Response<RelayBody> {
-        guard.finish(CallOutcome::Failed(failure.code));
-        failure.response(tunnel_id)
     }
 
     /// Handles one caller request end to end (up to the response head; the body streams on).
     pub async fn handle(&self, req: Request<Incoming>) -> Response<RelayBody> {
         let start = Instant::now();
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
-        let mut guard = CallGuard::new(self.metrics.clone());
+        let mut guard = CallGuard::new(self.calls.metrics.clone());
         let (parts, body) = req.into_parts();
         // The backend's trace (W3C `traceparent`), or one started here.
         let trace = CallTrace::begin(
@@ -301,221 +242,24 @@ impl Front {
                 .and_then(|v| TraceContext::from_traceparent(v.as_bytes())),
         );
         guard.set_trace(trace);
-        let trace_id = trace.trace_id;
-        let mut accepted = match self.accept(&parts, trace_id) {
-            Ok(a) => a,
+        match self.accept(&parts, trace.trace_id) {
+            Ok(accepted) => {
+                self.calls
+                    .run(call_id, trace, start, guard, parts, body, accepted)
+                    .await
+            }
             Err((failure, tunnel_id)) => {
-                debug!(call_id, %trace_id, code = failure.code.as_str(), path = %parts.uri.path(), "call rejected");
-                return self.fail(guard, &failure, tunnel_id.as_deref());
+                let ids = Ids {
+                    call_id,
+                    trace_id: trace.trace_id,
+                    tunnel_id: None,
+                    caller: "",
+                    path: parts.uri.path(),
+                };
+                Outcome::Rejected { failure, tunnel_id }.end(guard, ids)
             }
-        };
-        if let Some(permit) = accepted.permit.take() {
-            guard.hold(permit);
         }
-        if let Some(slot) = accepted.tunnel_slot.take() {
-            guard.hold_tunnel(slot);
-        }
-        // No span per call: the subscriber's formatting of a span's fields cost about 5% of
-        // the dispatcher's CPU per relayed call, for lines that are rare. Each event of a
-        // call names it instead (call_id, tunnel_id, caller).
-        guard.set_tunnel(&accepted.tunnel_id);
-        self.relay(call_id, trace, start, guard, parts, body, accepted)
-            .await
     }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn relay(
-        &self,
-        call_id: u64,
-        trace: CallTrace,
-        start: Instant,
-        mut guard: CallGuard,
-        parts: http::request::Parts,
-        body: Incoming,
-        accepted: Accepted<'_>,
-    ) -> Response<RelayBody> {
-        let tunnel_id = accepted.tunnel_id;
-        let caller = accepted.caller;
-        let trace_id = trace.trace_id;
-        let Some(pick) = self.routes.route(&tunnel_id) else {
-            let f = Failure::new(
-                ErrorCode::TunnelUnavailable,
-                "no tunnel server holds streams for this tunnel id",
-            );
-            info!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), "call failed");
-            return self.fail(guard, &f, Some(&tunnel_id));
-        };
-        if pick.spilled {
-            self.metrics.spills.with_label_values(&[&tunnel_id]).inc();
-        }
-        let end_of_stream = body.is_end_stream();
-        let caller_body: Option<CallerBody> =
-            (!end_of_stream).then(|| match self.max_request_body_bytes {
-                Some(max) => Limited::new(body, usize::try_from(max).unwrap_or(usize::MAX))
-                    .map_err(Into::into)
-                    .boxed_unsync(),
-                None => body.map_err(Into::into).boxed_unsync(),
-            });
-        let request_body = RequestBody::new(caller_body, call_id, self.forwarder.replay_limit);
-        let plan = CallPlan {
-            call_id,
-            tunnel_id: tunnel_id.clone(),
-            method: parts.method.as_str().to_string(),
-            path_and_query: accepted.path_and_query,
-            headers: headers::request_to_wire(&parts.headers),
-            end_of_stream,
-            deadline: start + accepted.timeout,
-            trace: {
-                let (trace_id_high, trace_id_low, parent_id, flags) = trace.to_head();
-                relay_proto::TraceParent {
-                    trace_id_high,
-                    trace_id_low,
-                    parent_id,
-                    flags,
-                }
-            },
-            trace_id,
-        };
-        let forwarded = tokio::select! {
-            // The body's failure first: it resets the attempt's RPC (see `AttemptStream`),
-            // and the caller hears why (413 for a body over the limit), not the reset.
-            biased;
-            why = request_body.failed() => Err((self.body_failure(why), None)),
-            r = tokio::time::timeout_at(plan.deadline, self.forwarder.forward(&plan, &request_body, &pick)) => {
-                r.unwrap_or_else(|_| Err((Failure::new(
-                    ErrorCode::DeadlineExceeded,
-                    format!("no response head within {} ms", accepted.timeout.as_millis()),
-                ), None)))
-            }
-        };
-        let mut answer = match forwarded {
-            Ok(a) => a,
-            Err((f, server)) => {
-                info!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = ?server, "call failed");
-                guard.set_server(server);
-                return self.fail(guard, &f, Some(&tunnel_id));
-            }
-        };
-        guard.set_server(Some(answer.server_id.clone()));
-        let status = match u16::try_from(answer.head.status)
-            .ok()
-            .and_then(|s| StatusCode::from_u16(s).ok())
-        {
-            Some(s) if s.as_u16() >= 200 => s,
-            _ => {
-                let f = Failure::new(
-                    ErrorCode::UpstreamError,
-                    format!("agent answered with unusable status {}", answer.head.status),
-                );
-                info!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, "call failed");
-                return self.fail(guard, &f, Some(&tunnel_id));
-            }
-        };
-        if let Some(problem) = self.head_limits.check(&answer.head.headers) {
-            let limits = match problem {
-                relay_proto::HeadProblem::OverLimit(_) => {
-                    " (max_response_headers / max_response_header_bytes)"
-                }
-                relay_proto::HeadProblem::Malformed(_) => "",
-            };
-            let f = Failure::new(
-                ErrorCode::BadResponse,
-                format!("the response head has {problem}{limits}"),
-            );
-            warn!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
-            return self.fail_after_head(guard, answer, &f, &tunnel_id);
-        }
-        if answer.head.body.len() > relay_proto::MAX_CHUNK
-            || (!answer.head.end_of_stream && !answer.head.body.is_empty())
-        {
-            let f = Failure::new(
-                ErrorCode::BadResponse,
-                "the response head carries a body over 64 KiB or before the response's end",
-            );
-            warn!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
-            return self.fail_after_head(guard, answer, &f, &tunnel_id);
-        }
-        let (headers, invalid) = headers::response_from_wire(&answer.head.headers);
-        if invalid > 0 {
-            warn!(call_id, %trace_id, %tunnel_id, caller, invalid, server_id = %answer.server_id, "dropped invalid response headers");
-        }
-        let host = parts.uri.authority().map(|a| a.as_str()).or_else(|| {
-            parts
-                .headers
-                .get(http::header::HOST)
-                .and_then(|h| h.to_str().ok())
-        });
-        let other = headers
-            .get_all(http::header::LOCATION)
-            .iter()
-            .find_map(|l| {
-                headers::redirect_into_other_tunnel(
-                    l.as_bytes(),
-                    parts.uri.path(),
-                    host,
-                    &tunnel_id,
-                )
-            });
-        if let Some(other) = other {
-            let f = Failure::new(
-                ErrorCode::BadResponse,
-                format!(
-                    "the upstream redirected into tunnel id {:?}, another tunnel on this relay; refused so that the caller's key and body never go there",
-                    relay_proto::escape_message(&other, 128)
-                ),
-            );
-            warn!(call_id, %trace_id, %tunnel_id, caller, code = f.code.as_str(), message = %f.message, server_id = %answer.server_id, "call failed");
-            return self.fail_after_head(guard, answer, &f, &tunnel_id);
-        }
-        debug!(call_id, %trace_id, %tunnel_id, server_id = %answer.server_id, status = status.as_u16(), "response head");
-        let body = if answer.head.end_of_stream {
-            guard.finish(CallOutcome::Ok);
-            // A small body may travel inside the head.
-            RelayBody::small(std::mem::take(&mut answer.head.body), answer.stream)
-        } else {
-            RelayBody::stream(
-                answer.stream,
-                request_body,
-                guard,
-                call_id,
-                BodyTimers {
-                    deadline: plan.deadline,
-                    idle: self.body_idle_timeout,
-                },
-            )
-        };
-        let mut resp = Response::new(body);
-        *resp.status_mut() = status;
-        *resp.headers_mut() = headers;
-        resp
-    }
-}
-
-impl Front {
-    /// The tunnel server's answer is refused after its head arrived: the caller gets
-    /// `failure`. A response that ended with its head has its RPC read to the end in the
-    /// background (see `body::poll_rpc_end`); one with a body to come is cancelled, like a
-    /// call whose caller went away, so the agent stops sending it.
-    fn fail_after_head(
-        &self,
-        guard: CallGuard,
-        answer: crate::forward::Answer,
-        failure: &Failure,
-        tunnel_id: &str,
-    ) -> Response<RelayBody> {
-        if answer.head.end_of_stream {
-            let mut stream = answer.stream;
-            tokio::spawn(async move { crate::body::finish_rpc(&mut stream).await });
-        }
-        self.fail(guard, failure, Some(tunnel_id))
-    }
-}
-
-fn body_too_large(max: u64) -> Failure {
-    Failure::new(
-        ErrorCode::BodyTooLarge,
-        format!("request body over {max} bytes (max_request_body_bytes)"),
-    )
 }
 
 /// Serves the front on `listener` until `stop` is cancelled, then lets calls in flight finish
@@ -608,14 +352,14 @@ pub async fn serve(
     drop(incoming);
     info!(
         connections = conns.len(),
-        calls_in_flight = front.metrics.calls_in_flight.get(),
+        calls_in_flight = front.calls.metrics.calls_in_flight.get(),
         "HTTP front draining"
     );
     draining.cancel();
     let drained = async { while conns.join_next().await.is_some() {} };
     if tokio::time::timeout(grace, drained).await.is_err() {
         warn!(
-            calls_in_flight = front.metrics.calls_in_flight.get(),
+            calls_in_flight = front.calls.metrics.calls_in_flight.get(),
             "shutdown grace over; cutting the remaining calls"
         );
     }

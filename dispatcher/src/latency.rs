@@ -14,7 +14,7 @@
 //! It must not route or decide anything: it measures.
 
 use crate::forward::{Channels, Hop};
-use crate::registry::Registry;
+use crate::registry::Routes;
 use relay_common::rtt::Rtt;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -28,7 +28,7 @@ pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Probes every server of `registry` through `channels` until `stop`.
-pub async fn run(registry: Arc<Registry>, channels: Channels, stop: CancellationToken) {
+pub async fn run(routes: Arc<Routes>, channels: Channels, stop: CancellationToken) {
     let mut smoothed: HashMap<String, Rtt> = HashMap::new();
     let mut tick = tokio::time::interval(PROBE_EVERY);
     tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
@@ -38,7 +38,7 @@ pub async fn run(registry: Arc<Registry>, channels: Channels, stop: Cancellation
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let targets = registry.forward_targets();
+        let targets = routes.forward_targets();
         smoothed.retain(|url, _| targets.iter().any(|(_, u)| u == url));
         let probes = targets.iter().map(|(_, url)| {
             let channels = &channels;
@@ -54,7 +54,7 @@ pub async fn run(registry: Arc<Registry>, channels: Channels, stop: Cancellation
             let rtt = smoothed.entry(url.clone()).or_default();
             rtt.observe_duration(sample);
             // A measured leg is never "unknown" (0): at least a microsecond.
-            registry.forward_rtt(url, Some(rtt.micros().max(1)));
+            routes.forward_rtt(url, Some(rtt.micros().max(1)));
         }
     }
 }

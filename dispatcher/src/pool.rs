@@ -20,12 +20,12 @@
 //! answers NOT_FOUND) goes out in the background with a growing pause (0.25 s to 5 s), and
 //! the first answer brings the server back.
 //!
-//! This module must not decide retries or parse answers (`forward` does); it places
-//! streams on connections.
+//! This module must not decide retries or parse answers (`attempt` and `forward` do); it
+//! places streams on connections.
 
-use crate::body::AttemptStream;
 use crate::carrier::Carriers;
-use crate::hop::ResponseFrames;
+use crate::colocated::ResponseFrames;
+use crate::replay::AttemptStream;
 use futures::StreamExt;
 use parking_lot::Mutex;
 use relay_common::grpc::GrpcClient;

@@ -7,34 +7,34 @@ use std::sync::Arc;
 /// Calls in flight of one caller per tunnel id. An entry lives while its count is above
 /// zero, so the table holds at most `max_concurrent_calls` entries.
 #[derive(Default)]
-pub struct TunnelSlots {
+pub struct TunnelQuota {
     counts: parking_lot::Mutex<std::collections::HashMap<String, usize>>,
 }
 
-impl TunnelSlots {
-    pub fn try_take(self: &Arc<Self>, tunnel_id: &str, max: usize) -> Option<TunnelSlot> {
+impl TunnelQuota {
+    pub fn try_take(self: &Arc<Self>, tunnel_id: &str, max: usize) -> Option<TunnelPermit> {
         let mut counts = self.counts.lock();
         let n = counts.entry(tunnel_id.to_string()).or_insert(0);
         if *n >= max {
             return None;
         }
         *n += 1;
-        Some(TunnelSlot {
-            slots: self.clone(),
+        Some(TunnelPermit {
+            quota: self.clone(),
             tunnel_id: tunnel_id.to_string(),
         })
     }
 }
 
 /// One call's place among its caller's calls to one tunnel id; given back on drop.
-pub struct TunnelSlot {
-    slots: Arc<TunnelSlots>,
+pub struct TunnelPermit {
+    quota: Arc<TunnelQuota>,
     tunnel_id: String,
 }
 
-impl Drop for TunnelSlot {
+impl Drop for TunnelPermit {
     fn drop(&mut self) {
-        let mut counts = self.slots.counts.lock();
+        let mut counts = self.quota.counts.lock();
         if let Some(n) = counts.get_mut(&self.tunnel_id) {
             *n -= 1;
             if *n == 0 {

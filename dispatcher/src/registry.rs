@@ -8,21 +8,21 @@
 //!   slow-to-die old stream cannot erase the new entries), a second live instance of a
 //!   server id is refused, a local entry always wins over a shared one, a local entry that
 //!   has not reported within `lease` expires (a hung server whose stream stays open).
-//! - [`Registry`] (here): the shell that feeds the table and carries each change out once:
+//! - [`Routes`] (here): the shell that feeds the table and carries each change out once:
 //!   a departed server is logged, counted and its unused forward channel evicted; a local
 //!   entry's change is queued for the shared store (only when there is one); the plans of
 //!   the tunnel ids that changed are rebuilt and published; the fleet watch and the
 //!   gauges follow.
 //! - [`gauges`]: the routing gauges. [`debug`]: the `/debug/routes` JSON.
 //!
-//! The call path ([`Registry::route`]) reads published plans from a sharded map and never
+//! The call path ([`Routes::route`]) reads published plans from a sharded map and never
 //! waits on the writers' lock (the table, the router and the gauges behind one `Mutex`): an
 //! event rebuilds only the plans of the tunnel ids it changed, under that lock, and swaps
 //! each new plan into the map. A fleet of agents
 //! connecting announces thousands of tunnel ids within seconds; rebuilding every plan on
 //! each of them once held the lock long enough to back up report streams until their
 //! leases expired. Spill shares still step for every tunnel id on the routing tick
-//! ([`Registry::tick`]). NO_CAPACITY answers from the call path are parked in a small
+//! ([`Routes::tick`]). NO_CAPACITY answers from the call path are parked in a small
 //! set and handed to the router at its next rebuild.
 //!
 //! Nothing here does network I/O or holds a lock across an `.await`; only this shell reads
@@ -65,7 +65,7 @@ struct Writers {
 }
 
 /// The dispatcher's registry. See the module docs.
-pub struct Registry {
+pub struct Routes {
     writers: Mutex<Writers>,
     /// Each tunnel id's current plan, for the call path.
     plans: DashMap<String, Arc<TunnelPlan>>,
@@ -85,7 +85,7 @@ pub struct Registry {
     fleet: tokio::sync::watch::Sender<Vec<relay_proto::FleetMember>>,
 }
 
-impl Registry {
+impl Routes {
     /// `shared`: queue local changes for a shared store (Redis backend).
     pub fn new(
         routing: RoutingConfig,
@@ -94,7 +94,7 @@ impl Registry {
         shared: bool,
         metrics: Metrics,
     ) -> Self {
-        Registry {
+        Routes {
             writers: Mutex::new(Writers {
                 table: Table::new(lease),
                 router: Router::new(routing),

@@ -1,7 +1,7 @@
 //! The `Registry.Report` gRPC service: each tunnel server keeps one client stream open and
 //! tells the dispatcher which tunnel ids it holds streams for, plus periodic load figures.
 //!
-//! It owns the translation from report frames to [`Registry`] updates and the lifetime of
+//! It owns the translation from report frames to [`Routes`] updates and the lifetime of
 //! a server's local entries (they live as long as its report stream, and no longer than the
 //! lease past its last frame). It must not route calls or talk to tunnel servers.
 //!
@@ -13,7 +13,7 @@
 //! key is never logged.
 
 use crate::metrics::Metrics;
-use crate::registry::{LoadFigures, Registry, ServerInfo, SessionId, TunnelFigures};
+use crate::registry::{LoadFigures, Routes, ServerInfo, SessionId, TunnelFigures};
 use futures::StreamExt;
 use relay_common::KeyDigest;
 use relay_proto::server_report::Kind;
@@ -31,7 +31,7 @@ pub use relay_common::tunnel_id::is_valid as valid_tunnel_id;
 
 /// The service tunnel servers report to.
 pub struct ReportService {
-    pub routes: Arc<Registry>,
+    pub routes: Arc<Routes>,
     /// Shared secret tunnel servers must present; `None` admits any.
     pub server_key: Option<KeyDigest>,
     /// Server ids allowed to report; empty admits any.
@@ -47,7 +47,7 @@ pub struct ReportService {
 /// Forgets the server when the report handler ends, however it ends (the registry logs
 /// the departure and drops what only the server used).
 struct SessionGuard<'a> {
-    routes: &'a Registry,
+    routes: &'a Routes,
     session: SessionId,
 }
 

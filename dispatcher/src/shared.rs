@@ -1,4 +1,4 @@
-//! The shared registry: keeps this dispatcher's [`Registry`] in step with the other
+//! The shared registry: keeps this dispatcher's [`Routes`] in step with the other
 //! dispatchers of a fleet through Redis (`[registry] backend = "redis"`).
 //!
 //! One background task owns the Redis connection. It writes each local server's record
@@ -40,7 +40,7 @@ pub mod record;
 
 use crate::config::RedisTls;
 use crate::metrics::Metrics;
-use crate::registry::{Prune, Publish, Registry};
+use crate::registry::{Prune, Publish, Routes};
 use parking_lot::Mutex;
 use record::{RecordRules, Refusal, MAX_READ_BYTES, MAX_RECORD_BYTES, MAX_SHARED_SERVERS};
 use redis::aio::MultiplexedConnection;
@@ -127,7 +127,7 @@ impl SharedHealth {
 
 /// The Redis side of the shared registry. See the module docs.
 pub struct SharedStore {
-    pub registry: Arc<Registry>,
+    pub routes: Arc<Routes>,
     pub client: redis::Client,
     pub key_prefix: String,
     pub lease: Duration,
@@ -461,7 +461,7 @@ impl SharedStore {
             // The grace after an outage: drop only servers known to have left.
             let listed: HashSet<&str> = records.iter().map(|r| r.info.server_id.as_str()).collect();
             let missing: Vec<String> = self
-                .registry
+                .routes
                 .shared_ids()
                 .into_iter()
                 .filter(|id| !listed.contains(id.as_str()))
@@ -482,7 +482,7 @@ impl SharedStore {
             }
             Prune::Left(left)
         };
-        self.registry.apply_shared(records, prune);
+        self.routes.apply_shared(records, prune);
         Ok(())
     }
 
@@ -512,15 +512,15 @@ impl SharedStore {
                 // Stop first; then local changes (they renew leases); then the read tick.
                 biased;
                 _ = self.stop.cancelled() => break,
-                _ = self.registry.dirty_notify.notified() => {}
+                _ = self.routes.dirty_notify.notified() => {}
                 _ = refresh.tick() => read = true,
             }
             if conn.is_none() && Instant::now() < next_try {
                 continue;
             }
-            let mut items = self.registry.take_dirty();
+            let mut items = self.routes.take_dirty();
             if republish {
-                let mut all = self.registry.local_records();
+                let mut all = self.routes.local_records();
                 all.retain(|(id, _)| !items.iter().any(|(i, _)| i == id));
                 items.extend(all);
             }
@@ -548,7 +548,7 @@ impl SharedStore {
                     conn = None;
                     republish = true;
                     was_down = true;
-                    self.registry.restore_dirty(items);
+                    self.routes.restore_dirty(items);
                     if self.health.down(e.to_string()) {
                         warn!(error = %e, "shared registry unreachable: routing from the last known table");
                     }
@@ -559,7 +559,7 @@ impl SharedStore {
             }
         }
         // Best effort: remove the records of servers that left during shutdown.
-        let items = self.registry.take_dirty();
+        let items = self.routes.take_dirty();
         if !items.is_empty() {
             if let Some(mut c) = conn {
                 let _ = self.write(&mut c, &items).await;

@@ -64,7 +64,7 @@ const CANCEL_ACK: Duration = Duration::from_secs(10);
 const PROCEED_WAIT: Duration = Duration::from_secs(5);
 
 /// The call's request frames after its head: a `Forward.Call` request stream, or the
-/// co-located dispatcher's frames (`relay_dispatcher::hop`). Its end is the dispatcher's
+/// co-located dispatcher's frames (`relay_dispatcher::colocated`). Its end is the dispatcher's
 /// half-close.
 pub trait Inbound: Stream<Item = Result<ForwardRequest, Status>> + Send + Unpin + 'static {}
 

@@ -17,7 +17,7 @@
 //! left) or whose body cannot be read to its end ends the carrier.
 //!
 //! The same service serves the co-located dispatcher of this process without gRPC
-//! ([`Colocated`], `relay_dispatcher::hop::LocalServer`): the same accept path, call task
+//! ([`Colocated`], `relay_dispatcher::colocated::LocalServer`): the same accept path, call task
 //! and counters, fed the dispatcher's frames directly.
 
 use crate::call::{Call, Inbound, Reservations, ToCaller};
@@ -26,7 +26,7 @@ use crate::outcome::Outcome;
 use futures::future::BoxFuture;
 use futures::{Stream, StreamExt};
 use relay_common::trace::CallTrace;
-use relay_dispatcher::hop::{LocalServer, RequestFrames, ResponseFrames};
+use relay_dispatcher::colocated::{LocalServer, RequestFrames, ResponseFrames};
 use relay_proto::{
     forward_request, CallHead, ForwardRequest, ForwardResponse, ProceedReply, ProceedRequest,
     RequestHead,

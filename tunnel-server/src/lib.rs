@@ -10,7 +10,7 @@
 //!
 //! The co-located mode ([`Front`], `relay-tunnel-server --front-config dispatcher.toml`):
 //! the server also runs a dispatcher, with its HTTP front, registry and admin listeners,
-//! whose calls to this server skip gRPC and the network (`relay_dispatcher::hop`), for
+//! whose calls to this server skip gRPC and the network (`relay_dispatcher::colocated`), for
 //! single-box and small deployments. The front routes like any dispatcher (this server
 //! reports to it through `dispatchers`, as to any other; it can also route to other
 //! servers reporting to it), preferring this server for tunnel ids whose streams it holds.
@@ -473,7 +473,7 @@ pub async fn start_with_front(
                 warn!(dispatchers = ?config.dispatchers, front_registry = %registry,
                     "co-located front: no dispatchers entry names the front's registry port, so the front will not hear of this server's tunnels");
             }
-            let local = relay_dispatcher::hop::Local {
+            let local = relay_dispatcher::colocated::Local {
                 forward_url: forward_url.clone(),
                 server: Arc::new(colocated),
             };

@@ -4,9 +4,9 @@
 use super::*;
 use crate::config::RoutingPolicy;
 
-fn registry(shared: bool) -> Registry {
+fn registry(shared: bool) -> Routes {
     let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
-    Registry::new(
+    Routes::new(
         RoutingConfig {
             policy: RoutingPolicy::Sticky,
             ..RoutingConfig::default()
@@ -35,7 +35,7 @@ fn instance(id: &str, instance: &str) -> ServerInfo {
     }
 }
 
-fn ids(r: &Registry, tunnel_id: &str) -> Vec<String> {
+fn ids(r: &Routes, tunnel_id: &str) -> Vec<String> {
     r.route(tunnel_id)
         .map(|p| {
             p.servers
@@ -87,7 +87,7 @@ fn labels(family: &[prometheus::proto::MetricFamily], name: &str) -> Vec<Vec<Str
 async fn announcing_one_tunnel_id_routes_it_and_gauges_follow_it_alone() {
     let prom = prometheus::Registry::new();
     let metrics = Metrics::register(&prom).unwrap();
-    let r = Registry::new(
+    let r = Routes::new(
         RoutingConfig::default(),
         Duration::from_secs(3),
         "d1".into(),
@@ -301,7 +301,7 @@ async fn a_departed_server_is_counted_and_its_unused_channel_evicted_once() {
     let prom = prometheus::Registry::new();
     let metrics = Metrics::register(&prom).unwrap();
     let evicted = Arc::new(Mutex::new(Vec::<String>::new()));
-    let r = Registry::new(
+    let r = Routes::new(
         RoutingConfig::default(),
         Duration::from_secs(3),
         "d1".into(),

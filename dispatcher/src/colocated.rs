@@ -1,6 +1,6 @@
-//! The hop from this dispatcher to one tunnel server: `Forward.Call` and `Forward.Proceed`
-//! over a gRPC channel, or, in the co-located mode, straight into a tunnel server running
-//! in this process.
+//! The co-located seam: calls from this dispatcher straight into a tunnel server running
+//! in this process, and the frame streams every hop to a tunnel server carries
+//! ([`RequestFrames`], [`ResponseFrames`]; the gRPC hops are `pool` and `carrier`).
 //!
 //! The co-located mode (`relay-tunnel-server --front-config dispatcher.toml`) runs a
 //! dispatcher inside a tunnel server process. That server is a [`LocalServer`]: the
