@@ -203,8 +203,8 @@ impl Call {
         I: Stream<Item = Result<ForwardRequest, Status>> + Send + Unpin,
     {
         let hub = self.hub.clone();
-        if !self.request.body.is_empty()
-            && (!self.request.end_of_stream || self.request.body.len() > relay_proto::MAX_CHUNK)
+        if relay_proto::check_inline_body(self.request.body.len(), self.request.end_of_stream)
+            .is_err()
         {
             let why =
                 "a request head's body must be the whole body (end_of_stream) of at most 64 KiB";
