@@ -2,7 +2,10 @@
 
 use super::*;
 use crate::devcerts::{write, DevCa};
+use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
 
 struct Set {
     /// The set's files, removed with it.
