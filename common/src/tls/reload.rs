@@ -94,7 +94,17 @@ impl Reloads {
     /// reloaded; established ones keep theirs. The SIGHUP handler is installed before
     /// this returns.
     pub fn spawn(self, poll: Duration, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
-        tokio::spawn(watch(self.0, poll, stop))
+        tokio::spawn(self.run(poll, stop))
+    }
+
+    /// [`Reloads::spawn`] as a future, for a caller that spawns its tasks where it tracks
+    /// them. The SIGHUP handler is installed when this is called.
+    pub fn run(
+        self,
+        poll: Duration,
+        stop: CancellationToken,
+    ) -> impl std::future::Future<Output = ()> + Send {
+        watch(self.0, poll, stop)
     }
 }
 
