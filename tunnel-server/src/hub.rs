@@ -597,3 +597,45 @@ impl Drop for Waiting {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn hub() -> Arc<Hub> {
+        let metrics = ServerMetrics::register(&prometheus::Registry::new()).unwrap();
+        Arc::new(Hub::new(
+            Limits {
+                max_queue_per_tunnel: 8,
+                max_streams_per_token: 8,
+                max_response_headers: 16,
+                max_response_header_bytes: 4096,
+            },
+            metrics,
+        ))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_settles_when_the_last_call_ends_and_not_before() {
+        let hub = hub();
+        // Nothing held: settled at once.
+        hub.settled().await;
+        let calls = [hub.call_in_flight(), hub.call_in_flight()];
+        let settled = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.settled().await }
+        });
+        let [first, second] = calls;
+        drop(first);
+        // Virtual time: an hour passes at once, and the waiter must still be waiting.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        assert!(!settled.is_finished(), "settled with a call in flight");
+        drop(second);
+        tokio::time::timeout(Duration::from_secs(1), settled)
+            .await
+            .expect("settled once the last call ended")
+            .unwrap();
+        assert_eq!(hub.metrics.in_flight.get(), 0);
+    }
+}
