@@ -76,6 +76,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::warn;
 
 /// Log lines of one kind allowed per [`LOG_PERIOD`].
@@ -94,7 +95,8 @@ pub const IDLE_GRACE: Duration = Duration::from_secs(1);
 /// Accepts connections on `listener` with Nagle off, held to `guard`'s limits. Each
 /// connection's opening (PROXY header, TLS handshake, first bytes) runs in its own task,
 /// so one slow client cannot stall the accept loop. The stream yields only connections
-/// ready to serve.
+/// ready to serve. The accept loop is the stream's: it ends on `stop` or when the stream is
+/// dropped (the server that served it ended), never left behind.
 pub fn incoming(
     listener: TcpListener,
     tls: Option<TlsServer>,
@@ -102,7 +104,7 @@ pub fn incoming(
     stop: CancellationToken,
 ) -> impl Stream<Item = std::io::Result<Conn>> + Send + 'static {
     let (tx, rx) = mpsc::channel::<std::io::Result<Conn>>(64);
-    tokio::spawn(async move {
+    let accept = tokio::spawn(async move {
         loop {
             let (tcp, peer): (TcpStream, SocketAddr) = tokio::select! {
                 biased;
@@ -146,8 +148,13 @@ pub fn incoming(
             });
         }
     });
+    let accept = AbortOnDropHandle::new(accept);
     let mut rx = rx;
-    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    futures::stream::poll_fn(move |cx| {
+        // The stream owns the accept loop: dropping it aborts the loop.
+        let _owner = &accept;
+        rx.poll_recv(cx)
+    })
 }
 
 #[cfg(test)]
