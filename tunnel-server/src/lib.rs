@@ -240,6 +240,47 @@ struct GrpcListener<S> {
     service: S,
 }
 
+impl GrpcListener<TunnelServer<stream::TunnelService>> {
+    /// Serves `Tunnel.Connect` until `stop`.
+    async fn serve(self, stop: CancellationToken) {
+        // An agent multiplexes up to its `max_streams` tunnel streams on one connection, a
+        // load balancer those of many agents: `[agent_h2]` sizes for that. Half-received
+        // messages across all agent streams are bounded
+        // (`agent_limits.max_partial_frame_bytes`).
+        let frames = self.guard.partial_frames_layer();
+        let r = relay_common::grpc::server(&self.h2)
+            .layer(frames)
+            .add_service(self.service)
+            .serve_with_incoming_shutdown(
+                listen::incoming(self.listener, self.tls, self.guard, stop.clone())
+                    .map(|conn| conn.map(H2Io::new)),
+                stop.cancelled_owned(),
+            )
+            .await;
+        if let Err(e) = r {
+            warn!(error = %e, "agent listener stopped");
+        }
+    }
+}
+
+impl GrpcListener<ForwardServer<forward::ForwardService>> {
+    /// Serves `Forward.Call` until `stop`. A dispatcher sends all its calls to this server
+    /// on one connection.
+    async fn serve(self, stop: CancellationToken) {
+        let r = relay_common::grpc::server(&self.h2)
+            .add_service(self.service)
+            .serve_with_incoming_shutdown(
+                listen::incoming(self.listener, self.tls, self.guard, stop.clone())
+                    .map(|conn| conn.map(H2Io::new)),
+                stop.cancelled_owned(),
+            )
+            .await;
+        if let Err(e) = r {
+            warn!(error = %e, "forward listener stopped");
+        }
+    }
+}
+
 /// The co-located front, built: started first when the server spawns.
 struct FrontParts {
     config: relay_dispatcher::Config,
@@ -552,52 +593,8 @@ impl Server {
         if let Some(conns) = liveness {
             spawn(liveness::run(conns, serving.clone()).boxed());
         }
-        let stop = serving.clone();
-        spawn(
-            async move {
-                // An agent multiplexes up to its `max_streams` tunnel streams on one
-                // connection, a load balancer those of many agents: `[agent_h2]` sizes for
-                // that. Half-received messages across all agent streams are bounded
-                // (`agent_limits.max_partial_frame_bytes`).
-                let frames = agent.guard.partial_frames_layer();
-                let r = relay_common::grpc::server(&agent.h2)
-                    .layer(frames)
-                    .add_service(agent.service)
-                    .serve_with_incoming_shutdown(
-                        listen::incoming(agent.listener, agent.tls, agent.guard, stop.clone())
-                            .map(|conn| conn.map(H2Io::new)),
-                        stop.cancelled_owned(),
-                    )
-                    .await;
-                if let Err(e) = r {
-                    warn!(error = %e, "agent listener stopped");
-                }
-            }
-            .boxed(),
-        );
-        let stop = serving.clone();
-        spawn(
-            async move {
-                // A dispatcher sends all its calls to this server on one connection.
-                let r = relay_common::grpc::server(&forward.h2)
-                    .add_service(forward.service)
-                    .serve_with_incoming_shutdown(
-                        listen::incoming(
-                            forward.listener,
-                            forward.tls,
-                            forward.guard,
-                            stop.clone(),
-                        )
-                        .map(|conn| conn.map(H2Io::new)),
-                        stop.cancelled_owned(),
-                    )
-                    .await;
-                if let Err(e) = r {
-                    warn!(error = %e, "forward listener stopped");
-                }
-            }
-            .boxed(),
-        );
+        spawn(agent.serve(serving.clone()).boxed());
+        spawn(forward.serve(serving.clone()).boxed());
         spawn(
             relay_common::admin::serve(admin.0, admin.1, serving.clone().cancelled_owned()).boxed(),
         );
