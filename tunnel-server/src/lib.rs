@@ -791,6 +791,54 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_front_that_cannot_start_leaves_nothing_of_the_server_running() {
+        let bind = || TcpListener::bind("127.0.0.1:0");
+        let listeners = Listeners {
+            agent: bind().await.unwrap(),
+            forward: bind().await.unwrap(),
+            admin: bind().await.unwrap(),
+        };
+        let addrs = [
+            listeners.agent.local_addr().unwrap(),
+            listeners.forward.local_addr().unwrap(),
+            listeners.admin.local_addr().unwrap(),
+        ];
+        // The front's certificate files do not exist: its config checks out, its start
+        // fails reading them.
+        let missing = std::path::PathBuf::from("/nonexistent/relay-front");
+        let mut front_config = relay_dispatcher::Config::default().insecure();
+        front_config.callers = vec![relay_dispatcher::CallerConfig::allow_all(
+            "test",
+            "test-caller-key",
+        )];
+        front_config.tls = tls::ListenerTls::tls(tls::ServerTls {
+            cert: missing.join("cert.pem"),
+            key: missing.join("key.pem"),
+            client_ca: None,
+            client_cert_optional: false,
+            client_names: Vec::new(),
+        });
+        let front = Front {
+            config: front_config,
+            listeners: relay_dispatcher::Listeners {
+                http: bind().await.unwrap(),
+                registry: bind().await.unwrap(),
+                admin: bind().await.unwrap(),
+            },
+        };
+        let cfg = Config {
+            server_id: "ts-front".into(),
+            dispatchers: vec![],
+            ..Config::default()
+        }
+        .insecure();
+        let started = start_with_front(cfg, TokenStore::default(), listeners, Some(front)).await;
+        let err = started.err().expect("the front started");
+        assert!(matches!(err, RunError::Front(_)), "{err}");
+        until_refused(&addrs, Duration::from_secs(10)).await;
+    }
+
+    #[tokio::test]
     async fn dropping_the_handle_stops_the_server() {
         let server = start_plain().await;
         let addrs = [server.agent_addr, server.forward_addr, server.admin_addr];
