@@ -288,6 +288,38 @@ struct FrontParts {
     local: relay_dispatcher::hop::Local,
 }
 
+impl FrontParts {
+    /// The front with the in-process hop to this server; warns when no `dispatchers`
+    /// entry names the front's registry port (the front would not hear of this server).
+    fn new(
+        front: Front,
+        dispatchers: &[String],
+        forward_url: &str,
+        colocated: forward::Colocated,
+    ) -> Result<Self, RunError> {
+        let Front {
+            config: c,
+            listeners,
+        } = front;
+        let registry = listeners.registry.local_addr()?;
+        if !dispatchers
+            .iter()
+            .any(|d| d.ends_with(&format!(":{}", registry.port())))
+        {
+            warn!(dispatchers = ?dispatchers, front_registry = %registry,
+                "co-located front: no dispatchers entry names the front's registry port, so the front will not hear of this server's tunnels");
+        }
+        Ok(FrontParts {
+            config: c,
+            listeners,
+            local: relay_dispatcher::hop::Local {
+                forward_url: forward_url.to_string(),
+                server: Arc::new(colocated),
+            },
+        })
+    }
+}
+
 /// Every component of a tunnel server, built from its config; nothing runs yet.
 struct Server {
     server_id: String,
@@ -334,25 +366,9 @@ impl Server {
         let metrics = ServerMetrics::register(&registry)?;
         let expiry = tls::CertExpiry::register(&registry)?;
         let listener_metrics = ListenerMetrics::register(&registry)?;
-        let tls_err = |section| move |source| RunError::Tls { section, source };
-        let agent_tls = transport
-            .agent
-            .map(|s| TlsServer::new("agent_tls", s, tls::ALPN_H2))
-            .transpose()
-            .map_err(tls_err("agent_tls"))?
-            .map(|t| t.with_expiry(&expiry));
-        let forward_tls = transport
-            .forward
-            .map(|s| TlsServer::new("forward_tls", s, tls::ALPN_H2))
-            .transpose()
-            .map_err(tls_err("forward_tls"))?
-            .map(|t| t.with_expiry(&expiry));
-        let dispatcher_tls = transport
-            .dispatchers
-            .map(|c| TlsClient::new("dispatcher_tls", c, tls::ALPN_H2))
-            .transpose()
-            .map_err(tls_err("dispatcher_tls"))?
-            .map(|t| t.with_expiry(&expiry));
+        let agent_tls = hop_tls("agent_tls", transport.agent, &expiry)?;
+        let forward_tls = hop_tls("forward_tls", transport.forward, &expiry)?;
+        let dispatcher_tls = hop_tls("dispatcher_tls", transport.dispatchers, &expiry)?;
         note_plain_hops(
             &config,
             front.as_ref(),
@@ -377,26 +393,14 @@ impl Server {
         let tracker = TaskTracker::new();
         let tokens = SharedTokens::new(tokens);
 
-        let mut reloads = tls::Reloads::default()
-            .with(agent_tls.clone())
-            .with(forward_tls.clone())
-            .with(dispatcher_tls.clone());
-        if let Some(path) = &config.token_store {
-            let (revoke_hub, store) = (hub.clone(), tokens.clone());
-            reloads.push(tokens::TokenReloader {
-                path: path.clone(),
-                tokens: tokens.clone(),
-                on_change: Box::new(move || {
-                    let closed = revoke_hub.revoke(|hash, id| store.contains(hash, id));
-                    if closed > 0 {
-                        warn!(
-                            streams = closed,
-                            "token store reloaded: closed the streams of removed tokens"
-                        );
-                    }
-                }),
-            });
-        }
+        let reloads = reloads(
+            [&agent_tls, &forward_tls],
+            &dispatcher_tls,
+            config
+                .token_store
+                .as_ref()
+                .map(|path| (path, &tokens, &hub)),
+        );
 
         let liveness = (!config.liveness_interval.is_zero()).then(|| {
             Arc::new(liveness::Conns::new(
@@ -474,31 +478,9 @@ impl Server {
 
         let admin = admin(&registry, listener_metrics, &hub, &server_id, &config.zone);
 
-        let front = match front {
-            Some(Front {
-                config: c,
-                listeners,
-            }) => {
-                let registry = listeners.registry.local_addr()?;
-                if !config
-                    .dispatchers
-                    .iter()
-                    .any(|d| d.ends_with(&format!(":{}", registry.port())))
-                {
-                    warn!(dispatchers = ?config.dispatchers, front_registry = %registry,
-                        "co-located front: no dispatchers entry names the front's registry port, so the front will not hear of this server's tunnels");
-                }
-                Some(FrontParts {
-                    config: c,
-                    listeners,
-                    local: relay_dispatcher::hop::Local {
-                        forward_url: forward_url.clone(),
-                        server: Arc::new(colocated),
-                    },
-                })
-            }
-            None => None,
-        };
+        let front = front
+            .map(|f| FrontParts::new(f, &config.dispatchers, &forward_url, colocated))
+            .transpose()?;
 
         let intro = ServerIntro {
             server_id: server_id.clone(),
@@ -636,6 +618,49 @@ impl Server {
             tasks,
         })
     }
+}
+
+/// What the server reloads from its files: its certificates and its token store, whose
+/// reload closes the streams of removed tokens.
+fn reloads(
+    [agent_tls, forward_tls]: [&Option<TlsServer>; 2],
+    dispatcher_tls: &Option<TlsClient>,
+    token_store: Option<(&std::path::PathBuf, &SharedTokens, &Arc<Hub>)>,
+) -> tls::Reloads {
+    let mut reloads = tls::Reloads::default()
+        .with(agent_tls.clone())
+        .with(forward_tls.clone())
+        .with(dispatcher_tls.clone());
+    if let Some((path, tokens, hub)) = token_store {
+        let (revoke_hub, store) = (hub.clone(), tokens.clone());
+        reloads.push(tokens::TokenReloader {
+            path: path.clone(),
+            tokens: tokens.clone(),
+            on_change: Box::new(move || {
+                let closed = revoke_hub.revoke(|hash, id| store.contains(hash, id));
+                if closed > 0 {
+                    warn!(
+                        streams = closed,
+                        "token store reloaded: closed the streams of removed tokens"
+                    );
+                }
+            }),
+        });
+    }
+    reloads
+}
+
+/// One hop's TLS, built from its resolved settings (`None`: plain text), its certificates'
+/// expiry exported.
+fn hop_tls<E: tls::TlsEnd>(
+    section: &'static str,
+    settings: Option<E>,
+    expiry: &tls::CertExpiry,
+) -> Result<Option<tls::Tls<E>>, RunError> {
+    settings
+        .map(|s| tls::Tls::new(section, s, tls::ALPN_H2).map(|t| t.with_expiry(expiry)))
+        .transpose()
+        .map_err(|source| RunError::Tls { section, source })
 }
 
 /// Says which hops of this process run plain text, in one warning line (the co-located
