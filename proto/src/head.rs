@@ -41,7 +41,9 @@ impl std::fmt::Display for InlineBodyProblem {
 /// larger than a chunk, streams as body chunks instead. A head without a body passes,
 /// whether it ends the message or not. `body_len` is the head's `body` length,
 /// `end_of_stream` its flag; `Err` says which half of the rule the head broke (when both,
-/// [`InlineBodyProblem::NotTheEnd`]).
+/// [`InlineBodyProblem::NotTheEnd`]). Receivers check it on every head a peer sends;
+/// a sender of a request head also keeps the head with its body within one chunk
+/// ([`crate::body_fits_in_head`]), so the frame fits any `max_frame_bytes`.
 pub fn check_inline_body(body_len: usize, end_of_stream: bool) -> Result<(), InlineBodyProblem> {
     if body_len > 0 && !end_of_stream {
         return Err(InlineBodyProblem::NotTheEnd);
