@@ -7,6 +7,7 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use relay_agent::Config;
+use relay_common::config::Overrides;
 use relay_common::Secret;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -77,41 +78,31 @@ enum Command {
     },
 }
 
+/// The config file with the flags and `RELAY_*` variables over it, validated.
 fn load(args: Args) -> Result<Config, relay_common::config::ConfigError> {
-    let mut config: Config = relay_common::config::load(args.config.as_deref())?;
-    // A token source given as a flag or variable replaces the config file's.
-    if let Some(t) = args.token {
-        config.token = Secret::new(t);
-        config.token_file = None;
-    }
-    if let Some(f) = args.token_file {
-        config.token = Secret::new("");
-        config.token_file = Some(f);
-    }
-    config.read_token_file()?;
     let tunnels: Vec<String> = args
         .tunnels
         .into_iter()
         .map(|t| t.trim().to_string())
         .filter(|t| !t.is_empty())
         .collect();
-    if !tunnels.is_empty() {
-        config.tunnels = tunnels;
-    }
-    if let Some(u) = args.upstream {
-        config.upstream = u;
-    }
-    if let Some(a) = args.admin_listen {
-        config.admin_listen = a;
-    }
-    if let Some(n) = args.fixed_streams {
-        config.coverage.fixed_streams = n;
-    }
-    if args.no_coverage {
-        config.coverage.enabled = false;
-    }
-    config.validate()?;
-    Ok(config)
+    Overrides::load(args.config.as_deref())?
+        // A token source given as a flag or variable replaces the config file's.
+        .set(args.token, |c: &mut Config, t| {
+            c.token = Secret::new(t);
+            c.token_file = None;
+        })
+        .set(args.token_file, |c, f| {
+            c.token = Secret::new("");
+            c.token_file = Some(f);
+        })
+        .step(Config::read_token_file)?
+        .list(tunnels, |c, v| c.tunnels = v)
+        .set(args.upstream, |c, v| c.upstream = v)
+        .set(args.admin_listen, |c, v| c.admin_listen = v)
+        .set(args.fixed_streams, |c, n| c.coverage.fixed_streams = n)
+        .switch(args.no_coverage, |c| c.coverage.enabled = false)
+        .validate(Config::validate)
 }
 
 fn main() -> std::process::ExitCode {

@@ -1,5 +1,7 @@
 //! Config loading: TOML files whose structs use `deny_unknown_fields`, parsed once at
-//! start, with errors that name the file and the key.
+//! start, with errors that name the file and the key; and the command line over them
+//! ([`Overrides`]): every binary's flags and `RELAY_*` variables replace the file's keys
+//! the same way, then the result is validated once.
 
 use serde::de::DeserializeOwned;
 use std::path::{Path, PathBuf};
@@ -67,6 +69,89 @@ where
     }
 }
 
+/// A config file with the command line over it: each binary's `main` lists its flags (clap
+/// reads each from the flag or its `RELAY_*` variable) once, with the key each replaces,
+/// and validates the result once.
+///
+/// ```ignore
+/// let config: Config = Overrides::load(args.config.as_deref())?
+///     .set(args.zone, |c, v| c.zone = v)
+///     .list(args.dispatchers, |c, v| c.dispatchers = v)
+///     .switch(args.no_coverage, |c| c.coverage.enabled = false)
+///     .validate(Config::validate)?;
+/// ```
+///
+/// The rules, the same in every binary: a flag that was given replaces the file's value (a
+/// flag left out keeps it); a repeatable flag (comma-separated in its variable) replaces
+/// the file's list when it names at least one value; a switch only turns something on.
+/// Overrides apply in the order written, so a later one sees what an earlier one set.
+#[must_use = "an override applies only once the config is taken out (validate or finish)"]
+pub struct Overrides<T>(T);
+
+impl<T> Overrides<T> {
+    /// Overrides over a config already loaded.
+    pub fn new(config: T) -> Self {
+        Overrides(config)
+    }
+
+    /// Overrides over the config file at `path` ([`load`]; `None`: the defaults).
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError>
+    where
+        T: DeserializeOwned + Default,
+    {
+        load(path).map(Overrides)
+    }
+
+    /// A flag: when given, `apply` puts its value in the config.
+    pub fn set<V>(mut self, flag: Option<V>, apply: impl FnOnce(&mut T, V)) -> Self {
+        if let Some(v) = flag {
+            apply(&mut self.0, v);
+        }
+        self
+    }
+
+    /// A repeatable flag: when it names at least one value, `apply` puts them in the config
+    /// (replacing the file's list, not adding to it).
+    pub fn list<V>(mut self, flag: Vec<V>, apply: impl FnOnce(&mut T, Vec<V>)) -> Self {
+        if !flag.is_empty() {
+            apply(&mut self.0, flag);
+        }
+        self
+    }
+
+    /// A switch: when on, `apply` runs.
+    pub fn switch(mut self, on: bool, apply: impl FnOnce(&mut T)) -> Self {
+        if on {
+            apply(&mut self.0);
+        }
+        self
+    }
+
+    /// A step that may fail on what the overrides so far made of the config (reading a
+    /// secret from the file a flag named, say).
+    pub fn step(
+        mut self,
+        step: impl FnOnce(&mut T) -> Result<(), ConfigError>,
+    ) -> Result<Self, ConfigError> {
+        step(&mut self.0)?;
+        Ok(self)
+    }
+
+    /// The config with every override applied, validated once by `check`.
+    pub fn validate(
+        self,
+        check: impl FnOnce(&T) -> Result<(), ConfigError>,
+    ) -> Result<T, ConfigError> {
+        check(&self.0)?;
+        Ok(self.0)
+    }
+
+    /// The config with every override applied, not validated (the caller validates).
+    pub fn finish(self) -> T {
+        self.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,5 +170,62 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("a.toml"), "{msg}");
         assert!(msg.contains("nmae"), "{msg}");
+    }
+
+    #[derive(Debug, Default, PartialEq)]
+    struct Keys {
+        zone: String,
+        urls: Vec<String>,
+        on: bool,
+    }
+
+    #[test]
+    fn given_flags_replace_keys_and_absent_ones_keep_them() {
+        let file = Keys {
+            zone: "file".into(),
+            urls: vec!["a".into()],
+            on: false,
+        };
+        let kept = Overrides::new(file)
+            .set(None::<String>, |c, v| c.zone = v)
+            .list(Vec::<String>::new(), |c, v| c.urls = v)
+            .switch(false, |c| c.on = true)
+            .finish();
+        assert_eq!(kept.zone, "file");
+        assert_eq!(kept.urls, ["a"]);
+        assert!(!kept.on);
+        let replaced = Overrides::new(kept)
+            .set(Some("flag".to_string()), |c, v| c.zone = v)
+            .list(vec!["b".to_string(), "c".to_string()], |c, v| c.urls = v)
+            .switch(true, |c| c.on = true)
+            .finish();
+        assert_eq!(
+            replaced,
+            Keys {
+                zone: "flag".into(),
+                urls: vec!["b".into(), "c".into()],
+                on: true,
+            }
+        );
+    }
+
+    #[test]
+    fn a_failed_step_or_check_is_the_error() {
+        let refuse = |_: &Keys| Err(ConfigError::invalid("zone", "no"));
+        let err = Overrides::new(Keys::default())
+            .validate(refuse)
+            .unwrap_err();
+        assert!(err.to_string().contains("`zone`"), "{err}");
+        let failed = Overrides::new(Keys::default())
+            .step(|_| Err(ConfigError::invalid("token_file", "unreadable")));
+        assert!(failed.is_err());
+        let ok = Overrides::new(Keys::default())
+            .step(|c| {
+                c.on = true;
+                Ok(())
+            })
+            .unwrap()
+            .validate(|c| if c.on { Ok(()) } else { refuse(c) });
+        assert!(ok.is_ok());
     }
 }

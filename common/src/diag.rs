@@ -2,7 +2,10 @@
 //! --output FILE.tar.gz`, the same for the servers). One `.tar.gz` with the version, the
 //! config with every secret redacted, what the running process's admin listener answers
 //! (or a note saying why it did not), the last log lines (or a note saying where they
-//! are), and whatever the binary adds (the agent's `check` results).
+//! are), and whatever the binary adds (the agent's `check` results, the tunnel server's
+//! co-located front: its config and its admin listener's answers). Every binary's
+//! subcommand has the same shape: [`Diag::start`] (output check, redacted config,
+//! environment), what it collects, [`Diag::write`], all run by [`run`].
 //!
 //! Secrets never reach the archive, by two independent rules:
 //! 1. the config is re-written from its parsed TOML (comments dropped) with the value of

@@ -1,9 +1,22 @@
-//! Pieces every relay binary shares: the admin HTTP listener (`/metrics`, `/healthz`,
-//! `/readyz` and binary-specific routes), the status pages' HTML (`html`: layout, tables,
-//! escaping), TOML config loading with errors that name the key, the `Secret` newtype, the
-//! tokio runtime, shutdown signals and tracing setup.
+//! What the three relay binaries share, so that each rule of the relay's edges is written
+//! once:
 //!
-//! Nothing here knows about tunnels or calls; it must stay free of product logic.
+//! - **Process plumbing**: TOML config loading with errors that name the key and the flag
+//!   overrides over it (`config`), the `Secret` newtype (`secret`), the tokio runtime
+//!   (`runtime`), shutdown signals (`shutdown`), tracing setup (`telemetry`), the wall
+//!   clock (`wall`) and the support archive (`diag`).
+//! - **Serving and dialing**: the admin HTTP listener and the status pages' HTML (`admin`,
+//!   `html`), accepting connections under limits (`listen`, `socket`), TLS for every hop
+//!   (`tls`), HTTP/2 limits, sockets and gRPC endpoints (`h2`, `h2io`, `grpc`, `peer`).
+//! - **The relay's shared vocabulary**: the rules both ends of a hop must agree on, kept
+//!   here so no binary depends on another: tunnel ids and server ids as every process
+//!   checks them (`tunnel_id`, `server_id`), hop-by-hop header rules (`hop`), host rules
+//!   for peer-supplied URLs (`hosts`), the one wildcard (`glob`) and the smoothed round-trip
+//!   time (`rtt`). The listener's limits count per tunnel id (`listen`).
+//!
+//! What must not live here: a component's decisions. Which stream takes a call, how an
+//! agent sizes its pool, where a dispatcher routes, what a call's outcome is: those stay in
+//! the binary that makes them. This crate knows names and limits, never a call's course.
 
 pub mod admin;
 pub mod config;

@@ -1,6 +1,8 @@
 //! Tunnel ids: readable names of 1-128 bytes of `A-Z a-z 0-9 . _ -`. Every process checks
-//! them with [`is_valid`] (token stores, report streams, records read from Redis, the
-//! dispatcher's `/relay/{tunnel_id}/` paths), or holds one checked as a [`TunnelId`].
+//! them where they enter it: the tunnel server parses its token store's into [`TunnelId`]s
+//! (so an agent stream's tunnel id was checked when the store loaded), and the dispatcher
+//! checks with [`is_valid`] the ids of report streams, of records read from Redis and of
+//! its `/relay/{tunnel_id}/` paths.
 
 /// Longest tunnel id, in bytes.
 pub const MAX_LEN: usize = 128;

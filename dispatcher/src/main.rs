@@ -4,6 +4,8 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use relay_common::config::Overrides;
+use relay_common::Secret;
 use relay_dispatcher::{CallerConfig, Config, Listeners};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -58,29 +60,22 @@ enum Command {
     },
 }
 
+/// The config file with the flags and `RELAY_*` variables over it, validated.
 fn config(args: Args) -> anyhow::Result<Config> {
-    let mut config: Config = relay_common::config::load(args.config.as_deref())?;
-    if let Some(a) = args.listen {
-        config.listen = a;
-    }
-    if let Some(a) = args.registry_listen {
-        config.registry_listen = a;
-    }
-    if let Some(a) = args.admin_listen {
-        config.admin_listen = a;
-    }
-    if let Some(key) = args.caller_key {
-        config
-            .callers
-            .push(CallerConfig::allow_all("default", &key));
-    }
-    if let Some(key) = args.registry_record_key {
-        config.registry.record_key = Some(relay_common::Secret::new(key));
-    }
-    if let Some(url) = args.registry_url {
-        config.registry.url = Some(relay_common::Secret::new(url));
-    }
-    config.validate()?;
+    let config = Overrides::load(args.config.as_deref())?
+        .set(args.listen, |c: &mut Config, a| c.listen = a)
+        .set(args.registry_listen, |c, a| c.registry_listen = a)
+        .set(args.admin_listen, |c, a| c.admin_listen = a)
+        .set(args.caller_key, |c, key| {
+            c.callers.push(CallerConfig::allow_all("default", &key))
+        })
+        .set(args.registry_record_key, |c, key| {
+            c.registry.record_key = Some(Secret::new(key))
+        })
+        .set(args.registry_url, |c, url| {
+            c.registry.url = Some(Secret::new(url))
+        })
+        .validate(Config::validate)?;
     Ok(config)
 }
 

@@ -15,7 +15,7 @@
 //! bounds and are checked after decoding, with the clearer errors of each hop. This module
 //! reads bytes only: no allocation, no I/O.
 
-use crate::{field_key, length_delimited, skip_field, MalformedHeader, MALFORMED};
+use crate::head::{field_key, length_delimited, skip_field, MalformedHeader, MALFORMED};
 
 /// A repeated field reached from a message through embedded message fields, and the most
 /// entries one message may hold of it.

@@ -38,7 +38,7 @@
 //! not announce it gets a body from a head as a body frame of its own.
 
 use crate::handle::{CallCredit, CallSlot};
-use crate::hub::{AcquireError, Hub, Lease};
+use crate::hub::{AcquireError, Hub, InFlight, Lease};
 use crate::outcome::Outcome;
 use dashmap::DashMap;
 use futures::{FutureExt, Stream, StreamExt};
@@ -117,22 +117,6 @@ struct Reservation(u64, Arc<Reservations>);
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.1.waiting.remove(&self.0);
-    }
-}
-
-/// Counts the call in `relay_tunnel_calls_in_flight` while it holds a stream.
-struct InFlight(prometheus::IntGauge);
-
-impl InFlight {
-    fn new(gauge: &prometheus::IntGauge) -> Self {
-        gauge.inc();
-        InFlight(gauge.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.dec();
     }
 }
 
@@ -224,8 +208,8 @@ impl Call {
         I: Stream<Item = Result<ForwardRequest, Status>> + Send + Unpin,
     {
         let hub = self.hub.clone();
-        if !self.request.body.is_empty()
-            && (!self.request.end_of_stream || self.request.body.len() > relay_proto::MAX_CHUNK)
+        if relay_proto::check_inline_body(self.request.body.len(), self.request.end_of_stream)
+            .is_err()
         {
             let why =
                 "a request head's body must be the whole body (end_of_stream) of at most 64 KiB";
@@ -270,7 +254,7 @@ impl Call {
         };
         let on_stream = OnStream {
             call_id,
-            _in_flight: InFlight::new(&hub.metrics.in_flight),
+            _in_flight: hub.call_in_flight(),
             _lease: lease,
         };
         let stream = on_stream._lease.stream().clone();

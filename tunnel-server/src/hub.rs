@@ -61,6 +61,8 @@ pub struct Hub {
     fleet: Mutex<FleetViews>,
     /// Wakes the reporters when a tunnel id gets its first stream or loses its last.
     pub changed: Notify,
+    /// Wakes [`Hub::settled`] when a tunnel id loses its last stream or a call ends.
+    settle: Notify,
     /// Counts calls that had to wait in a queue: the pressure hints and the load reports
     /// go out at once when it moves, not at their next period.
     pub queued_calls: tokio::sync::watch::Sender<u64>,
@@ -69,6 +71,17 @@ pub struct Hub {
     next_call_id: AtomicU64,
     pub limits: Limits,
     pub metrics: ServerMetrics,
+}
+
+/// A call holding a stream ([`Hub::call_in_flight`]): counted in
+/// `relay_tunnel_calls_in_flight` until dropped, and its end wakes [`Hub::settled`].
+pub struct InFlight(Arc<Hub>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.metrics.in_flight.dec();
+        self.0.settle.notify_waiters();
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -180,6 +193,7 @@ impl Hub {
             tunnels: DashMap::new(),
             fleet: Mutex::default(),
             changed: Notify::new(),
+            settle: Notify::new(),
             queued_calls: tokio::sync::watch::Sender::new(0),
             draining: AtomicBool::new(false),
             next_stream_id: AtomicU64::new(1),
@@ -269,6 +283,7 @@ impl Hub {
                 let _ = self.metrics.streams.remove_label_values(&[&tunnel.id]);
                 let _ = self.metrics.queued.remove_label_values(&[&tunnel.id]);
                 self.changed.notify_waiters();
+                self.settle.notify_waiters();
             }
         }
     }
@@ -457,6 +472,29 @@ impl Hub {
         self.tunnels.is_empty()
     }
 
+    /// Resolves once no agent stream is left and no call holds a stream: the end of a
+    /// drain. Woken by the events that can make it true (a tunnel id's last stream
+    /// leaving, a call ending), never by polling.
+    pub async fn settled(&self) {
+        loop {
+            let notified = self.settle.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so an event between the check and the wait
+            // still wakes it.
+            notified.as_mut().enable();
+            if self.is_empty() && self.metrics.in_flight.get() <= 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Counts a call in `relay_tunnel_calls_in_flight` while the returned guard lives.
+    pub fn call_in_flight(self: &Arc<Self>) -> InFlight {
+        self.metrics.in_flight.inc();
+        InFlight(self.clone())
+    }
+
     /// Tunnel ids holding at least one stream here.
     pub fn tunnel_ids(&self) -> Vec<String> {
         self.tunnels.iter().map(|t| t.key().clone()).collect()
@@ -557,5 +595,47 @@ impl Drop for Waiting {
         if let Ok(stream) = self.rx.try_recv() {
             self.tunnel.release(stream);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn hub() -> Arc<Hub> {
+        let metrics = ServerMetrics::register(&prometheus::Registry::new()).unwrap();
+        Arc::new(Hub::new(
+            Limits {
+                max_queue_per_tunnel: 8,
+                max_streams_per_token: 8,
+                max_response_headers: 16,
+                max_response_header_bytes: 4096,
+            },
+            metrics,
+        ))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_settles_when_the_last_call_ends_and_not_before() {
+        let hub = hub();
+        // Nothing held: settled at once.
+        hub.settled().await;
+        let calls = [hub.call_in_flight(), hub.call_in_flight()];
+        let settled = tokio::spawn({
+            let hub = hub.clone();
+            async move { hub.settled().await }
+        });
+        let [first, second] = calls;
+        drop(first);
+        // Virtual time: an hour passes at once, and the waiter must still be waiting.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        assert!(!settled.is_finished(), "settled with a call in flight");
+        drop(second);
+        tokio::time::timeout(Duration::from_secs(1), settled)
+            .await
+            .expect("settled once the last call ended")
+            .unwrap();
+        assert_eq!(hub.metrics.in_flight.get(), 0);
     }
 }

@@ -5,6 +5,8 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use relay_common::config::Overrides;
+use relay_common::Secret;
 use relay_tunnel_server::{Config, Front, Listeners};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -249,40 +251,22 @@ fn main_inner(args: Args) -> anyhow::Result<()> {
         .block_on(serve(config, front_config))
 }
 
-/// The config file with the flags and `RELAY_*` variables applied, validated.
+/// The config file with the flags and `RELAY_*` variables over it, validated.
 fn load(args: Args) -> anyhow::Result<Config> {
-    let mut config: Config = relay_common::config::load(args.config.as_deref())?;
-    if let Some(v) = args.server_id {
-        config.server_id = v;
-    }
-    if let Some(v) = args.dispatcher_key {
-        config.dispatcher_key = Some(relay_common::Secret::new(v));
-    }
-    if let Some(v) = args.zone {
-        config.zone = v;
-    }
-    if let Some(v) = args.agent_listen {
-        config.agent_listen = v;
-    }
-    if let Some(v) = args.forward_listen {
-        config.forward_listen = v;
-    }
-    if let Some(v) = args.admin_listen {
-        config.admin_listen = v;
-    }
-    if let Some(v) = args.forward_url {
-        config.forward_url = Some(v);
-    }
-    if !args.dispatchers.is_empty() {
-        config.dispatchers = args.dispatchers;
-    }
-    if let Some(v) = args.token_store {
-        config.token_store = Some(v);
-    }
-    if let Some(v) = args.front_config {
-        config.front_config = Some(v);
-    }
-    config.validate()?;
+    let config = Overrides::load(args.config.as_deref())?
+        .set(args.server_id, |c: &mut Config, v| c.server_id = v)
+        .set(args.dispatcher_key, |c, v| {
+            c.dispatcher_key = Some(Secret::new(v))
+        })
+        .set(args.zone, |c, v| c.zone = v)
+        .set(args.agent_listen, |c, v| c.agent_listen = v)
+        .set(args.forward_listen, |c, v| c.forward_listen = v)
+        .set(args.admin_listen, |c, v| c.admin_listen = v)
+        .set(args.forward_url, |c, v| c.forward_url = Some(v))
+        .list(args.dispatchers, |c, v| c.dispatchers = v)
+        .set(args.token_store, |c, v| c.token_store = Some(v))
+        .set(args.front_config, |c, v| c.front_config = Some(v))
+        .validate(Config::validate)?;
     Ok(config)
 }
 

@@ -104,7 +104,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
                 .auth_failed(conn, "agent stream refused: missing or unknown token");
             return Err(Status::unauthenticated("missing or unknown tunnel token"));
         };
-        if let Err(e) = self.listener.authenticate(conn, &tunnel_id) {
+        if let Err(e) = self.listener.authenticate(conn, tunnel_id.as_str()) {
             metrics.opens.with_label_values(&["exhausted"]).inc();
             return Err(Status::resource_exhausted(e.to_string()));
         }
@@ -553,7 +553,7 @@ impl Reader {
                         Ok(())
                     })
                     .map_err(protocol)?;
-                if head.body.len() > relay_proto::MAX_CHUNK || (!end && !head.body.is_empty()) {
+                if relay_proto::check_inline_body(head.body.len(), end).is_err() {
                     return Err(protocol(Status::invalid_argument(
                         "a response head carries a body only when it ends the response, and at most 64 KiB",
                     )));

@@ -25,6 +25,7 @@ pub mod edit;
 use parking_lot::RwLock;
 use relay_common::config::ConfigError;
 use relay_common::secret::{ct_eq, sha256_hex};
+use relay_common::tunnel_id::TunnelId;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -44,9 +45,11 @@ struct Entry {
     sha256: String,
 }
 
+/// The store as loaded: each entry's token hash and the tunnel id it opens, parsed once
+/// here, at the boundary where a tunnel id enters the server.
 #[derive(Debug, Clone, Default)]
 pub struct TokenStore {
-    entries: Vec<([u8; 32], String)>,
+    entries: Vec<([u8; 32], TunnelId)>,
 }
 
 impl TokenStore {
@@ -69,23 +72,29 @@ impl TokenStore {
                     "must be 64 hex digits (the SHA-256 of the token)",
                 ));
             }
-            if !valid_tunnel_id(&e.tunnel_id) {
+            let Ok(tunnel_id) = TunnelId::parse(&e.tunnel_id) else {
                 return Err(ConfigError::invalid(
                     format!("tokens[{i}].tunnel_id"),
                     "must be 1-128 characters of A-Z a-z 0-9 . _ -",
                 ));
-            }
-            entries.push((hash, e.tunnel_id));
+            };
+            entries.push((hash, tunnel_id));
         }
         Ok(TokenStore { entries })
     }
 
     /// A store holding one token, for demos and tests.
+    ///
+    /// # Panics
+    /// When `tunnel_id` is not a tunnel id ([`TunnelId::parse`]): demos and tests name
+    /// their own.
     pub fn single(token: &str, tunnel_id: &str) -> Self {
         let mut hash = [0u8; 32];
         let _ = hex::decode_to_slice(sha256_hex(token.as_bytes()), &mut hash);
+        let tunnel_id = TunnelId::parse(tunnel_id)
+            .unwrap_or_else(|e| panic!("TokenStore::single({tunnel_id:?}): {e}"));
         TokenStore {
-            entries: vec![(hash, tunnel_id.to_string())],
+            entries: vec![(hash, tunnel_id)],
         }
     }
 
@@ -95,17 +104,17 @@ impl TokenStore {
 
     /// The tunnel id of a presented token, if any.
     pub fn lookup(&self, token: &str) -> Option<&str> {
-        self.lookup_entry(token).map(|(_, id)| id)
+        self.lookup_entry(token).map(|(_, id)| id.as_str())
     }
 
     /// The stored hash and tunnel id of a presented token, if any.
-    pub fn lookup_entry(&self, token: &str) -> Option<([u8; 32], &str)> {
+    pub fn lookup_entry(&self, token: &str) -> Option<([u8; 32], &TunnelId)> {
         let mut presented = [0u8; 32];
         hex::decode_to_slice(sha256_hex(token.as_bytes()), &mut presented).ok()?;
         let mut found = None;
         for (hash, id) in &self.entries {
             if ct_eq(hash, &presented) && found.is_none() {
-                found = Some((*hash, id.as_str()));
+                found = Some((*hash, id));
             }
         }
         found
@@ -115,7 +124,7 @@ impl TokenStore {
     pub fn contains(&self, hash: &[u8; 32], tunnel_id: &str) -> bool {
         self.entries
             .iter()
-            .any(|(h, id)| ct_eq(h, hash) && id == tunnel_id)
+            .any(|(h, id)| ct_eq(h, hash) && id.as_str() == tunnel_id)
     }
 
     pub fn len(&self) -> usize {
@@ -150,12 +159,12 @@ impl SharedTokens {
     }
 
     /// The stored hash and tunnel id of a presented token, if any.
-    pub fn lookup(&self, token: &str) -> Option<([u8; 32], String)> {
+    pub fn lookup(&self, token: &str) -> Option<([u8; 32], TunnelId)> {
         let found = {
             let store = self.inner.read();
             store
                 .lookup_entry(token)
-                .map(|(hash, id)| (hash, id.to_string()))
+                .map(|(hash, id)| (hash, id.clone()))
         };
         #[cfg(test)]
         {

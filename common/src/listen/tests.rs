@@ -4,6 +4,9 @@ use super::*;
 use crate::devcerts::{write, DevCa};
 use crate::tls::{ClientTls, ServerTls, TlsClient, ALPN_H2};
 use futures::StreamExt;
+use prometheus::Registry;
+use std::future::Future;
+use std::net::IpAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const T0_SECS: u64 = 1_000;

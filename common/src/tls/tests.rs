@@ -2,7 +2,10 @@
 
 use super::*;
 use crate::devcerts::{write, DevCa};
+use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
 
 struct Set {
     /// The set's files, removed with it.
@@ -390,4 +393,28 @@ async fn reloads_follow_file_changes_until_stopped() {
         .await
         .expect("the reload task ends when stopped")
         .unwrap();
+}
+
+#[tokio::test]
+async fn a_dialer_reloads_its_trust_as_a_listener_reloads_its_certificate() {
+    let (s, _) = set("client-reload", false);
+    let addr = serve(TlsServer::new("t", s.server.clone(), ALPN_H2).unwrap()).await;
+    // The dialer starts out trusting another CA, then its `ca` file is replaced by the
+    // server's: the same reload as a listener's, on the same type.
+    let other = DevCa::new("someone else").unwrap();
+    let ca_file = write(s.dir.path(), "dialer-ca.pem", &other.cert_pem).unwrap();
+    let client = TlsClient::new(
+        "c",
+        ClientTls {
+            ca: Some(ca_file.clone()),
+            ..Default::default()
+        },
+        ALPN_H2,
+    )
+    .unwrap();
+    assert!(talk(&client, addr).await.is_err(), "trusted another CA");
+    assert_eq!(Reload::files(&client), vec![ca_file.clone()]);
+    std::fs::copy(&s.ca, &ca_file).unwrap();
+    client.reload().unwrap();
+    talk(&client, addr).await.unwrap();
 }
