@@ -18,10 +18,11 @@ use crate::procs::{
     Spawn, TunnelServerOpts, TunnelServerProc,
 };
 use crate::stack::TOKEN;
+use parking_lot::Mutex;
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -110,18 +111,15 @@ impl Events {
             let mark = if problem { "PROBLEM: " } else { "" };
             eprintln!("[{at_s:>7.1}s] {mark}{what}");
         }
-        self.list
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Event {
-                at_s,
-                what,
-                problem,
-            });
+        self.list.lock().push(Event {
+            at_s,
+            what,
+            problem,
+        });
     }
 
     pub fn list(&self) -> Vec<Event> {
-        self.list.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.list.lock().clone()
     }
 }
 
