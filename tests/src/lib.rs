@@ -6,7 +6,8 @@
 //! HAProxy and Redis fixtures (`haproxy`, `redis`), simulated upstreams (`upstream`),
 //! generated TLS sets (`certs`), and headless Chromium for the status pages (`browser`).
 //! Tests wait for conditions with [`eventually`], [`eventually_ok`] or [`time_until`], and
-//! watch a window with [`holds_for`] where something must not happen. The `relay-fleet`
+//! watch a window with [`holds_for`] where something must not happen; all four, and every
+//! fixture that waits, run the one loop in [`poll`]. The `relay-fleet`
 //! binary (demo and load tester) is built on it.
 
 pub mod browser;
@@ -22,6 +23,7 @@ pub mod lb;
 pub mod ledger;
 pub mod load;
 pub mod metrics;
+pub mod poll;
 pub mod procfleet;
 pub mod procs;
 pub mod promql;
@@ -37,34 +39,27 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = tokio::time::Instant::now() + within;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not true within {within:?}: {what}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    if let Err(e) = poll::until(what, within, || {
+        let f = check();
+        async move { poll::holds(f.await) }
+    })
+    .await
+    {
+        panic!("{e}")
     }
 }
 
 /// Polls `check` every 20 ms until it returns `Ok`, and returns its value; panics naming
 /// `what` and the last error if that takes longer than `within`. [`eventually`] for checks
 /// that can say what is still wrong.
-pub async fn eventually_ok<T, F, Fut>(what: &str, within: std::time::Duration, mut check: F) -> T
+pub async fn eventually_ok<T, F, Fut>(what: &str, within: std::time::Duration, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, String>>,
 {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        match check().await {
-            Ok(v) => return v,
-            Err(e) if tokio::time::Instant::now() >= deadline => {
-                panic!("not true within {within:?}: {what}: {e}")
-            }
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
-        }
-    }
+    poll::until(what, within, check)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Watches `check` every 20 ms for the whole `window`; panics naming `what` the first time
@@ -75,17 +70,16 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let end = tokio::time::Instant::now() + window;
-    loop {
-        assert!(
-            check().await,
-            "no longer true within a {window:?} window: {what}"
-        );
-        if tokio::time::Instant::now() >= end {
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    // Polls for the condition to break; the window passing without that is the success.
+    let broke = poll::until(what, window, || {
+        let f = check();
+        async move { poll::holds(!f.await) }
+    })
+    .await;
+    assert!(
+        broke.is_err(),
+        "no longer true within a {window:?} window: {what}"
+    );
 }
 
 /// Polls `cond` every 20 ms until it holds; how long that took, or `None` at `within`.
@@ -98,12 +92,9 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let started = tokio::time::Instant::now();
-    while started.elapsed() < within {
-        if cond().await {
-            return Some(started.elapsed());
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    None
+    let checked = poll::poll("", within, poll::EVERY, || {
+        let f = cond();
+        async move { poll::holds(f.await) }
+    });
+    checked.await.ok().map(|((), took)| took)
 }

@@ -17,7 +17,7 @@
 
 use relay_tests::client::Caller;
 use relay_tests::procs::{binary, free_addr, metric, scrape, wait_http, AgentOpts, AgentProc};
-use relay_tests::procs::{DispatcherOpts, DispatcherProc, Proc, ScratchDir};
+use relay_tests::procs::{wait_up, DispatcherOpts, DispatcherProc, Proc, ScratchDir};
 use relay_tests::procs::{TunnelServerOpts, TunnelServerProc};
 use relay_tests::promql;
 use relay_tests::stack::{CALLER_KEY, SERVER_KEY, TOKEN, TUNNEL_ID};
@@ -28,7 +28,6 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
-use tokio::time::Instant;
 
 /// The repository root.
 fn repo() -> PathBuf {
@@ -413,26 +412,10 @@ async fn start_node(
         )
         .unwrap();
         let admin = ports[n - 1];
-        let c = Caller::new(admin, None);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = proc.try_exited() {
-                let log = proc.log_tail(30);
-                assert!(
-                    log.contains("Address already in use"),
-                    "{name} exited ({status}) before it was up:\n{log}"
-                );
-                break;
-            }
-            if matches!(c.get("/healthz").await, Ok(a) if a.status == 200) {
-                return Node { proc, admin, ports };
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{name} did not answer /healthz within 20 s:\n{}",
-                proc.log_tail(30)
-            );
-            tokio::time::sleep(Duration::from_millis(25)).await;
+        match wait_up(&mut proc, admin, Duration::from_secs(20)).await {
+            Ok(true) => return Node { proc, admin, ports },
+            Ok(false) => {}
+            Err(e) => panic!("{name}: {e}"),
         }
     }
     panic!("{name}: no free ports after 5 attempts");

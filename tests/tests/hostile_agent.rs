@@ -14,6 +14,7 @@ use relay_dispatcher::CallerConfig;
 use relay_proto::agent_frame::Kind as Out;
 use relay_proto::{BodyChunk, CallError, CallErrorKind, RequestHead, ResponseHead};
 use relay_tests::client::{Answer, Caller};
+use relay_tests::eventually_ok;
 use relay_tests::hostile::HostileAgent;
 use relay_tests::procs::{metric, scrape};
 use relay_tests::stack::{agent_identity, Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
@@ -57,8 +58,9 @@ async fn call_via(
     path: &str,
     timeout_ms: Option<u64>,
 ) -> (JoinHandle<anyhow::Result<Answer>>, RequestHead) {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    let agent = &tokio::sync::Mutex::new(agent);
+    let (method, timeout_ms) = (&method, &timeout_ms);
+    eventually_ok("the hostile agent's stream is routable", WAIT, || async move {
         let mut req = caller.request(method.clone(), path, Bytes::new());
         if let Some(ms) = timeout_ms {
             req.headers_mut()
@@ -66,16 +68,17 @@ async fn call_via(
         }
         let c = caller.clone();
         let mut answer = tokio::spawn(async move { c.call(req).await });
+        let mut agent = agent.lock().await;
         tokio::select! {
-            head = agent.next_call(WAIT) => return (answer, head.expect("the agent gets the call")),
+            head = agent.next_call(WAIT) => Ok((answer, head.expect("the agent gets the call"))),
             a = &mut answer => {
                 let a = a.unwrap().unwrap();
                 assert_eq!(a.status, 503, "before the stream is routable: {}", a.text());
-                assert!(Instant::now() < deadline, "the hostile agent's stream never became routable");
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                Err(format!("{} {}", a.status, a.text()))
             }
         }
-    }
+    })
+    .await
 }
 
 async fn answered(answer: JoinHandle<anyhow::Result<Answer>>) -> Answer {
@@ -310,8 +313,8 @@ async fn stream_answer(
     timeout_ms: u64,
     feed: impl FnOnce(u64) -> JoinHandle<()>,
 ) -> (u16, Result<Bytes, String>, Duration) {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    let agent = &tokio::sync::Mutex::new(agent);
+    let (sent, call) = eventually_ok("routable", WAIT, || async move {
         let mut req = caller.request(Method::GET, path, Bytes::new());
         req.headers_mut().insert(
             "x-relay-timeout-ms",
@@ -319,29 +322,29 @@ async fn stream_answer(
         );
         let c = caller.clone();
         let mut sent = tokio::spawn(async move { c.send(req).await });
-        let call = tokio::select! {
-            head = agent.next_call(WAIT) => head.unwrap(),
+        let mut agent = agent.lock().await;
+        tokio::select! {
+            head = agent.next_call(WAIT) => Ok((sent, head.unwrap())),
             r = &mut sent => {
                 let resp = r.unwrap().unwrap();
                 assert_eq!(resp.status(), 503);
-                assert!(Instant::now() < deadline, "never routable");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                continue;
+                Err(format!("never routable: {}", resp.status()))
             }
-        };
-        let started = Instant::now();
-        let feeder = feed(call.call_id);
-        let resp = sent.await.unwrap().unwrap();
-        let status = resp.status().as_u16();
-        let body = tokio::time::timeout(WAIT, resp.into_body().collect())
-            .await
-            .expect("the body ends (complete or cut) in time")
-            .map(|b| b.to_bytes())
-            .map_err(|e| e.to_string());
-        let took = started.elapsed();
-        feeder.abort();
-        return (status, body, took);
-    }
+        }
+    })
+    .await;
+    let started = Instant::now();
+    let feeder = feed(call.call_id);
+    let resp = sent.await.unwrap().unwrap();
+    let status = resp.status().as_u16();
+    let body = tokio::time::timeout(WAIT, resp.into_body().collect())
+        .await
+        .expect("the body ends (complete or cut) in time")
+        .map(|b| b.to_bytes())
+        .map_err(|e| e.to_string());
+    let took = started.elapsed();
+    feeder.abort();
+    (status, body, took)
 }
 
 /// A response whose head went out is bounded in time: a body that stalls is cut after

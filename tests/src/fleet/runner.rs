@@ -32,6 +32,7 @@ use super::scenario::{Balancer, Distribution, FaultAction, Placement, Scenario};
 use crate::client::Caller;
 use crate::lb::Policy;
 use crate::load::{Call, CallId, Ended, Expect, Ledger, Plan, Reason};
+use crate::poll;
 use crate::stack::{agent_identity, Runtimes, Stack, CALLER_KEY};
 use crate::upstream::{Upstream, UpstreamHandle};
 use bytes::Bytes;
@@ -785,6 +786,10 @@ async fn reachable(url: &str, what: &str) -> anyhow::Result<SocketAddr> {
 /// How long the run waits for the agents to reach their resting reserve before the load
 /// starts anyway.
 const REST_WAIT: Duration = Duration::from_secs(10);
+/// How long the agents may take to open their streams and route every tunnel id.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+/// How often the waits before the run check the fleet.
+const EVERY: Duration = Duration::from_millis(50);
 
 /// Waits until every agent holds a stream and every tunnel id answers through the relay,
 /// then (embedded, with `servers` known) until every agent covers all `servers` at its
@@ -797,19 +802,28 @@ async fn wait_ready(
     servers: usize,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (landed, total) = agents_landed(fleet).await;
-        if landed == total {
-            break;
-        }
-        if Instant::now() > deadline || stop.is_cancelled() {
-            anyhow::bail!(
-                "only {landed} of {total} agents hold a tunnel stream after 60 s: is the tunnel \
-                 endpoint right and does its token store know the fleet's tokens (relay-fleet tokens)?"
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let deadline = Instant::now() + READY_WITHIN;
+    let landed = poll::poll(
+        "every agent holds a tunnel stream",
+        READY_WITHIN,
+        EVERY,
+        || async {
+            if stop.is_cancelled() {
+                return Ok(false);
+            }
+            match agents_landed(fleet).await {
+                (landed, total) if landed == total => Ok(true),
+                (landed, total) => Err(format!("only {landed} of {total} agents hold one")),
+            }
+        },
+    );
+    match landed.await {
+        Ok((true, _)) => {}
+        Ok((false, _)) => anyhow::bail!("stopped while the agents opened their tunnel streams"),
+        Err(e) => anyhow::bail!(
+            "{e}: is the tunnel endpoint right and does its token store know the fleet's tokens \
+             (relay-fleet tokens)?"
+        ),
     }
     let sem = Arc::new(Semaphore::new(32));
     let mut probes = Vec::new();
@@ -817,32 +831,34 @@ async fn wait_ready(
         let (caller, id, sem) = (caller.clone(), id.clone(), sem.clone());
         probes.push(tokio::spawn(async move {
             let _p = sem.acquire_owned().await;
-            let mut last = String::new();
-            while Instant::now() < deadline {
-                match caller.get(&format!("/relay/{id}/hello")).await {
-                    Ok(a) if a.status == 200 => return Ok(()),
-                    Ok(a) => last = format!("{} {}", a.status, a.text()),
-                    Err(e) => last = e.to_string(),
+            let (caller, path) = (&caller, &format!("/relay/{id}/hello"));
+            let within = deadline.saturating_duration_since(Instant::now());
+            let what = format!("tunnel id {id} routable");
+            poll::poll(what, within, EVERY, || async move {
+                match caller.get(path).await {
+                    Ok(a) if a.status == 200 => Ok(()),
+                    Ok(a) => Err(format!("last answer {} {}", a.status, a.text())),
+                    Err(e) => Err(format!("last answer {e}")),
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(anyhow::anyhow!(
-                "tunnel id {id} not routable within 60 s: last answer {last}"
-            ))
+            })
+            .await
         }));
     }
     for p in probes {
         p.await??;
     }
     if servers > 0 {
-        let rest_deadline = Instant::now() + REST_WAIT;
-        while Instant::now() < rest_deadline && !stop.is_cancelled() {
-            let (resting, total) = agents_at_rest(fleet, servers).await;
-            if resting == total {
-                break;
+        // Best effort: the run starts anyway once `REST_WAIT` has passed.
+        let _ = poll::poll("the agents at rest", REST_WAIT, EVERY, || async {
+            if stop.is_cancelled() {
+                return Ok(());
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            match agents_at_rest(fleet, servers).await {
+                (resting, total) if resting == total => Ok(()),
+                _ => Err(""),
+            }
+        })
+        .await;
     }
     Ok(())
 }
