@@ -1,19 +1,24 @@
 //! relay's end-to-end harness: the whole stack on loopback (`stack`), the relay's binaries
-//! as child processes (`procs`) and as a fleet for fault tests (`procfleet`), a fake tunnel
-//! server for the dispatcher's tests (`fake_server`), a hand-driven agent (`hostile`), a
-//! backend client (`client`), the tests' load generator with its call ledger (`load`) and
-//! the per-hop accounting (`ledger`), the stream-placing load-balancer fixture (`lb`), real
-//! HAProxy and Redis fixtures (`haproxy`, `redis`), simulated upstreams (`upstream`),
-//! generated TLS sets (`certs`), and headless Chromium for the status pages (`browser`).
-//! Tests wait for conditions with [`eventually`], [`eventually_ok`] or [`time_until`], and
-//! watch a window with [`holds_for`] where something must not happen; all four, and every
-//! fixture that waits, run the one loop in [`poll`]. The `relay-fleet`
-//! binary (demo and load tester) is built on it.
+//! as child processes (`procs`) and as a fleet for fault tests (`procfleet`, the one way
+//! to start a fleet of them), a fake tunnel server for the dispatcher's tests
+//! (`fake_server`) and the dispatcher alone with its client (`dispatcher`), a hand-driven
+//! agent (`hostile`), a backend client (`client`), the tests' load generator with its call
+//! ledger (`load`) and the per-hop accounting (`ledger`), the stream-placing load-balancer
+//! fixture (`lb`), real HAProxy and Redis fixtures (`haproxy`, `redis`), two dispatchers
+//! sharing one Redis (`shared_registry`), simulated upstreams (`upstream`), generated TLS
+//! sets (`certs`), the deploy kit's TLS stack and Prometheus (`deploy`), and headless
+//! Chromium for the status pages (`browser`). Tests wait for conditions with
+//! [`eventually`], [`eventually_ok`] or [`time_until`], and watch a window with
+//! [`holds_for`] where something must not happen; all four, and every fixture that waits,
+//! run the one loop in [`poll`]. The `relay-fleet` binary (demo and load tester) is built
+//! on it.
 
 pub mod browser;
 pub mod certs;
 pub mod checks;
 pub mod client;
+pub mod deploy;
+pub mod dispatcher;
 pub mod fake_server;
 pub mod fault;
 pub mod fleet;
@@ -28,6 +33,7 @@ pub mod procfleet;
 pub mod procs;
 pub mod promql;
 pub mod redis;
+pub mod shared_registry;
 pub mod soak;
 pub mod stack;
 pub mod upstream;
