@@ -1,6 +1,8 @@
-//! One fleet of relay processes for the fault tests: a dispatcher, tunnel servers and
-//! agents run as child processes (`crate::procs`) with a simulated upstream, optionally
-//! behind a real HAProxy; faults are process signals (kill, stop, drain, restart) and a
+//! Fleets of relay processes. [`FleetSpec::start`] is the one way the harness starts the
+//! relay's processes together (a dispatcher or a co-located front, tunnel servers,
+//! optionally HAProxy, agents; `crate::procs` children); the soak's rig and the process
+//! tests start theirs with it. On top, the fleet of the fault tests ([`Fleet`]), with a
+//! simulated upstream: faults are process signals (kill, stop, drain, restart) and a
 //! connection dropped silently on the path ([`Blackhole`]). Each fleet checks its own
 //! per-hop accounting ([`Fleet::accounted`]): every call the callers sent is counted once
 //! at every hop it reached.
@@ -120,7 +122,7 @@ pub struct FleetSpec {
     /// How every child is spawned.
     pub spawn: Spawn,
     /// The scratch directory's name prefix.
-    pub scratch: &'static str,
+    pub scratch: String,
 }
 
 /// HAProxy between the agents and the servers.
@@ -164,7 +166,7 @@ impl FleetSpec {
             !self.colocated || self.servers > 0,
             "the co-located shape needs a tunnel server to serve its front"
         );
-        let dir = ScratchDir::new(self.scratch)?;
+        let dir = ScratchDir::new(&self.scratch)?;
         let how = &self.spawn;
         let server_opts = |i: usize, registry_url: &str, extra: String| TunnelServerOpts {
             server_id: format!("ts-{}", i + 1),
@@ -362,7 +364,7 @@ impl Fleet {
                 ..AgentOpts::default()
             },
             spawn: Spawn::default(),
-            scratch: "fleet",
+            scratch: "fleet".into(),
         };
         let FleetProcs {
             mut agents,

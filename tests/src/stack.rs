@@ -155,13 +155,13 @@ impl StackBuilder {
         self
     }
 
-    /// Zone of each server in order (the rest get "zone-<i>").
+    /// Zone of each server in order (the rest get `"zone-<i>"`).
     pub fn zones(mut self, zones: &[&str]) -> Self {
         self.zones = zones.iter().map(|z| z.to_string()).collect();
         self
     }
 
-    /// Server id of each server in order (the rest get "ts-<i>").
+    /// Server id of each server in order (the rest get `"ts-<i>"`).
     pub fn server_ids(mut self, ids: &[&str]) -> Self {
         self.server_ids = ids.iter().map(|z| z.to_string()).collect();
         self

@@ -1,7 +1,7 @@
 //! The processes of an embedded soak (the release binaries as children: a dispatcher,
 //! tunnel servers, an agent, optionally HAProxy between the agent and the servers; or in
-//! the co-located mode no dispatcher process, ts-1 serving the front itself) and
-//! the faults injected into them while the load runs: rolling restarts (SIGTERM, wait
+//! the co-located mode no dispatcher process, ts-1 serving the front itself; started
+//! with [`crate::procfleet::FleetSpec`]) and the faults injected into them while the load runs: rolling restarts (SIGTERM, wait
 //! for the exit, start again on the same ports, wait until the fleet is whole) and a
 //! SIGKILL of one server, optionally restarted.
 //!
@@ -189,7 +189,7 @@ impl Rig {
                 ..AgentOpts::default()
             },
             spawn: spec.spawn.clone(),
-            scratch: "soak",
+            scratch: "soak".into(),
         };
         let FleetProcs {
             mut agents,
