@@ -299,7 +299,7 @@ pub async fn call_via(
 ) -> (JoinHandle<anyhow::Result<Answer>>, RequestHead) {
     let agent = &tokio::sync::Mutex::new(agent);
     let (method, timeout_ms) = (&method, &timeout_ms);
-    crate::eventually_ok("the hostile agent's stream is routable", WAIT, || async move {
+    crate::eventually("the hostile agent's stream is routable", WAIT, || async move {
         let mut req = caller.request(method.clone(), path, Bytes::new());
         if let Some(ms) = timeout_ms {
             req.headers_mut()
@@ -340,7 +340,7 @@ pub async fn stream_answer(
     feed: impl FnOnce(u64) -> JoinHandle<()>,
 ) -> (u16, Result<Bytes, String>, Duration) {
     let agent = &tokio::sync::Mutex::new(agent);
-    let (sent, call) = crate::eventually_ok("routable", WAIT, || async move {
+    let (sent, call) = crate::eventually("routable", WAIT, || async move {
         let mut req = caller.request(Method::GET, path, Bytes::new());
         req.headers_mut().insert(
             "x-relay-timeout-ms",

@@ -8,8 +8,8 @@
 //! sharing one Redis (`shared_registry`), simulated upstreams (`upstream`), generated TLS
 //! sets (`certs`), the deploy kit's TLS stack and Prometheus (`deploy`), and headless
 //! Chromium for the status pages (`browser`). Tests wait for conditions with
-//! [`eventually`], [`eventually_ok`] or [`time_until`], and watch a window with
-//! [`holds_for`] where something must not happen; all four, and every fixture that waits,
+//! [`eventually`] (or measure one with [`time_until`]), and watch a window with
+//! [`holds_for`] where something must not happen; all three, and every fixture that waits,
 //! run the one loop in [`poll`]. The `relay-fleet` binary (demo and load tester) is built
 //! on it.
 
@@ -38,30 +38,14 @@ pub mod soak;
 pub mod stack;
 pub mod upstream;
 
-/// Polls `check` every 20 ms until it holds; panics naming `what` if it does not within
-/// `within`. Tests wait for conditions this way, never for a fixed sleep.
-pub async fn eventually<F, Fut>(what: &str, within: std::time::Duration, mut check: F)
+/// Polls `check` every 20 ms until it holds (`true`, or `Ok` with the value it returns);
+/// panics naming `what` and the last error if that takes longer than `within`. Tests wait
+/// for conditions this way, never for a fixed sleep.
+pub async fn eventually<C, F, Fut>(what: &str, within: std::time::Duration, check: F) -> C::Value
 where
+    C: poll::Check,
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    if let Err(e) = poll::until(what, within, || {
-        let f = check();
-        async move { poll::holds(f.await) }
-    })
-    .await
-    {
-        panic!("{e}")
-    }
-}
-
-/// Polls `check` every 20 ms until it returns `Ok`, and returns its value; panics naming
-/// `what` and the last error if that takes longer than `within`. [`eventually`] for checks
-/// that can say what is still wrong.
-pub async fn eventually_ok<T, F, Fut>(what: &str, within: std::time::Duration, check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, String>>,
+    Fut: std::future::Future<Output = C>,
 {
     poll::until(what, within, check)
         .await
@@ -79,7 +63,7 @@ where
     // Polls for the condition to break; the window passing without that is the success.
     let broke = poll::until(what, window, || {
         let f = check();
-        async move { poll::holds(!f.await) }
+        async move { !f.await }
     })
     .await;
     assert!(
@@ -90,17 +74,11 @@ where
 
 /// Polls `cond` every 20 ms until it holds; how long that took, or `None` at `within`.
 /// For tests that measure a time against a stated bound rather than only wait.
-pub async fn time_until<F, Fut>(
-    within: std::time::Duration,
-    mut cond: F,
-) -> Option<std::time::Duration>
+pub async fn time_until<F, Fut>(within: std::time::Duration, cond: F) -> Option<std::time::Duration>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let checked = poll::poll("", within, poll::EVERY, || {
-        let f = cond();
-        async move { poll::holds(f.await) }
-    });
-    checked.await.ok().map(|((), took)| took)
+    let took = poll::poll("", within, poll::EVERY, cond).await;
+    took.ok().map(|((), took)| took)
 }

@@ -1,9 +1,12 @@
-//! Waiting for a condition: the harness's one poll loop, [`poll`], and the forms tests
-//! and fixtures call it by. Nothing in the harness waits a fixed time for a condition, and
-//! nothing writes its own deadline loop: a fixture that can fail returns [`until`]'s
-//! [`TimedOut`], a test panics with it through [`crate::eventually`] or
-//! [`crate::eventually_ok`], a test that measures takes [`crate::time_until`]'s duration,
-//! and a window in which something must not happen is watched with [`crate::holds_for`].
+//! Waiting for a condition: the harness's one poll loop, [`poll`]. Nothing in the harness
+//! waits a fixed time for a condition, and nothing writes its own deadline loop: a fixture
+//! that can fail returns [`until`]'s [`TimedOut`], a test panics with it through
+//! [`crate::eventually`], a test that measures takes [`crate::time_until`]'s duration, and
+//! a window in which something must not happen is watched with [`crate::holds_for`].
+//!
+//! A check answers a [`Check`]: a `bool` (holds or not yet), or a `Result` whose `Ok` is
+//! the value waited for and whose `Err` says what is still wrong (the last one is in the
+//! failure message).
 
 use std::fmt;
 use std::future::Future;
@@ -13,6 +16,30 @@ use tokio::time::Instant;
 
 /// How often a condition is checked unless the caller says otherwise.
 pub const EVERY: Duration = Duration::from_millis(20);
+
+/// What a check answers: the value waited for, or what is still wrong.
+pub trait Check {
+    type Value;
+    fn settle(self) -> Result<Self::Value, String>;
+}
+
+impl Check for bool {
+    type Value = ();
+    fn settle(self) -> Result<(), String> {
+        if self {
+            Ok(())
+        } else {
+            Err(String::new())
+        }
+    }
+}
+
+impl<T, E: fmt::Display> Check for Result<T, E> {
+    type Value = T;
+    fn settle(self) -> Result<T, String> {
+        self.map_err(|e| e.to_string())
+    }
+}
 
 /// A condition that did not hold in time: what was awaited, for how long, and the last
 /// thing the check saw (its last error; empty when the check has nothing to say).
@@ -35,29 +62,29 @@ impl fmt::Display for TimedOut {
 
 impl std::error::Error for TimedOut {}
 
-/// The one poll loop: runs `check` every `every` until it returns `Ok`, and returns its
-/// value with how long that took; once `within` has passed, the [`TimedOut`] naming
-/// `what` and the check's last error. The check runs at least once.
-pub async fn poll<T, E, F, Fut>(
+/// The one poll loop: runs `check` every `every` until it settles, and returns its value
+/// with how long that took; once `within` has passed, the [`TimedOut`] naming `what` and
+/// the check's last error. The check runs at least once.
+pub async fn poll<C, F, Fut>(
     what: impl fmt::Display,
     within: Duration,
     every: Duration,
     mut check: F,
-) -> Result<(T, Duration), TimedOut>
+) -> Result<(C::Value, Duration), TimedOut>
 where
-    E: fmt::Display,
+    C: Check,
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, E>>,
+    Fut: Future<Output = C>,
 {
     let started = Instant::now();
     loop {
-        match check().await {
+        match check().await.settle() {
             Ok(v) => return Ok((v, started.elapsed())),
-            Err(e) if started.elapsed() >= within => {
+            Err(last) if started.elapsed() >= within => {
                 return Err(TimedOut {
                     what: what.to_string(),
                     within,
-                    last: e.to_string(),
+                    last,
                 })
             }
             Err(_) => tokio::time::sleep(every).await,
@@ -66,24 +93,15 @@ where
 }
 
 /// [`poll`] every [`EVERY`], for the value alone: the form fixtures return errors with.
-pub async fn until<T, E, F, Fut>(
+pub async fn until<C, F, Fut>(
     what: impl fmt::Display,
     within: Duration,
     check: F,
-) -> Result<T, TimedOut>
+) -> Result<C::Value, TimedOut>
 where
-    E: fmt::Display,
+    C: Check,
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, E>>,
+    Fut: Future<Output = C>,
 {
     poll(what, within, EVERY, check).await.map(|(v, _)| v)
-}
-
-/// A check's answer for a condition that has nothing to say but "not yet".
-pub fn holds(yes: bool) -> Result<(), &'static str> {
-    if yes {
-        Ok(())
-    } else {
-        Err("")
-    }
 }

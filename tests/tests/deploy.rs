@@ -265,7 +265,7 @@ fn systemd_units_are_hardened_and_pass_systemd_analyze_verify() {
 /// Waits until `proc`'s log contains `needle`, failing if it exits first.
 async fn wait_log(proc: &mut Proc, needle: &str, within: Duration) {
     let what = format!("{} logs {needle:?}", proc.name);
-    let exited = relay_tests::eventually_ok(&what, within, || {
+    let exited = relay_tests::eventually(&what, within, || {
         let seen = match proc.try_exited() {
             Some(status) => Ok(Some(status)),
             None if proc.log().contains(needle) => Ok(None),
@@ -645,7 +645,7 @@ async fn prometheus_sees_every_series_and_fires_alerts_when_a_token_is_revoked()
 
     // Every target is scraped.
     let p = &prometheus;
-    relay_tests::eventually_ok("all 4 targets up", Duration::from_secs(30), || async move {
+    relay_tests::eventually("all 4 targets up", Duration::from_secs(30), || async move {
         let up = p.query("up == 1").await;
         if up.len() == 4 {
             Ok(())
@@ -672,7 +672,7 @@ async fn prometheus_sees_every_series_and_fires_alerts_when_a_token_is_revoked()
         }
     }
     let selectors = &selectors;
-    relay_tests::eventually_ok(
+    relay_tests::eventually(
         "every selected series in Prometheus",
         Duration::from_secs(30),
         || async move {
@@ -711,7 +711,7 @@ async fn prometheus_sees_every_series_and_fires_alerts_when_a_token_is_revoked()
     })
     .await;
     let expected = ["RelayAgentNoLiveStream", "RelayTokenRefused"];
-    let firing = relay_tests::eventually_ok(
+    let firing = relay_tests::eventually(
         "RelayAgentNoLiveStream and RelayTokenRefused fire",
         Duration::from_secs(60),
         || async move {

@@ -136,7 +136,7 @@ async fn diag_archives_hold_what_support_needs_and_no_secret() {
         .unwrap();
     // The dispatcher routes the tunnel id once the server has reported it.
     let routes = relay_tests::client::Caller::new(dispatcher.admin, None);
-    relay_tests::eventually_ok(
+    relay_tests::eventually(
         "the dispatcher routes acme",
         Duration::from_secs(10),
         || async {

@@ -1,9 +1,9 @@
 //! The processes of an embedded soak (the release binaries as children: a dispatcher,
 //! tunnel servers, an agent, optionally HAProxy between the agent and the servers; or in
-//! the co-located mode no dispatcher process, ts-1 serving the front itself; started
-//! with [`crate::procfleet::FleetSpec`]) and the faults injected into them while the load runs: rolling restarts (SIGTERM, wait
-//! for the exit, start again on the same ports, wait until the fleet is whole) and a
-//! SIGKILL of one server, optionally restarted.
+//! the co-located mode no dispatcher process, ts-1 serving the front itself; started with
+//! [`crate::procfleet::FleetSpec`]) and the faults injected into them while the load runs:
+//! rolling restarts (SIGTERM, wait for the exit, start again on the same ports, wait until
+//! the fleet is whole) and a SIGKILL of one server, optionally restarted.
 //!
 //! [`drive`] owns the [`Rig`] for the run and publishes a table of the processes (pid,
 //! log file) on a `watch` channel for the sampler; it records every fault step and every
@@ -14,8 +14,7 @@ use super::{Fault, FaultTiming};
 use crate::client::Caller;
 use crate::haproxy::{Checks, Haproxy};
 use crate::poll;
-use crate::procfleet::FrontAddrs;
-use crate::procfleet::{FleetProcs, FleetSpec, HaproxySpec};
+use crate::procfleet::{FleetProcs, FleetSpec, FrontAddrs, HaproxySpec};
 use crate::procs::{
     metric, scrape, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir, Spawn,
     TunnelServerOpts, TunnelServerProc,
