@@ -419,25 +419,26 @@ impl StalledUpload {
 
     /// Waits until the body stops moving: no byte taken for `quiet`. Fails after `within`.
     pub async fn wait_stalled(&self, quiet: Duration, within: Duration) -> io::Result<u64> {
-        let deadline = tokio::time::Instant::now() + within;
         let mut last = self.sent();
         let mut since = tokio::time::Instant::now();
-        loop {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let stalled = crate::poll::until("the upload stalls", within, || {
             let now = self.sent();
             if now != last {
                 last = now;
                 since = tokio::time::Instant::now();
-            } else if since.elapsed() >= quiet {
-                return Ok(now);
             }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("the upload kept moving ({now} bytes taken)"),
-                ));
+            let quiet_now = since.elapsed() >= quiet;
+            async move {
+                if quiet_now {
+                    Ok(now)
+                } else {
+                    Err(format!("the upload kept moving ({now} bytes taken)"))
+                }
             }
-        }
+        });
+        stalled
+            .await
+            .map_err(|e| io::Error::new(io::ErrorKind::TimedOut, e.last))
     }
 }
 

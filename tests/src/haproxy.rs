@@ -22,7 +22,6 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
-use tokio::time::Instant;
 
 /// One backend: a tunnel server's agent-facing listener, its admin listener (health
 /// check on `/readyz`) and its weight.
@@ -433,21 +432,26 @@ impl Haproxy {
             self.dir.path().join(format!("haproxy-{}.log", self.starts)),
         )?;
         self.proc = Some(proc);
-        // Up once its stats page answers (it binds every frontend together).
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let c = crate::client::Caller::new(self.stats, None);
-        loop {
-            if matches!(c.get("/stats;csv").await, Ok(a) if a.status == 200) {
-                return Ok(());
-            }
-            if let Some(p) = self.proc.as_mut() {
-                if let Some(s) = p.try_exited() {
-                    anyhow::bail!("haproxy exited ({s}): {}", p.log_tail(20));
+        // Up once its stats page answers (it binds every frontend together), or exited.
+        let c = &crate::client::Caller::new(self.stats, None);
+        let proc = &mut self.proc;
+        let up = crate::poll::until("haproxy comes up", Duration::from_secs(10), || {
+            let exited = proc.as_mut().and_then(|p| p.try_exited());
+            async move {
+                if exited.is_some() {
+                    return Ok(exited);
+                }
+                match c.get("/stats;csv").await {
+                    Ok(a) if a.status == 200 => Ok(None),
+                    last => Err(format!("{last:?}")),
                 }
             }
-            anyhow::ensure!(Instant::now() < deadline, "haproxy did not come up");
-            tokio::time::sleep(Duration::from_millis(25)).await;
+        })
+        .await?;
+        if let (Some(s), Some(p)) = (up, self.proc.as_ref()) {
+            anyhow::bail!("haproxy exited ({s}): {}", p.log_tail(20));
         }
+        Ok(())
     }
 
     /// Kills haproxy (every agent connection drops at once, as in a crash or a hard

@@ -5,8 +5,13 @@
 //! It answers heartbeats (so its stream stays confirmed and routable), acknowledges a
 //! `Cancel` like any agent (a CallError CANCELLED, after which frames the test still sends
 //! for that call are dropped), and hands the test every `RequestHead` it is given;
-//! everything else the test sends itself.
+//! everything else the test sends itself. [`call_via`] and [`stream_answer`] send a call
+//! through the front until the hostile agent is handed it.
 
+use crate::client::{Answer, Caller};
+use bytes::Bytes;
+use http::Method;
+use http_body_util::BodyExt;
 use relay_proto::agent_frame::Kind as Out;
 use relay_proto::server_frame::Kind as In;
 use relay_proto::tunnel_client::TunnelClient;
@@ -15,6 +20,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 /// How a hostile agent's stream ended: `Some(Ok(()))` when the server closed it with OK,
@@ -272,4 +279,96 @@ async fn connect(
         inbound,
         _out: tx,
     })
+}
+
+// ---------------------------------------------------------------------------------------
+// Calls through the front to a hostile agent
+
+/// How long a call through the front to a hostile agent may take at each step.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// Sends `req` through the front until the hostile agent is handed the call (calls sent
+/// while its stream is not yet routable get 503 and are sent again). Returns the caller's
+/// pending answer and the head the agent got.
+pub async fn call_via(
+    caller: &Caller,
+    agent: &mut HostileAgent,
+    method: Method,
+    path: &str,
+    timeout_ms: Option<u64>,
+) -> (JoinHandle<anyhow::Result<Answer>>, RequestHead) {
+    let agent = &tokio::sync::Mutex::new(agent);
+    let (method, timeout_ms) = (&method, &timeout_ms);
+    crate::eventually("the hostile agent's stream is routable", WAIT, || async move {
+        let mut req = caller.request(method.clone(), path, Bytes::new());
+        if let Some(ms) = timeout_ms {
+            req.headers_mut()
+                .insert("x-relay-timeout-ms", ms.to_string().parse().unwrap());
+        }
+        let c = caller.clone();
+        let mut answer = tokio::spawn(async move { c.call(req).await });
+        let mut agent = agent.lock().await;
+        tokio::select! {
+            head = agent.next_call(WAIT) => Ok((answer, head.expect("the agent gets the call"))),
+            a = &mut answer => {
+                let a = a.unwrap().unwrap();
+                assert_eq!(a.status, 503, "before the stream is routable: {}", a.text());
+                Err(format!("{} {}", a.status, a.text()))
+            }
+        }
+    })
+    .await
+}
+
+/// The caller's answer to a call [`call_via`] sent, within the wait.
+pub async fn answered(answer: JoinHandle<anyhow::Result<Answer>>) -> Answer {
+    tokio::time::timeout(WAIT, answer)
+        .await
+        .expect("the caller is answered in time")
+        .unwrap()
+        .expect("the caller gets an HTTP answer (no dispatcher task panicked)")
+}
+
+/// Sends a GET of `path` (call deadline `timeout_ms`) through the front until `agent` is
+/// handed it, lets `feed` answer it, and reads the streamed answer: the status, and how the body ended (`Err` with the error when
+/// it was cut).
+pub async fn stream_answer(
+    caller: &Caller,
+    agent: &mut HostileAgent,
+    path: &str,
+    timeout_ms: u64,
+    feed: impl FnOnce(u64) -> JoinHandle<()>,
+) -> (u16, Result<Bytes, String>, Duration) {
+    let agent = &tokio::sync::Mutex::new(agent);
+    let (sent, call) = crate::eventually("routable", WAIT, || async move {
+        let mut req = caller.request(Method::GET, path, Bytes::new());
+        req.headers_mut().insert(
+            "x-relay-timeout-ms",
+            timeout_ms.to_string().parse().unwrap(),
+        );
+        let c = caller.clone();
+        let mut sent = tokio::spawn(async move { c.send(req).await });
+        let mut agent = agent.lock().await;
+        tokio::select! {
+            head = agent.next_call(WAIT) => Ok((sent, head.unwrap())),
+            r = &mut sent => {
+                let resp = r.unwrap().unwrap();
+                assert_eq!(resp.status(), 503);
+                Err(format!("never routable: {}", resp.status()))
+            }
+        }
+    })
+    .await;
+    let started = Instant::now();
+    let feeder = feed(call.call_id);
+    let resp = sent.await.unwrap().unwrap();
+    let status = resp.status().as_u16();
+    let body = tokio::time::timeout(WAIT, resp.into_body().collect())
+        .await
+        .expect("the body ends (complete or cut) in time")
+        .map(|b| b.to_bytes())
+        .map_err(|e| e.to_string());
+    let took = started.elapsed();
+    feeder.abort();
+    (status, body, took)
 }

@@ -25,7 +25,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -38,6 +38,7 @@ use hyper::service::service_fn;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use parking_lot::{Mutex, MutexGuard};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::net::{TcpListener, TcpStream};
@@ -177,7 +178,7 @@ impl LbBuilder {
                 reset: Mutex::new(cancel.child_token()),
             })
             .collect();
-        let shared = Arc::new(Shared {
+        let state = Arc::new(ProxyState {
             backends,
             placement: Mutex::new(Placement {
                 policy: self.policy,
@@ -193,13 +194,13 @@ impl LbBuilder {
         let tracker = TaskTracker::new();
         tracker.spawn(accept_loop(
             listener,
-            shared.clone(),
+            state.clone(),
             tracker.clone(),
             self.max_concurrent_streams,
         ));
         Ok(LbHandle {
             addr,
-            shared,
+            state,
             tracker,
         })
     }
@@ -210,7 +211,7 @@ impl LbBuilder {
 pub struct LbHandle {
     /// Where clients (agents) connect: `http://{addr}`.
     pub addr: SocketAddr,
-    shared: Arc<Shared>,
+    state: Arc<ProxyState>,
     tracker: TaskTracker,
 }
 
@@ -222,24 +223,24 @@ impl LbHandle {
 
     /// Number of backends.
     pub fn backend_count(&self) -> usize {
-        self.shared.backends.len()
+        self.state.backends.len()
     }
 
     /// Replaces the placement policy; applies to streams arriving from now on.
     pub fn set_policy(&self, policy: Policy) {
-        self.shared.placement().policy = policy;
+        self.state.placement().policy = policy;
     }
 
     /// Replaces the queue of explicit placements: the next streams go to these backend
     /// indexes in order, ahead of the policy, which applies again once the queue is empty.
     pub fn set_next(&self, placements: Vec<usize>) {
-        self.shared.placement().queue = placements.into();
+        self.state.placement().queue = placements.into();
     }
 
     /// Streams placed per backend index so far (including ones whose backend then
     /// failed to answer).
     pub fn placements(&self) -> Vec<u64> {
-        self.shared
+        self.state
             .backends
             .iter()
             .map(|b| b.placed.load(Ordering::Relaxed))
@@ -248,7 +249,7 @@ impl LbHandle {
 
     /// Streams currently open per backend index (placed, response not yet finished).
     pub fn open_streams(&self) -> Vec<u64> {
-        self.shared
+        self.state
             .backends
             .iter()
             .map(|b| b.open.load(Ordering::Relaxed))
@@ -257,7 +258,7 @@ impl LbHandle {
 
     /// Streams refused with `503` because no backend could take them.
     pub fn rejected(&self) -> u64 {
-        self.shared.rejected.load(Ordering::Relaxed)
+        self.state.rejected.load(Ordering::Relaxed)
     }
 
     /// Marks a backend down (`true`) or up. Down backends get no new streams from the
@@ -266,7 +267,7 @@ impl LbHandle {
     /// # Panics
     /// If `idx` is not a backend index (a test bug).
     pub fn set_backend_down(&self, idx: usize, down: bool) {
-        self.shared.backend(idx).down.store(down, Ordering::Relaxed);
+        self.state.backend(idx).down.store(down, Ordering::Relaxed);
     }
 
     /// Points backend `idx` at a new address (a restarted server); applies to new streams.
@@ -274,7 +275,7 @@ impl LbHandle {
     /// # Panics
     /// If `idx` is not a backend index (a test bug).
     pub fn set_backend_addr(&self, idx: usize, addr: SocketAddr) {
-        *lock(&self.shared.backend(idx).addr) = addr;
+        *self.state.backend(idx).addr.lock() = addr;
     }
 
     /// Resets every stream currently open on backend `idx` (clients see the stream fail),
@@ -284,14 +285,14 @@ impl LbHandle {
     /// # Panics
     /// If `idx` is not a backend index (a test bug).
     pub fn reset_backend(&self, idx: usize) {
-        let fresh = self.shared.cancel.child_token();
-        let old = std::mem::replace(&mut *lock(&self.shared.backend(idx).reset), fresh);
+        let fresh = self.state.cancel.child_token();
+        let old = std::mem::replace(&mut *self.state.backend(idx).reset.lock(), fresh);
         old.cancel();
     }
 
     /// Stops accepting, ends every stream and waits (up to 5 s) for the proxy's tasks.
     pub async fn shutdown(self) {
-        self.shared.cancel.cancel();
+        self.state.cancel.cancel();
         self.tracker.close();
         let _ = tokio::time::timeout(Duration::from_secs(5), self.tracker.wait()).await;
     }
@@ -299,11 +300,11 @@ impl LbHandle {
 
 impl Drop for LbHandle {
     fn drop(&mut self) {
-        self.shared.cancel.cancel();
+        self.state.cancel.cancel();
     }
 }
 
-struct Shared {
+struct ProxyState {
     backends: Vec<Backend>,
     placement: Mutex<Placement>,
     rejected: AtomicU64,
@@ -312,9 +313,9 @@ struct Shared {
     cancel: CancellationToken,
 }
 
-impl fmt::Debug for Shared {
+impl fmt::Debug for ProxyState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Shared")
+        f.debug_struct("ProxyState")
             .field("backends", &self.backends.len())
             .finish_non_exhaustive()
     }
@@ -325,7 +326,7 @@ struct Backend {
     down: AtomicBool,
     placed: AtomicU64,
     open: Arc<AtomicU64>,
-    /// Cancelled by `reset_backend`; replaced with a fresh child of `Shared::cancel`.
+    /// Cancelled by `reset_backend`; replaced with a fresh child of `ProxyState::cancel`.
     reset: Mutex<CancellationToken>,
 }
 
@@ -355,14 +356,9 @@ impl fmt::Display for Reject {
     }
 }
 
-/// A lock that survives poisoning (a panicking test thread must not wedge the proxy).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Shared {
+impl ProxyState {
     fn placement(&self) -> MutexGuard<'_, Placement> {
-        lock(&self.placement)
+        self.placement.lock()
     }
 
     fn backend(&self, idx: usize) -> &Backend {
@@ -457,7 +453,7 @@ fn choose(policy: &Policy, up: &[bool], rng: &mut StdRng, next_rr: &mut usize) -
 
 async fn accept_loop(
     listener: TcpListener,
-    shared: Arc<Shared>,
+    state: Arc<ProxyState>,
     tracker: TaskTracker,
     max_concurrent_streams: u32,
 ) {
@@ -467,12 +463,12 @@ async fn accept_loop(
         // biased: once stopped, accept nothing more.
         let accepted = tokio::select! {
             biased;
-            _ = shared.cancel.cancelled() => return,
+            _ = state.cancel.cancelled() => return,
             r = listener.accept() => r,
         };
         match accepted {
             Ok((stream, peer)) => {
-                tracker.spawn(serve_conn(stream, peer, shared.clone(), builder.clone()));
+                tracker.spawn(serve_conn(stream, peer, state.clone(), builder.clone()));
             }
             Err(e) => {
                 debug!(error = %e, "load balancer accept failed");
@@ -486,12 +482,12 @@ async fn accept_loop(
 async fn serve_conn(
     stream: TcpStream,
     peer: SocketAddr,
-    shared: Arc<Shared>,
+    state: Arc<ProxyState>,
     builder: http2::Builder<TrackedExecutor>,
 ) {
     let _ = stream.set_nodelay(true);
-    let cancel = shared.cancel.clone();
-    let svc = service_fn(move |req| proxy(shared.clone(), req));
+    let cancel = state.cancel.clone();
+    let svc = service_fn(move |req| proxy(state.clone(), req));
     let conn = builder.serve_connection(TokioIo::new(stream), svc);
     tokio::select! {
         biased;
@@ -504,13 +500,13 @@ async fn serve_conn(
 
 /// Places one stream and proxies it.
 async fn proxy(
-    shared: Arc<Shared>,
+    state: Arc<ProxyState>,
     mut req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
-    let idx = match shared.place() {
+    let idx = match state.place() {
         Ok(idx) => idx,
         Err(reject) => {
-            shared.rejected.fetch_add(1, Ordering::Relaxed);
+            state.rejected.fetch_add(1, Ordering::Relaxed);
             debug!(reason = %reject, "load balancer refused stream");
             return Ok(unavailable(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -518,11 +514,11 @@ async fn proxy(
             ));
         }
     };
-    let backend = &shared.backends[idx];
+    let backend = &state.backends[idx];
     backend.placed.fetch_add(1, Ordering::Relaxed);
     let open = OpenGuard::new(backend.open.clone());
-    let addr = *lock(&backend.addr);
-    let reset = lock(&backend.reset).clone();
+    let addr = *backend.addr.lock();
+    let reset = backend.reset.lock().clone();
 
     let path = req
         .uri()
@@ -542,7 +538,7 @@ async fn proxy(
         _ = reset.cancelled() => {
             return Ok(unavailable(StatusCode::SERVICE_UNAVAILABLE, "backend reset by load balancer"));
         }
-        res = shared.client.request(req) => res,
+        res = state.client.request(req) => res,
     };
     match res {
         Ok(res) => Ok(res.map(|body| ProxyBody::stream(body, reset, open))),

@@ -31,11 +31,12 @@ use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 pub use outcome::{Expect, Failure, Reason};
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -207,10 +208,6 @@ impl Default for Ledger {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Ledger {
     /// A ledger starting now; `keep_calls`: keep every call's record (a long load
     /// keeps only totals, reasons and the histogram, whose memory is fixed).
@@ -280,7 +277,8 @@ impl Ledger {
 
     /// Failures by reason (`503 no_capacity`, `transport closed`, ...) -> count.
     pub fn failures(&self) -> BTreeMap<String, u64> {
-        lock(&self.failures)
+        self.failures
+            .lock()
             .by_reason
             .iter()
             .map(|(r, s)| (r.to_string(), s.count))
@@ -289,7 +287,8 @@ impl Ledger {
 
     /// Every failure reason's figures.
     pub fn reasons(&self) -> Vec<(Reason, ReasonStat)> {
-        lock(&self.failures)
+        self.failures
+            .lock()
             .by_reason
             .iter()
             .map(|(r, s)| (r.clone(), s.clone()))
@@ -298,14 +297,14 @@ impl Ledger {
 
     /// The tunnel server each failure's message named (or `(none)`) -> reason -> count.
     pub fn failures_by_server(&self) -> BTreeMap<String, BTreeMap<String, u64>> {
-        lock(&self.failures).by_server.clone()
+        self.failures.lock().by_server.clone()
     }
 
     /// Every call, in the order they ended (empty when the ledger keeps no calls).
     pub fn calls(&self) -> Vec<CallRecord> {
         self.calls
             .as_ref()
-            .map(|c| lock(c).clone())
+            .map(|c| c.lock().clone())
             .unwrap_or_default()
     }
 
@@ -411,7 +410,7 @@ impl Ledger {
             Err(f) => {
                 let at = self.t0.elapsed();
                 {
-                    let mut all = lock(&self.failures);
+                    let mut all = self.failures.lock();
                     let server = f.server.clone().unwrap_or_else(|| "(none)".into());
                     *all.by_server
                         .entry(server)
@@ -441,7 +440,7 @@ impl Ledger {
             }
         };
         if let Some(calls) = &self.calls {
-            lock(calls).push(CallRecord {
+            calls.lock().push(CallRecord {
                 sent_at: e.sent_at,
                 took: e.took,
                 status: e.status,

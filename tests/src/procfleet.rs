@@ -1,6 +1,8 @@
-//! One fleet of relay processes for the fault tests: a dispatcher, tunnel servers and
-//! agents run as child processes (`crate::procs`) with a simulated upstream, optionally
-//! behind a real HAProxy; faults are process signals (kill, stop, drain, restart) and a
+//! Fleets of relay processes. [`FleetSpec::start`] is the one way the harness starts the
+//! relay's processes together (a dispatcher or a co-located front, tunnel servers,
+//! optionally HAProxy, agents; `crate::procs` children); the soak's rig and the process
+//! tests start theirs with it. On top, the fleet of the fault tests ([`Fleet`]), with a
+//! simulated upstream: faults are process signals (kill, stop, drain, restart) and a
 //! connection dropped silently on the path ([`Blackhole`]). Each fleet checks its own
 //! per-hop accounting ([`Fleet::accounted`]): every call the callers sent is counted once
 //! at every hop it reached.
@@ -9,8 +11,8 @@ use crate::client::Caller;
 use crate::haproxy::{Backend, Checks, Haproxy};
 use crate::ledger::{agent_ledger_text, dispatcher_attempts, hops_agree, server_ledger_text, Hops};
 use crate::procs::{
-    metric, scrape, series, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
-    TunnelServerOpts, TunnelServerProc,
+    free_addr, metric, scrape, series, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc,
+    ScratchDir, Spawn, TunnelServerOpts, TunnelServerProc,
 };
 use crate::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use crate::time_until;
@@ -96,6 +98,179 @@ pub async fn dispatcher_servers(admin: SocketAddr) -> f64 {
 }
 
 // ---------------------------------------------------------------------------------------
+// Starting a fleet: the one way the harness starts the relay's processes together
+
+/// What fleet of processes [`FleetSpec::start`] starts: a dispatcher (or, co-located, none:
+/// ts-1 serves its front), tunnel servers `ts-1`..`ts-n` in zones `zone-1`.., optionally
+/// HAProxy between the agents and the servers, and the agents. The process tests' [`Fleet`]
+/// and the soak's rig both start theirs this way.
+#[derive(Clone, Debug)]
+pub struct FleetSpec {
+    pub servers: usize,
+    /// The servers' heartbeat to the dispatcher.
+    pub heartbeat: Duration,
+    pub dispatcher: DispatcherOpts,
+    /// ts-1 serves the dispatcher front (the dispatcher's config as its `front_config`);
+    /// there is no dispatcher process.
+    pub colocated: bool,
+    pub haproxy: Option<HaproxySpec>,
+    /// One agent per server, each dialing its server alone, instead of one agent dialing
+    /// every server (or HAProxy).
+    pub agent_per_server: bool,
+    /// The agents' options; their `tunnels` are filled in.
+    pub agent: AgentOpts,
+    /// How every child is spawned.
+    pub spawn: Spawn,
+    /// The scratch directory's name prefix.
+    pub scratch: String,
+}
+
+/// HAProxy between the agents and the servers.
+#[derive(Clone, Debug)]
+pub struct HaproxySpec {
+    /// Per server, in order.
+    pub weights: Vec<u32>,
+    /// Its health checks on each server's `/readyz`.
+    pub checks: Checks,
+}
+
+/// Where callers reach the dispatcher front: the dispatcher process's listeners, or the
+/// co-located ts-1's front listeners.
+#[derive(Clone, Copy, Debug)]
+pub struct FrontAddrs {
+    pub http: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+/// The processes [`FleetSpec::start`] started, with the options each was started with (to
+/// start it again). Field order is drop order: the agents go first, the scratch directory
+/// (with the logs) last.
+pub struct FleetProcs {
+    pub agents: Vec<(AgentProc, AgentOpts)>,
+    pub haproxy: Option<Haproxy>,
+    pub servers: Vec<(TunnelServerProc, TunnelServerOpts)>,
+    /// `None` in the co-located shape.
+    pub dispatcher: Option<DispatcherProc>,
+    pub front: FrontAddrs,
+    pub dir: ScratchDir,
+}
+
+/// How many times the co-located front's ports are picked before the start gives up.
+const FRONT_PORT_ATTEMPTS: usize = 3;
+
+impl FleetSpec {
+    /// Starts the dispatcher, the servers, HAProxy (if asked) and the agents, each on
+    /// fresh loopback ports, in that order. Does not wait for the fleet to route.
+    pub async fn start(&self) -> anyhow::Result<FleetProcs> {
+        anyhow::ensure!(
+            !self.colocated || self.servers > 0,
+            "the co-located shape needs a tunnel server to serve its front"
+        );
+        let dir = ScratchDir::new(&self.scratch)?;
+        let how = &self.spawn;
+        let server_opts = |i: usize, registry_url: &str, extra: String| TunnelServerOpts {
+            server_id: format!("ts-{}", i + 1),
+            zone: format!("zone-{}", i + 1),
+            dispatchers: vec![registry_url.to_string()],
+            heartbeat: self.heartbeat,
+            extra,
+            ..TunnelServerOpts::default()
+        };
+        // In the co-located shape ts-1 serves the front, and starts first.
+        let mut first = None;
+        let (dispatcher, front, registry_url) = if self.colocated {
+            // The front's ports are picked free, then bound by ts-1: if one was taken in
+            // between, ts-1 does not come up, and the front gets other ports.
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                let ports = (free_addr()?, free_addr()?, free_addr()?);
+                let path = DispatcherProc::write_config(dir.path(), &self.dispatcher, ports)?;
+                let registry_url = format!("http://{}", ports.1);
+                let line = format!("front_config = {:?}\n", path.display().to_string());
+                let opts = server_opts(0, &registry_url, line);
+                match TunnelServerProc::start_on_with(dir.path(), opts.clone(), None, how).await {
+                    Ok(p) => {
+                        first = Some((p, opts));
+                        let front = FrontAddrs {
+                            http: ports.0,
+                            admin: ports.2,
+                        };
+                        break (None, front, registry_url);
+                    }
+                    Err(_) if attempt < FRONT_PORT_ATTEMPTS => {}
+                    Err(e) => return Err(e.context("the co-located front (ts-1) did not start")),
+                }
+            }
+        } else {
+            let d = DispatcherProc::start_with(dir.path(), self.dispatcher.clone(), how).await?;
+            let front = FrontAddrs {
+                http: d.http,
+                admin: d.admin,
+            };
+            let url = d.registry_url();
+            (Some(d), front, url)
+        };
+        let mut servers = Vec::new();
+        for i in 0..self.servers {
+            let started = match first.take() {
+                Some(started) => started,
+                None => {
+                    let opts = server_opts(i, &registry_url, String::new());
+                    let p = TunnelServerProc::start_on_with(dir.path(), opts.clone(), None, how)
+                        .await?;
+                    (p, opts)
+                }
+            };
+            servers.push(started);
+        }
+        let haproxy = match &self.haproxy {
+            Some(spec) => {
+                let backends = servers
+                    .iter()
+                    .zip(&spec.weights)
+                    .map(|((s, _), w)| Backend {
+                        name: s.server_id.clone(),
+                        addr: s.agent_addr,
+                        admin: Some(s.admin_addr),
+                        weight: *w,
+                        disabled: false,
+                    })
+                    .collect();
+                Some(Haproxy::start_checked(backends, how, spec.checks).await?)
+            }
+            None => None,
+        };
+        let tunnels: Vec<Vec<String>> = match &haproxy {
+            Some(h) => vec![vec![h.url()]],
+            None if self.agent_per_server => {
+                servers.iter().map(|(s, _)| vec![s.agent_url()]).collect()
+            }
+            None => vec![servers.iter().map(|(s, _)| s.agent_url()).collect()],
+        };
+        let mut agents = Vec::new();
+        for tunnels in tunnels {
+            let opts = AgentOpts {
+                tunnels,
+                ..self.agent.clone()
+            };
+            agents.push((
+                AgentProc::start_with(dir.path(), opts.clone(), how).await?,
+                opts,
+            ));
+        }
+        Ok(FleetProcs {
+            agents,
+            haproxy,
+            servers,
+            dispatcher,
+            front,
+            dir,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // The fleet as child processes
 
 /// How a [`Fleet`] is made.
@@ -166,81 +341,42 @@ impl Fleet {
 
     pub async fn start_with(o: FleetOpts) -> Fleet {
         let n = o.servers;
-        let dir = ScratchDir::new("fleet").unwrap();
         let upstream = Upstream::builder()
             .latency(o.upstream_latency)
             .spawn()
             .await
             .unwrap();
-        let dispatcher = DispatcherProc::start(dir.path(), o.dispatcher.clone())
-            .await
-            .unwrap();
-        let mut servers = Vec::new();
-        let mut opts = Vec::new();
-        let mut ports = Vec::new();
-        for i in 0..n {
-            let so = TunnelServerOpts {
-                server_id: format!("ts-{}", i + 1),
-                zone: format!("zone-{}", i + 1),
-                dispatchers: vec![dispatcher.registry_url()],
-                heartbeat: o.heartbeat,
-                ..TunnelServerOpts::default()
-            };
-            let s = TunnelServerProc::start(dir.path(), so.clone())
-                .await
-                .unwrap();
-            ports.push(s.ports());
-            servers.push(Some(s));
-            opts.push(so);
-        }
-        let haproxy = if let Some(checks) = o.haproxy {
-            let backends = servers
-                .iter()
-                .flatten()
-                .map(|s| Backend {
-                    name: s.server_id.clone(),
-                    addr: s.agent_addr,
-                    admin: Some(s.admin_addr),
-                    weight: 1,
-                    disabled: false,
-                })
-                .collect();
-            let how = crate::procs::Spawn {
-                env: Vec::new(),
-                own_process_group: false,
-            };
-            Some(
-                Haproxy::start_checked(backends, &how, checks)
-                    .await
-                    .unwrap(),
-            )
-        } else {
-            None
-        };
-        let tunnels: Vec<Vec<String>> = match &haproxy {
-            Some(h) => vec![vec![h.url()]],
-            None if o.agent_per_server => servers
-                .iter()
-                .flatten()
-                .map(|s| vec![s.agent_url()])
-                .collect(),
-            None => vec![servers.iter().flatten().map(|s| s.agent_url()).collect()],
-        };
-        let mut agents = Vec::new();
-        for tunnels in tunnels {
-            let agent_opts = AgentOpts {
-                tunnels,
+        let spec = FleetSpec {
+            servers: n,
+            heartbeat: o.heartbeat,
+            dispatcher: o.dispatcher.clone(),
+            colocated: false,
+            haproxy: o.haproxy.map(|checks| HaproxySpec {
+                weights: vec![1; n],
+                checks,
+            }),
+            agent_per_server: o.agent_per_server,
+            agent: AgentOpts {
                 token: TOKEN.into(),
                 upstream: upstream.url(),
                 backoff: o.agent_backoff,
                 extra: o.agent_extra.clone(),
                 ..AgentOpts::default()
-            };
-            let agent = AgentProc::start(dir.path(), agent_opts.clone())
-                .await
-                .unwrap();
-            agents.push((agent, agent_opts));
-        }
+            },
+            spawn: Spawn::default(),
+            scratch: "fleet".into(),
+        };
+        let FleetProcs {
+            mut agents,
+            haproxy,
+            servers: started,
+            dispatcher,
+            dir,
+            ..
+        } = spec.start().await.unwrap();
+        let dispatcher = dispatcher.expect("a dispatcher process");
+        let ports = started.iter().map(|(s, _)| s.ports()).collect();
+        let (servers, opts) = started.into_iter().map(|(s, o)| (Some(s), o)).unzip();
         let (agent, agent_opts) = agents.remove(0);
         let replicas = agents.into_iter().map(|(a, _)| a).collect();
         let fleet = Fleet {

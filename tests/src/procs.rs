@@ -12,6 +12,7 @@
 //! [`metric`]). This module must not decide what a test asserts.
 
 use crate::client::Caller;
+use crate::poll;
 use anyhow::Context;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -19,7 +20,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-use tokio::time::Instant;
 
 /// Path of a workspace binary built next to the running test executable, or in
 /// `$RELAY_BIN_DIR` when that is set (to run the process tests against another build, e.g.
@@ -200,18 +200,12 @@ impl Proc {
 
     /// Waits (polling) until the process exits, up to `within`.
     pub async fn wait_exit(&mut self, within: Duration) -> anyhow::Result<ExitStatus> {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(s) = self.try_exited() {
-                return Ok(s);
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "{} did not exit within {within:?}",
-                self.name
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("{} exits", self.name);
+        let status = poll::until(what, within, || {
+            let exited = self.try_exited();
+            async move { exited.ok_or("still running") }
+        });
+        Ok(status.await?)
     }
 
     /// Resident memory in KiB (`VmRSS` of `/proc/<pid>/status`); an error if the process
@@ -302,19 +296,16 @@ pub async fn wait_http(
     status: u16,
     within: Duration,
 ) -> anyhow::Result<()> {
-    let c = Caller::new(addr, None);
-    let deadline = Instant::now() + within;
-    loop {
-        let last = c.get(path).await;
-        if matches!(&last, Ok(a) if a.status.as_u16() == status) {
-            return Ok(());
+    let c = &Caller::new(addr, None);
+    let what = format!("GET http://{addr}{path} answers {status}");
+    poll::until(what, within, || async move {
+        match c.get(path).await {
+            Ok(a) if a.status.as_u16() == status => Ok(()),
+            last => Err(format!("{last:?}")),
         }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "GET http://{addr}{path} did not answer {status} within {within:?}: {last:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    })
+    .await?;
+    Ok(())
 }
 
 /// How the `*_with` starters spawn a child; the default is what the plain starters
@@ -342,29 +333,35 @@ impl Default for Spawn {
 /// ports are picked free, then bound by the child: another process can win the race).
 const PORT_ATTEMPTS: usize = 5;
 
-/// Waits for a child's `/healthz`. `Ok(false)`: it exited because a port was taken
+/// Waits for a child's `/healthz` on `admin`. `Ok(false)`: it exited because a port was taken
 /// (start it again on other ports); `Err`: it failed otherwise or never came up.
-async fn wait_up(proc: &mut Proc, admin: SocketAddr, within: Duration) -> anyhow::Result<bool> {
-    let c = Caller::new(admin, None);
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(status) = proc.try_exited() {
+pub async fn wait_up(proc: &mut Proc, admin: SocketAddr, within: Duration) -> anyhow::Result<bool> {
+    let c = &Caller::new(admin, None);
+    let what = format!("{} answers /healthz", proc.name);
+    // Up, or exited (with its status): either ends the wait.
+    let up = poll::until(what, within, || {
+        let exited = proc.try_exited();
+        async move {
+            if let Some(status) = exited {
+                return Ok(Err(status));
+            }
+            match c.get("/healthz").await {
+                Ok(a) if a.status == 200 => Ok(Ok(())),
+                last => Err(format!("{last:?}")),
+            }
+        }
+    })
+    .await;
+    match up {
+        Ok(Ok(())) => Ok(true),
+        Ok(Err(status)) => {
             let log = proc.log_tail(20);
             if log.contains("Address already in use") {
                 return Ok(false);
             }
-            anyhow::bail!("{} exited ({status}) before it was up:\n{log}", proc.name);
+            anyhow::bail!("{} exited ({status}) before it was up:\n{log}", proc.name)
         }
-        if matches!(c.get("/healthz").await, Ok(a) if a.status == 200) {
-            return Ok(true);
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{} did not answer /healthz within {within:?}:\n{}",
-            proc.name,
-            proc.log_tail(20)
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
+        Err(e) => anyhow::bail!("{e}:\n{}", proc.log_tail(20)),
     }
 }
 

@@ -457,26 +457,21 @@ async fn start_external(config: &SoakConfig, x: &External) -> anyhow::Result<Sta
     // One call first: the soak checks answers against `relay-fleet upstream`'s.
     let probe = format!("/relay/{}/bytes/16", x.tunnel_id);
     let caller = crate::client::Caller::new(addr, Some(&x.caller_key));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let a = caller.get(&probe).await;
-        if let Ok(a) = &a {
-            if a.status == 200 && Expect::Pattern(16).mismatch(&a.body).is_none() {
-                break;
-            }
+    let (caller, probe) = (&caller, &probe);
+    let what = format!(
+        "GET {} {probe} answers 200 with 16 pattern bytes (the soak needs the stack's \
+         upstream to be `relay-fleet upstream`)",
+        x.dispatcher
+    );
+    let every = Duration::from_millis(200);
+    crate::poll::poll(what, Duration::from_secs(10), every, || async move {
+        match caller.get(probe).await {
+            Ok(a) if a.status == 200 && Expect::Pattern(16).mismatch(&a.body).is_none() => Ok(()),
+            Ok(a) => Err(format!("{} {}", a.status, a.text())),
+            Err(e) => Err(e.to_string()),
         }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "GET {} {probe} did not answer 200 with 16 pattern bytes within 10s ({}); \
-             the soak needs the stack's upstream to be `relay-fleet upstream`",
-            x.dispatcher,
-            match a {
-                Ok(a) => format!("{} {}", a.status, a.text()),
-                Err(e) => e.to_string(),
-            }
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await?;
     Ok(Started {
         upstream: None,
         rig: None,

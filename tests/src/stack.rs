@@ -23,7 +23,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub const TOKEN: &str = "dev-token";
@@ -156,13 +155,13 @@ impl StackBuilder {
         self
     }
 
-    /// Zone of each server in order (the rest get "zone-<i>").
+    /// Zone of each server in order (the rest get `"zone-<i>"`).
     pub fn zones(mut self, zones: &[&str]) -> Self {
         self.zones = zones.iter().map(|z| z.to_string()).collect();
         self
     }
 
-    /// Server id of each server in order (the rest get "ts-<i>").
+    /// Server id of each server in order (the rest get `"ts-<i>"`).
     pub fn server_ids(mut self, ids: &[&str]) -> Self {
         self.server_ids = ids.iter().map(|z| z.to_string()).collect();
         self
@@ -629,22 +628,16 @@ impl Stack {
 
     /// Polls until a call through the relay answers 200, or fails at the deadline.
     pub async fn wait_routable(&self, within: Duration) -> anyhow::Result<()> {
-        let caller = self.caller();
-        let deadline = Instant::now() + within;
-        loop {
-            let last = caller.get(&format!("/relay/{TUNNEL_ID}/hello")).await;
-            if let Ok(a) = &last {
-                if a.status == 200 {
-                    return Ok(());
-                }
+        let caller = &self.caller();
+        let what = format!("tunnel id {TUNNEL_ID} routable");
+        crate::poll::until(what, within, || async move {
+            match caller.get(&format!("/relay/{TUNNEL_ID}/hello")).await {
+                Ok(a) if a.status == 200 => Ok(()),
+                last => Err(format!("last answer {last:?}")),
             }
-            if Instant::now() > deadline {
-                anyhow::bail!(
-                    "tunnel id {TUNNEL_ID} not routable within {within:?}: last answer {last:?}"
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await?;
+        Ok(())
     }
 
     /// The agent's `/systemcheck` JSON (and HTTP status).

@@ -8,11 +8,11 @@ use http::Method;
 use relay_agent::coverage::plan::CoverageConfig;
 use relay_tests::checks;
 use relay_tests::client::Caller;
+use relay_tests::eventually;
 use relay_tests::lb::Policy;
 use relay_tests::metrics::value;
 use relay_tests::procs::{metric, scrape};
 use relay_tests::stack::{Stack, StackBuilder, TUNNEL_ID};
-use relay_tests::{eventually, eventually_ok};
 use std::time::Duration;
 
 const READY: Duration = Duration::from_secs(20);
@@ -236,7 +236,7 @@ async fn the_front_prefers_its_own_server() {
         .await
         .unwrap();
     stack.wait_routable(READY).await.unwrap();
-    eventually_ok("both servers hold streams and report", READY, || async {
+    eventually("both servers hold streams and report", READY, || async {
         let text = scrape(stack.dispatcher_admin)
             .await
             .map_err(|e| e.to_string())?;

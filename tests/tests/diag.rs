@@ -136,19 +136,18 @@ async fn diag_archives_hold_what_support_needs_and_no_secret() {
         .unwrap();
     // The dispatcher routes the tunnel id once the server has reported it.
     let routes = relay_tests::client::Caller::new(dispatcher.admin, None);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = routes.get("/debug/routes").await.unwrap();
-        if r.text().contains("acme") {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the dispatcher never routed acme: {}",
-            r.text()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    relay_tests::eventually(
+        "the dispatcher routes acme",
+        Duration::from_secs(10),
+        || async {
+            let r = routes.get("/debug/routes").await.unwrap();
+            match r.text() {
+                routes if routes.contains("acme") => Ok(()),
+                routes => Err(routes),
+            }
+        },
+    )
+    .await;
     // Something wrote a secret into the agent's log: the archive must not carry it.
     let mut log = std::fs::read_to_string(&agent_log).unwrap();
     log.push_str(&format!("a line that leaked token={TOKEN}\n"));

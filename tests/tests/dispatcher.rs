@@ -9,217 +9,23 @@
 //! body" after them).
 
 use bytes::Bytes;
-use http::{HeaderMap, Method, Request, StatusCode};
-use http_body_util::combinators::BoxBody;
+use http::{Method, StatusCode};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use relay_dispatcher::{CallerConfig, Config, Listeners};
 use relay_proto::MAX_CHUNK;
+use relay_tests::dispatcher::{
+    announce, announce_with_load, bind, empty, home_of, start_dispatcher, start_dispatcher_with,
+    BoxError, TestBody, KEY, WAIT,
+};
 use relay_tests::fake_server::{
-    header, intro, load_frame, report_stream, report_stream_with_key, up, Announcer, Behaviour,
-    FakeServer,
+    header, intro, load_frame, report_stream, report_stream_with_key, up, Behaviour, FakeServer,
 };
 use relay_tests::{eventually, holds_for};
-use std::net::SocketAddr;
 use std::time::Duration;
-use tokio::net::TcpListener;
 use tokio::time::Instant;
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-type TestBody = BoxBody<Bytes, BoxError>;
-
-const KEY: &str = "test-caller-key";
-/// How long a condition may take to come true.
-const WAIT: Duration = Duration::from_secs(10);
-
-// ---------------------------------------------------------------- harness
-
-struct Dispatcher {
-    http: SocketAddr,
-    registry: SocketAddr,
-    admin: SocketAddr,
-    handle: relay_dispatcher::DispatcherHandle,
-    client: Client<HttpConnector, TestBody>,
-}
-
-async fn bind() -> TcpListener {
-    TcpListener::bind("127.0.0.1:0").await.unwrap()
-}
-
-async fn start_dispatcher() -> Dispatcher {
-    start_dispatcher_with(|_| {}).await
-}
-
-async fn start_dispatcher_with(tweak: impl FnOnce(&mut Config)) -> Dispatcher {
-    let config = Config {
-        call_timeout: Duration::from_secs(5),
-        shutdown_grace: Duration::from_secs(2),
-        callers: vec![CallerConfig::allow_all("ci", KEY)],
-        // The fake servers announce once and never send load reports.
-        registry: relay_dispatcher::RegistryConfig {
-            lease: Duration::from_secs(600),
-            refresh_interval: Duration::from_secs(1),
-            ..Default::default()
-        },
-        ..Config::default().insecure()
-    };
-    let mut config = config;
-    tweak(&mut config);
-    let handle = relay_dispatcher::start(
-        config,
-        Listeners {
-            http: bind().await,
-            registry: bind().await,
-            admin: bind().await,
-        },
-    )
-    .await
-    .expect("dispatcher starts");
-    let client = Client::builder(TokioExecutor::new()).build_http();
-    Dispatcher {
-        http: handle.http_addr,
-        registry: handle.registry_addr,
-        admin: handle.admin_addr,
-        handle,
-        client,
-    }
-}
-
-fn empty() -> TestBody {
-    Full::new(Bytes::new())
-        .map_err(|never| match never {})
-        .boxed()
-}
-
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Result<Bytes, String>,
-}
-
-impl Answer {
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(self.body.as_ref().expect("body")).expect("json body")
-    }
-}
-
-impl Dispatcher {
-    fn request(&self, method: Method, path: &str, key: Option<&str>) -> http::request::Builder {
-        let b = Request::builder()
-            .method(method)
-            .uri(format!("http://{}{}", self.http, path));
-        match key {
-            Some(k) => b.header("authorization", format!("Bearer {k}")),
-            None => b,
-        }
-    }
-
-    async fn send(&self, req: Request<TestBody>) -> Answer {
-        let resp = self.client.request(req).await.expect("response head");
-        let (parts, body) = resp.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map(|c| c.to_bytes())
-            .map_err(|e| format!("{e:?}"));
-        Answer {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
-    }
-
-    async fn get(&self, path: &str) -> Answer {
-        self.send(
-            self.request(Method::GET, path, Some(KEY))
-                .body(empty())
-                .unwrap(),
-        )
-        .await
-    }
-
-    /// A POST of `body` with the caller key.
-    async fn post(&self, path: &str, body: &'static [u8]) -> Answer {
-        self.send(
-            self.request(Method::POST, path, Some(KEY))
-                .body(
-                    Full::new(Bytes::from_static(body))
-                        .map_err(|n| match n {})
-                        .boxed(),
-                )
-                .unwrap(),
-        )
-        .await
-    }
-
-    async fn admin_get(&self, path: &str) -> String {
-        let uri = format!("http://{}{}", self.admin, path);
-        let resp = self.client.get(uri.parse().unwrap()).await.unwrap();
-        String::from_utf8(
-            resp.into_body()
-                .collect()
-                .await
-                .unwrap()
-                .to_bytes()
-                .to_vec(),
-        )
-        .unwrap()
-    }
-
-    async fn metric(&self, line_prefix: &str) -> f64 {
-        let text = self.admin_get("/metrics").await;
-        text.lines()
-            .find(|l| l.starts_with(line_prefix))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
-    }
-
-    /// Waits until `/debug/routes` lists `server_id` for `tunnel_id` (or not, when `present` is false).
-    async fn wait_route(&self, tunnel_id: &str, server_id: &str, present: bool) {
-        let what = format!("{server_id} listed for {tunnel_id}: {present}");
-        eventually(&what, WAIT, || async {
-            let routes: serde_json::Value =
-                serde_json::from_str(&self.admin_get("/debug/routes").await).unwrap();
-            let listed = routes["tunnels"].as_array().unwrap().iter().any(|t| {
-                t["tunnel_id"] == tunnel_id
-                    && t["servers"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .any(|s| s["server_id"] == server_id)
-            });
-            listed == present
-        })
-        .await;
-    }
-
-    async fn shutdown(self) {
-        tokio::time::timeout(Duration::from_secs(10), self.handle.shutdown())
-            .await
-            .expect("the dispatcher stops")
-            .unwrap();
-    }
-}
-
-/// Announces `server_id` serving `tunnel_id` at `forward_url` and waits until it is routable.
-async fn announce(
-    d: &Dispatcher,
-    server_id: &str,
-    forward_url: &str,
-    tunnel_id: &str,
-) -> Announcer {
-    let a = report_stream(
-        d.registry,
-        vec![intro(server_id, forward_url), up(tunnel_id)],
-    )
-    .await;
-    d.wait_route(tunnel_id, server_id, true).await;
-    a
-}
 
 // ---------------------------------------------------------------- tests
 
@@ -918,40 +724,6 @@ async fn shutdown_lets_a_call_in_flight_finish() {
 }
 
 // ---------------------------------------------------------------- routing, retries, admission
-
-/// Announces `server_id` with load figures for `tunnel_id` and waits until it is routable.
-async fn announce_with_load(
-    d: &Dispatcher,
-    server_id: &str,
-    forward_url: &str,
-    tunnel_id: &str,
-    idle: u32,
-) -> Announcer {
-    let a = report_stream(
-        d.registry,
-        vec![
-            intro(server_id, forward_url),
-            up(tunnel_id),
-            load_frame(tunnel_id, idle, 0, 0),
-        ],
-    )
-    .await;
-    d.wait_route(tunnel_id, server_id, true).await;
-    a
-}
-
-async fn home_of(d: &Dispatcher, tunnel_id: &str) -> String {
-    let routes: serde_json::Value =
-        serde_json::from_str(&d.admin_get("/debug/routes").await).unwrap();
-    routes["tunnels"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["tunnel_id"] == tunnel_id)
-        .and_then(|t| t["home"].as_str())
-        .unwrap_or_default()
-        .to_string()
-}
 
 #[tokio::test]
 async fn reports_without_the_server_key_or_from_unlisted_servers_are_refused() {

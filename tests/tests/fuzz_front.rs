@@ -149,35 +149,37 @@ fn arbitrary_requests_get_a_relayed_answer_or_a_json_error() {
 async fn raw(addr: std::net::SocketAddr, request: &[u8]) -> (u16, http::HeaderMap, Vec<u8>) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(request).await.unwrap();
-    let mut buf = Vec::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let mut chunk = [0u8; 4096];
-        let n = match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
-            Ok(Ok(n)) => n,
-            Ok(Err(_)) => 0,
-            Err(_) => panic!(
+    let answer = async {
+        let mut buf = Vec::new();
+        loop {
+            let mut chunk = [0u8; 4096];
+            let n = s.read(&mut chunk).await.unwrap_or(0);
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some((status, map, at)) = parse_head(&buf) {
+                let len: usize = map
+                    .get("content-length")
+                    .and_then(|v| v.to_str().ok()?.parse().ok())
+                    .unwrap_or(0);
+                if buf.len() >= at + len || n == 0 {
+                    let body = buf[at..].to_vec();
+                    return (status, map, body);
+                }
+            }
+            assert!(
+                n > 0,
+                "connection closed without an answer to {:?}",
+                String::from_utf8_lossy(request)
+            );
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), answer)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
                 "no answer in time to {:?}",
                 String::from_utf8_lossy(request)
-            ),
-        };
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some((status, map, at)) = parse_head(&buf) {
-            let len: usize = map
-                .get("content-length")
-                .and_then(|v| v.to_str().ok()?.parse().ok())
-                .unwrap_or(0);
-            if buf.len() >= at + len || n == 0 {
-                let body = buf[at..].to_vec();
-                return (status, map, body);
-            }
-        }
-        assert!(
-            n > 0,
-            "connection closed without an answer to {:?}",
-            String::from_utf8_lossy(request)
-        );
-    }
+            )
+        })
 }
 
 /// A complete response head: status, headers and where the body starts.

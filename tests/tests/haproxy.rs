@@ -78,7 +78,7 @@ async fn stack_behind_haproxy(routed: Option<usize>) -> (Stack, Haproxy) {
         }
         // Up once HAProxy's checks pass (rise 2 x inter 500ms).
         let h = &haproxy;
-        relay_tests::eventually_ok(
+        relay_tests::eventually(
             "haproxy backends up",
             Duration::from_secs(10),
             || async move {
@@ -197,7 +197,7 @@ async fn behind_haproxy_coverage_reaches_every_routed_server_and_a_restart_loses
     // Every server the dispatcher routes to (it announced the tunnel id) holds streams,
     // and the agent sees each as covered.
     let st = &stack;
-    let servers = relay_tests::eventually_ok(
+    let servers = relay_tests::eventually(
         "every server covered",
         Duration::from_secs(20),
         || async move {
@@ -306,7 +306,7 @@ async fn behind_haproxy_coverage_reaches_every_routed_server_and_a_restart_loses
         }
         hops_agree(&hops)
     };
-    relay_tests::eventually_ok("accounting settled", Duration::from_secs(20), accounted).await;
+    relay_tests::eventually("accounting settled", Duration::from_secs(20), accounted).await;
     stack.shutdown().await;
 }
 
@@ -376,7 +376,7 @@ async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server()
     .unwrap();
     let caller = Caller::new(dispatcher.http, Some(CALLER_KEY));
     let (h, c) = (&haproxy, &caller);
-    relay_tests::eventually_ok(
+    relay_tests::eventually(
         "routable behind haproxy with every server up",
         Duration::from_secs(30),
         || async move {
@@ -435,7 +435,7 @@ async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server()
     // inter 2s, fall 2: down within about two checks.
     let marked = Instant::now();
     let (h, home_ref) = (&haproxy, &home);
-    relay_tests::eventually_ok(
+    relay_tests::eventually(
         "haproxy marks the draining server down",
         Duration::from_secs(15),
         || async move {

@@ -9,18 +9,15 @@
 
 use bytes::Bytes;
 use http::Method;
-use http_body_util::BodyExt;
 use relay_dispatcher::CallerConfig;
 use relay_proto::agent_frame::Kind as Out;
-use relay_proto::{BodyChunk, CallError, CallErrorKind, RequestHead, ResponseHead};
-use relay_tests::client::{Answer, Caller};
-use relay_tests::hostile::HostileAgent;
+use relay_proto::{BodyChunk, CallError, CallErrorKind, ResponseHead};
+use relay_tests::client::Caller;
+use relay_tests::hostile::{answered, call_via, stream_answer, HostileAgent};
 use relay_tests::procs::{metric, scrape};
 use relay_tests::stack::{agent_identity, Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::task::JoinHandle;
-use tokio::time::Instant;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -45,45 +42,6 @@ async fn tunnel_calls(stack: &Stack, outcome: &str) -> f64 {
 fn agent_url(stack: &Stack) -> String {
     let server = stack.servers[0].as_ref().expect("server 0 runs");
     format!("http://{}", server.agent_addr)
-}
-
-/// Sends `req` through the front until the hostile agent is handed the call (calls sent
-/// while its stream is not yet routable get 503 and are sent again). Returns the caller's
-/// pending answer and the head the agent got.
-async fn call_via(
-    caller: &Caller,
-    agent: &mut HostileAgent,
-    method: Method,
-    path: &str,
-    timeout_ms: Option<u64>,
-) -> (JoinHandle<anyhow::Result<Answer>>, RequestHead) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let mut req = caller.request(method.clone(), path, Bytes::new());
-        if let Some(ms) = timeout_ms {
-            req.headers_mut()
-                .insert("x-relay-timeout-ms", ms.to_string().parse().unwrap());
-        }
-        let c = caller.clone();
-        let mut answer = tokio::spawn(async move { c.call(req).await });
-        tokio::select! {
-            head = agent.next_call(WAIT) => return (answer, head.expect("the agent gets the call")),
-            a = &mut answer => {
-                let a = a.unwrap().unwrap();
-                assert_eq!(a.status, 503, "before the stream is routable: {}", a.text());
-                assert!(Instant::now() < deadline, "the hostile agent's stream never became routable");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    }
-}
-
-async fn answered(answer: JoinHandle<anyhow::Result<Answer>>) -> Answer {
-    tokio::time::timeout(WAIT, answer)
-        .await
-        .expect("the caller is answered in time")
-        .unwrap()
-        .expect("the caller gets an HTTP answer (no dispatcher task panicked)")
 }
 
 fn head(call_id: u64, status: u32, headers: Vec<Bytes>, end: bool) -> Out {
@@ -299,49 +257,6 @@ async fn the_dispatcher_refuses_oversized_response_heads_a_tunnel_server_passes_
     );
     drop(agent);
     stack.shutdown().await;
-}
-
-/// Reads a streamed answer: the status, and how the body ended (`Err` with the error when
-/// it was cut).
-async fn stream_answer(
-    caller: &Caller,
-    agent: &mut HostileAgent,
-    path: &str,
-    timeout_ms: u64,
-    feed: impl FnOnce(u64) -> JoinHandle<()>,
-) -> (u16, Result<Bytes, String>, Duration) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let mut req = caller.request(Method::GET, path, Bytes::new());
-        req.headers_mut().insert(
-            "x-relay-timeout-ms",
-            timeout_ms.to_string().parse().unwrap(),
-        );
-        let c = caller.clone();
-        let mut sent = tokio::spawn(async move { c.send(req).await });
-        let call = tokio::select! {
-            head = agent.next_call(WAIT) => head.unwrap(),
-            r = &mut sent => {
-                let resp = r.unwrap().unwrap();
-                assert_eq!(resp.status(), 503);
-                assert!(Instant::now() < deadline, "never routable");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                continue;
-            }
-        };
-        let started = Instant::now();
-        let feeder = feed(call.call_id);
-        let resp = sent.await.unwrap().unwrap();
-        let status = resp.status().as_u16();
-        let body = tokio::time::timeout(WAIT, resp.into_body().collect())
-            .await
-            .expect("the body ends (complete or cut) in time")
-            .map(|b| b.to_bytes())
-            .map_err(|e| e.to_string());
-        let took = started.elapsed();
-        feeder.abort();
-        return (status, body, took);
-    }
 }
 
 /// A response whose head went out is bounded in time: a body that stalls is cut after

@@ -16,7 +16,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::time::Instant;
 
 /// `Tunnel.Connect` on a new connection with `token`: the hello's tunnel id, or the
 /// refusal. The stream closes again at once.
@@ -127,14 +126,14 @@ async fn a_connection_that_never_authenticates_is_closed_and_the_agent_keeps_ser
 /// Whether the peer closes `s` within `within` (a read ends or fails).
 async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
     let mut buf = [0u8; 4096];
-    let deadline = Instant::now() + within;
-    loop {
-        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
-            Err(_) => return false,
-            Ok(Ok(0)) | Ok(Err(_)) => return true,
-            Ok(Ok(_)) => continue,
+    let closed = async {
+        while let Ok(n) = s.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
         }
-    }
+    };
+    tokio::time::timeout(within, closed).await.is_ok()
 }
 
 /// A connection to `addr` from the loopback address `from`.

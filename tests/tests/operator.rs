@@ -52,7 +52,7 @@ async fn open_until(
     ok: impl Fn(&Result<Opened, tonic::Status>) -> bool,
 ) -> Result<Opened, tonic::Status> {
     let ok = &ok;
-    relay_tests::eventually_ok(what, within, || async move {
+    relay_tests::eventually(what, within, || async move {
         let r = open(url, token).await;
         if ok(&r) {
             Ok(r)

@@ -24,6 +24,7 @@ use relay_common::Secret;
 use relay_tests::certs::generate;
 use relay_tests::client::Caller;
 use relay_tests::eventually;
+use relay_tests::procfleet::FleetSpec;
 use relay_tests::procs::{
     metric, scrape, wait_http, write_token_store, AgentOpts, AgentProc, DispatcherOpts,
     DispatcherProc, Proc, ScratchDir, Spawn, TunnelServerOpts, TunnelServerProc,
@@ -51,35 +52,29 @@ struct Trio {
 
 impl Trio {
     async fn start(tag: &str, dispatcher: DispatcherOpts) -> Trio {
-        let dir = ScratchDir::new(tag).unwrap();
         let upstream = Upstream::builder().spawn().await.unwrap();
-        let dispatcher = DispatcherProc::start(dir.path(), dispatcher).await.unwrap();
-        let server = TunnelServerProc::start(
-            dir.path(),
-            TunnelServerOpts {
-                dispatchers: vec![dispatcher.registry_url()],
-                ..TunnelServerOpts::default()
-            },
-        )
-        .await
-        .unwrap();
-        let agent = AgentProc::start(
-            dir.path(),
-            AgentOpts {
-                tunnels: vec![server.agent_url()],
+        let spec = FleetSpec {
+            servers: 1,
+            heartbeat: TunnelServerOpts::default().heartbeat,
+            dispatcher,
+            colocated: false,
+            haproxy: None,
+            agent_per_server: false,
+            agent: AgentOpts {
                 token: TOKEN.into(),
                 upstream: upstream.url(),
                 ..AgentOpts::default()
             },
-        )
-        .await
-        .unwrap();
+            spawn: Spawn::default(),
+            scratch: tag.into(),
+        };
+        let mut fleet = spec.start().await.unwrap();
         let trio = Trio {
-            _dir: dir,
             upstream,
-            dispatcher,
-            server,
-            agent,
+            dispatcher: fleet.dispatcher.take().expect("a dispatcher process"),
+            server: fleet.servers.remove(0).0,
+            agent: fleet.agents.remove(0).0,
+            _dir: fleet.dir,
         };
         let caller = Caller::new(trio.dispatcher.http, Some(CALLER_KEY));
         eventually("the trio relays a call", READY, || {

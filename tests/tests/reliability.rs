@@ -38,7 +38,7 @@ use relay_tests::procs::{metric, scrape};
 use relay_tests::redis::{require_redis, RedisServer};
 use relay_tests::stack::{Stack, CALLER_KEY, TUNNEL_ID};
 use relay_tests::upstream::Upstream;
-use relay_tests::{eventually_ok, time_until};
+use relay_tests::{eventually, time_until};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -145,7 +145,7 @@ async fn killed_tunnel_server_process_leaves_no_call_unanswered() {
         failed_at_kill,
         tally.summary()
     );
-    eventually_ok("accounting after a SIGKILL", QUIET, || {
+    eventually("accounting after a SIGKILL", QUIET, || {
         fleet.accounted(tally.sent(), base)
     })
     .await;
@@ -383,7 +383,7 @@ async fn frozen_tunnel_server_is_found_in_seconds_and_no_stream_stays_half_dead(
     }
     // After SIGCONT no stream stays half-dead: the thawed server and the agent agree on
     // the streams between them (the agent may have reopened some there).
-    eventually_ok("streams agree after the thaw", QUIET, || async {
+    eventually("streams agree after the thaw", QUIET, || async {
         let server = fleet.server_streams(victim).await.unwrap_or(-1.0);
         let agent = fleet.agent_servers().await.get(&id).map_or(0, |s| s.0) as f64;
         if server == agent {
@@ -404,7 +404,7 @@ async fn frozen_tunnel_server_is_found_in_seconds_and_no_stream_stays_half_dead(
         .get("504 deadline_exceeded")
         .copied()
         .unwrap_or(0);
-    eventually_ok("accounting after a freeze", QUIET, || {
+    eventually("accounting after a freeze", QUIET, || {
         fleet.accounted_abandoning(sent, base, abandoned)
     })
     .await;
@@ -442,7 +442,7 @@ async fn sigterm_drains_a_tunnel_server_process_without_failing_a_call() {
         "a drain failed calls: {}",
         tally.summary()
     );
-    eventually_ok("accounting after a drain", QUIET, || {
+    eventually("accounting after a drain", QUIET, || {
         fleet.accounted(tally.sent(), base)
     })
     .await;
@@ -497,7 +497,7 @@ async fn rolling_restart_of_every_tunnel_server_under_steady_load_fails_no_call(
         tally.summary()
     );
     assert!(tally.ok() > 50, "{}", tally.summary());
-    eventually_ok("accounting after a rolling restart", QUIET, || {
+    eventually("accounting after a rolling restart", QUIET, || {
         stack_accounted(&stack, tally.sent(), base)
     })
     .await;
@@ -575,7 +575,7 @@ async fn agent_restart_routes_again_within_a_bound_and_calls_between_get_503_wit
         }
     }
     let sent = tally.sent() + probes.sent();
-    eventually_ok("accounting after an agent restart", QUIET, || {
+    eventually("accounting after an agent restart", QUIET, || {
         stack_accounted(&stack, sent, base)
     })
     .await;
@@ -640,7 +640,7 @@ async fn upstream_failure_and_callers_leaving_each_get_one_outcome() {
             tally.summary()
         );
     }
-    eventually_ok(
+    eventually(
         "accounting with upstream failures and cancels",
         QUIET,
         || stack_accounted(&stack, tally.sent(), base),
@@ -699,7 +699,7 @@ async fn load_balancer_dropping_every_stream_leaves_no_call_unanswered() {
             tally.summary()
         );
     }
-    eventually_ok("accounting after a load balancer reset", QUIET, || {
+    eventually("accounting after a load balancer reset", QUIET, || {
         stack_accounted(&stack, tally.sent(), base)
     })
     .await;
@@ -767,7 +767,7 @@ async fn silently_dropped_connection_is_found_on_both_ends() {
         );
     }
     // No half-dead stream: what the server holds is what the agent holds.
-    eventually_ok("server and agent agree on streams", QUIET, || async {
+    eventually("server and agent agree on streams", QUIET, || async {
         let server = value(
             &server.registry,
             "relay_tunnel_streams",
@@ -779,7 +779,7 @@ async fn silently_dropped_connection_is_found_on_both_ends() {
             .ok_or(format!("server holds {server} streams, agent {agent}"))
     })
     .await;
-    eventually_ok("accounting after a silent drop", QUIET, || {
+    eventually("accounting after a silent drop", QUIET, || {
         stack_accounted(&stack, tally.sent(), base)
     })
     .await;
@@ -861,7 +861,7 @@ async fn killed_agent_process_fails_only_its_calls_in_progress_frees_its_streams
         "more calls lost ({lost}) than were in progress: {}",
         tally.summary()
     );
-    eventually_ok("accounting after an agent SIGKILL", QUIET, || {
+    eventually("accounting after an agent SIGKILL", QUIET, || {
         fleet.accounted(tally.sent(), base)
     })
     .await;
@@ -1208,7 +1208,7 @@ async fn soak(total: Duration, period: Duration) {
         s1 <= bound,
         "agent streams grew {s0} -> {s1} and stayed above {bound} for {QUIET:?} after the last fault"
     );
-    eventually_ok("accounting after the soak", QUIET, || {
+    eventually("accounting after the soak", QUIET, || {
         fleet.accounted(tally.sent(), base)
     })
     .await;

@@ -6,33 +6,25 @@
 //! they fail, naming the package to install (`apt-get install redis-server`).
 
 use relay_agent::coverage::plan::CoverageConfig;
-use relay_common::Secret;
 use relay_dispatcher::config::RedisTls;
-use relay_dispatcher::{RegistryBackend, RoutingPolicy};
+use relay_dispatcher::RoutingPolicy;
 use relay_tests::client::Caller;
 use relay_tests::lb::Policy;
 use relay_tests::load::{self, Load, LoadSpec};
 use relay_tests::redis::{require_redis, RedisServer, RedisTlsFiles};
-use relay_tests::stack::{Stack, CALLER_KEY, TOKEN, TUNNEL_ID};
-use relay_tests::upstream::{Upstream, UpstreamHandle};
+use relay_tests::shared_registry::{
+    admin_json, any, demo_route, figure, servers_of, start_dispatcher_on, unique_prefix,
+    TwoDispatchers, LEASE, RECORD_KEY, REDIS_TIMEOUT, REFRESH,
+};
+use relay_tests::stack::{Stack, TUNNEL_ID};
 use relay_tests::{eventually, time_until};
-use relay_tunnel_server::{TokenStore, TunnelServerHandle};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 const READY: Duration = Duration::from_secs(20);
-
-async fn admin_json(addr: SocketAddr, path: &str) -> (u16, serde_json::Value) {
-    match Caller::new(addr, None).get(path).await {
-        Ok(a) => (a.status.as_u16(), a.json()),
-        Err(_) => (0, serde_json::Value::Null),
-    }
-}
 
 async fn metric(addr: SocketAddr, prefix: &str) -> f64 {
     let Ok(a) = Caller::new(addr, None).get("/metrics").await else {
@@ -43,23 +35,6 @@ async fn metric(addr: SocketAddr, prefix: &str) -> f64 {
         .filter(|l| l.starts_with(prefix))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
-}
-
-/// The `demo` entry of a dispatcher's `/debug/routes`.
-async fn demo_route(admin: SocketAddr) -> serde_json::Value {
-    let (_, routes) = admin_json(admin, "/debug/routes").await;
-    routes["tunnels"]
-        .as_array()
-        .and_then(|t| t.iter().find(|t| t["tunnel_id"] == TUNNEL_ID).cloned())
-        .unwrap_or(serde_json::Value::Null)
-}
-
-fn servers_of(route: &serde_json::Value) -> Vec<serde_json::Value> {
-    route["servers"].as_array().cloned().unwrap_or_default()
-}
-
-fn figure(server: &serde_json::Value, key: &str) -> u64 {
-    server["load"][key].as_u64().unwrap_or(0)
 }
 
 // ---------------------------------------------------------------- load
@@ -409,188 +384,8 @@ async fn a_server_killed_mid_load_loses_only_calls_in_progress_and_every_call_is
 
 // ---------------------------------------------------------------- two dispatchers, one Redis
 
-/// The shared registry's `refresh_interval`, `redis_timeout` and `lease` (the default) in
-/// these fleets.
-const REFRESH: Duration = Duration::from_millis(200);
-const REDIS_TIMEOUT: Duration = Duration::from_millis(500);
-const LEASE: Duration = Duration::from_secs(3);
-/// `[registry] record_key` of every dispatcher in these fleets.
-const RECORD_KEY: &str = "test-record-key-0123456789abcdef-0123456789";
 /// Margin on a detection bound: polling, scheduling on a loaded 2-core machine.
 const SLACK: Duration = Duration::from_secs(1);
-
-struct DispatcherUnderTest {
-    http: SocketAddr,
-    registry: SocketAddr,
-    admin: SocketAddr,
-    handle: relay_dispatcher::DispatcherHandle,
-}
-
-impl DispatcherUnderTest {
-    async fn shutdown(self) {
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.handle.shutdown()).await;
-    }
-}
-
-async fn any() -> TcpListener {
-    TcpListener::bind("127.0.0.1:0").await.unwrap()
-}
-
-/// A dispatcher on the shared registry at `redis_url`, with `[registry.redis_tls]`.
-async fn start_dispatcher_on(redis_url: &str, prefix: &str, tls: RedisTls) -> DispatcherUnderTest {
-    let cfg = relay_dispatcher::Config {
-        callers: vec![relay_dispatcher::CallerConfig::allow_all("dev", CALLER_KEY)],
-        call_timeout: Duration::from_secs(10),
-        registry: relay_dispatcher::RegistryConfig {
-            backend: RegistryBackend::Redis,
-            url: Some(Secret::new(redis_url)),
-            key_prefix: prefix.to_string(),
-            refresh_interval: REFRESH,
-            redis_timeout: REDIS_TIMEOUT,
-            server_key: Some(relay_common::KeyDigest::of(b"fleet-key")),
-            record_key: Some(Secret::new(RECORD_KEY)),
-            redis_tls: tls,
-            ..Default::default()
-        },
-        ..relay_dispatcher::Config::default().insecure()
-    };
-    let listeners = relay_dispatcher::Listeners {
-        http: any().await,
-        registry: any().await,
-        admin: any().await,
-    };
-    let handle = relay_dispatcher::start(cfg, listeners)
-        .await
-        .unwrap_or_else(|e| panic!("dispatcher failed: {e}"));
-    DispatcherUnderTest {
-        http: handle.http_addr,
-        registry: handle.registry_addr,
-        admin: handle.admin_addr,
-        handle,
-    }
-}
-
-async fn start_server(id: &str, dispatcher: SocketAddr) -> TunnelServerHandle {
-    let cfg = relay_tunnel_server::Config {
-        server_id: id.to_string(),
-        dispatchers: vec![format!("http://{dispatcher}")],
-        dispatcher_key: Some(Secret::new("fleet-key")),
-        ..relay_tunnel_server::Config::default().insecure()
-    };
-    let l = relay_tunnel_server::Listeners {
-        agent: any().await,
-        forward: any().await,
-        admin: any().await,
-    };
-    relay_tunnel_server::start(cfg, TokenStore::single(TOKEN, TUNNEL_ID), l)
-        .await
-        .unwrap()
-}
-
-/// Two dispatchers on one Redis, ts-1 reporting to the first and ts-2 to the second, and
-/// one agent replica of the tunnel id per server, each dialing its server alone: an agent
-/// dialing both would place each stream on a server at random, and all of one pool on one server (1
-/// start in 128 with 8 streams) leaves the other without streams.
-struct TwoDispatchers {
-    upstream: UpstreamHandle,
-    dispatchers: Vec<DispatcherUnderTest>,
-    servers: Vec<Option<TunnelServerHandle>>,
-    agent_stop: CancellationToken,
-    agents: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl TwoDispatchers {
-    async fn start(redis_url: &str, prefix: &str) -> TwoDispatchers {
-        TwoDispatchers::start_on(redis_url, prefix, RedisTls::default()).await
-    }
-
-    /// With `[registry.redis_tls]` on both dispatchers.
-    async fn start_on(redis_url: &str, prefix: &str, tls: RedisTls) -> TwoDispatchers {
-        let upstream = Upstream::builder().spawn().await.unwrap();
-        let d1 = start_dispatcher_on(redis_url, prefix, tls.clone()).await;
-        let d2 = start_dispatcher_on(redis_url, prefix, tls).await;
-        let s1 = start_server("ts-1", d1.registry).await;
-        let s2 = start_server("ts-2", d2.registry).await;
-        let agent_stop = CancellationToken::new();
-        let mut agents = Vec::new();
-        for server in [&s1, &s2] {
-            let cfg = relay_agent::Config {
-                tunnels: vec![format!("http://{}", server.agent_addr)],
-                token: Secret::new(TOKEN),
-                upstream: upstream.url(),
-                coverage: CoverageConfig {
-                    enabled: false,
-                    fixed_streams: 8,
-                    ..CoverageConfig::default()
-                },
-                allow: vec![relay_agent::config::AllowRule {
-                    name: Some("test-all".into()),
-                    methods: vec!["*".into()],
-                    path: "/**".into(),
-                    ..Default::default()
-                }],
-                ..relay_agent::Config::default().insecure()
-            };
-            let admin = any().await;
-            let s = agent_stop.clone();
-            agents.push(tokio::spawn(async move {
-                let _ = relay_agent::run(cfg, admin, s.cancelled_owned()).await;
-            }));
-        }
-        TwoDispatchers {
-            upstream,
-            dispatchers: vec![d1, d2],
-            servers: vec![Some(s1), Some(s2)],
-            agent_stop,
-            agents,
-        }
-    }
-
-    /// Waits until dispatcher `d` routes `demo` to every server in `ids`.
-    async fn wait_sees(&self, d: usize, ids: &[&str]) {
-        let admin = self.dispatchers[d].admin;
-        let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
-        eventually(
-            &format!("dispatcher {d} routes {TUNNEL_ID} to {ids:?}"),
-            READY,
-            || {
-                let ids = ids.clone();
-                async move {
-                    let route = demo_route(admin).await;
-                    let seen: Vec<String> = servers_of(&route)
-                        .iter()
-                        .filter(|s| figure(s, "idle") + figure(s, "busy") > 0)
-                        .filter_map(|s| s["server_id"].as_str().map(str::to_string))
-                        .collect();
-                    ids.iter().all(|i| seen.contains(i))
-                }
-            },
-        )
-        .await;
-    }
-
-    fn caller(&self, d: usize) -> Caller {
-        Caller::new(self.dispatchers[d].http, Some(CALLER_KEY))
-    }
-
-    async fn shutdown(mut self) {
-        self.agent_stop.cancel();
-        for agent in self.agents {
-            let _ = tokio::time::timeout(Duration::from_secs(10), agent).await;
-        }
-        for s in self.servers.iter_mut().filter_map(Option::take) {
-            s.shutdown().await;
-        }
-        for d in self.dispatchers {
-            d.shutdown().await;
-        }
-        self.upstream.shutdown().await;
-    }
-}
-
-fn unique_prefix(name: &str) -> String {
-    format!("relay-test-{name}-{}", std::process::id())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_dispatchers_sharing_redis_both_route_the_tunnel_id() {

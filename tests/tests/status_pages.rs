@@ -9,7 +9,7 @@
 
 use relay_tests::browser::{self, table_rows};
 use relay_tests::client::Caller;
-use relay_tests::eventually_ok;
+use relay_tests::eventually;
 use relay_tests::stack::{Stack, TUNNEL_ID};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -72,7 +72,7 @@ async fn dom_agreeing_with(
     columns: usize,
 ) -> String {
     let url = format!("http://{addr}/");
-    eventually_ok(what, WITHIN, || async {
+    eventually(what, WITHIN, || async {
         let before = rows_of(&get_json(addr, json_path).await?)?;
         let dom = browser::dump_dom(&url).await.map_err(|e| e.to_string())?;
         let after = rows_of(&get_json(addr, json_path).await?)?;
@@ -347,7 +347,7 @@ async fn the_agents_page_shows_what_systemcheck_reports() {
             .collect())
     };
     let url = format!("http://{addr}/");
-    let dom = eventually_ok(
+    let dom = eventually(
         "the agent's page lists the actions /systemcheck lists",
         WITHIN,
         || async {
@@ -406,7 +406,7 @@ async fn the_tunnel_servers_page_says_draining_while_it_drains() {
             .and_then(|t| t.iter().find(|t| t["tunnel_id"] == TUNNEL_ID))
             .map(|t| u(&t["busy"]))
     };
-    eventually_ok("the call is in flight", WITHIN, || async {
+    eventually("the call is in flight", WITHIN, || async {
         let v = get_json(addr, "/debug/tunnels").await?;
         (busy_of(&v).as_deref() == Some("1"))
             .then_some(())
@@ -414,7 +414,7 @@ async fn the_tunnel_servers_page_says_draining_while_it_drains() {
     })
     .await;
     let draining = tokio::spawn(server.shutdown());
-    eventually_ok(
+    eventually(
         "the page says draining as /debug/tunnels does",
         WITHIN,
         || async {
@@ -460,7 +460,7 @@ async fn every_page_reads_without_javascript_and_refreshes_with_it() {
     for (addr, table) in pages {
         let url = format!("http://{addr}/");
         let table_shown = |dom: &str| table_rows(dom, table).is_some_and(|r| !r.is_empty());
-        eventually_ok(&format!("{url} as served"), WITHIN, || async {
+        eventually(&format!("{url} as served"), WITHIN, || async {
             let a = Caller::new(addr, None)
                 .get("/")
                 .await
@@ -473,7 +473,7 @@ async fn every_page_reads_without_javascript_and_refreshes_with_it() {
             static_page.then_some(()).ok_or(html)
         })
         .await;
-        eventually_ok(
+        eventually(
             &format!("{url} refreshed by its script"),
             WITHIN,
             || async {
@@ -535,7 +535,7 @@ async fn screenshots() {
         .unwrap();
     assert_eq!(refused.status, 403);
     let agent = stack.agent_admin.unwrap();
-    eventually_ok("both servers covered", WITHIN, || async {
+    eventually("both servers covered", WITHIN, || async {
         let v = get_json(agent, "/systemcheck").await?;
         let covered = v["servers"]
             .as_array()

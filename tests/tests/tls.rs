@@ -107,7 +107,7 @@ impl HttpsConn {
 
 /// Polls until a relayed call over HTTPS answers 200.
 async fn wait_routable(tls: &TlsClient, addr: SocketAddr) {
-    relay_tests::eventually_ok(
+    relay_tests::eventually(
         "routable over TLS",
         Duration::from_secs(20),
         || async move {

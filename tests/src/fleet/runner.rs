@@ -32,10 +32,12 @@ use super::scenario::{Balancer, Distribution, FaultAction, Placement, Scenario};
 use crate::client::Caller;
 use crate::lb::Policy;
 use crate::load::{Call, CallId, Ended, Expect, Ledger, Plan, Reason};
+use crate::poll;
 use crate::stack::{agent_identity, Runtimes, Stack, CALLER_KEY};
 use crate::upstream::{Upstream, UpstreamHandle};
 use bytes::Bytes;
 use http::Method;
+use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use relay_agent::AgentHandle;
@@ -43,7 +45,7 @@ use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::runtime::Runtime;
 use tokio::sync::Semaphore;
@@ -275,7 +277,7 @@ impl Recorder {
     /// Records call `id`'s outcome; a second outcome for the same call is counted as
     /// answered twice and otherwise ignored. Nothing is recorded once closed.
     fn record(&self, id: u64, t: f32, latency_ms: f32, outcome: Outcome) {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.inner.lock();
         if !g.closed {
             self.record_locked(&mut g, id, t, latency_ms, outcome);
         }
@@ -283,7 +285,7 @@ impl Recorder {
 
     /// Stops recording; every call without an outcome gets `leftover`.
     fn close(&self, t: f32, leftover: Outcome) {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.inner.lock();
         g.closed = true;
         for id in 0..self.sent.load(Ordering::Relaxed) {
             if !g.recorded.get(id as usize).copied().unwrap_or(false) {
@@ -434,7 +436,7 @@ impl Plan for RunCalls {
         let idx = match id.burst {
             Some(b) => self.burst_tunnels[b],
             None => {
-                let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+                let mut rng = self.rng.lock();
                 if self.hot_share > 0.0 && rng.gen::<f64>() < self.hot_share {
                     rng.gen_range(0..self.hot_tunnels)
                 } else {
@@ -489,7 +491,7 @@ fn latency_fn(s: &Scenario) -> impl Fn() -> Duration + Send + Sync + 'static {
         if mean.is_zero() {
             return Duration::ZERO;
         }
-        let u: f64 = rng.lock().map(|mut r| r.gen::<f64>()).unwrap_or(0.5);
+        let u: f64 = rng.lock().gen::<f64>();
         match dist {
             Distribution::Fixed => mean,
             Distribution::Uniform => mean.mul_f64(0.5 + u),
@@ -752,12 +754,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
             return Err(e);
         }
     };
-    for stop in neighbours
-        .running
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .values()
-    {
+    for stop in neighbours.running.lock().values() {
         stop.cancel();
     }
     shutdown(fleet).await;
@@ -789,6 +786,10 @@ async fn reachable(url: &str, what: &str) -> anyhow::Result<SocketAddr> {
 /// How long the run waits for the agents to reach their resting reserve before the load
 /// starts anyway.
 const REST_WAIT: Duration = Duration::from_secs(10);
+/// How long the agents may take to open their streams and route every tunnel id.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+/// How often the waits before the run check the fleet.
+const EVERY: Duration = Duration::from_millis(50);
 
 /// Waits until every agent holds a stream and every tunnel id answers through the relay,
 /// then (embedded, with `servers` known) until every agent covers all `servers` at its
@@ -801,19 +802,28 @@ async fn wait_ready(
     servers: usize,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (landed, total) = agents_landed(fleet).await;
-        if landed == total {
-            break;
-        }
-        if Instant::now() > deadline || stop.is_cancelled() {
-            anyhow::bail!(
-                "only {landed} of {total} agents hold a tunnel stream after 60 s: is the tunnel \
-                 endpoint right and does its token store know the fleet's tokens (relay-fleet tokens)?"
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let deadline = Instant::now() + READY_WITHIN;
+    let landed = poll::poll(
+        "every agent holds a tunnel stream",
+        READY_WITHIN,
+        EVERY,
+        || async {
+            if stop.is_cancelled() {
+                return Ok(false);
+            }
+            match agents_landed(fleet).await {
+                (landed, total) if landed == total => Ok(true),
+                (landed, total) => Err(format!("only {landed} of {total} agents hold one")),
+            }
+        },
+    );
+    match landed.await {
+        Ok((true, _)) => {}
+        Ok((false, _)) => anyhow::bail!("stopped while the agents opened their tunnel streams"),
+        Err(e) => anyhow::bail!(
+            "{e}: is the tunnel endpoint right and does its token store know the fleet's tokens \
+             (relay-fleet tokens)?"
+        ),
     }
     let sem = Arc::new(Semaphore::new(32));
     let mut probes = Vec::new();
@@ -821,32 +831,34 @@ async fn wait_ready(
         let (caller, id, sem) = (caller.clone(), id.clone(), sem.clone());
         probes.push(tokio::spawn(async move {
             let _p = sem.acquire_owned().await;
-            let mut last = String::new();
-            while Instant::now() < deadline {
-                match caller.get(&format!("/relay/{id}/hello")).await {
-                    Ok(a) if a.status == 200 => return Ok(()),
-                    Ok(a) => last = format!("{} {}", a.status, a.text()),
-                    Err(e) => last = e.to_string(),
+            let (caller, path) = (&caller, &format!("/relay/{id}/hello"));
+            let within = deadline.saturating_duration_since(Instant::now());
+            let what = format!("tunnel id {id} routable");
+            poll::poll(what, within, EVERY, || async move {
+                match caller.get(path).await {
+                    Ok(a) if a.status == 200 => Ok(()),
+                    Ok(a) => Err(format!("last answer {} {}", a.status, a.text())),
+                    Err(e) => Err(format!("last answer {e}")),
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(anyhow::anyhow!(
-                "tunnel id {id} not routable within 60 s: last answer {last}"
-            ))
+            })
+            .await
         }));
     }
     for p in probes {
         p.await??;
     }
     if servers > 0 {
-        let rest_deadline = Instant::now() + REST_WAIT;
-        while Instant::now() < rest_deadline && !stop.is_cancelled() {
-            let (resting, total) = agents_at_rest(fleet, servers).await;
-            if resting == total {
-                break;
+        // Best effort: the run starts anyway once `REST_WAIT` has passed.
+        let _ = poll::poll("the agents at rest", REST_WAIT, EVERY, || async {
+            if stop.is_cancelled() {
+                return Ok(());
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            match agents_at_rest(fleet, servers).await {
+                (resting, total) if resting == total => Ok(()),
+                _ => Err(""),
+            }
+        })
+        .await;
     }
     Ok(())
 }
@@ -1089,10 +1101,7 @@ async fn drive(
                 let what = apply_fault(&s, &fleet_faults, &f, &mut added).await;
                 let t = start.elapsed().as_secs_f64();
                 tracing::info!(t, fault = %what, "fault");
-                events
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push((t, what));
+                events.lock().push((t, what));
             }
         })
     };
@@ -1242,13 +1251,9 @@ async fn drive(
         }
         UnderTest::External { .. } => BTreeMap::new(),
     };
-    let from = *neighbours.from_s.lock().unwrap_or_else(|e| e.into_inner());
+    let from = *neighbours.from_s.lock();
     let busy = from.map(|from_s| {
-        let servers = neighbours
-            .loaded
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let servers = neighbours.loaded.lock().clone();
         // Calls answered from the first sample at or after `t` to the end: all, theirs.
         let since = |t: f64| {
             let before = samples
@@ -1273,7 +1278,6 @@ async fn drive(
         let settled_latency = rec
             .inner
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .latencies
             .iter()
             .filter(|(t, _)| f64::from(*t) >= settled_from_s)
@@ -1290,8 +1294,8 @@ async fn drive(
             settled_latency_ms: report::quantiles(settled_latency),
         }
     });
-    let events = events.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let inner = std::mem::take(&mut *rec.inner.lock().unwrap_or_else(|e| e.into_inner()));
+    let events = events.lock().clone();
+    let inner = std::mem::take(&mut *rec.inner.lock());
     report::build(report::Inputs {
         scenario: s,
         mode: match &opts.mode {
@@ -1419,31 +1423,17 @@ async fn apply_fault(
                 return format!("load {name}: no runtime of its own");
             };
             let stop = CancellationToken::new();
-            let prev = n
-                .running
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(idx, stop.clone());
+            let prev = n.running.lock().insert(idx, stop.clone());
             if let Some(prev) = prev {
                 prev.cancel();
             }
             rt.spawn(busy_neighbour(stop));
-            n.from_s
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_or_insert(f.at.as_secs_f64());
-            n.loaded
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(name.clone());
+            n.from_s.lock().get_or_insert(f.at.as_secs_f64());
+            n.loaded.lock().push(name.clone());
             format!("busy neighbour on {name}")
         }
         (FaultTarget::Embedded(_, n), FaultAction::UnloadServer) => {
-            let stop = n
-                .running
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&idx);
+            let stop = n.running.lock().remove(&idx);
             match stop {
                 Some(stop) => {
                     stop.cancel();
@@ -1545,7 +1535,7 @@ mod tests {
         // A second answer to call 0, and call 4 never answered.
         rec.record(ids[0], 0.0, 1.0, Outcome::Answered(Ok(())));
         rec.close(1.0, Outcome::Lost);
-        let g = rec.inner.lock().unwrap();
+        let g = rec.inner.lock();
         assert_eq!(rec.ok.load(Ordering::Relaxed), 1);
         assert_eq!(rec.failed.load(Ordering::Relaxed), 2);
         assert_eq!(g.failures.get("client_timeout"), Some(&1));
@@ -1563,7 +1553,7 @@ mod tests {
         rec.close(1.0, Outcome::Interrupted);
         // An answer after the run stopped waiting is not recorded.
         rec.record(a + 1, 0.0, 1.0, Outcome::Answered(Ok(())));
-        let g = rec.inner.lock().unwrap();
+        let g = rec.inner.lock();
         assert_eq!(g.failures.get("interrupted"), Some(&1));
         assert_eq!(rec.lost.load(Ordering::Relaxed), 0);
         assert_eq!(g.answered_twice, 0);

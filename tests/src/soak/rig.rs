@@ -1,9 +1,9 @@
 //! The processes of an embedded soak (the release binaries as children: a dispatcher,
 //! tunnel servers, an agent, optionally HAProxy between the agent and the servers; or in
-//! the co-located mode no dispatcher process, ts-1 serving the front itself) and
-//! the faults injected into them while the load runs: rolling restarts (SIGTERM, wait
-//! for the exit, start again on the same ports, wait until the fleet is whole) and a
-//! SIGKILL of one server, optionally restarted.
+//! the co-located mode no dispatcher process, ts-1 serving the front itself; started with
+//! [`crate::procfleet::FleetSpec`]) and the faults injected into them while the load runs:
+//! rolling restarts (SIGTERM, wait for the exit, start again on the same ports, wait until
+//! the fleet is whole) and a SIGKILL of one server, optionally restarted.
 //!
 //! [`drive`] owns the [`Rig`] for the run and publishes a table of the processes (pid,
 //! log file) on a `watch` channel for the sampler; it records every fault step and every
@@ -12,16 +12,19 @@
 
 use super::{Fault, FaultTiming};
 use crate::client::Caller;
-use crate::haproxy::{Backend, Haproxy};
+use crate::haproxy::{Checks, Haproxy};
+use crate::poll;
+use crate::procfleet::{FleetProcs, FleetSpec, FrontAddrs, HaproxySpec};
 use crate::procs::{
-    free_addr, metric, scrape, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir,
-    Spawn, TunnelServerOpts, TunnelServerProc,
+    metric, scrape, AgentOpts, AgentProc, DispatcherOpts, DispatcherProc, ScratchDir, Spawn,
+    TunnelServerOpts, TunnelServerProc,
 };
 use crate::stack::TOKEN;
+use parking_lot::Mutex;
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -29,8 +32,6 @@ use tokio_util::sync::CancellationToken;
 
 /// How long a fresh stack may take to route its first call.
 const READY_WITHIN: Duration = Duration::from_secs(30);
-/// How many times the co-located front's ports are picked before the rig gives up.
-const FRONT_PORT_ATTEMPTS: usize = 3;
 
 /// How long a restarted server may take to answer `/readyz`, report to the dispatcher
 /// and (behind HAProxy) pass its health check.
@@ -41,6 +42,8 @@ const STREAMS_WITHIN: Duration = Duration::from_secs(20);
 const EXIT_SLACK: Duration = Duration::from_secs(10);
 /// How often the processes are checked for exits nobody asked for.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// How often a wait on the fleet checks it.
+const EVERY: Duration = Duration::from_millis(100);
 
 /// What the embedded stack looks like.
 #[derive(Clone, Debug)]
@@ -57,14 +60,6 @@ pub(crate) struct RigSpec {
     /// The co-located mode: ts-1 serves the dispatcher front (its `front_config`); there
     /// is no dispatcher process.
     pub colocated: bool,
-}
-
-/// Where callers and the sampler reach the dispatcher front: the dispatcher process's
-/// listeners, or the co-located ts-1's front listeners.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct FrontAddrs {
-    pub http: SocketAddr,
-    pub admin: SocketAddr,
 }
 
 /// Something that happened to the fleet during the run.
@@ -110,18 +105,15 @@ impl Events {
             let mark = if problem { "PROBLEM: " } else { "" };
             eprintln!("[{at_s:>7.1}s] {mark}{what}");
         }
-        self.list
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Event {
-                at_s,
-                what,
-                problem,
-            });
+        self.list.lock().push(Event {
+            at_s,
+            what,
+            problem,
+        });
     }
 
     pub fn list(&self) -> Vec<Event> {
-        self.list.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.list.lock().clone()
     }
 }
 
@@ -175,72 +167,40 @@ pub(crate) struct Rig {
 
 impl Rig {
     /// Starts the dispatcher, the servers, HAProxy (if asked) and the agent, each on
-    /// fresh loopback ports.
+    /// fresh loopback ports ([`FleetSpec::start`]).
     pub async fn start(spec: RigSpec) -> anyhow::Result<Rig> {
-        anyhow::ensure!(
-            !spec.colocated || spec.servers > 0,
-            "the co-located shape needs a tunnel server to serve its front"
-        );
-        let dir = ScratchDir::new("soak")?;
-        let how = &spec.spawn;
-        let dispatcher_opts = DispatcherOpts {
-            call_timeout: spec.call_timeout,
-            ..DispatcherOpts::default()
+        let fleet = FleetSpec {
+            servers: spec.servers,
+            heartbeat: TunnelServerOpts::default().heartbeat,
+            dispatcher: DispatcherOpts {
+                call_timeout: spec.call_timeout,
+                ..DispatcherOpts::default()
+            },
+            colocated: spec.colocated,
+            haproxy: spec.haproxy_weights.clone().map(|weights| HaproxySpec {
+                weights,
+                checks: Checks::default(),
+            }),
+            agent_per_server: false,
+            agent: AgentOpts {
+                token: TOKEN.into(),
+                upstream: spec.upstream_url.clone(),
+                ..AgentOpts::default()
+            },
+            spawn: spec.spawn.clone(),
+            scratch: "soak".into(),
         };
-        let server_opts = |i: usize, registry_url: &str, extra: String| TunnelServerOpts {
-            server_id: format!("ts-{}", i + 1),
-            zone: format!("zone-{}", i + 1),
-            dispatchers: vec![registry_url.to_string()],
-            extra,
-            ..TunnelServerOpts::default()
-        };
-        // In the co-located shape ts-1 serves the front, and starts first.
-        let mut first = None;
-        let (dispatcher, front, registry_url) = if spec.colocated {
-            // The front's ports are picked free, then bound by ts-1: if one was taken in
-            // between, ts-1 does not come up, and the front gets other ports.
-            let mut attempt = 0;
-            loop {
-                attempt += 1;
-                let ports = (free_addr()?, free_addr()?, free_addr()?);
-                let path = DispatcherProc::write_config(dir.path(), &dispatcher_opts, ports)?;
-                let registry_url = format!("http://{}", ports.1);
-                let line = format!("front_config = {:?}\n", path.display().to_string());
-                let opts = server_opts(0, &registry_url, line);
-                match TunnelServerProc::start_on_with(dir.path(), opts.clone(), None, how).await {
-                    Ok(p) => {
-                        first = Some((opts, p));
-                        let front = FrontAddrs {
-                            http: ports.0,
-                            admin: ports.2,
-                        };
-                        break (None, front, registry_url);
-                    }
-                    Err(_) if attempt < FRONT_PORT_ATTEMPTS => {}
-                    Err(e) => return Err(e.context("the co-located front (ts-1) did not start")),
-                }
-            }
-        } else {
-            let d = DispatcherProc::start_with(dir.path(), dispatcher_opts, how).await?;
-            let front = FrontAddrs {
-                http: d.http,
-                admin: d.admin,
-            };
-            let url = d.registry_url();
-            (Some(d), front, url)
-        };
-        let mut servers = Vec::new();
-        for i in 0..spec.servers {
-            let (opts, p) = match first.take() {
-                Some(started) => started,
-                None => {
-                    let opts = server_opts(i, &registry_url, String::new());
-                    let p = TunnelServerProc::start_on_with(dir.path(), opts.clone(), None, how)
-                        .await?;
-                    (opts, p)
-                }
-            };
-            servers.push(Server {
+        let FleetProcs {
+            mut agents,
+            haproxy,
+            servers,
+            dispatcher,
+            front,
+            dir,
+        } = fleet.start().await?;
+        let servers = servers
+            .into_iter()
+            .map(|(p, opts)| Server {
                 ports: p.ports(),
                 log: p.proc.log_path().to_path_buf(),
                 proc: Some(p),
@@ -249,43 +209,9 @@ impl Rig {
                 expected_down: false,
                 reported: false,
                 exited: None,
-            });
-        }
-        let haproxy = match &spec.haproxy_weights {
-            Some(weights) => {
-                let backends = servers
-                    .iter()
-                    .zip(weights)
-                    .map(|(s, w)| Backend {
-                        name: s.id().to_string(),
-                        addr: s.ports.0,
-                        admin: Some(s.ports.2),
-                        weight: *w,
-                        disabled: false,
-                    })
-                    .collect();
-                Some(Haproxy::start_with(backends, how).await?)
-            }
-            None => None,
-        };
-        let tunnels = match &haproxy {
-            Some(h) => vec![h.url()],
-            None => servers
-                .iter()
-                .map(|s| format!("http://{}", s.ports.0))
-                .collect(),
-        };
-        let agent = AgentProc::start_with(
-            dir.path(),
-            AgentOpts {
-                tunnels,
-                token: TOKEN.into(),
-                upstream: spec.upstream_url.clone(),
-                ..AgentOpts::default()
-            },
-            how,
-        )
-        .await?;
+            })
+            .collect();
+        let (agent, _) = agents.remove(0);
         Ok(Rig {
             agent,
             agent_reported: false,
@@ -311,48 +237,47 @@ impl Rig {
     /// Waits until the dispatcher hears from every server, HAProxy (if any) sees every
     /// server up, and a call through the relay answers 200.
     pub async fn wait_ready(&mut self) -> anyhow::Result<Duration> {
-        let started = Instant::now();
-        let deadline = started + READY_WITHIN;
-        let caller = Caller::new(self.front.http, Some(crate::stack::CALLER_KEY));
-        let probe = format!("/relay/{}/hello", self.spec.tunnel_id);
-        loop {
-            if let Some(name) = self.exited_now().first() {
-                anyhow::bail!("{name} exited while the stack was starting");
+        let caller = &Caller::new(self.front.http, Some(crate::stack::CALLER_KEY));
+        let probe = &format!("/relay/{}/hello", self.spec.tunnel_id);
+        let (admin, servers) = (self.front.admin, self.servers.len());
+        let haproxy = &self.haproxy_check();
+        // Ready, or the name of a process that exited: either ends the wait.
+        let ready = poll::poll("the stack is ready", READY_WITHIN, EVERY, || {
+            let exited = self.exited_now().into_iter().next();
+            async move {
+                if let Some(name) = exited {
+                    return Ok(Err(name));
+                }
+                let reporting = reporting_servers(admin).await;
+                let haproxy_up = haproxy_all_up(haproxy).await;
+                match caller.get(probe).await {
+                    Ok(a) if a.status == 200 && reporting >= servers && haproxy_up => Ok(Ok(())),
+                    answer => Err(format!(
+                        "the dispatcher hears from {reporting} of {servers} servers, haproxy all up: {haproxy_up}, GET {probe}: {}",
+                        match &answer {
+                            Ok(a) => format!("{} {}", a.status, a.text()),
+                            Err(e) => e.to_string(),
+                        }
+                    )),
+                }
             }
-            let reporting = reporting_servers(self.front.admin).await;
-            let haproxy_up = self.haproxy_up_count().await;
-            let answer = caller.get(&probe).await;
-            let routable = matches!(&answer, Ok(a) if a.status == 200);
-            if reporting >= self.servers.len() && haproxy_up && routable {
-                return Ok(started.elapsed());
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "the stack was not ready within {READY_WITHIN:?}: the dispatcher hears from {reporting} of {} servers, haproxy all up: {haproxy_up}, GET {probe}: {}\nagent log:\n{}",
-                self.servers.len(),
-                match &answer {
-                    Ok(a) => format!("{} {}", a.status, a.text()),
-                    Err(e) => e.to_string(),
-                },
-                self.agent.proc.log_tail(15),
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        })
+        .await;
+        match ready {
+            Ok((Ok(()), took)) => Ok(took),
+            Ok((Err(name), _)) => anyhow::bail!("{name} exited while the stack was starting"),
+            Err(e) => anyhow::bail!("{e}\nagent log:\n{}", self.agent.proc.log_tail(15)),
         }
     }
 
-    /// Whether HAProxy (if any) reports every running server's backend up.
-    async fn haproxy_up_count(&self) -> bool {
-        let Some(h) = &self.haproxy else {
-            return true;
-        };
-        let csv = h.stats_csv().await.unwrap_or_default();
-        self.servers
-            .iter()
-            .filter(|s| s.proc.is_some())
-            .all(|s| haproxy_backend_up(&csv, s.id()))
+    /// What [`haproxy_all_up`] checks: HAProxy's stats address (if any) and the running
+    /// servers' names.
+    fn haproxy_check(&self) -> Option<(SocketAddr, Vec<String>)> {
+        let h = self.haproxy.as_ref()?;
+        let running = self.servers.iter().filter(|s| s.proc.is_some());
+        Some((h.stats, running.map(|s| s.id().to_string()).collect()))
     }
 
-    /// Names of processes that exited since the last look and were not expected to.
     fn exited_now(&mut self) -> Vec<String> {
         let mut out = Vec::new();
         if let Some(st) = self.dispatcher.as_mut().and_then(|d| d.proc.try_exited()) {
@@ -520,23 +445,25 @@ impl Rig {
         };
         let running = self.servers.iter().filter(|s| s.proc.is_some()).count();
         let t = Instant::now();
-        let admin_caller = Caller::new(admin, None);
-        let whole = loop {
+        let admin_caller = &Caller::new(admin, None);
+        let front_admin = self.front.admin;
+        let haproxy = &self.haproxy_check();
+        let whole = poll::poll("the fleet is whole", WHOLE_WITHIN, EVERY, || async move {
             let ready = matches!(admin_caller.get("/readyz").await, Ok(a) if a.status == 200);
-            let reporting = reporting_servers(self.front.admin).await;
-            let lb = self.haproxy_up_count().await;
+            let reporting = reporting_servers(front_admin).await;
+            let lb = haproxy_all_up(haproxy).await;
             if ready && reporting >= running && lb {
-                break true;
+                Ok(())
+            } else {
+                Err(format!("/readyz 200 {ready}, dispatcher hears from {reporting} of {running}, haproxy up {lb}"))
             }
-            if t.elapsed() > WHOLE_WITHIN {
-                ctx.events.problem(format!(
-                    "fleet not whole {WHOLE_WITHIN:?} after {id} restarted: /readyz 200 {ready}, dispatcher hears from {reporting} of {running}, haproxy up {lb}"
-                ));
-                break false;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
-        if !whole {
+        })
+        .await;
+        if let Err(e) = whole {
+            ctx.events.problem(format!(
+                "fleet not whole {WHOLE_WITHIN:?} after {id} restarted: {}",
+                e.last
+            ));
             return;
         }
         let whole_after = t.elapsed();
@@ -544,20 +471,20 @@ impl Rig {
             "{id}: waiting for streams of {}",
             self.spec.tunnel_id
         ));
-        let streams = loop {
+        let tunnel_id = self.spec.tunnel_id.as_str();
+        let streams = poll::poll("streams", STREAMS_WITHIN, EVERY, || async move {
             let n = match scrape(admin).await {
-                Ok(text) => metric(
-                    &text,
-                    "relay_tunnel_streams",
-                    &[("tunnel_id", &self.spec.tunnel_id)],
-                ),
+                Ok(text) => metric(&text, "relay_tunnel_streams", &[("tunnel_id", tunnel_id)]),
                 Err(_) => 0.0,
             };
-            if n > 0.0 || t.elapsed() > whole_after + STREAMS_WITHIN {
-                break n;
+            if n > 0.0 {
+                Ok(n)
+            } else {
+                Err("")
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        })
+        .await
+        .map_or(0.0, |(n, _)| n);
         if streams > 0.0 {
             ctx.events.note(format!(
                 "fleet whole again {:.1}s after {id} came up ({id} holds {streams} streams of {})",
@@ -575,6 +502,19 @@ impl Rig {
 }
 
 /// `relay_dispatcher_tunnel_servers`: servers with an open report stream.
+/// Whether HAProxy (if any: its stats address and the running servers' names) reports
+/// every running server's backend up.
+async fn haproxy_all_up(haproxy: &Option<(SocketAddr, Vec<String>)>) -> bool {
+    let Some((stats, running)) = haproxy else {
+        return true;
+    };
+    let csv = match Caller::new(*stats, None).get("/stats;csv").await {
+        Ok(a) => a.text(),
+        Err(_) => String::new(),
+    };
+    running.iter().all(|name| haproxy_backend_up(&csv, name))
+}
+
 async fn reporting_servers(admin: SocketAddr) -> usize {
     match scrape(admin).await {
         Ok(t) => metric(&t, "relay_dispatcher_tunnel_servers", &[]) as usize,
