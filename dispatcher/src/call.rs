@@ -403,9 +403,7 @@ impl Calls {
                 format!("the response head has {problem}{limits}"),
             )));
         }
-        if head.body.len() > relay_proto::MAX_CHUNK
-            || (!head.end_of_stream && !head.body.is_empty())
-        {
+        if relay_proto::check_inline_body(head.body.len(), head.end_of_stream).is_err() {
             return Err(Checked::Refused(Failure::new(
                 ErrorCode::BadResponse,
                 "the response head carries a body over 64 KiB or before the response's end",

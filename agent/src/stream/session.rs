@@ -349,18 +349,12 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                         head.call_id, call.id
                     )));
                 }
-                if !head.body.is_empty() && !head.end_of_stream {
+                if let Err(problem) =
+                    relay_proto::check_inline_body(head.body.len(), head.end_of_stream)
+                {
                     return Err(CloseReason::Malformed(format!(
-                        "RequestHead for call {} carries a body but not its end",
+                        "RequestHead for call {}: {problem}",
                         head.call_id
-                    )));
-                }
-                if head.body.len() > relay_proto::MAX_CHUNK {
-                    return Err(CloseReason::Malformed(format!(
-                        "RequestHead for call {} carries a body of {} bytes, over {}",
-                        head.call_id,
-                        head.body.len(),
-                        relay_proto::MAX_CHUNK
                     )));
                 }
                 // A head that crossed our GoingAway on the wire is still served.
