@@ -45,13 +45,13 @@
 //! guard wraps it in a mutex and reads the clock.
 //!
 //! Along its seams: `limits` (the settings and their validation), `guard` (the per-listener
-//! state and a connection's opening: header, admission, handshake, first bytes), `conn`
-//! (an open connection's deadlines and what a request learns of it), `budget` and
+//! state, a connection's opening: header, admission, handshake, first bytes, and the open
+//! connection it holds: its deadlines and what a request learns of it; the guard opens a
+//! connection and the connection gives its place back, so they share a module), `budget` and
 //! `metrics` (the bookkeeping and the counters), [`proxy`] and `frames`; this file holds
 //! the accept loop ([`incoming`]).
 
 mod budget;
-mod conn;
 mod frames;
 mod guard;
 mod limits;
@@ -61,8 +61,8 @@ pub mod proxy;
 pub use crate::socket::Socket;
 pub use crate::tls::MaybeTls;
 pub use budget::{AuthBudget, LogLimiter};
-pub use conn::{Conn, ConnInfo, Held, HeldBody};
 pub use frames::{Charged, FrameBudget};
+pub use guard::{Conn, ConnInfo, Held, HeldBody};
 pub use guard::{ListenerGuard, TokenCapError};
 pub use limits::{source_key, ListenerLimits, SourceNet};
 pub use metrics::ListenerMetrics;
