@@ -20,7 +20,9 @@
 # process, a 64 MiB response streamed through the relay (peak RSS again), every non-2xx
 # answer or socket error wrk saw, and a search of every relay log for h2 connection guards
 # tripped (`reached limit`). With `base`, relay's calls/s over base's in each round (the two
-# ran seconds apart, so a slow minute of a shared machine slows both) and their median.
+# ran seconds apart, so a slow minute of a shared machine slows both) and their median. And
+# the CPU per call of each relay process (medians over the rounds), to tell which hop a
+# change made dearer.
 #
 # Usage: bench/relay-bench.sh            (from the repository root; builds release binaries)
 #        BIN_DIR=/path bench/relay-bench.sh   (benchmarks the binaries in /path instead)
@@ -247,15 +249,24 @@ for t in $TARGETS; do
 done
 
 declare -A RES
+# CPU per call of each process of a target, in the order PROCS lists them.
+declare -A EACH
 errors=0
 for r in $(seq 1 "$ROUNDS"); do
   for c in $CONNS; do
     for t in $TARGETS; do
       before=$(ticks ${PROCS[$t]})
+      each_before=(); for p in ${PROCS[$t]}; do each_before+=("$(ticks "$p")"); done
       read -r t0 i0 s0 < <(cpu_ticks)
       read -r rps p50 p99 n e < <(run_wrk "${URL[$t]}" "$c")
       read -r t1 i1 s1 < <(cpu_ticks)
       after=$(ticks ${PROCS[$t]})
+      i=0
+      for p in ${PROCS[$t]}; do
+        EACH[$t,$c,$i]+="$(awk -v t=$(( $(ticks "$p") - each_before[i] )) -v hz="$hz" -v n="$n" \
+          'BEGIN {printf "%.1f", n ? t / hz * 1e6 / n : 0}')"$'\n'
+        i=$((i + 1))
+      done
       cpu=$(awk -v t=$((after - before)) -v hz="$hz" -v n="$n" 'BEGIN {printf "%.1f", n ? t / hz * 1e6 / n : 0}')
       idle=$(awk -v i=$((i1 - i0)) -v t=$((t1 - t0)) 'BEGIN {printf "%.0f", t ? 100 * i / t : 0}')
       steal=$(awk -v s=$((s1 - s0)) -v t=$((t1 - t0)) 'BEGIN {printf "%.0f", t ? 100 * s / t : 0}')
@@ -296,6 +307,19 @@ if wants base && wants relay; then
     echo "relay x base at $c connections, per round: $(echo $ratios); median $(echo "$ratios" | median)"
   done
 fi
+echo
+for t in relay colocated base; do
+  wants "$t" || continue
+  for c in $CONNS; do
+    i=0; line=""
+    for p in ${PROCS[$t]}; do
+      name=$(tr '\0' ' ' < "/proc/$p/cmdline" | awk '{n = $1; sub(".*/", "", n); sub("^relay-", "", n); print n}')
+      line+=" $name $(printf '%s' "${EACH[$t,$c,$i]}" | awk 'NF' | median)"
+      i=$((i + 1))
+    done
+    echo "cpu/call(us) by process, $t at $c connections:$line"
+  done
+done
 echo
 echo "errors: $errors non-2xx answers or socket errors over every run"
 echo "peak RSS after load (KiB): dispatcher $(hwm $DISP)  tunnel-server-1 $(hwm $TS1)  tunnel-server-2 $(hwm $TS2)  agent $(hwm $AGENT)"

@@ -21,7 +21,9 @@ use crate::filter::{log_path, short, Policy, Reason, Rejection};
 use crate::metrics::{AgentMetrics, CallOutcome};
 use crate::upstream::{RequestBody, Upstream, UpstreamRequest};
 use bytes::Bytes;
-use relay_common::trace::{CallTrace, KeyValue, SpanKind, TraceId, TRACEPARENT};
+use relay_common::trace::{
+    CallTrace, KeyValue, SpanKind, TraceId, TRACEPARENT, TRACEPARENT_HEADER,
+};
 use relay_proto::agent_frame::Kind;
 use relay_proto::{AgentFrame, BodyChunk, CallError, CallErrorKind, RequestHead, ResponseHead};
 use std::sync::Arc;
@@ -191,7 +193,7 @@ async fn serve_call(
     let mut headers = prepared.headers;
     // The upstream sees the trace with this agent's span as its parent.
     if let Ok(value) = http::HeaderValue::from_bytes(&trace.traceparent()) {
-        headers.insert(TRACEPARENT, value);
+        headers.insert(TRACEPARENT_HEADER, value);
     }
     let request = UpstreamRequest {
         method: prepared.method,

@@ -32,6 +32,8 @@ use opentelemetry_sdk::Resource;
 
 /// The `traceparent` header's name.
 pub const TRACEPARENT: &str = "traceparent";
+/// The `traceparent` header's name as a header name (no parse per use).
+pub const TRACEPARENT_HEADER: http::HeaderName = http::HeaderName::from_static(TRACEPARENT);
 /// The `tracestate` header's name.
 pub const TRACESTATE: &str = "tracestate";
 
@@ -43,10 +45,28 @@ pub struct TraceId(pub [u8; 16]);
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SpanId(pub [u8; 8]);
 
+/// Random ids, from a SplitMix64 sequence per thread seeded from the operating system's
+/// generator when the thread first needs one: a few instructions per id, against the tens
+/// of nanoseconds of a cryptographic generator on every call of every hop. Trace ids must be
+/// unique and spread (W3C Trace Context), not secret.
+fn next_random() -> u64 {
+    thread_local! {
+        static STATE: std::cell::Cell<u64> = std::cell::Cell::new(rand::random());
+    }
+    STATE.with(|state| {
+        let s = state.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
+        state.set(s);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    })
+}
+
 impl TraceId {
     fn random() -> Self {
         loop {
-            let id: u128 = rand::random();
+            let id = (u128::from(next_random()) << 64) | u128::from(next_random());
             if id != 0 {
                 return TraceId(id.to_be_bytes());
             }
@@ -63,7 +83,7 @@ impl TraceId {
 impl SpanId {
     fn random() -> Self {
         loop {
-            let id: u64 = rand::random();
+            let id = next_random();
             if id != 0 {
                 return SpanId(id.to_be_bytes());
             }
@@ -524,6 +544,24 @@ mod tests {
         assert_ne!(a.trace_id, b.trace_id);
         assert_eq!(a.flags, SAMPLED);
         assert!(a.traceparent().ends_with(b"-01"));
+    }
+
+    #[test]
+    fn started_traces_and_spans_never_repeat_across_threads() {
+        let ids = |n: usize| {
+            (0..n)
+                .map(|_| {
+                    let t = CallTrace::begin(None);
+                    (t.trace_id.0, t.span_id.0)
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut all = ids(10_000);
+        all.extend(std::thread::spawn(move || ids(10_000)).join().unwrap());
+        let traces: std::collections::HashSet<_> = all.iter().map(|(t, _)| *t).collect();
+        let spans: std::collections::HashSet<_> = all.iter().map(|(_, s)| *s).collect();
+        assert_eq!(traces.len(), all.len());
+        assert_eq!(spans.len(), all.len());
     }
 
     #[test]

@@ -27,7 +27,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use relay_common::h2::H2Limits;
 use relay_common::listen::{self, Conn, HeldBody, ListenerGuard};
 use relay_common::tls::TlsServer;
-use relay_common::trace::{CallTrace, TraceContext, TraceId, TRACEPARENT};
+use relay_common::trace::{CallTrace, TraceContext, TraceId, TRACEPARENT_HEADER};
 use relay_common::tunnel_id::is_valid as valid_tunnel_id;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -238,7 +238,7 @@ impl Front {
         let trace = CallTrace::begin(
             parts
                 .headers
-                .get(TRACEPARENT)
+                .get(TRACEPARENT_HEADER)
                 .and_then(|v| TraceContext::from_traceparent(v.as_bytes())),
         );
         guard.set_trace(trace);
