@@ -164,7 +164,7 @@ if [ "$PERF_RECORD" = 1 ]; then
     v="REC_$p"; wait "${!v}" 2>/dev/null || true
     echo
     echo "${NAME[$p]}: top symbols (perf report --no-children)"
-    perf report -q -i "$work/perf.$p" --no-children -g none --percent-limit 1.5 --sort dso,symbol 2>/dev/null | cut -c1-120 | head -20
+    perf report -q -i "$work/perf.$p" --no-children -g none --percent-limit "${PERCENT_LIMIT:-1.5}" --sort dso,symbol 2>/dev/null | cut -c1-120 | head -"${TOP:-20}"
   done
 fi
 
