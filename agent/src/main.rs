@@ -203,12 +203,12 @@ async fn diag(
     }
     let admin_flag = args.admin_listen;
     let loaded = load(args);
-    let admin = opts
-        .admin
-        .or_else(|| loaded.as_ref().ok().map(|c| c.admin_listen))
-        .or(admin_flag)
-        .or_else(|| relay_common::diag::admin_listen_of(file.as_ref()))
-        .unwrap_or_else(|| Config::default().admin_listen);
+    let admin = opts.admin_address(
+        loaded.as_ref().ok().map(|c| c.admin_listen),
+        admin_flag,
+        file.as_ref(),
+        Config::default().admin_listen,
+    );
     match &loaded {
         // The token read from `token_file` (or given by flag): scrubbed wherever it shows.
         Ok(c) => d.secret(c.token.expose()),
@@ -226,13 +226,7 @@ async fn diag(
         opts.timeout,
     )
     .await;
-    d.logs(
-        opts.log_file.as_deref(),
-        opts.journal_unit
-            .as_deref()
-            .unwrap_or("relay-agent.service"),
-        opts.log_lines,
-    );
+    d.logs_of(&opts, "relay-agent.service");
     let report = match &loaded {
         Err(e) => relay_agent::check::Report::config_failed(&source, &e.to_string()),
         Ok(config) => {

@@ -79,6 +79,25 @@ pub struct DiagArgs {
     pub timeout: Duration,
 }
 
+impl DiagArgs {
+    /// The admin listener to ask: `--admin`, else the loaded config's `admin_listen`, else
+    /// the binary's own `--admin-listen` flag, else the config file's `admin_listen` as
+    /// written (a file that did not load whole), else the binary's default.
+    pub fn admin_address(
+        &self,
+        loaded: Option<SocketAddr>,
+        flag: Option<SocketAddr>,
+        file: Option<&toml::Value>,
+        default: SocketAddr,
+    ) -> SocketAddr {
+        self.admin
+            .or(loaded)
+            .or(flag)
+            .or_else(|| admin_listen_of(file))
+            .unwrap_or(default)
+    }
+}
+
 /// One file of the archive.
 struct Member {
     name: String,
@@ -305,6 +324,13 @@ impl Diag {
 
     /// Adds the last `lines` log lines as `logs.txt`: from `log_file` when given, else the
     /// journal of `unit` when `journalctl` runs here; else a note where the log goes.
+    /// The log tail as `opts` asks: its `--log-file`, else the journal of its
+    /// `--journal-unit` or of `default_unit`.
+    pub fn logs_of(&mut self, opts: &DiagArgs, default_unit: &str) {
+        let unit = opts.journal_unit.as_deref().unwrap_or(default_unit);
+        self.logs(opts.log_file.as_deref(), unit, opts.log_lines);
+    }
+
     pub fn logs(&mut self, log_file: Option<&Path>, unit: &str, lines: usize) {
         if let Some(path) = log_file {
             match tail_file(path, lines) {

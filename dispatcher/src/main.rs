@@ -113,7 +113,7 @@ async fn diag(
     args: Args,
     opts: relay_common::diag::DiagArgs,
 ) -> Result<String, relay_common::diag::DiagError> {
-    use relay_common::diag::{admin_listen_of, redact_url, Diag};
+    use relay_common::diag::{redact_url, Diag};
     let (mut d, file) = Diag::start(
         "relay-dispatcher",
         env!("CARGO_PKG_VERSION"),
@@ -131,12 +131,12 @@ async fn diag(
     }
     let admin_flag = args.admin_listen;
     let loaded = config(args);
-    let admin = opts
-        .admin
-        .or_else(|| loaded.as_ref().ok().map(|c| c.admin_listen))
-        .or(admin_flag)
-        .or_else(|| admin_listen_of(file.as_ref()))
-        .unwrap_or_else(|| Config::default().admin_listen);
+    let admin = opts.admin_address(
+        loaded.as_ref().ok().map(|c| c.admin_listen),
+        admin_flag,
+        file.as_ref(),
+        Config::default().admin_listen,
+    );
     if let Err(e) = &loaded {
         d.config_error(e);
     }
@@ -152,13 +152,7 @@ async fn diag(
         opts.timeout,
     )
     .await;
-    d.logs(
-        opts.log_file.as_deref(),
-        opts.journal_unit
-            .as_deref()
-            .unwrap_or("relay-dispatcher.service"),
-        opts.log_lines,
-    );
+    d.logs_of(&opts, "relay-dispatcher.service");
     d.write(&opts.output)
 }
 

@@ -289,12 +289,12 @@ async fn diag(
     }
     let admin_flag = args.admin_listen;
     let loaded = load(args);
-    let admin = opts
-        .admin
-        .or_else(|| loaded.as_ref().ok().map(|c| c.admin_listen))
-        .or(admin_flag)
-        .or_else(|| admin_listen_of(file.as_ref()))
-        .unwrap_or_else(|| Config::default().admin_listen);
+    let admin = opts.admin_address(
+        loaded.as_ref().ok().map(|c| c.admin_listen),
+        admin_flag,
+        file.as_ref(),
+        Config::default().admin_listen,
+    );
     match &loaded {
         Ok(c) => {
             if let Some(store) = &c.token_store {
@@ -348,13 +348,7 @@ async fn diag(
             Err(e) => d.note("front-config.toml", e.to_string()),
         }
     }
-    d.logs(
-        opts.log_file.as_deref(),
-        opts.journal_unit
-            .as_deref()
-            .unwrap_or("relay-tunnel-server.service"),
-        opts.log_lines,
-    );
+    d.logs_of(&opts, "relay-tunnel-server.service");
     d.write(&opts.output)
 }
 
