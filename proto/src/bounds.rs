@@ -70,6 +70,19 @@ pub fn check(message: &[u8], bounds: &[Bound]) -> Result<(), OverBound> {
     Ok(())
 }
 
+/// The fewest bytes an entry of a bounded field takes in its message: its field key and a
+/// zero length (an empty header record, an empty fleet member).
+pub const MIN_ENTRY_BYTES: usize = 2;
+
+/// Whether a message of `len` bytes could hold more entries than one of `bounds` allows.
+/// Every entry takes at least [`MIN_ENTRY_BYTES`] of the message, so one of fewer than
+/// `MIN_ENTRY_BYTES x (max + 1)` bytes never can: the codec walks only the messages that
+/// could (the call heads and small frames of every call are far under: 32 KiB for a head,
+/// 8 KiB for a fleet frame), and those few are walked as before.
+pub fn may_exceed(len: usize, bounds: &[Bound]) -> bool {
+    bounds.iter().any(|b| len / MIN_ENTRY_BYTES > b.max)
+}
+
 /// Adds to `n` the entries of the field at `path` in `message`, stopping once `n` passes
 /// `max`.
 fn count(message: &[u8], path: &[u64], max: usize, n: &mut usize) -> Result<(), MalformedHeader> {
@@ -263,6 +276,31 @@ mod tests {
         }))
         .encode_to_vec();
         assert_eq!(check(&body, ServerFrame::BOUNDS), Ok(()));
+    }
+
+    #[test]
+    fn a_message_too_short_to_pass_a_bound_is_not_walked_and_one_over_always_is() {
+        // The shortest message over each bound: every entry empty.
+        let bound = crate::MAX_HEAD_RECORDS;
+        let over = response_frame(bound + 1);
+        assert!(check(&over, AgentFrame::BOUNDS).is_err());
+        assert!(may_exceed(over.len(), AgentFrame::BOUNDS));
+        let fleet = ServerFrame::of(In::Fleet(Fleet {
+            members: vec![FleetMember::default(); crate::MAX_FLEET_MEMBERS + 1],
+        }))
+        .encode_to_vec();
+        assert!(check(&fleet, ServerFrame::BOUNDS).is_err());
+        assert!(may_exceed(fleet.len(), ServerFrame::BOUNDS));
+        // The bare entries alone, without the frame around them, are over too.
+        let bare = (crate::MAX_FLEET_MEMBERS + 1) * MIN_ENTRY_BYTES;
+        assert!(may_exceed(bare, ServerFrame::BOUNDS));
+        assert!(!may_exceed(bare - 1, ServerFrame::BOUNDS));
+        // A call's head is far under: decoded without the walk.
+        let head = response_frame(40);
+        assert!(!may_exceed(head.len(), AgentFrame::BOUNDS));
+        assert!(!may_exceed(head.len(), ServerFrame::BOUNDS));
+        // A type without bounds is never walked.
+        assert!(!may_exceed(usize::MAX, &[]));
     }
 
     #[test]

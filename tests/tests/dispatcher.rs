@@ -321,6 +321,50 @@ async fn missing_or_wrong_caller_key_is_401_json() {
 }
 
 #[tokio::test]
+async fn each_call_of_one_connection_gets_the_rights_of_its_own_key() {
+    // The front remembers the key a connection's last accepted call presented; a call
+    // with another key on the same connection must be checked as if it were the first.
+    let d = start_dispatcher_with(|c| {
+        let mut narrow = relay_dispatcher::CallerConfig::allow_all("narrow", "narrow-key");
+        narrow.tunnels = vec!["other".into()];
+        c.callers.push(narrow);
+    })
+    .await;
+    let fake = FakeServer::start(Behaviour::Echo).await;
+    let _a = announce(&d, "ts-1", &fake.url, "demo").await;
+    let tcp = tokio::net::TcpStream::connect(d.http).await.unwrap();
+    let (mut conn, driver) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(driver);
+    let prefix = &KEY[..KEY.len() - 1];
+    let longer = format!("{KEY}x");
+    let steps: [(Option<&str>, StatusCode); 9] = [
+        (Some(KEY), StatusCode::OK),
+        (Some("narrow-key"), StatusCode::FORBIDDEN),
+        (Some(KEY), StatusCode::OK),
+        (Some(KEY), StatusCode::OK),
+        (Some(prefix), StatusCode::UNAUTHORIZED),
+        (Some(&longer), StatusCode::UNAUTHORIZED),
+        (None, StatusCode::UNAUTHORIZED),
+        (Some("wrong-key"), StatusCode::UNAUTHORIZED),
+        (Some(KEY), StatusCode::OK),
+    ];
+    for (i, (key, want)) in steps.into_iter().enumerate() {
+        conn.ready().await.expect("the same connection stays open");
+        let req = d
+            .request(Method::GET, "/relay/demo/x", key)
+            .body(empty())
+            .unwrap();
+        let resp = conn.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), want, "step {i}: key {key:?}");
+        resp.into_body().collect().await.unwrap();
+    }
+    d.shutdown().await;
+}
+
+#[tokio::test]
 async fn bad_paths_and_tunnel_ids_are_rejected() {
     let d = start_dispatcher().await;
     let a = d
