@@ -8,8 +8,8 @@
 //! 176 MiB of a server's memory). The frames that pass most often (pings, pongs, call and
 //! response heads, small inline bodies) fit in far less, and a buffer grows on demand for
 //! a larger message (a 64 KiB body chunk), so the buffers start at [`BUFFER_BYTES`], and
-//! a `Tunnel.Connect` RPC's at [`TUNNEL_BUFFER_BYTES`] ([`StartBuffer`]): at 1 KiB its two
-//! buffers were still 2 KiB of an idle stream's 8.
+//! a `Tunnel.Connect` RPC's at [`TUNNEL_BUFFER_BYTES`] and [`TUNNEL_AGENT_BUFFER_BYTES`]
+//! ([`StartBuffer`]): at 1 KiB its two buffers were still 2 KiB of an idle stream's 8.
 //!
 //! Before prost reads a message, the counts of its bounded repeated fields (a head's
 //! header records, a fleet's members) are checked on its bytes ([`crate::bounds`]): a
@@ -36,9 +36,10 @@ use tonic_prost::ProstEncoder;
 /// Initial size of an RPC's encode and decode buffers.
 pub const BUFFER_BYTES: usize = 1024;
 
-/// Initial size of a `Tunnel.Connect` RPC's buffers (both ends), whose idle traffic is a
-/// ping and a pong per heartbeat (about 12 bytes each) and whose largest control frame is
-/// the hello (about 100 bytes). A buffer whose earlier frames are gone is reused and grows
+/// Initial size of a `Tunnel.Connect` RPC's buffers for `ServerFrame`s (the tunnel
+/// server's encode buffer, the agent's decode buffer), whose idle traffic is a ping per
+/// heartbeat (about 12 bytes) and whose largest control frame is the hello (about 100
+/// bytes). `AgentFrame`s' buffers start at [`TUNNEL_AGENT_BUFFER_BYTES`]. A buffer whose earlier frames are gone is reused and grows
 /// (doubling) to what the stream's calls send, then keeps that size; a stream carries one
 /// call at a time, so a call's head finds the frames of the call before it gone and takes
 /// no allocation, as at 1 KiB. Only a frame that comes while the one before it is still
@@ -47,13 +48,18 @@ pub const BUFFER_BYTES: usize = 1024;
 /// at this size.
 pub const TUNNEL_BUFFER_BYTES: usize = 256;
 
+/// Initial size of a `Tunnel.Connect` RPC's buffers for `AgentFrame`s (the tunnel server's
+/// decode buffer, the agent's encode buffer): an idle stream's agent sends pongs only
+/// (about 12 bytes each); a response head grows the buffer as above.
+pub const TUNNEL_AGENT_BUFFER_BYTES: usize = 64;
+
 /// The initial buffer size of an RPC that sends or receives messages of this type.
 pub trait StartBuffer {
     const START_BUFFER: usize = BUFFER_BYTES;
 }
 
 impl StartBuffer for crate::AgentFrame {
-    const START_BUFFER: usize = TUNNEL_BUFFER_BYTES;
+    const START_BUFFER: usize = TUNNEL_AGENT_BUFFER_BYTES;
 }
 
 impl StartBuffer for crate::ServerFrame {

@@ -8,9 +8,10 @@ use crate::outbox::{Outbox, TrySendError};
 use crate::outcome::Outcome;
 use parking_lot::Mutex;
 use relay_proto::{ForwardResponse, ServerFrame};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use tokio::sync::Notify;
 use tokio::sync::{mpsc, oneshot};
-use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 /// A frame queued for the agent. Boxed: a stream's queue ([`crate::outbox`]) keeps the
@@ -87,10 +88,14 @@ pub struct StreamHandle {
     out: Outbox<OutFrame>,
     /// Shared with the outbound half, which reads the closing status once `closed` fires.
     inner: Arc<Mutex<Inner>>,
-    /// Fires on the move to `Closed` (except a reader ending on a protocol error, whose
-    /// status is queued on `out`): wakes the reader. The outbound half is ended with it
-    /// (`Outbox::cut`, see [`StreamHandle::fire_closed`]).
-    closed: CancellationToken,
+    /// Set on the move to `Closed` (except a reader ending on a protocol error, whose
+    /// status is queued on `out`), with `closed_wake` waking the reader and any sender
+    /// waiting for room. The outbound half is ended with it (`Outbox::cut`, see
+    /// [`StreamHandle::fire_closed`]). A flag and a `Notify` inside the handle rather than a
+    /// cancellation token: a token is an allocation of its own per stream, and its waiter
+    /// future is larger than a `Notify`'s.
+    closed: AtomicBool,
+    closed_wake: Notify,
 }
 
 /// The body credit both ways on a stream that uses it.
@@ -184,7 +189,8 @@ impl StreamHandle {
                 whole_request: false,
                 reader_waits: false,
             })),
-            closed: CancellationToken::new(),
+            closed: AtomicBool::new(false),
+            closed_wake: Notify::new(),
         }
     }
 
@@ -276,7 +282,12 @@ impl StreamHandle {
     /// Wakes the reader and ends the outbound half (which then reads the closing status).
     fn fire_closed(&self) {
         self.out.cut();
-        self.closed.cancel();
+        self.closed.store(true, Ordering::Release);
+        self.closed_wake.notify_waiters();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// The agent sent `GoingAway`. True when no call is on the stream.
@@ -363,12 +374,16 @@ impl StreamHandle {
 
     /// Fires once the stream is closed.
     pub async fn closed(&self) {
-        self.closed.cancelled().await
-    }
-
-    /// A future that fires once the stream is closed, for the reader.
-    pub fn closed_owned(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
-        self.closed.clone().cancelled_owned()
+        loop {
+            let wake = self.closed_wake.notified();
+            tokio::pin!(wake);
+            // Registered before the check: a close between the two still wakes it.
+            wake.as_mut().enable();
+            if self.is_closed() {
+                return;
+            }
+            wake.await;
+        }
     }
 
     /// The status the RPC ends with once closed, for the outbound half.
@@ -398,7 +413,7 @@ impl StreamHandle {
         &self,
         frame: ServerFrame,
     ) -> impl std::future::Future<Output = Result<(), ()>> + Send + '_ {
-        let queued = if self.closed.is_cancelled() {
+        let queued = if self.is_closed() {
             Err(None)
         } else {
             match self.out.try_send(Ok(Box::new(frame))) {
@@ -415,7 +430,7 @@ impl StreamHandle {
                     Box::pin(async move {
                         tokio::select! {
                             r = self.out.send(frame) => r.map_err(|_| ()),
-                            _ = self.closed.cancelled() => Err(()),
+                            _ = self.closed() => Err(()),
                         }
                     })
                     .await

@@ -350,7 +350,7 @@ impl Reader {
         let mut confirmed = false;
         // Made once, not per frame: a wait made anew each time registers and drops a
         // waiter under a lock for every frame the agent sends.
-        let closed = self.handle.closed_owned();
+        let closed = self.handle.closed();
         tokio::pin!(closed);
         let mut end = loop {
             tokio::select! {
