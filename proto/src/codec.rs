@@ -7,7 +7,9 @@
 //! so those 16 KiB per stream were most of an idle stream's cost (10,000 idle streams took
 //! 176 MiB of a server's memory). The frames that pass most often (pings, pongs, call and
 //! response heads, small inline bodies) fit in far less, and a buffer grows on demand for
-//! a larger message (a 64 KiB body chunk), so the buffers start at [`BUFFER_BYTES`].
+//! a larger message (a 64 KiB body chunk), so the buffers start at [`BUFFER_BYTES`], and
+//! a `Tunnel.Connect` RPC's at [`TUNNEL_BUFFER_BYTES`] and [`TUNNEL_AGENT_BUFFER_BYTES`]
+//! ([`StartBuffer`]): at 1 KiB its two buffers were still 2 KiB of an idle stream's 8.
 //!
 //! Before prost reads a message, the counts of its bounded repeated fields (a head's
 //! header records, a fleet's members) are checked on its bytes ([`crate::bounds`]): a
@@ -34,6 +36,53 @@ use tonic_prost::ProstEncoder;
 /// Initial size of an RPC's encode and decode buffers.
 pub const BUFFER_BYTES: usize = 1024;
 
+/// Initial size of a `Tunnel.Connect` RPC's buffers for `ServerFrame`s (the tunnel
+/// server's encode buffer, the agent's decode buffer), whose idle traffic is a ping per
+/// heartbeat (about 12 bytes) and whose largest control frame is the hello (about 100
+/// bytes). `AgentFrame`s' buffers start at [`TUNNEL_AGENT_BUFFER_BYTES`]. A buffer whose earlier frames are gone is reused and grows
+/// (doubling) to what the stream's calls send, then keeps that size; a stream carries one
+/// call at a time, so a call's head finds the frames of the call before it gone and takes
+/// no allocation, as at 1 KiB. Only a frame that comes while the one before it is still
+/// held (a body chunk behind a head, each 64 KiB chunk allocating anyway) starts a new
+/// buffer of its own size rather than of 1 KiB. A stream that never carried a call stays
+/// at this size.
+pub const TUNNEL_BUFFER_BYTES: usize = 256;
+
+/// Initial size of a `Tunnel.Connect` RPC's buffers for `AgentFrame`s (the tunnel server's
+/// decode buffer, the agent's encode buffer): an idle stream's agent sends pongs only
+/// (about 12 bytes each); a response head grows the buffer as above.
+pub const TUNNEL_AGENT_BUFFER_BYTES: usize = 64;
+
+/// The initial buffer size of an RPC that sends or receives messages of this type.
+pub trait StartBuffer {
+    const START_BUFFER: usize = BUFFER_BYTES;
+}
+
+impl StartBuffer for crate::AgentFrame {
+    const START_BUFFER: usize = TUNNEL_AGENT_BUFFER_BYTES;
+}
+
+impl StartBuffer for crate::ServerFrame {
+    const START_BUFFER: usize = TUNNEL_BUFFER_BYTES;
+}
+
+macro_rules! default_buffer {
+    ($($t:ty),* $(,)?) => { $(impl StartBuffer for $t {})* };
+}
+
+default_buffer!(
+    crate::ServerReport,
+    crate::ReportAck,
+    crate::WatchRequest,
+    crate::Fleet,
+    crate::ForwardRequest,
+    crate::ForwardResponse,
+    crate::ProceedRequest,
+    crate::ProceedReply,
+    crate::ProbeRequest,
+    crate::ProbeReply,
+);
+
 /// Bytes encoded before the encoder yields to the runtime (tonic's default).
 const YIELD_THRESHOLD: usize = 32 * 1024;
 
@@ -47,8 +96,8 @@ impl<T, U> Default for RelayCodec<T, U> {
     }
 }
 
-fn settings() -> BufferSettings {
-    BufferSettings::new(BUFFER_BYTES, YIELD_THRESHOLD)
+fn settings<T: StartBuffer>() -> BufferSettings {
+    BufferSettings::new(T::START_BUFFER, YIELD_THRESHOLD)
 }
 
 /// A message sent on an RPC that may stand for abandoning it (see the module docs).
@@ -121,7 +170,7 @@ impl<T: Message + Abandons> Encoder for RelayEncoder<T> {
 #[derive(Debug)]
 pub struct RelayDecoder<U>(PhantomData<U>);
 
-impl<U: Message + Default + Bounded> Decoder for RelayDecoder<U> {
+impl<U: Message + Default + Bounded + StartBuffer> Decoder for RelayDecoder<U> {
     type Item = U;
     type Error = Status;
 
@@ -130,7 +179,7 @@ impl<U: Message + Default + Bounded> Decoder for RelayDecoder<U> {
     }
 
     fn buffer_settings(&self) -> BufferSettings {
-        settings()
+        settings::<U>()
     }
 }
 
@@ -155,8 +204,8 @@ pub fn decode_message<U: Message + Default + Bounded>(message: bytes::Bytes) -> 
 
 impl<T, U> Codec for RelayCodec<T, U>
 where
-    T: Message + Abandons + Send + 'static,
-    U: Message + Default + Bounded + Send + 'static,
+    T: Message + Abandons + StartBuffer + Send + 'static,
+    U: Message + Default + Bounded + StartBuffer + Send + 'static,
 {
     type Encode = T;
     type Decode = U;
@@ -164,7 +213,7 @@ where
     type Decoder = RelayDecoder<U>;
 
     fn encoder(&mut self) -> Self::Encoder {
-        RelayEncoder(ProstEncoder::new(settings()))
+        RelayEncoder(ProstEncoder::new(settings::<T>()))
     }
 
     fn decoder(&mut self) -> Self::Decoder {

@@ -7,11 +7,13 @@
 //! - `html`: the self-contained HTML report with inline SVG charts.
 //! - `bench`: direct-to-upstream vs relayed calls/s and latency.
 //! - `neighbours`: one tenant's calls alone and beside another tenant's burst.
+//! - `idle`: what idle agent streams cost one tunnel server (memory and CPU).
 //!
 //! Nothing here prints to stdout; the binary decides what to show.
 
 pub mod bench;
 pub mod html;
+pub mod idle;
 pub mod neighbours;
 pub mod report;
 pub mod runner;

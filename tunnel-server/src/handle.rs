@@ -4,17 +4,19 @@
 //! transition between them is a method here. It decides no policy: the reader
 //! (`crate::stream`) and the hub (`crate::hub`) call these transitions.
 
+use crate::outbox::{Outbox, TrySendError};
 use crate::outcome::Outcome;
 use parking_lot::Mutex;
 use relay_proto::{ForwardResponse, ServerFrame};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use tokio::sync::Notify;
 use tokio::sync::{mpsc, oneshot};
-use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-/// A frame queued for the agent. Boxed: a stream's queue allocates a block of slots when
-/// it opens, and at 16 bytes a slot instead of a whole `ServerFrame` (144) an idle stream
-/// costs 4 KiB less.
+/// A frame queued for the agent. Boxed: a stream's queue ([`crate::outbox`]) keeps the
+/// slots it has grown to, and at 16 bytes a slot instead of a whole `ServerFrame` (144) an
+/// idle stream's few slots stay small.
 pub type OutFrame = Result<Box<ServerFrame>, Status>;
 
 /// Where a stream stands.
@@ -83,12 +85,17 @@ pub struct StreamHandle {
     pub inline_body: bool,
     /// Body credit on this stream (`ServerHello.response_credit`), when the agent asked.
     pub credit: Option<StreamCredit>,
-    out: mpsc::Sender<OutFrame>,
+    out: Outbox<OutFrame>,
     /// Shared with the outbound half, which reads the closing status once `closed` fires.
     inner: Arc<Mutex<Inner>>,
-    /// Fires on the move to `Closed` (except a reader ending on a protocol error, whose
-    /// status is queued on `out`): wakes the reader and ends the outbound half.
-    closed: CancellationToken,
+    /// Set on the move to `Closed` (except a reader ending on a protocol error, whose
+    /// status is queued on `out`), with `closed_wake` waking the reader and any sender
+    /// waiting for room. The outbound half is ended with it (`Outbox::cut`, see
+    /// [`StreamHandle::fire_closed`]). A flag and a `Notify` inside the handle rather than a
+    /// cancellation token: a token is an allocation of its own per stream, and its waiter
+    /// future is larger than a `Notify`'s.
+    closed: AtomicBool,
+    closed_wake: Notify,
 }
 
 /// The body credit both ways on a stream that uses it.
@@ -165,7 +172,7 @@ impl StreamHandle {
         tunnel_id: Arc<str>,
         token_hash: [u8; 32],
         features: AgentFeatures,
-        out: mpsc::Sender<OutFrame>,
+        out: Outbox<OutFrame>,
     ) -> Self {
         StreamHandle {
             id,
@@ -182,7 +189,8 @@ impl StreamHandle {
                 whole_request: false,
                 reader_waits: false,
             })),
-            closed: CancellationToken::new(),
+            closed: AtomicBool::new(false),
+            closed_wake: Notify::new(),
         }
     }
 
@@ -268,7 +276,18 @@ impl StreamHandle {
                 state => *state = State::Closed { status: why },
             }
         }
-        self.closed.cancel();
+        self.fire_closed();
+    }
+
+    /// Wakes the reader and ends the outbound half (which then reads the closing status).
+    fn fire_closed(&self) {
+        self.out.cut();
+        self.closed.store(true, Ordering::Release);
+        self.closed_wake.notify_waiters();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// The agent sent `GoingAway`. True when no call is on the stream.
@@ -350,26 +369,26 @@ impl StreamHandle {
 
     /// Ends the outbound half (after [`StreamHandle::end`]).
     pub fn cut(&self) {
-        self.closed.cancel();
+        self.fire_closed();
     }
 
     /// Fires once the stream is closed.
     pub async fn closed(&self) {
-        self.closed.cancelled().await
-    }
-
-    /// A future that fires once the stream is closed, for the outbound half.
-    pub fn closed_owned(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
-        self.closed.clone().cancelled_owned()
+        loop {
+            let wake = self.closed_wake.notified();
+            tokio::pin!(wake);
+            // Registered before the check: a close between the two still wakes it.
+            wake.as_mut().enable();
+            if self.is_closed() {
+                return;
+            }
+            wake.await;
+        }
     }
 
     /// The status the RPC ends with once closed, for the outbound half.
-    pub fn end_status(&self) -> impl FnOnce() -> Option<Status> + Send + 'static {
-        let inner = self.inner.clone();
-        move || match &inner.lock().state {
-            State::Closed { status } => status.clone(),
-            _ => None,
-        }
+    pub fn end_status(&self) -> EndStatus {
+        EndStatus(self.inner.clone())
     }
 
     /// Queues a frame if there is room; control frames only.
@@ -384,19 +403,52 @@ impl StreamHandle {
     }
 
     /// Sends a frame, waiting for room (flow control); `Err` once the stream is closed.
-    pub async fn send(&self, frame: ServerFrame) -> Result<(), ()> {
-        if self.closed.is_cancelled() {
-            return Err(());
-        }
-        // The usual case, room in the queue, takes no wait (and no waiter on `closed`).
-        let frame = match self.out.try_send(Ok(Box::new(frame))) {
-            Ok(()) => return Ok(()),
-            Err(mpsc::error::TrySendError::Closed(_)) => return Err(()),
-            Err(mpsc::error::TrySendError::Full(frame)) => frame,
+    ///
+    /// The frame is queued when this is called if there is room (the usual case, which
+    /// takes no wait and no waiter on `closed`); the future then holds no frame. Only a
+    /// full queue makes it wait, in a boxed future: a wait for the agent's stream is rare,
+    /// and the futures that hold a `send` (the stream's reader, for its whole life) stay
+    /// small.
+    pub fn send(
+        &self,
+        frame: ServerFrame,
+    ) -> impl std::future::Future<Output = Result<(), ()>> + Send + '_ {
+        let queued = if self.is_closed() {
+            Err(None)
+        } else {
+            match self.out.try_send(Ok(Box::new(frame))) {
+                Ok(()) => Ok(()),
+                Err(TrySendError::Closed(_)) => Err(None),
+                Err(TrySendError::Full(frame)) => Err(Some(frame)),
+            }
         };
-        tokio::select! {
-            r = self.out.send(frame) => r.map_err(|_| ()),
-            _ = self.closed.cancelled() => Err(()),
+        async move {
+            match queued {
+                Ok(()) => Ok(()),
+                Err(None) => Err(()),
+                Err(Some(frame)) => {
+                    Box::pin(async move {
+                        tokio::select! {
+                            r = self.out.send(frame) => r.map_err(|_| ()),
+                            _ = self.closed() => Err(()),
+                        }
+                    })
+                    .await
+                }
+            }
+        }
+    }
+}
+
+/// The status an agent stream's RPC ends with, read once its outbound half ends: the one
+/// a close left (a revocation's UNAUTHENTICATED), or none (OK).
+pub struct EndStatus(Arc<Mutex<Inner>>);
+
+impl EndStatus {
+    pub fn get(&self) -> Option<Status> {
+        match &self.0.lock().state {
+            State::Closed { status } => status.clone(),
+            _ => None,
         }
     }
 }
@@ -412,8 +464,8 @@ impl PartialEq for StreamHandle {
 mod tests {
     use super::*;
 
-    fn handle() -> (StreamHandle, mpsc::Receiver<OutFrame>) {
-        let (tx, rx) = mpsc::channel(4);
+    fn handle() -> (StreamHandle, crate::outbox::OutboxRx<OutFrame>) {
+        let (tx, rx) = crate::outbox::outbox(4);
         (
             StreamHandle::new(1, "t".into(), [0; 32], AgentFeatures::default(), tx),
             rx,
@@ -472,7 +524,7 @@ mod tests {
             done.try_recv().is_err(),
             "the reader ends the call, not the handle"
         );
-        assert!((h.end_status())().is_none(), "closed with OK");
+        assert!(h.end_status().get().is_none(), "closed with OK");
     }
 
     #[test]
@@ -481,7 +533,7 @@ mod tests {
         h.revoke();
         h.close();
         assert!(h.end().revoked);
-        let status = (h.end_status())().expect("a status");
+        let status = h.end_status().get().expect("a status");
         assert_eq!(status.code(), tonic::Code::Unauthenticated);
     }
 }

@@ -29,6 +29,7 @@ pub mod hub;
 pub mod liveness;
 pub mod load;
 pub mod metrics;
+pub mod outbox;
 pub mod outcome;
 pub mod report;
 pub mod slots;

@@ -13,10 +13,10 @@
 //! network. A first ping goes out right after the hello so the figure is known within a
 //! round trip of the stream opening rather than a heartbeat later.
 
-use crate::handle::{AgentFeatures, OutFrame, StreamCredit, StreamHandle};
+use crate::handle::{AgentFeatures, EndStatus, OutFrame, StreamCredit, StreamHandle};
 use crate::hub::{AddError, Hub};
+use crate::outbox::OutboxRx;
 use crate::outcome::Outcome;
-use futures::StreamExt;
 use relay_proto::{
     agent_frame, forward_response, server_frame, AgentFrame, ForwardResponse, Ping, ServerFrame,
     ServerHello,
@@ -26,7 +26,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
@@ -57,8 +56,6 @@ pub struct TunnelService {
     pub response_credit: u32,
 }
 
-type ConnectStream = Pin<Box<dyn Stream<Item = Result<ServerFrame, Status>> + Send + 'static>>;
-
 /// Metadata on a RESOURCE_EXHAUSTED open refusal, so the agent learns which server
 /// refused (no hello names it) and, at the cap, how many streams it takes.
 pub const REFUSED_SERVER_ID: &str = "relay-server-id";
@@ -84,12 +81,12 @@ impl TunnelService {
 
 #[tonic::async_trait]
 impl relay_proto::tunnel_server::Tunnel for TunnelService {
-    type ConnectStream = ConnectStream;
+    type ConnectStream = Outbound;
 
     async fn connect(
         &self,
         request: Request<Streaming<AgentFrame>>,
-    ) -> Result<Response<ConnectStream>, Status> {
+    ) -> Result<Response<Outbound>, Status> {
         let metrics = &self.hub.metrics;
         let token = request
             .metadata()
@@ -126,7 +123,7 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
                 request,
                 response: self.response_credit,
             });
-        let (out, out_rx) = mpsc::channel(OUT_BUFFER);
+        let (out, out_rx) = crate::outbox::outbox(OUT_BUFFER);
         let handle = Arc::new(
             StreamHandle::new(
                 self.hub.next_stream_id(),
@@ -224,22 +221,42 @@ impl relay_proto::tunnel_server::Tunnel for TunnelService {
         // its reader ends.
         let held = conn.map(relay_common::listen::ConnInfo::hold);
         let inbound = request.into_inner();
-        self.tracker.spawn(async move {
-            reader.run(inbound).await;
-            drop(held);
-        });
-        // After a close, the RPC ends with the status a revocation left, if any.
-        let end_status = handle.end_status();
-        let stream = ReceiverStream::new(out_rx)
-            .map(|frame: OutFrame| frame.map(|f| *f))
-            .take_until(handle.closed_owned())
-            .chain(
-                futures::stream::once(async move { end_status() })
-                    .filter_map(|s| std::future::ready(s.map(Err))),
-            );
-        Ok(Response::new(Box::pin(stream)))
+        // The reader's future is spawned as it is, not inside an `async` block that owns its
+        // arguments: such a block keeps them beside the future they were moved into, and
+        // the task lives as long as the stream.
+        self.tracker.spawn(reader.run(inbound, held));
+        Ok(Response::new(Outbound {
+            frames: out_rx,
+            end: Some(handle.end_status()),
+        }))
     }
 }
+
+/// The RPC's response: the frames queued for the agent until the stream's outbound queue
+/// ends (cut when the stream closes, or its handle gone), then the status a close left, if
+/// any (after a revocation, UNAUTHENTICATED). A plain struct, not a boxed chain of stream
+/// adapters: the RPC holds it for the stream's whole life.
+pub struct Outbound {
+    frames: OutboxRx<OutFrame>,
+    end: Option<EndStatus>,
+}
+
+impl Stream for Outbound {
+    type Item = Result<ServerFrame, Status>;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        match std::task::ready!(Pin::new(&mut self.frames).poll_next(cx)) {
+            Some(frame) => std::task::Poll::Ready(Some(frame.map(|f| *f))),
+            None => std::task::Poll::Ready(self.end.take().and_then(|e| e.get()).map(Err)),
+        }
+    }
+}
+
+/// A wait of the reader's (see [`Reader::on_frame`]).
+type Wait<'a> = Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
 
 struct Reader {
     hub: Arc<Hub>,
@@ -314,7 +331,13 @@ impl End {
 }
 
 impl Reader {
-    async fn run(self, mut inbound: Streaming<AgentFrame>) {
+    /// Reads the stream until it ends; `_held` (the connection's hold, see
+    /// `agent_limits.idle_timeout`) is let go with it.
+    async fn run(
+        self,
+        mut inbound: Streaming<AgentFrame>,
+        _held: Option<relay_common::listen::Held>,
+    ) {
         let mut ping = tokio::time::interval(self.heartbeat);
         ping.set_missed_tick_behavior(MissedTickBehavior::Skip);
         ping.tick().await;
@@ -327,7 +350,7 @@ impl Reader {
         let mut confirmed = false;
         // Made once, not per frame: a wait made anew each time registers and drops a
         // waiter under a lock for every frame the agent sends.
-        let closed = self.handle.closed_owned();
+        let closed = self.handle.closed();
         tokio::pin!(closed);
         let mut end = loop {
             tokio::select! {
@@ -354,8 +377,10 @@ impl Reader {
                                 self.hub.confirm(self.handle.clone());
                             }
                         }
-                        if let Err(end) = self.on_frame(frame).await {
-                            break end;
+                        match self.on_frame(frame) {
+                            Ok(None) => {}
+                            Ok(Some(wait)) => wait.await,
+                            Err(end) => break end,
                         }
                     }
                     Ok(None) => break End::AgentClosed,
@@ -472,8 +497,9 @@ impl Reader {
     }
 
     /// With body credit: `n` response-body bytes of the call went on to the caller; once a
-    /// step's worth did, they are given back to the agent.
-    async fn passed_on(&self, call_id: u64, n: u32) {
+    /// step's worth did, they are given back to the agent. The wait, if the grant finds the
+    /// stream's outbound queue full.
+    fn passed_on(&self, call_id: u64, n: u32) -> Option<Wait<'_>> {
         let grant = self
             .handle
             .call_credit(call_id, |c| {
@@ -485,36 +511,50 @@ impl Reader {
                 c.response_unacked = c.response_unacked.saturating_sub(g);
                 Some(g)
             })
-            .flatten();
-        if let Some(bytes) = grant {
-            let credit = relay_proto::Credit { call_id, bytes };
-            let _ = self
-                .handle
-                .send(ServerFrame::of(server_frame::Kind::Credit(credit)))
-                .await;
-        }
+            .flatten()?;
+        let credit = relay_proto::Credit {
+            call_id,
+            bytes: grant,
+        };
+        let send = self
+            .handle
+            .send(ServerFrame::of(server_frame::Kind::Credit(credit)));
+        Some(Box::pin(async move {
+            let _ = send.await;
+        }))
     }
 
-    /// Hands a frame of the answer to the caller, marking the stream while the caller makes
-    /// the reader wait (its agent frames then wait here, not on the path).
-    async fn to_caller(
+    /// Hands a frame of the answer to the caller, then (`passed`: with body credit, the
+    /// call and the body bytes) counts what went on. Returns the wait when the caller's
+    /// queue is full, marking the stream meanwhile (its agent frames then wait here, not on
+    /// the path).
+    fn to_caller(
         &self,
-        to_caller: &mpsc::Sender<Result<ForwardResponse, Status>>,
+        to_caller: mpsc::Sender<Result<ForwardResponse, Status>>,
         frame: ForwardResponse,
-    ) {
+        passed: Option<(u64, u32)>,
+    ) -> Option<Wait<'_>> {
         match to_caller.try_send(Ok(frame)) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Closed(_)) => {}
-            Err(mpsc::error::TrySendError::Full(frame)) => {
+            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {
+                passed.and_then(|(call_id, n)| self.passed_on(call_id, n))
+            }
+            Err(mpsc::error::TrySendError::Full(frame)) => Some(Box::pin(async move {
                 self.handle.reader_waits(true);
                 let _ = to_caller.send(frame).await;
                 self.handle.reader_waits(false);
-            }
+                if let Some(wait) = passed.and_then(|(call_id, n)| self.passed_on(call_id, n)) {
+                    wait.await;
+                }
+            })),
         }
     }
 
-    /// Handles one agent frame; `Err` ends the stream.
-    async fn on_frame(&self, frame: AgentFrame) -> Result<(), End> {
+    /// Handles one agent frame; `Err` ends the stream. Takes no wait itself: what must
+    /// wait (a caller that is not reading, a full outbound queue) comes back as a boxed
+    /// future for the reader to await. The reader's task lives as long as the stream, and
+    /// an `async` handler would make every idle stream's task as large as the handler's
+    /// largest wait.
+    fn on_frame(&self, frame: AgentFrame) -> Result<Option<Wait<'_>>, End> {
         use agent_frame::Kind;
         let protocol = |status| End::Protocol { status, call: None };
         let Some(kind) = frame.kind else {
@@ -523,18 +563,18 @@ impl Reader {
             )));
         };
         match kind {
-            Kind::Pong(_) => Ok(()),
+            Kind::Pong(_) => Ok(None),
             Kind::Credit(c) => {
                 // Credit for a call that already left the stream is moot.
                 self.handle
                     .call_credit(c.call_id, |credit| credit.give_back_request(c.bytes));
-                Ok(())
+                Ok(None)
             }
             Kind::GoingAway(_) => {
                 if self.handle.going_away() {
                     self.hub.retire(&self.handle);
                 }
-                Ok(())
+                Ok(None)
             }
             Kind::ResponseHead(head) => {
                 let call_id = head.call_id;
@@ -569,10 +609,10 @@ impl Reader {
                 let frame = ForwardResponse::of(forward_response::Kind::Head(head));
                 if end {
                     self.handle.end_call(Outcome::Ok(frame));
+                    Ok(None)
                 } else {
-                    self.to_caller(&to_caller, frame).await;
+                    Ok(self.to_caller(to_caller, frame, None))
                 }
-                Ok(())
             }
             Kind::ResponseBody(chunk) => {
                 let call_id = chunk.call_id;
@@ -602,18 +642,17 @@ impl Reader {
                 let frame = ForwardResponse::of(forward_response::Kind::Body(chunk));
                 if end {
                     self.handle.end_call(Outcome::Ok(frame));
+                    Ok(None)
                 } else {
-                    self.to_caller(&to_caller, frame).await;
-                    self.passed_on(call_id, n).await;
+                    Ok(self.to_caller(to_caller, frame, Some((call_id, n))))
                 }
-                Ok(())
             }
             Kind::CallError(err) => {
                 self.handle
                     .route(err.call_id, |_| Ok(()))
                     .map_err(protocol)?;
                 self.handle.end_call(Outcome::of_call_error(err));
-                Ok(())
+                Ok(None)
             }
         }
     }
@@ -646,5 +685,64 @@ impl Reader {
             status,
             call: Some(Outcome::BadResponse(caller_reads)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use relay_proto::codec::RelayCodec;
+    use tonic::codec::Codec;
+
+    fn hub() -> Arc<Hub> {
+        let metrics =
+            crate::metrics::ServerMetrics::register(&prometheus::Registry::new()).unwrap();
+        Arc::new(Hub::new(
+            crate::hub::Limits {
+                max_queue_per_tunnel: 8,
+                max_streams_per_token: 8,
+                max_response_headers: 16,
+                max_response_header_bytes: 4096,
+            },
+            metrics,
+        ))
+    }
+
+    fn inbound() -> Streaming<AgentFrame> {
+        let mut codec = RelayCodec::<ServerFrame, AgentFrame>::default();
+        Streaming::new_request(codec.decoder(), tonic::body::Body::empty(), None, None)
+    }
+
+    /// What an idle stream's reader task and response hold stays small (see docs/
+    /// load-testing.md, `relay-fleet idle`, for the whole cost per stream). Sizes as a
+    /// debug build lays them out; a release build's are smaller. The bounds catch a change
+    /// that makes every idle stream's task carry a handler's or a send's future again (the
+    /// reader was 1,624 bytes in a debug build when its frame handler was `async`).
+    #[tokio::test]
+    async fn an_idle_streams_reader_and_response_stay_small() {
+        let (out, rx) = crate::outbox::outbox(OUT_BUFFER);
+        let handle = Arc::new(StreamHandle::new(
+            1,
+            "t".into(),
+            [0; 32],
+            AgentFeatures::default(),
+            out,
+        ));
+        let reader = Reader {
+            hub: hub(),
+            handle: handle.clone(),
+            heartbeat: Duration::from_secs(10),
+            misses: 3,
+            conn: None,
+        };
+        let send = std::mem::size_of_val(&handle.send(ServerFrame::default()));
+        assert!(send <= 64, "a send's future is {send} bytes");
+        let run = std::mem::size_of_val(&reader.run(inbound(), None));
+        assert!(run <= 1280, "the reader's future is {run} bytes");
+        let outbound = std::mem::size_of_val(&Outbound {
+            frames: rx,
+            end: Some(handle.end_status()),
+        });
+        assert!(outbound <= 32, "the response stream is {outbound} bytes");
     }
 }

@@ -14,6 +14,9 @@
 //! running stack), optionally with faults, and reports every failure, memory and h2's
 //! `reached limit` log lines (`relay_tests::soak`).
 //!
+//! `relay-fleet idle` opens 100,000 idle agent streams on one real `relay-tunnel-server`
+//! and prints its memory per stream and its CPU while they idle (`relay_tests::fleet::idle`).
+//!
 //! `relay-fleet forward` and `relay-fleet stall` are the misbehaving peers of
 //! `relay_tests::fault` for a running stack: a TCP forwarder on a path that can go silent,
 //! delay or reset on a schedule, and callers that stop reading their downloads or send
@@ -126,6 +129,37 @@ enum Command {
         /// How long each of the noisy tenant's calls takes at the upstream.
         #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
         slow: Duration,
+        /// Write the figures as JSON here.
+        #[arg(long)]
+        json: Option<std::path::PathBuf>,
+    },
+    /// What idle agent streams cost one tunnel server: starts the release
+    /// relay-tunnel-server next to this executable (or in $RELAY_BIN_DIR), opens --streams
+    /// idle streams over --connections agent connections (a lean client answering the
+    /// server's pings), waits until the server holds them all, and prints its RSS before
+    /// and after, bytes per stream, and its CPU while they idle.
+    Idle {
+        /// Idle streams to open.
+        #[arg(long, default_value_t = 100_000)]
+        streams: usize,
+        /// Agent connections they are spread over (one token and tunnel id each).
+        #[arg(long, default_value_t = 100)]
+        connections: usize,
+        /// How long the streams sit idle while the server's CPU is read.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        idle: Duration,
+        /// The server's heartbeat [default: the binary's, 10s].
+        #[arg(long, value_parser = humantime::parse_duration)]
+        heartbeat: Option<Duration>,
+        /// The server's worker_threads [default: one per core].
+        #[arg(long)]
+        worker_threads: Option<usize>,
+        /// Streams each connection has opening at once (an agent's max_opening).
+        #[arg(long, default_value_t = 64)]
+        opening: usize,
+        /// Give up when the server does not hold every stream this long after the start.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        within: Duration,
         /// Write the figures as JSON here.
         #[arg(long)]
         json: Option<std::path::PathBuf>,
@@ -431,6 +465,41 @@ async fn main() -> std::process::ExitCode {
             match relay_tests::fleet::neighbours::run(&o).await {
                 Ok(r) => {
                     print!("{}", r.table(&o));
+                    match json {
+                        Some(path) => {
+                            std::fs::write(&path, serde_json::to_vec_pretty(&r).unwrap_or_default())
+                                .map_err(|e| {
+                                    anyhow::anyhow!("cannot write {}: {e}", path.display())
+                                })
+                        }
+                        None => Ok(()),
+                    }
+                }
+                Err(e) => Err(e),
+            }
+        }
+        Command::Idle {
+            streams,
+            connections,
+            idle,
+            heartbeat,
+            worker_threads,
+            opening,
+            within,
+            json,
+        } => {
+            let o = relay_tests::fleet::idle::Options {
+                streams,
+                connections,
+                heartbeat,
+                idle,
+                within,
+                worker_threads,
+                opening,
+            };
+            match relay_tests::fleet::idle::run(&o, |line| eprintln!("{line}")).await {
+                Ok(r) => {
+                    print!("{}", r.table());
                     match json {
                         Some(path) => {
                             std::fs::write(&path, serde_json::to_vec_pretty(&r).unwrap_or_default())
