@@ -585,8 +585,10 @@ pub async fn main(a: StormArgs) -> anyhow::Result<()> {
     print!("{}", r.render());
     anyhow::ensure!(
         r.lease_expiries == 0.0 && r.servers_min == o.servers as f64,
-        "the control plane starved: {} lease(s) missed",
-        r.lease_expiries
+        "the control plane starved: {} lease(s) missed, {} of {} servers routable at the worst sample",
+        r.lease_expiries,
+        r.servers_min,
+        o.servers
     );
     anyhow::ensure!(
         r.all_in.is_some(),

@@ -442,6 +442,30 @@ mod tests {
     }
 
     #[test]
+    fn max_opens_in_progress_out_of_range_is_refused_naming_the_key() {
+        for bad in [0, relay_common::listen::admission::MAX_PLACES + 1] {
+            let c = Config {
+                max_opens_in_progress: bad,
+                ..Config::default()
+            }
+            .insecure();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("max_opens_in_progress"), "{err}");
+        }
+        let ok = Config {
+            max_opens_in_progress: 1,
+            ..Config::default()
+        }
+        .insecure();
+        let err = ok
+            .validate()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(!err.contains("max_opens_in_progress"), "{err}");
+    }
+
+    #[test]
     fn default_server_ids_of_replicas_on_one_port_differ() {
         let c = Config::default();
         let a = c.effective_server_id("127.0.0.1:8441".parse().unwrap());

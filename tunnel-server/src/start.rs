@@ -425,6 +425,9 @@ impl Server {
             front,
             grace,
         } = self;
+        // The control plane (the report streams) on a thread of its own: no storm of agent opens delays a report past its lease
+        // (`relay_common::runtime::ControlRuntime`).
+        let control = relay_common::runtime::ControlRuntime::start()?;
         // The front first: it is the one step that can fail, and nothing of this server
         // runs yet then. Its calls to this server take the in-process hop, which needs no
         // listener.
@@ -451,14 +454,9 @@ impl Server {
             relay_common::admin::serve(admin.0, admin.1, serving.clone().cancelled_owned()).boxed(),
         );
         spawn(pressure(hub.clone(), serving.clone()).boxed());
-        // The control plane (the report streams and the CPU sampler feeding them) on a
-        // thread of its own: no storm of agent opens delays a report past its lease
-        // (`relay_common::runtime::ControlRuntime`).
-        let control = relay_common::runtime::ControlRuntime::start()?;
-        let mut reports = vec![tracker.spawn_on(
-            load::run(cpu.0, cpu.1, stops.reports.clone()),
-            control.handle(),
-        )];
+        // The CPU sampler measures the runtime it runs on (`crate::load`): this one.
+        spawn(load::run(cpu.0, cpu.1, stops.reports.clone()).boxed());
+        let mut reports = Vec::new();
         for reporter in reporters {
             reports.push(tracker.spawn_on(reporter.run(), control.handle()));
         }
