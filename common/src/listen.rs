@@ -31,6 +31,10 @@
 //!   its stream); and each source has a budget of `auth_failures` refused
 //!   authentications per `auth_failure_window`; past it, the connection that failed is
 //!   closed and the source's new connections are closed at accept until the window ends.
+//! - **Admission** (listeners whose server sets a gate, [`ListenerGuard::with_admission`]:
+//!   the tunnel server's agent listener): at most the gate's places of connections are
+//!   opening at once (to their first authenticated stream); the rest wait, parked, their
+//!   deadlines running from their admission ([`admission`]).
 //! - **Partial frames** (gRPC listeners that install [`ListenerGuard::partial_frames_layer`]):
 //!   half-received messages across all streams hold at most `max_partial_frame_bytes`
 //!   ([`frames`]).
@@ -51,6 +55,7 @@
 //! `metrics` (the bookkeeping and the counters), [`proxy`] and `frames`; this file holds
 //! the accept loop ([`incoming`]).
 
+pub mod admission;
 mod budget;
 mod frames;
 mod guard;
@@ -60,6 +65,7 @@ pub mod proxy;
 
 pub use crate::socket::Socket;
 pub use crate::tls::MaybeTls;
+pub use admission::Admission;
 pub use budget::{AuthBudget, LogLimiter};
 pub use frames::{Charged, FrameBudget};
 pub use guard::{Conn, ConnInfo, Held, HeldBody};
@@ -142,7 +148,16 @@ pub fn incoming(
             let _ = tcp.set_nodelay(true);
             let (guard, tls, tx) = (guard.clone(), tls.clone(), tx.clone());
             tokio::spawn(async move {
-                if let Some(conn) = guard.open(tcp, peer, slot, tls, permit, accepted).await {
+                // With an admission gate, the connection waits for its place here (nothing
+                // read from it), and its deadlines run from its admission.
+                let (opening, accepted) = match guard.admission.get() {
+                    Some(gate) => (Some(gate.admit().await), Instant::now()),
+                    None => (None, accepted),
+                };
+                if let Some(conn) = guard
+                    .open(tcp, peer, slot, tls, permit, accepted, opening)
+                    .await
+                {
                     let _ = tx.send(Ok(conn)).await;
                 }
             });

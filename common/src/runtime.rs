@@ -77,6 +77,51 @@ pub fn build(worker_threads: Option<usize>) -> std::io::Result<tokio::runtime::R
     builder.build()
 }
 
+/// The control plane's runtime: a one-thread runtime on a thread of its own (named
+/// `relay-control`), for the few tasks whose deadlines another process watches (a tunnel
+/// server's report streams, which a dispatcher drops after `registry.lease` of silence; a
+/// dispatcher's registry listener and routing tick, which judge those leases). On a
+/// process's main runtime they take their turn behind every ready task of the data plane:
+/// with one worker thread, a storm of ten thousand agent stream opens kept a tunnel
+/// server's report frames waiting past the 3 s lease (`relay-fleet storm`,
+/// docs/operations.md). On their own thread the OS scheduler gives them their turn whatever
+/// the data plane does; their work is small, so they never hold the data plane up in turn.
+///
+/// The runtime lives as long as the value: dropping it ends the thread, and with it
+/// whatever still runs there.
+pub struct ControlRuntime {
+    handle: tokio::runtime::Handle,
+    /// Ends the thread when dropped.
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl ControlRuntime {
+    /// Starts the thread with its runtime.
+    pub fn start() -> std::io::Result<Self> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let handle = rt.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("relay-control".into())
+            .spawn(move || {
+                rt.block_on(async {
+                    let _ = stopped.await;
+                });
+            })?;
+        Ok(ControlRuntime {
+            handle,
+            _stop: stop,
+        })
+    }
+
+    /// Where the control plane's tasks are spawned.
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,6 +135,23 @@ mod tests {
         for good in [None, Some(1), Some(MAX_WORKER_THREADS)] {
             check(good).unwrap();
         }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn control_tasks_run_while_the_callers_thread_is_busy_and_stop_with_it() {
+        let control = ControlRuntime::start().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let task = control.handle().spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            tx.send(std::thread::current().name().map(str::to_string))
+                .unwrap();
+            std::future::pending::<()>().await;
+        });
+        // This thread never yields meanwhile: the task runs on its own thread.
+        let name = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        assert_eq!(name.as_deref(), Some("relay-control"));
+        drop(control);
+        assert!(task.await.unwrap_err().is_cancelled());
     }
 
     #[test]

@@ -106,6 +106,9 @@ pub struct Metrics {
     pub server_tier: IntGaugeVec,
     /// Tunnel server entries dropped because their lease ran out.
     pub lease_expiries: IntCounter,
+    /// Time between two frames of one tunnel server's report stream, as handled here (a
+    /// gap past `registry.lease` drops the server).
+    pub report_gap: Histogram,
     /// Report streams refused, by reason.
     pub reports_refused: IntCounterVec,
     /// 1 while the shared registry (Redis) is unreachable and routing runs on the last
@@ -235,6 +238,15 @@ impl Metrics {
             "relay_dispatcher_lease_expiries_total",
             "Tunnel server entries dropped because the server stopped reporting within its lease",
         )?;
+        let report_gap = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_dispatcher_report_gap_seconds",
+                "Time between two frames of a tunnel server's report stream as handled here; past registry.lease the server is dropped",
+            )
+            .buckets(vec![
+                0.005, 0.025, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 5.0, 10.0,
+            ]),
+        )?;
         let reports_refused = IntCounterVec::new(
             Opts::new(
                 "relay_dispatcher_reports_refused_total",
@@ -255,6 +267,7 @@ impl Metrics {
         registry.register(Box::new(server_calls_in_flight.clone()))?;
         registry.register(Box::new(server_tier.clone()))?;
         registry.register(Box::new(lease_expiries.clone()))?;
+        registry.register(Box::new(report_gap.clone()))?;
         registry.register(Box::new(reports_refused.clone()))?;
         registry.register(Box::new(registry_degraded.clone()))?;
         let registry_records_refused = IntCounterVec::new(
@@ -306,6 +319,7 @@ impl Metrics {
             server_calls_in_flight,
             server_tier,
             lease_expiries,
+            report_gap,
             reports_refused,
             registry_degraded,
             registry_records_refused,

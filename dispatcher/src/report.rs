@@ -343,6 +343,7 @@ impl relay_proto::registry_server::Registry for ReportService {
             routes: &self.routes,
             session,
         };
+        let mut last_frame = tokio::time::Instant::now();
         loop {
             // Shutdown first: a server flooding reports must not keep the dispatcher up.
             let frame = tokio::select! {
@@ -352,6 +353,11 @@ impl relay_proto::registry_server::Registry for ReportService {
             };
             match frame {
                 Ok(Some(frame)) => {
+                    let now = tokio::time::Instant::now();
+                    self.metrics
+                        .report_gap
+                        .observe(now.duration_since(last_frame).as_secs_f64());
+                    last_frame = now;
                     if !self.apply(&peer, session, &server_id, frame)? {
                         info!(%server_id, "report stream superseded by a newer one from the same server, or its lease expired");
                         return Err(Status::aborted(

@@ -347,12 +347,31 @@ impl Dispatcher {
         }
         // This dispatcher's leg to each tunnel server, for the latency tiers.
         tracker.spawn(latency::run(routes.clone(), channels, order.rest.clone()));
-        tracker.spawn(routing_tick(routes, tick, order.rest.clone()));
-        let registry_task = tracker.spawn(serve_registry(
-            registry,
-            registry_up,
-            order.registry.clone(),
-        ));
+        // The registry listener (the report streams) and the routing tick (which judges
+        // their leases) on a thread of their own, so the call load cannot delay a report
+        // past its lease (`relay_common::runtime::ControlRuntime`). Without a thread (the
+        // OS refused one) they run here.
+        let control = match relay_common::runtime::ControlRuntime::start() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                warn!(error = %e, "no thread for the registry: it shares the call path's runtime");
+                None
+            }
+        };
+        let on = control
+            .as_ref()
+            .map_or_else(tokio::runtime::Handle::current, |c| c.handle().clone());
+        tracker.spawn_on(routing_tick(routes, tick, order.rest.clone()), &on);
+        let registry_task = tracker.spawn_on(
+            serve_registry(registry, registry_up, order.registry.clone()),
+            &on,
+        );
+        // The thread lives until the last step of the stop (the registry has stopped).
+        let rest = order.rest.clone();
+        tracker.spawn(async move {
+            rest.cancelled().await;
+            drop(control);
+        });
         let (admin_listener, admin) = admin;
         tracker.spawn(admin::serve(
             admin_listener,

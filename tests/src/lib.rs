@@ -37,6 +37,7 @@ pub mod redis;
 pub mod shared_registry;
 pub mod soak;
 pub mod stack;
+pub mod storm;
 pub mod upstream;
 
 /// Polls `check` every 20 ms until it holds (`true`, or `Ok` with the value it returns);

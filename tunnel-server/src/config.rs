@@ -75,6 +75,11 @@ pub struct Config {
     /// Streams one tunnel id may hold on this server; more are refused with
     /// RESOURCE_EXHAUSTED.
     pub max_streams_per_token: usize,
+    /// Agent connections opening at once (from the accept to their first authenticated
+    /// stream, at most 1 s each); more wait their turn, first come first served, parked
+    /// (`relay_tunnel_opens_waiting`). Keeps a storm of opens (a fleet of agents
+    /// reconnecting) from delaying everything else (see `relay_common::listen::admission`).
+    pub max_opens_in_progress: usize,
     /// Period of the load report to dispatchers.
     #[serde(with = "humantime_serde")]
     pub report_interval: Duration,
@@ -164,6 +169,7 @@ impl Default for Config {
             max_queue_per_tunnel: 1024,
             queue_handshake_after: Duration::ZERO,
             max_streams_per_token: 1024,
+            max_opens_in_progress: DEFAULT_MAX_OPENS_IN_PROGRESS,
             report_interval: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(30),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
@@ -184,6 +190,9 @@ impl Default for Config {
 }
 
 pub use relay_proto::DEFAULT_MAX_FRAME_BYTES;
+
+/// The default of `max_opens_in_progress`.
+pub const DEFAULT_MAX_OPENS_IN_PROGRESS: usize = 64;
 
 impl Config {
     /// Plain text on every hop (`insecure = true` on each TLS section): tests and the
@@ -325,6 +334,17 @@ impl Config {
                 "must be at least 1",
             ));
         }
+        if !(1..=relay_common::listen::admission::MAX_PLACES).contains(&self.max_opens_in_progress)
+        {
+            return Err(ConfigError::invalid(
+                "max_opens_in_progress",
+                format!(
+                    "must be 1 to {}, got {}",
+                    relay_common::listen::admission::MAX_PLACES,
+                    self.max_opens_in_progress
+                ),
+            ));
+        }
         if self.report_interval < Duration::from_millis(10) {
             return Err(ConfigError::invalid(
                 "report_interval",
@@ -419,6 +439,30 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(!err.contains("server_id") && !err.contains("zone"), "{err}");
+    }
+
+    #[test]
+    fn max_opens_in_progress_out_of_range_is_refused_naming_the_key() {
+        for bad in [0, relay_common::listen::admission::MAX_PLACES + 1] {
+            let c = Config {
+                max_opens_in_progress: bad,
+                ..Config::default()
+            }
+            .insecure();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("max_opens_in_progress"), "{err}");
+        }
+        let ok = Config {
+            max_opens_in_progress: 1,
+            ..Config::default()
+        }
+        .insecure();
+        let err = ok
+            .validate()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(!err.contains("max_opens_in_progress"), "{err}");
     }
 
     #[test]

@@ -41,7 +41,20 @@ pub struct ServerMetrics {
     /// Agent connections whose streams were all closed because a liveness ping went
     /// unanswered (`crate::liveness`).
     pub silent_connections: prometheus::IntCounter,
+    /// How late each periodic load report went out after its tick was due: the delay of
+    /// the control plane (`crate::report`).
+    pub report_lateness: Histogram,
+    /// Agent connections waiting for their turn to open now
+    /// (`relay_common::listen::admission`, `max_opens_in_progress`).
+    pub opens_waiting: IntGauge,
+    /// Time agent connections waited for their turn to open (0 when there was room).
+    pub open_wait: Histogram,
 }
+
+/// Buckets of the control plane's delays: fine below a second, up to well past a lease.
+pub const CONTROL_BUCKETS: [f64; 13] = [
+    0.005, 0.025, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 5.0, 10.0,
+];
 
 impl ServerMetrics {
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
@@ -97,6 +110,24 @@ impl ServerMetrics {
                 "relay_tunnel_silent_connections_total",
                 "Agent connections closed because a liveness ping went unanswered past liveness_timeout",
             )?,
+            report_lateness: Histogram::with_opts(
+                HistogramOpts::new(
+                    "relay_tunnel_report_lateness_seconds",
+                    "How late each periodic load report to a dispatcher went out after it was due",
+                )
+                .buckets(CONTROL_BUCKETS.to_vec()),
+            )?,
+            opens_waiting: IntGauge::new(
+                "relay_tunnel_opens_waiting",
+                "Agent connections waiting for their turn to open (max_opens_in_progress)",
+            )?,
+            open_wait: Histogram::with_opts(
+                HistogramOpts::new(
+                    "relay_tunnel_open_wait_seconds",
+                    "Time agent connections waited for their turn to open (max_opens_in_progress)",
+                )
+                .buckets(CONTROL_BUCKETS.to_vec()),
+            )?,
         };
         registry.register(Box::new(m.streams.clone()))?;
         registry.register(Box::new(m.queued.clone()))?;
@@ -107,6 +138,9 @@ impl ServerMetrics {
         registry.register(Box::new(m.opens.clone()))?;
         registry.register(Box::new(m.closes.clone()))?;
         registry.register(Box::new(m.silent_connections.clone()))?;
+        registry.register(Box::new(m.report_lateness.clone()))?;
+        registry.register(Box::new(m.opens_waiting.clone()))?;
+        registry.register(Box::new(m.open_wait.clone()))?;
         // Export every fixed label value from the start: a counter that first appears
         // already above zero loses that first step in `rate()`, so an alert on refused
         // tokens would miss the first burst.

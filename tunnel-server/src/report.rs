@@ -20,6 +20,10 @@
 //! a dispatcher that refuses it (UNAUTHENTICATED / PERMISSION_DENIED) is logged with its
 //! reason and retried with backoff like any other failure. The key is never logged.
 //!
+//! The reporters run on the control plane's thread (`relay_common::runtime::ControlRuntime`,
+//! started in `crate::start`): a storm of agent stream opens on the agent runtime cannot
+//! delay a report past the dispatcher's lease.
+//!
 //! Reconnects back off from 100 ms, doubling to [`RETRY_MAX`] (1 s), each with ±25%
 //! jitter, and start over from 100 ms once a report stream was accepted (it outlived one
 //! report tick). So a dispatcher that crashes and comes back hears from every server within
@@ -48,6 +52,11 @@ const RETRY_INITIAL: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(1);
 /// How long dialing a dispatcher may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long after a tunnel id comes or goes the announcements go out: the changes of that
+/// moment go together. Each round reads every tunnel id the hub holds; when ten thousand
+/// came one by one, a round per tunnel id read them all ten thousand times (on the report's
+/// own thread, that work is no longer held back by the storm that causes it).
+const ANNOUNCE_BATCH: Duration = Duration::from_millis(10);
 /// Shortest time between a load report and one sent early because calls started to wait.
 pub const EARLY_REPORT_GAP: Duration = Duration::from_millis(100);
 
@@ -186,8 +195,13 @@ impl Reporter {
                     let _ = tokio::time::timeout(Duration::from_secs(1), call).await;
                     return Ok(());
                 }
-                _ = &mut changed => {}
-                _ = tick.tick() => {
+                _ = &mut changed => {
+                    // Tunnel ids coming in a storm (thousands of agents opening at once)
+                    // go out together: each announcement round reads every tunnel id.
+                    tokio::time::sleep(ANNOUNCE_BATCH).await;
+                }
+                due = tick.tick() => {
+                    self.hub.metrics.report_lateness.observe(due.elapsed().as_secs_f64());
                     ticks = ticks.saturating_add(1);
                     self.send_load(&tx).await?;
                     last_load = Instant::now();

@@ -274,11 +274,18 @@ impl Server {
                 hub.metrics.silent_connections.clone(),
             ))
         });
+        // New agent connections are admitted at a pace the server can serve
+        // (`max_opens_in_progress`, `relay_common::listen::admission`).
         let agent_guard = ListenerGuard::new(
             "agent",
             config.agent_limits.clone(),
             listener_metrics.clone(),
-        );
+        )
+        .with_admission(Arc::new(listen::Admission::new(
+            config.max_opens_in_progress,
+            hub.metrics.opens_waiting.clone(),
+            hub.metrics.open_wait.clone(),
+        )));
         let tunnel = stream::TunnelService {
             liveness: liveness.clone(),
             response_credit: relay_proto::body_credit(agent_h2.stream_window_bytes),
@@ -418,6 +425,9 @@ impl Server {
             front,
             grace,
         } = self;
+        // The control plane (the report streams) on a thread of its own: no storm of agent opens delays a report past its lease
+        // (`relay_common::runtime::ControlRuntime`).
+        let control = relay_common::runtime::ControlRuntime::start()?;
         // The front first: it is the one step that can fail, and nothing of this server
         // runs yet then. Its calls to this server take the in-process hop, which needs no
         // listener.
@@ -444,10 +454,26 @@ impl Server {
             relay_common::admin::serve(admin.0, admin.1, serving.clone().cancelled_owned()).boxed(),
         );
         spawn(pressure(hub.clone(), serving.clone()).boxed());
+        // The CPU sampler measures the runtime it runs on (`crate::load`): this one.
         spawn(load::run(cpu.0, cpu.1, stops.reports.clone()).boxed());
+        let mut reports = Vec::new();
         for reporter in reporters {
-            spawn(reporter.run().boxed());
+            reports.push(tracker.spawn_on(reporter.run(), control.handle()));
         }
+        tasks.extend(reports.iter().map(|r| r.abort_handle()));
+        // The thread lives until the server stops serving and its report streams, told to
+        // end before that, have ended.
+        let reports_stopped = serving.clone();
+        tasks.push(
+            tracker
+                .spawn(async move {
+                    reports_stopped.cancelled().await;
+                    let _ =
+                        tokio::time::timeout(STOP_WAIT, futures::future::join_all(reports)).await;
+                    drop(control);
+                })
+                .abort_handle(),
+        );
         info!(%server_id, instance_id = %hub.instance_id, agent = %agent_addr, forward = %forward_addr, admin = %admin_addr, "tunnel server listening");
 
         let stop = CancellationToken::new();

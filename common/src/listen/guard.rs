@@ -56,6 +56,8 @@ pub struct ListenerGuard {
     pub(super) auth_logs: LogLimiter,
     /// Base of the connections' idle stamps.
     pub(super) epoch: Instant,
+    /// Connections opening at once, when the server set a gate ([`super::admission`]).
+    pub(super) admission: std::sync::OnceLock<Arc<super::Admission>>,
 }
 
 impl ListenerGuard {
@@ -98,7 +100,16 @@ impl ListenerGuard {
             handshake_logs: LogLimiter::default(),
             auth_logs: LogLimiter::default(),
             epoch: Instant::now(),
+            admission: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Holds new connections to `gate`: at most its places are opening at once, the rest
+    /// wait (see [`super::admission`]). Set once, before the listener serves; a second
+    /// gate is ignored.
+    pub fn with_admission(self: Arc<Self>, gate: Arc<super::Admission>) -> Arc<Self> {
+        let _ = self.admission.set(gate);
+        self
     }
 
     pub fn limits(&self) -> &ListenerLimits {
@@ -301,6 +312,7 @@ impl ListenerGuard {
         tls: Option<TlsServer>,
         permit: OwnedSemaphorePermit,
         accepted: Instant,
+        opening: Option<super::admission::Slot>,
     ) -> Option<Conn> {
         let (peer, via, slot) = match slot {
             Some(slot) => (lb, None, slot),
@@ -423,6 +435,10 @@ impl ListenerGuard {
             guard: self,
             _source: slot,
             _permit: permit,
+            opening: opening.map(|slot| {
+                let hold = accepted + super::admission::OPENING_HOLD;
+                (slot, Box::pin(tokio::time::sleep_until(hold)))
+            }),
         })
     }
 
@@ -631,6 +647,9 @@ pub struct Conn {
     pub(super) guard: Arc<ListenerGuard>,
     pub(super) _source: SourceSlot,
     pub(super) _permit: OwnedSemaphorePermit,
+    /// Its place at the admission gate while it opens: given back once it carried an
+    /// authenticated stream, or when the hold ends ([`super::admission::OPENING_HOLD`]).
+    pub(super) opening: Option<(super::admission::Slot, Pin<Box<tokio::time::Sleep>>)>,
 }
 
 impl Conn {
@@ -650,6 +669,13 @@ impl Conn {
     }
 
     pub(super) fn must_close(&mut self, cx: &mut Context<'_>) -> Option<std::io::Error> {
+        if let Some((_, hold)) = &mut self.opening {
+            if self.info.state.authenticated.load(Ordering::Acquire)
+                || hold.as_mut().poll(cx).is_ready()
+            {
+                self.opening = None;
+            }
+        }
         if self.closed.as_mut().poll(cx).is_ready() {
             return Some(std::io::Error::new(
                 std::io::ErrorKind::PermissionDenied,

@@ -648,3 +648,43 @@ fn per_source_limits_count_an_ipv6_host_by_its_64() {
     let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
     assert_eq!(source_key(mapped), IpAddr::from([192, 0, 2, 1]));
 }
+
+#[tokio::test]
+async fn past_the_gate_connections_wait_their_turn_with_deadlines_from_it() {
+    let (g, _reg) = guard(ListenerLimits {
+        first_byte_timeout: Duration::from_millis(200),
+        auth_timeout: Duration::ZERO,
+        ..ListenerLimits::default()
+    });
+    let waiting = prometheus::IntGauge::new("w", "w").unwrap();
+    let wait = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("h", "h")).unwrap();
+    let g = g.with_admission(Arc::new(Admission::new(1, waiting.clone(), wait.clone())));
+    let addr = serve(g, None).await;
+    // Opens and authenticates: its place is given back at once.
+    let mut first = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut first, b'A').await);
+    // Opens and never authenticates: holds the place for OPENING_HOLD at most.
+    let mut holder = TcpStream::connect(addr).await.unwrap();
+    assert!(echo(&mut holder, b'x').await);
+    let started = Instant::now();
+    let mut next = TcpStream::connect(addr).await.unwrap();
+    next.write_all(b"y").await.unwrap();
+    until(Duration::from_secs(5), || {
+        let w = waiting.get();
+        async move { w == 1 }
+    })
+    .await;
+    // Admitted once the holder's hold ends, long past first_byte_timeout from its accept:
+    // its first byte is read then, and it is served.
+    let mut buf = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(5), next.read(&mut buf)).await;
+    assert!(matches!(read, Ok(Ok(1))) && buf[0] == b'y', "{read:?}");
+    assert!(started.elapsed() >= admission::OPENING_HOLD / 2);
+    assert_eq!(waiting.get(), 0);
+    assert_eq!(wait.get_sample_count(), 3);
+    assert!(wait.get_sample_sum() > 0.2, "{}", wait.get_sample_sum());
+    // Everyone is still served.
+    assert!(echo(&mut first, b'z').await);
+    assert!(echo(&mut holder, b'z').await);
+    assert!(echo(&mut next, b'z').await);
+}

@@ -243,6 +243,11 @@ enum Command {
     /// reported. Exit code 1 on any failed or lost call or `reached limit` line.
     #[command(long_about = SOAK_ABOUT)]
     Soak(Box<SoakArgs>),
+    /// A storm of agent stream opens on tunnel server processes (the release binaries):
+    /// reports how long the opens took to be admitted, what waited, and whether the
+    /// servers' reports kept their lease at the dispatcher. Exit code 1 on a missed lease
+    /// or a stream that did not get in.
+    Storm(relay_tests::storm::StormArgs),
 }
 
 const SOAK_ABOUT: &str = "\
@@ -533,6 +538,7 @@ async fn main() -> std::process::ExitCode {
             })
         }
         Command::Soak(a) => soak(*a).await,
+        Command::Storm(a) => relay_tests::storm::main(a).await,
         Command::Tokens { agents } => {
             println!("# token store entries for relay-fleet's simulated agents (tunnel server token_store)");
             for i in 0..agents {
