@@ -484,7 +484,13 @@ async fn accept_loop(
     max_concurrent_streams: u32,
 ) {
     let mut builder = http2::Builder::new(TrackedExecutor(tracker.clone()));
-    builder.max_concurrent_streams(max_concurrent_streams);
+    // Agents cancel opens the servers were slow to answer, and retire streams: a stand-in
+    // for a load balancer must not end their connections for it (h2's guards would after
+    // 20 resets of streams not yet accepted).
+    builder
+        .max_concurrent_streams(max_concurrent_streams)
+        .max_pending_accept_reset_streams(1 << 20)
+        .max_local_error_reset_streams(None);
     loop {
         // biased: once stopped, accept nothing more.
         let accepted = tokio::select! {
