@@ -18,6 +18,7 @@ pub mod neighbours;
 pub mod report;
 pub mod runner;
 pub mod scenario;
+pub mod worker;
 
 pub use report::Report;
 pub use runner::{run, Mode, RunOptions};

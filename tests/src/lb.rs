@@ -12,7 +12,10 @@
 //! The test owns placement: the policy can be swapped at runtime ([`LbHandle::set_policy`]),
 //! explicit placements can be queued ([`LbHandle::set_next`]), backends can be marked down
 //! or have their open streams reset. Each backend is reached through one shared HTTP/2
-//! client connection (re-established by the client pool if it breaks).
+//! client connection (re-established by the client pool if it breaks), or with
+//! [`LbBuilder::backend_connections`] through several, streams taking them in turn (a
+//! server takes at most `max_concurrent_streams` streams a connection: a fleet of
+//! thousands of agents needs more than one).
 //!
 //! This module must not panic on peer errors: a backend that refuses or resets yields a
 //! `502`/`503` with `grpc-status: 14` (UNAVAILABLE) or a reset stream, never a crash.
@@ -106,6 +109,7 @@ impl LoadBalancer {
             policy: Policy::Uniform,
             seed: 0,
             max_concurrent_streams: 100_000,
+            backend_connections: 1,
         }
     }
 }
@@ -117,9 +121,17 @@ pub struct LbBuilder {
     policy: Policy,
     seed: u64,
     max_concurrent_streams: u32,
+    backend_connections: usize,
 }
 
 impl LbBuilder {
+    /// HTTP/2 connections to each backend (default 1, at least 1); new streams take them
+    /// in turn.
+    pub fn backend_connections(mut self, n: usize) -> Self {
+        self.backend_connections = n.max(1);
+        self
+    }
+
     /// Adds a backend; its index is the number of backends added before it.
     pub fn backend(mut self, addr: SocketAddr) -> Self {
         self.backends.push(addr);
@@ -163,10 +175,15 @@ impl LbBuilder {
         let cancel = CancellationToken::new();
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .http2_only(true)
-            .pool_idle_timeout(None)
-            .build(connector);
+        // One client (pool) per connection: a pool keeps one HTTP/2 connection a backend.
+        let clients = (0..self.backend_connections)
+            .map(|_| {
+                Client::builder(TokioExecutor::new())
+                    .http2_only(true)
+                    .pool_idle_timeout(None)
+                    .build(connector.clone())
+            })
+            .collect();
         let backends = self
             .backends
             .into_iter()
@@ -188,7 +205,8 @@ impl LbBuilder {
                 next_stream: 0,
             }),
             rejected: AtomicU64::new(0),
-            client,
+            clients,
+            next_client: AtomicU64::new(0),
             cancel: cancel.clone(),
         });
         let tracker = TaskTracker::new();
@@ -308,7 +326,9 @@ struct ProxyState {
     backends: Vec<Backend>,
     placement: Mutex<Placement>,
     rejected: AtomicU64,
-    client: Client<HttpConnector, Incoming>,
+    clients: Vec<Client<HttpConnector, Incoming>>,
+    /// Which client the next stream takes.
+    next_client: AtomicU64,
     /// Stops the whole proxy; parent of every backend's reset token.
     cancel: CancellationToken,
 }
@@ -357,6 +377,12 @@ impl fmt::Display for Reject {
 }
 
 impl ProxyState {
+    /// The client (connection) the next stream takes.
+    fn client(&self) -> &Client<HttpConnector, Incoming> {
+        let n = self.next_client.fetch_add(1, Ordering::Relaxed) as usize;
+        &self.clients[n % self.clients.len()]
+    }
+
     fn placement(&self) -> MutexGuard<'_, Placement> {
         self.placement.lock()
     }
@@ -458,7 +484,13 @@ async fn accept_loop(
     max_concurrent_streams: u32,
 ) {
     let mut builder = http2::Builder::new(TrackedExecutor(tracker.clone()));
-    builder.max_concurrent_streams(max_concurrent_streams);
+    // Agents cancel opens the servers were slow to answer, and retire streams: a stand-in
+    // for a load balancer must not end their connections for it (h2's guards would after
+    // 20 resets of streams not yet accepted).
+    builder
+        .max_concurrent_streams(max_concurrent_streams)
+        .max_pending_accept_reset_streams(1 << 20)
+        .max_local_error_reset_streams(None);
     loop {
         // biased: once stopped, accept nothing more.
         let accepted = tokio::select! {
@@ -538,7 +570,7 @@ async fn proxy(
         _ = reset.cancelled() => {
             return Ok(unavailable(StatusCode::SERVICE_UNAVAILABLE, "backend reset by load balancer"));
         }
-        res = state.client.request(req) => res,
+        res = state.client().request(req) => res,
     };
     match res {
         Ok(res) => Ok(res.map(|body| ProxyBody::stream(body, reset, open))),

@@ -118,6 +118,12 @@ pub struct StackBuilder {
     forward_listeners: Vec<Option<(std::net::TcpListener, String)>>,
     direct: bool,
     colocated: bool,
+    /// Dispatchers (every server reports to each).
+    dispatchers: usize,
+    /// The load-balancer fixture's connections to each server.
+    lb_backend_connections: usize,
+    /// Agents run elsewhere (other processes) whose tokens the servers accept.
+    remote_agents: usize,
 }
 
 impl Default for StackBuilder {
@@ -145,6 +151,9 @@ impl Default for StackBuilder {
             forward_listeners: Vec::new(),
             direct: false,
             colocated: false,
+            dispatchers: 1,
+            lb_backend_connections: 1,
+            remote_agents: 0,
         }
     }
 }
@@ -287,6 +296,28 @@ impl StackBuilder {
         self
     }
 
+    /// Runs `n` dispatchers (default 1; at least 1), each with the same config on listeners
+    /// of its own; every tunnel server reports to each of them (its `dispatchers` lists
+    /// their registry listeners), so each routes every tunnel id. Not with `colocated`.
+    pub fn dispatchers(mut self, n: usize) -> Self {
+        self.dispatchers = n.max(1);
+        self
+    }
+
+    /// The load-balancer fixture reaches each server over `n` connections (default 1):
+    /// a server takes at most 4096 streams a connection.
+    pub fn lb_backend_connections(mut self, n: usize) -> Self {
+        self.lb_backend_connections = n.max(1);
+        self
+    }
+
+    /// The servers also accept the tokens of agents `0..n` ([`agent_identity`]) run
+    /// elsewhere (the load tester's worker processes), besides the agents started here.
+    pub fn remote_agents(mut self, n: usize) -> Self {
+        self.remote_agents = n;
+        self
+    }
+
     /// Starts no agent (tests that script their own).
     pub fn without_agent(mut self) -> Self {
         self.agent = false;
@@ -324,6 +355,27 @@ impl StackBuilder {
         let http = dl.http.local_addr()?;
         let registry = dl.registry.local_addr()?;
         let dispatcher_admin = dl.admin.local_addr()?;
+        let mut dispatchers = vec![DispatcherAddrs {
+            http,
+            registry,
+            admin: dispatcher_admin,
+        }];
+        let mut more_listeners = Vec::new();
+        if !self.colocated {
+            for _ in 1..self.dispatchers {
+                let l = relay_dispatcher::Listeners {
+                    http: any().await?,
+                    registry: any().await?,
+                    admin: any().await?,
+                };
+                dispatchers.push(DispatcherAddrs {
+                    http: l.http.local_addr()?,
+                    registry: l.registry.local_addr()?,
+                    admin: l.admin.local_addr()?,
+                });
+                more_listeners.push(l);
+            }
+        }
         let mut dcfg = self.dispatcher;
         // Hops the test left unset run plain text (`insecure = true`); a test that sets a
         // TLS section gets TLS there and `https://` URLs.
@@ -351,20 +403,22 @@ impl StackBuilder {
                 listeners: dl,
             });
         } else {
-            let s = stop.clone();
-            let dispatcher = async move {
-                if let Err(e) = relay_dispatcher::run(dcfg, dl, s.cancelled_owned()).await {
-                    tracing::error!(error = %e, "dispatcher stopped");
-                }
-            };
-            tasks.push(match rts.as_ref() {
-                Some(r) => r.dispatcher.spawn(dispatcher),
-                None => tokio::spawn(dispatcher),
-            });
+            for dl in std::iter::once(dl).chain(more_listeners) {
+                let (s, dcfg) = (stop.clone(), dcfg.clone());
+                let dispatcher = async move {
+                    if let Err(e) = relay_dispatcher::run(dcfg, dl, s.cancelled_owned()).await {
+                        tracing::error!(error = %e, "dispatcher stopped");
+                    }
+                };
+                tasks.push(match rts.as_ref() {
+                    Some(r) => r.dispatcher.spawn(dispatcher),
+                    None => tokio::spawn(dispatcher),
+                });
+            }
         }
         let agent_count = if self.agent { self.agents } else { 0 };
         let mut tokens = TokenStore::single(TOKEN, TUNNEL_ID);
-        for i in 1..agent_count {
+        for i in 1..agent_count.max(self.remote_agents) {
             let (token, id) = agent_identity(i);
             tokens.add(&token, &id);
         }
@@ -389,7 +443,10 @@ impl StackBuilder {
                 .cloned()
                 .unwrap_or_else(|| format!("zone-{}", i + 1));
             cfg.dispatchers = if self.routed.is_none_or(|n| i < n) {
-                vec![format!("{registry_scheme}://{registry}")]
+                dispatchers
+                    .iter()
+                    .map(|d| format!("{registry_scheme}://{}", d.registry))
+                    .collect()
             } else {
                 vec![]
             };
@@ -455,7 +512,8 @@ impl StackBuilder {
                 let b = LoadBalancer::builder()
                     .backends(addrs)
                     .policy(policy)
-                    .seed(self.lb_seed);
+                    .seed(self.lb_seed)
+                    .backend_connections(self.lb_backend_connections);
                 let lb = on_rt(rts.as_ref().map(|r| &r.lb), b.spawn()).await??;
                 for (i, s) in servers.iter().enumerate() {
                     if s.is_none() {
@@ -466,14 +524,7 @@ impl StackBuilder {
             }
             None => None,
         };
-        let tunnels: Vec<String> = match &lb {
-            Some(lb) => vec![lb.url()],
-            None => servers
-                .iter()
-                .flatten()
-                .map(|s| format!("{agent_scheme}://{}", s.agent_addr))
-                .collect(),
-        };
+        let tunnels = tunnels_for_agents(&lb, &servers, agent_scheme);
         let mut agent_admin = None;
         let mut agents = Vec::new();
         if agent_count > 0 {
@@ -520,9 +571,12 @@ impl StackBuilder {
                 });
             }
         }
+        let agent_tunnels = tunnels_for_agents(&lb, &servers, agent_scheme);
         Ok(Stack {
             http,
             dispatcher_admin,
+            dispatchers,
+            agent_tunnels,
             registry,
             agent_admin,
             servers,
@@ -540,6 +594,32 @@ impl StackBuilder {
             direct: self.direct,
         })
     }
+}
+
+/// What the agents dial: the load balancer, or else every running server.
+fn tunnels_for_agents(
+    lb: &Option<LbHandle>,
+    servers: &[Option<TunnelServerHandle>],
+    agent_scheme: &str,
+) -> Vec<String> {
+    match lb {
+        Some(lb) => vec![lb.url()],
+        None => servers
+            .iter()
+            .flatten()
+            .map(|s| format!("{agent_scheme}://{}", s.agent_addr))
+            .collect(),
+    }
+}
+
+/// One dispatcher's listeners.
+#[derive(Clone, Copy, Debug)]
+pub struct DispatcherAddrs {
+    /// The HTTP front callers use.
+    pub http: SocketAddr,
+    /// The registry listener the tunnel servers report to.
+    pub registry: SocketAddr,
+    pub admin: SocketAddr,
 }
 
 fn scheme(insecure: bool) -> &'static str {
@@ -568,6 +648,11 @@ pub struct Stack {
     /// The dispatcher's HTTP front.
     pub http: SocketAddr,
     pub dispatcher_admin: SocketAddr,
+    /// Every dispatcher, the first one (`http`, `dispatcher_admin`, `registry`) first.
+    pub dispatchers: Vec<DispatcherAddrs>,
+    /// The `tunnels` the stack's agents dial (the load balancer, or every server as
+    /// started), for agents run elsewhere.
+    pub agent_tunnels: Vec<String>,
     /// The dispatcher's registry listener (tunnel servers' reports).
     pub registry: SocketAddr,
     pub agent_admin: Option<SocketAddr>,

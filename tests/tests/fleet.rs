@@ -25,7 +25,12 @@ async fn run_short(s: Scenario) -> Report {
 /// Expectations on time (queue wait, how soon a burst is done) are the verdict of
 /// `relay-fleet run` for a person at a quiet machine; on a shared CI machine they measure
 /// the machine. Tests print them and assert the rest.
-const TIMED: [&str; 3] = ["max_queue_wait_p99", "burst_done_within", "max_latency_p99"];
+const TIMED: [&str; 4] = [
+    "max_queue_wait_p99",
+    "burst_done_within",
+    "max_latency_p99",
+    "covered_within",
+];
 
 /// Asserts every expectation the scenario sets except the timed ones (printed), and that
 /// every call of every burst was answered.
@@ -391,4 +396,60 @@ async fn a_stopped_run_still_reports_what_ran() {
     assert_eq!(r.calls_lost, 0);
     let html = relay_tests::fleet::html::render(&r);
     assert!(html.contains("<svg") && !html.contains("<script"));
+}
+
+/// The agents in two worker processes (children of `relay-fleet`), two dispatchers, and a
+/// server restart: one report with every call answered ok, streams counted from both
+/// workers, every agent covering every server again after the restart, each worker's
+/// figures, and no worker left running after the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_in_two_worker_processes_report_as_one_fleet_and_leave_no_worker_behind() {
+    let mut s = builtin("ten-thousand-agents");
+    s.duration = Duration::from_secs(12);
+    s.servers.count = 3;
+    s.agents.count = 200;
+    s.agents.workers = 2;
+    s.agents.start_rate = 400.0;
+    s.load.rate = 100.0;
+    s.faults[0].at = Duration::from_secs(3);
+    s.faults[1].at = Duration::from_secs(4);
+    s.expect.max_fleet_rss_mib = None;
+    s.validate().expect("the shortened scenario is valid");
+    let r = run(
+        &s,
+        RunOptions {
+            worker_exe: Some(env!("CARGO_BIN_EXE_relay-fleet").into()),
+            ..RunOptions::default()
+        },
+    )
+    .await
+    .expect("scenario runs");
+    println!("{}", relay_tests::fleet::report::summary(&r));
+    assert_eq!(r.calls_lost, 0);
+    assert!(r.calls_sent > 0);
+    assert_eq!(r.dispatchers, 2);
+    assert_eq!(r.workers.len(), 2, "{:?}", r.workers);
+    assert!(r.worker_deaths.is_empty(), "{:?}", r.worker_deaths);
+    // Streams from both workers: every agent rests at a reserve of 1 on each server.
+    assert!(
+        r.peak_streams >= 200 * 3,
+        "peak streams {} for 200 agents on 3 servers",
+        r.peak_streams
+    );
+    for w in &r.workers {
+        assert!(w.peak_rss_mib > 0.0 && w.cpu_s_total > 0.0, "{w:?}");
+        let pid = w.pid.expect("a worker has a pid");
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "worker {} (pid {pid}) still running after the run",
+            w.index
+        );
+    }
+    assert_eq!(r.covered_after.len(), 1, "{:?}", r.covered_after);
+    assert!(
+        r.covered_after[0].after_s.is_some(),
+        "not every agent covered every server again: {:?}",
+        r.covered_after
+    );
+    assert_expectations(&r);
 }

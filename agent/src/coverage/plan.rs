@@ -118,7 +118,7 @@
 //!   there until it is retired: at most `retire_unused / fill_retry` (20 by default) per
 //!   server no stream reaches.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -133,7 +133,7 @@ pub type StreamId = u64;
 
 /// `[coverage]` in the agent config. Every constant of the coverage rules, with the
 /// design's defaults.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CoverageConfig {
     /// Per-server coverage on (default). Off keeps a fixed pool of `fixed_streams`,

@@ -100,7 +100,14 @@ enum Command {
         /// No progress line even on a terminal.
         #[arg(long)]
         quiet: bool,
+        /// Run the agents in this many worker processes (children of this binary) instead
+        /// of the scenario's `agents.workers`; 0 runs them in this process.
+        #[arg(long)]
+        workers: Option<usize>,
     },
+    /// A worker process of `run` (started by it; reads its spec on stdin).
+    #[command(hide = true)]
+    Worker,
     /// Direct-to-upstream vs relayed calls/s and latency at several numbers of
     /// concurrent callers, side by side.
     Bench {
@@ -391,8 +398,23 @@ struct SoakArgs {
     rss_every: Duration,
 }
 
+fn main() -> std::process::ExitCode {
+    // A worker runs its agents on a runtime of its own, outside the main one.
+    if std::env::args().nth(1).as_deref() == Some("worker") {
+        relay_common::telemetry::init("warn");
+        return match relay_tests::fleet::worker::worker_main() {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("relay-fleet worker: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
+    async_main()
+}
+
 #[tokio::main]
-async fn main() -> std::process::ExitCode {
+async fn async_main() -> std::process::ExitCode {
     relay_common::telemetry::init("warn");
     let args = Args::parse();
     let result = match args.command {
@@ -429,6 +451,7 @@ async fn main() -> std::process::ExitCode {
             time_scale,
             rate_scale,
             quiet,
+            workers,
         } => {
             let mode = match (dispatcher, tunnel) {
                 (Some(dispatcher), Some(tunnel)) => Mode::External {
@@ -446,9 +469,13 @@ async fn main() -> std::process::ExitCode {
                 time_scale,
                 rate_scale,
                 quiet,
+                workers,
             })
             .await
         }
+        Command::Worker => Err(anyhow::anyhow!(
+            "relay-fleet worker is started by relay-fleet run (--workers)"
+        )),
         Command::Bench {
             callers,
             each,
@@ -846,6 +873,7 @@ struct RunArgs {
     time_scale: f64,
     rate_scale: f64,
     quiet: bool,
+    workers: Option<usize>,
 }
 
 async fn run(a: RunArgs) -> anyhow::Result<()> {
@@ -871,6 +899,7 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
             mode: a.mode,
             progress: !a.quiet,
             stop,
+            workers: a.workers,
             ..RunOptions::default()
         },
     )

@@ -11,14 +11,14 @@
 
 use super::runner::{BurstStat, RecInner};
 use super::scenario::Scenario;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Streams of a server by state, summed over the agents.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct ServerStreams {
     pub idle: u64,
     pub busy: u64,
@@ -131,6 +131,36 @@ pub struct Memory {
     pub rss_mib: f64,
 }
 
+/// One worker process of the agents.
+#[derive(Clone, Debug, Serialize)]
+pub struct WorkerReport {
+    pub index: usize,
+    /// Its agents, `first..end`.
+    pub agents: String,
+    pub pid: Option<u32>,
+    /// CPU seconds over the run (from the load's start), and over its whole life.
+    pub cpu_s: f64,
+    pub cpu_s_total: f64,
+    /// VmHWM and VmRSS as its last report had them, MiB.
+    pub peak_rss_mib: f64,
+    pub rss_mib: f64,
+    /// How it ended, if it ended before the run stopped it.
+    pub died: Option<String>,
+    /// Still running after the run stopped it (an orphan): must be false.
+    pub running_after: bool,
+}
+
+/// How long after a server start every agent covered every running server again.
+#[derive(Clone, Debug, Serialize)]
+pub struct CoveredAfter {
+    pub server: String,
+    /// Seconds into the run of the start.
+    pub at_s: f64,
+    /// Seconds from the start until every agent covered every running server (each in
+    /// state `covered` in its coverage view); `None`: not by the end of the run.
+    pub after_s: Option<f64>,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Check {
     pub name: String,
@@ -182,6 +212,22 @@ pub struct Report {
     pub bursts: Vec<BurstReport>,
     pub cpu: Cpu,
     pub memory: Memory,
+    /// Dispatchers of the embedded relay.
+    pub dispatchers: usize,
+    /// The agents' worker processes (empty: the agents ran in this process).
+    pub workers: Vec<WorkerReport>,
+    /// Workers that ended before the run stopped them.
+    pub worker_deaths: Vec<String>,
+    /// Every process together: the most of (this process's RSS + the workers') at a
+    /// sample, and the sum of their peaks (VmHWM), MiB.
+    pub fleet_rss_peak_mib: f64,
+    pub fleet_rss_peaks_sum_mib: f64,
+    /// Tunnel server entries the dispatchers dropped for a missed lease (embedded mode).
+    pub leases_missed: Option<u64>,
+    /// Per server start: how long until every agent covered every running server again.
+    pub covered_after: Vec<CoveredAfter>,
+    /// How the fleet came up before the load started.
+    pub startup: Vec<String>,
     pub expectations: Vec<Check>,
     /// Faults as applied: (seconds, what).
     pub events: Vec<(f64, String)>,
@@ -217,6 +263,13 @@ pub(crate) struct Inputs<'a> {
     pub cpu: BTreeMap<&'static str, f64>,
     pub process_cpu: f64,
     pub memory: (u64, u64),
+    pub fleet_rss_peak_kib: u64,
+    pub workers: Vec<WorkerReport>,
+    pub worker_deaths: Vec<String>,
+    pub leases_missed: Option<u64>,
+    pub covered_after: Vec<CoveredAfter>,
+    pub startup: Vec<String>,
+    pub dispatchers: usize,
     pub running_servers: Vec<String>,
     /// The dispatcher's calls by server at the end.
     pub calls_by_server: BTreeMap<String, u64>,
@@ -410,8 +463,17 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
             cpu_s_per_1000_calls: per_k(exited),
         });
     }
+    for w in &i.workers {
+        components.push(Component {
+            name: format!("agents worker {}", w.index),
+            cpu_s: w.cpu_s,
+            cpu_s_per_1000_calls: per_k(w.cpu_s),
+        });
+    }
     let cpu = Cpu {
-        method: if i.mode == "embedded" {
+        method: if !i.workers.is_empty() {
+            "this process: each component on its own tokio runtime with named threads, CPU read per thread from /proc/self/task/*/stat ('load generator' is the callers, sampling and report); each agents worker: its process CPU from /proc/self/stat, as it reported it".into()
+        } else if i.mode == "embedded" {
             "one process; each component on its own tokio runtime with named threads, CPU read per thread from /proc/self/task/*/stat; 'load generator' is the caller's runtime (calls, sampling, report)".into()
         } else {
             "simulated agents and upstream only (this process); the deployment's own CPU is not visible from here".into()
@@ -453,6 +515,15 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
             peak_rss_mib: i.memory.0 as f64 / 1024.0,
             rss_mib: i.memory.1 as f64 / 1024.0,
         },
+        dispatchers: i.dispatchers,
+        fleet_rss_peak_mib: (i.fleet_rss_peak_kib.max(i.memory.1)) as f64 / 1024.0,
+        fleet_rss_peaks_sum_mib: i.memory.0 as f64 / 1024.0
+            + i.workers.iter().map(|w| w.peak_rss_mib).sum::<f64>(),
+        workers: i.workers,
+        worker_deaths: i.worker_deaths,
+        leases_missed: i.leases_missed,
+        covered_after: i.covered_after,
+        startup: i.startup,
         expectations: Vec::new(),
         events: i.events,
         timeline,
@@ -581,6 +652,82 @@ fn checks(s: &Scenario, r: &Report, rec: &RecInner, running: &[String]) -> Vec<C
             pass,
         });
     }
+    if !r.workers.is_empty() {
+        let orphans = r.workers.iter().filter(|w| w.running_after).count();
+        out.push(Check {
+            name: "workers".into(),
+            want: "none ended early, none left running".into(),
+            got: if r.worker_deaths.is_empty() && orphans == 0 {
+                format!("{} ran to the end", r.workers.len())
+            } else {
+                format!(
+                    "{} ended early, {orphans} left running",
+                    r.worker_deaths.len()
+                )
+            },
+            pass: r.worker_deaths.is_empty() && orphans == 0,
+        });
+    }
+    if let Some(max) = e.max_fleet_rss_mib {
+        out.push(Check {
+            name: "max_fleet_rss_mib".into(),
+            want: format!("<= {max:.0} MiB (sum of every process's peak)"),
+            got: format!("{:.1} MiB", r.fleet_rss_peaks_sum_mib),
+            pass: r.fleet_rss_peaks_sum_mib <= max,
+        });
+    }
+    if let Some(max) = e.max_leases_missed {
+        let (got, pass) = match r.leases_missed {
+            Some(n) => (n.to_string(), n <= max),
+            None => ("not measured".into(), false),
+        };
+        out.push(Check {
+            name: "max_leases_missed".into(),
+            want: format!("<= {max}"),
+            got,
+            pass,
+        });
+    }
+    if let Some(within) = e.covered_within {
+        let worst = r
+            .covered_after
+            .iter()
+            .map(|c| c.after_s.unwrap_or(f64::INFINITY))
+            .fold(0.0, f64::max);
+        let pass = !r.covered_after.is_empty() && worst <= within.as_secs_f64();
+        out.push(Check {
+            name: "covered_within".into(),
+            want: format!("<= {} after each server start", secs(within)),
+            got: if r.covered_after.is_empty() {
+                "no server start".into()
+            } else if worst.is_finite() {
+                format!("{worst:.2} s")
+            } else {
+                "not covered by the end".into()
+            },
+            pass,
+        });
+    }
+    if let Some(max) = e.max_failed_not_in_flight_at_fault {
+        let at = s
+            .faults
+            .iter()
+            .map(|f| f.at)
+            .min()
+            .unwrap_or_default()
+            .as_secs_f32();
+        let n = rec
+            .failed_span
+            .iter()
+            .filter(|(from, to)| *to < at || *from >= at)
+            .count() as u64;
+        out.push(Check {
+            name: "max_failed_not_in_flight_at_fault".into(),
+            want: format!("<= {max}"),
+            got: format!("{n} (of {} failed)", r.calls_failed_total),
+            pass: n <= max,
+        });
+    }
     if let Some(max) = e.max_failed_after_last_fault {
         let last = s
             .faults
@@ -605,10 +752,15 @@ pub fn summary(r: &Report) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "scenario {} ({} mode, {} agents, seed {}, ran {:.1} s{})",
+        "scenario {} ({} mode, {} agents{}, seed {}, ran {:.1} s{})",
         r.scenario,
         r.mode,
         r.agents,
+        match (r.workers.len(), r.dispatchers) {
+            (0, 1) => String::new(),
+            (0, d) => format!(", {d} dispatchers"),
+            (w, d) => format!(" in {w} worker processes, {d} dispatchers"),
+        },
         r.seed,
         r.ran_for_s,
         if r.interrupted { ", INTERRUPTED" } else { "" }
@@ -619,6 +771,9 @@ pub fn summary(r: &Report) -> String {
     let row = |o: &mut String, k: &str, v: String| {
         let _ = writeln!(o, "  {k:<16} {v}");
     };
+    for line in &r.startup {
+        row(&mut o, "startup", line.clone());
+    }
     row(
         &mut o,
         "calls",
@@ -747,14 +902,75 @@ pub fn summary(r: &Report) -> String {
             ),
         );
     }
-    row(
-        &mut o,
-        "memory",
-        format!(
-            "peak RSS {:.1} MiB, at end {:.1} MiB",
-            r.memory.peak_rss_mib, r.memory.rss_mib
-        ),
-    );
+    if r.workers.is_empty() {
+        row(
+            &mut o,
+            "memory",
+            format!(
+                "peak RSS {:.1} MiB, at end {:.1} MiB",
+                r.memory.peak_rss_mib, r.memory.rss_mib
+            ),
+        );
+    } else {
+        row(
+            &mut o,
+            "memory",
+            format!(
+                "fleet peak RSS {:.1} MiB (sum of peaks {:.1} MiB) over {} processes",
+                r.fleet_rss_peak_mib,
+                r.fleet_rss_peaks_sum_mib,
+                r.workers.len() + 1
+            ),
+        );
+        row(
+            &mut o,
+            "  memory process",
+            format!(
+                "relay (dispatchers, servers, lb, upstream, load generator) peak {:.1} MiB, at end {:.1} MiB",
+                r.memory.peak_rss_mib, r.memory.rss_mib
+            ),
+        );
+        for w in &r.workers {
+            row(
+                &mut o,
+                "  memory process",
+                format!(
+                    "agents worker {} (agents {}, pid {}) peak {:.1} MiB, at end {:.1} MiB",
+                    w.index,
+                    w.agents,
+                    w.pid.map_or("-".into(), |p| p.to_string()),
+                    w.peak_rss_mib,
+                    w.rss_mib
+                ),
+            );
+        }
+    }
+    for d in &r.worker_deaths {
+        row(&mut o, "worker ended", d.clone());
+    }
+    if let Some(n) = r.leases_missed {
+        row(
+            &mut o,
+            "leases missed",
+            format!("{n} (over {} dispatchers)", r.dispatchers),
+        );
+    }
+    for c in &r.covered_after {
+        row(
+            &mut o,
+            "covered again",
+            match c.after_s {
+                Some(a) => format!(
+                    "every agent covers every running server {a:.2} s after {} started at {:.1} s",
+                    c.server, c.at_s
+                ),
+                None => format!(
+                    "not every agent covered every running server by the end, after {} started at {:.1} s",
+                    c.server, c.at_s
+                ),
+            },
+        );
+    }
     for c in &r.expectations {
         row(
             &mut o,

@@ -29,6 +29,7 @@
 
 use super::report::{self, Report, Sample, ServerStreams};
 use super::scenario::{Balancer, Distribution, FaultAction, Placement, Scenario};
+use super::worker::{self, ActionTotals, WorkerSpec, Workers};
 use crate::client::Caller;
 use crate::lb::Policy;
 use crate::load::{Call, CallId, Ended, Expect, Ledger, Plan, Reason};
@@ -76,6 +77,10 @@ pub struct RunOptions {
     pub stop: CancellationToken,
     /// Notified as calls of the load are answered (the run is past its warm-up).
     pub answered: Arc<tokio::sync::Notify>,
+    /// Worker processes for the agents, instead of the scenario's `agents.workers`.
+    pub workers: Option<usize>,
+    /// The binary the workers run (`<exe> worker`); default: this process's own.
+    pub worker_exe: Option<std::path::PathBuf>,
 }
 
 impl Default for RunOptions {
@@ -85,6 +90,8 @@ impl Default for RunOptions {
             progress: false,
             stop: CancellationToken::new(),
             answered: Arc::default(),
+            workers: None,
+            worker_exe: None,
         }
     }
 }
@@ -168,18 +175,54 @@ async fn busy_neighbour(stop: CancellationToken) {
 
 /// The load each server last reported and the calls each answered so far, from the
 /// dispatcher's metrics.
-async fn dispatcher_view(admin: SocketAddr) -> (BTreeMap<String, f64>, BTreeMap<String, u64>) {
-    let Ok(text) = crate::procs::scrape(admin).await else {
-        return Default::default();
-    };
-    let calls = labelled(&text, "relay_dispatcher_calls_by_server_total", "server_id")
-        .into_iter()
-        .map(|(k, v)| (k, v as u64))
-        .collect();
-    (
-        labelled(&text, "relay_dispatcher_server_load_ratio", "server_id"),
-        calls,
-    )
+/// With several dispatchers: the load as the first one has it, the calls summed.
+async fn dispatcher_view(admins: &[SocketAddr]) -> (BTreeMap<String, f64>, BTreeMap<String, u64>) {
+    let mut load = BTreeMap::new();
+    let mut calls: BTreeMap<String, u64> = BTreeMap::new();
+    for (i, admin) in admins.iter().enumerate() {
+        let Ok(text) = crate::procs::scrape(*admin).await else {
+            continue;
+        };
+        for (k, v) in labelled(&text, "relay_dispatcher_calls_by_server_total", "server_id") {
+            *calls.entry(k).or_default() += v as u64;
+        }
+        if i == 0 {
+            load = labelled(&text, "relay_dispatcher_server_load_ratio", "server_id");
+        }
+    }
+    (load, calls)
+}
+
+/// Tunnel server entries dropped for a missed lease, summed over the dispatchers; `None`
+/// if one did not answer.
+async fn leases_missed(admins: &[SocketAddr]) -> Option<u64> {
+    let mut sum = 0.0;
+    for admin in admins {
+        let text = crate::procs::scrape(*admin).await.ok()?;
+        sum += crate::procs::metric(&text, "relay_dispatcher_lease_expiries_total", &[]);
+    }
+    Some(sum as u64)
+}
+
+/// What the run shares besides the stack: the worker processes, the dispatchers' admin
+/// listeners, and what coverage after a server start is measured against.
+struct Ctx {
+    workers: Option<Arc<Workers>>,
+    admins: Vec<SocketAddr>,
+    cover: CoverWatch,
+    agents: usize,
+    /// How the fleet came up, for the report.
+    startup: Mutex<Vec<String>>,
+}
+
+/// The running servers (what an agent covers to count as covered) and the server starts
+/// whose coverage is being timed.
+#[derive(Default)]
+struct CoverWatch {
+    expected: Mutex<Vec<String>>,
+    starts: Mutex<Vec<report::CoveredAfter>>,
+    /// When each start happened, by index into `starts`.
+    started_at: Mutex<Vec<Instant>>,
 }
 
 /// How long after a busy neighbour starts its server's load is read high enough to act on
@@ -259,6 +302,8 @@ pub(crate) struct RecInner {
     pub failures: BTreeMap<String, u64>,
     /// Start second of every failed call.
     pub failed_at: Vec<f32>,
+    /// Start and end second of every failed call (not the interrupted ones).
+    pub failed_span: Vec<(f32, f32)>,
     /// Per call id: whether an outcome was recorded.
     pub recorded: Vec<bool>,
     /// Outcomes recorded for a call that already had one.
@@ -325,6 +370,7 @@ impl Recorder {
             g.latencies.push((t, latency_ms));
             *g.failures.entry(reason).or_default() += 1;
             g.failed_at.push(t);
+            g.failed_span.push((t, t + latency_ms / 1000.0));
             self.failed.fetch_add(1, Ordering::Relaxed);
         }
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -348,7 +394,8 @@ pub(crate) struct BurstStat {
 struct RunCalls {
     ledger: Ledger,
     rec: Arc<Recorder>,
-    caller: Caller,
+    /// One per dispatcher front; calls alternate between them.
+    callers: Vec<Caller>,
     method: Method,
     suffix: String,
     body: Bytes,
@@ -367,7 +414,7 @@ struct RunCalls {
 impl RunCalls {
     fn new(
         s: &Scenario,
-        caller: Caller,
+        callers: Vec<Caller>,
         tunnel_ids: Vec<String>,
         rec: Arc<Recorder>,
         bursts: Arc<Vec<BurstStat>>,
@@ -390,7 +437,7 @@ impl RunCalls {
         RunCalls {
             ledger: Ledger::new(false),
             rec,
-            caller,
+            callers,
             method,
             suffix,
             body,
@@ -444,7 +491,9 @@ impl Plan for RunCalls {
                 }
             }
         };
-        let mut req = self.caller.request(
+        let call_id = self.rec.next_id();
+        let caller = &self.callers[call_id as usize % self.callers.len()];
+        let mut req = caller.request(
             self.method.clone(),
             &format!("/relay/{}{}", self.tunnel_ids[idx], self.suffix),
             self.body.clone(),
@@ -455,7 +504,7 @@ impl Plan for RunCalls {
         );
         let mut call = Call::new(req, Expect::Any);
         call.timeout = Some(self.timeout + ANSWER_GRACE);
-        Some((call, (self.rec.next_id(), id.burst)))
+        Some((call, (call_id, id.burst)))
     }
 
     fn ledger(&self) -> &Ledger {
@@ -599,6 +648,12 @@ fn cpu_by_component(
 /// Runs `scenario` and returns its report. Errors only if the fleet cannot be set up.
 pub async fn run(scenario: &Scenario, opts: RunOptions) -> anyhow::Result<Report> {
     scenario.validate()?;
+    // Thousands of agents hold thousands of sockets on each side, in this process and in
+    // the workers (which inherit the limit).
+    if scenario.agents.count > 200 || workers_of(scenario, &opts) > 0 {
+        let limit = worker::raise_fd_limit();
+        tracing::debug!(limit, "open-file limit");
+    }
     let own = if scenario.loads_servers() && matches!(opts.mode, Mode::Embedded) {
         scenario.servers.count + scenario.servers.standby
     } else {
@@ -610,10 +665,22 @@ pub async fn run(scenario: &Scenario, opts: RunOptions) -> anyhow::Result<Report
     result
 }
 
+/// Worker processes of the run: the option, else the scenario's.
+fn workers_of(s: &Scenario, opts: &RunOptions) -> usize {
+    opts.workers.unwrap_or(s.agents.workers)
+}
+
 async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Result<Report> {
     let s = scenario;
     let mut haproxy: Option<crate::haproxy::Haproxy> = None;
-    let (fleet, caller, tunnel_ids) = match &opts.mode {
+    let n_workers = workers_of(s, opts);
+    anyhow::ensure!(
+        n_workers == 0 || matches!(opts.mode, Mode::Embedded),
+        "agents in worker processes (agents.workers, --workers) need embedded mode"
+    );
+    let mut workers: Option<Arc<Workers>> = None;
+    let mut admins = Vec::new();
+    let (fleet, callers, tunnel_ids) = match &opts.mode {
         Mode::Embedded => {
             // One line for the whole simulated fleet; each component's own would repeat
             // it (a thousand agents, a thousand lines).
@@ -623,6 +690,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
             );
             let cov = s.agents.coverage.clone();
             let (qt, mq) = (s.servers.queue_timeout, s.servers.max_queue);
+            let liveness = s.servers.liveness_interval;
             let zones: Vec<&str> = s.servers.zones.iter().map(String::as_str).collect();
             let routing = s.routing.clone();
             let mut b = Stack::builder()
@@ -632,12 +700,18 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                 .lb_seed(s.seed)
                 .direct_urls(s.servers.direct)
                 .coverage(cov)
-                .agents(s.agents.count)
+                .agents(if n_workers > 0 { 0 } else { s.agents.count })
+                .remote_agents(s.agents.count)
+                .dispatchers(s.dispatchers.count)
+                // A server takes 4096 streams a connection; room for about 8 streams an
+                // agent on each (opens through the balancer overshoot while filling).
+                .lb_backend_connections(s.agents.count / 500 + 1)
                 .runtimes(rts.handles.clone())
                 .upstream_latency_fn(latency_fn(s))
                 .tunnel_config(move |c| {
                     c.queue_timeout = qt;
                     c.max_queue_per_tunnel = mq;
+                    c.liveness_interval = liveness;
                 })
                 .dispatcher_config(move |c| c.routing = routing);
             let mut tunnels = None;
@@ -667,6 +741,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                     b = b.server_agent_listeners(listeners);
                 }
             }
+            let tunnels_for_workers = tunnels.clone();
             let stack = b
                 .agent_config(move |c| {
                     c.upstream_check.interval = Duration::from_secs(30);
@@ -676,11 +751,46 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                 })
                 .start()
                 .await?;
-            let caller = stack.caller();
-            let ids = stack.tunnel_ids();
+            let callers: Vec<Caller> = stack
+                .dispatchers
+                .iter()
+                .map(|d| Caller::new(d.http, Some(CALLER_KEY)))
+                .collect();
+            admins = stack.dispatchers.iter().map(|d| d.admin).collect();
+            let ids = if n_workers > 0 {
+                let spec = WorkerSpec {
+                    index: 0,
+                    first: 0,
+                    count: 0,
+                    tunnels: match tunnels_for_workers {
+                        Some(url) => vec![url],
+                        None => stack.agent_tunnels.clone(),
+                    },
+                    upstream: stack.upstream.url(),
+                    coverage: s.agents.coverage.clone(),
+                    start_rate: s.agents.start_rate / n_workers as f64,
+                    servers: running_ids(&stack),
+                    threads: 1,
+                };
+                let exe = match &opts.worker_exe {
+                    Some(p) => p.clone(),
+                    None => std::env::current_exe()?,
+                };
+                let started = Workers::start(&exe, n_workers, s.agents.count, spec).await;
+                match started {
+                    Ok(w) => workers = Some(Arc::new(w)),
+                    Err(e) => {
+                        stack.shutdown().await;
+                        return Err(e);
+                    }
+                }
+                (0..s.agents.count).map(|i| agent_identity(i).1).collect()
+            } else {
+                stack.tunnel_ids()
+            };
             (
                 UnderTest::Embedded(Arc::new(tokio::sync::Mutex::new(stack))),
-                caller,
+                callers,
                 ids,
             )
         }
@@ -726,7 +836,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                     upstream,
                     agent_rt: rts.handles.agents.clone(),
                 },
-                Caller::new(front, Some(caller_key)),
+                vec![Caller::new(front, Some(caller_key))],
                 ids,
             )
         }
@@ -737,7 +847,21 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
         Mode::Embedded if s.agents.coverage.enabled => s.servers.count,
         _ => 0,
     };
-    let ready = wait_ready(&fleet, &caller, &tunnel_ids, servers, &opts.stop).await;
+    let expected = match &fleet {
+        UnderTest::Embedded(stack) => running_ids(&*stack.lock().await),
+        UnderTest::External { .. } => Vec::new(),
+    };
+    let ctx = Arc::new(Ctx {
+        workers,
+        admins,
+        cover: CoverWatch {
+            expected: Mutex::new(expected),
+            ..CoverWatch::default()
+        },
+        agents: s.agents.count,
+        startup: Mutex::default(),
+    });
+    let ready = wait_ready(s, &fleet, &ctx, &callers, &tunnel_ids, servers, &opts.stop).await;
     let neighbours = Arc::new(Neighbours {
         runtimes: rts
             .handles
@@ -748,8 +872,11 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
         ..Neighbours::default()
     });
     let report = match ready {
-        Ok(()) => Some(drive(s, opts, &fleet, caller, tunnel_ids, &neighbours).await),
+        Ok(()) => Some(drive(s, opts, &fleet, &ctx, callers, tunnel_ids, &neighbours).await),
         Err(e) => {
+            if let Some(w) = &ctx.workers {
+                w.stop(WORKER_STOP).await;
+            }
             shutdown(fleet).await;
             return Err(e);
         }
@@ -757,9 +884,30 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
     for stop in neighbours.running.lock().values() {
         stop.cancel();
     }
+    let left = match &ctx.workers {
+        Some(w) => w.stop(WORKER_STOP).await,
+        None => Vec::new(),
+    };
     shutdown(fleet).await;
     drop(haproxy);
-    report.ok_or_else(|| anyhow::anyhow!("no report"))
+    let mut report = report.ok_or_else(|| anyhow::anyhow!("no report"))?;
+    for r in &mut report.workers {
+        r.running_after = r.pid.is_some_and(|p| left.contains(&p));
+    }
+    Ok(report)
+}
+
+/// How long a worker may take to stop its agents and exit before it is killed.
+const WORKER_STOP: Duration = Duration::from_secs(10);
+
+/// Ids of the stack's running servers.
+fn running_ids(stack: &Stack) -> Vec<String> {
+    stack
+        .servers
+        .iter()
+        .flatten()
+        .map(|s| s.server_id.clone())
+        .collect()
 }
 
 /// Fails fast with a clear message if `url` does not accept a TCP connection.
@@ -788,6 +936,8 @@ async fn reachable(url: &str, what: &str) -> anyhow::Result<SocketAddr> {
 const REST_WAIT: Duration = Duration::from_secs(10);
 /// How long the agents may take to open their streams and route every tunnel id.
 const READY_WITHIN: Duration = Duration::from_secs(60);
+/// The least time the routability probes get.
+const PROBE_AT_LEAST: Duration = Duration::from_secs(20);
 /// How often the waits before the run check the fleet.
 const EVERY: Duration = Duration::from_millis(50);
 
@@ -795,44 +945,79 @@ const EVERY: Duration = Duration::from_millis(50);
 /// then (embedded, with `servers` known) until every agent covers all `servers` at its
 /// reserve, at most [`REST_WAIT`]: each scenario starts from agents at rest, as its
 /// description says, not from the first stream of each.
+#[allow(clippy::too_many_arguments)]
 async fn wait_ready(
+    s: &Scenario,
     fleet: &UnderTest,
-    caller: &Caller,
+    ctx: &Ctx,
+    callers: &[Caller],
     ids: &[String],
     servers: usize,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let deadline = Instant::now() + READY_WITHIN;
+    // Paced starts take their time on top.
+    let ready_within = READY_WITHIN
+        + match ctx.workers {
+            Some(_) if s.agents.start_rate > 0.0 => {
+                Duration::from_secs_f64(s.agents.count as f64 / s.agents.start_rate)
+            }
+            _ => Duration::ZERO,
+        };
+    let deadline = Instant::now() + ready_within;
     let landed = poll::poll(
         "every agent holds a tunnel stream",
-        READY_WITHIN,
+        ready_within,
         EVERY,
         || async {
             if stop.is_cancelled() {
                 return Ok(false);
             }
-            match agents_landed(fleet).await {
+            if let Some(w) = ctx
+                .workers
+                .as_ref()
+                .and_then(|w| w.deaths().into_iter().next())
+            {
+                return Err(w);
+            }
+            match agents_landed(fleet, ctx).await {
                 (landed, total) if landed == total => Ok(true),
                 (landed, total) => Err(format!("only {landed} of {total} agents hold one")),
             }
         },
     );
+    let began = Instant::now();
     match landed.await {
         Ok((true, _)) => {}
         Ok((false, _)) => anyhow::bail!("stopped while the agents opened their tunnel streams"),
+        // A fleet in workers runs anyway, its start the first finding of the report.
+        Err(e) if ctx.workers.is_some() => {
+            ctx.startup
+                .lock()
+                .push(format!("not every agent held a stream in time: {e}"));
+        }
         Err(e) => anyhow::bail!(
             "{e}: is the tunnel endpoint right and does its token store know the fleet's tokens \
              (relay-fleet tokens)?"
         ),
     }
+    ctx.startup.lock().push(format!(
+        "agents holding a stream {:.1} s after the relay was up ({} of {})",
+        began.elapsed().as_secs_f64(),
+        agents_landed(fleet, ctx).await.0,
+        ctx.agents
+    ));
+    // Probes get their time even when the wait above used it all (a fleet in workers goes
+    // on after a slow start).
+    let probe_deadline = deadline.max(Instant::now() + PROBE_AT_LEAST);
     let sem = Arc::new(Semaphore::new(32));
     let mut probes = Vec::new();
-    for id in ids {
-        let (caller, id, sem) = (caller.clone(), id.clone(), sem.clone());
+    for (i, id) in ids.iter().enumerate() {
+        let caller = callers[i % callers.len()].clone();
+        let (id, sem) = (id.clone(), sem.clone());
         probes.push(tokio::spawn(async move {
             let _p = sem.acquire_owned().await;
             let (caller, path) = (&caller, &format!("/relay/{id}/hello"));
-            let within = deadline.saturating_duration_since(Instant::now());
+            let within = probe_deadline.saturating_duration_since(Instant::now());
             let what = format!("tunnel id {id} routable");
             poll::poll(what, within, EVERY, || async move {
                 match caller.get(path).await {
@@ -844,16 +1029,32 @@ async fn wait_ready(
             .await
         }));
     }
+    let mut unroutable = Vec::new();
     for p in probes {
-        p.await??;
+        match p.await? {
+            Ok(_) => {}
+            Err(e) if ctx.workers.is_some() => unroutable.push(e.to_string()),
+            Err(e) => return Err(e.into()),
+        }
     }
+    ctx.startup.lock().push(match unroutable.first() {
+        None => format!(
+            "every tunnel id routable {:.1} s after the relay was up",
+            began.elapsed().as_secs_f64()
+        ),
+        Some(first) => format!(
+            "{} of {} tunnel ids not routable in time (first: {first})",
+            unroutable.len(),
+            ids.len()
+        ),
+    });
     if servers > 0 {
         // Best effort: the run starts anyway once `REST_WAIT` has passed.
         let _ = poll::poll("the agents at rest", REST_WAIT, EVERY, || async {
             if stop.is_cancelled() {
                 return Ok(());
             }
-            match agents_at_rest(fleet, servers).await {
+            match agents_at_rest(fleet, ctx, servers).await {
                 (resting, total) if resting == total => Ok(()),
                 _ => Err(""),
             }
@@ -864,7 +1065,10 @@ async fn wait_ready(
 }
 
 /// Agents whose streams cover every one of `servers` (each covered: its reserve held).
-async fn agents_at_rest(fleet: &UnderTest, servers: usize) -> (usize, usize) {
+async fn agents_at_rest(fleet: &UnderTest, ctx: &Ctx, servers: usize) -> (usize, usize) {
+    if let Some(w) = &ctx.workers {
+        return (w.total().covered, ctx.agents);
+    }
     let at_rest = |h: Option<&AgentHandle>| {
         h.is_some_and(|h| {
             let v = h.coverage().borrow().clone();
@@ -884,7 +1088,10 @@ async fn agents_at_rest(fleet: &UnderTest, servers: usize) -> (usize, usize) {
     }
 }
 
-async fn agents_landed(fleet: &UnderTest) -> (usize, usize) {
+async fn agents_landed(fleet: &UnderTest, ctx: &Ctx) -> (usize, usize) {
+    if let Some(w) = &ctx.workers {
+        return (w.total().landed, ctx.agents);
+    }
     let count = |h: Option<&AgentHandle>| {
         h.map(|h| h.coverage().borrow().streams_total > 0)
             .unwrap_or(false)
@@ -902,51 +1109,11 @@ async fn agents_landed(fleet: &UnderTest) -> (usize, usize) {
     }
 }
 
-/// Per-agent coverage-action counters, accumulated across agent restarts.
-#[derive(Default)]
-struct ActionTotals {
-    last: Vec<BTreeMap<String, u64>>,
-    total: BTreeMap<String, u64>,
-}
-
-impl ActionTotals {
-    fn update(&mut self, i: usize, now: BTreeMap<String, u64>) {
-        if self.last.len() <= i {
-            self.last.resize(i + 1, BTreeMap::new());
-        }
-        for (k, v) in &now {
-            let before = self.last[i].get(k).copied().unwrap_or(0);
-            // A restarted agent counts from 0 again.
-            let delta = if *v >= before { v - before } else { *v };
-            *self.total.entry(k.clone()).or_default() += delta;
-        }
-        self.last[i] = now;
-    }
-}
-
-fn agent_actions(h: &AgentHandle) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    for f in h.registry().gather() {
-        if f.name() != "grpc_tunnel_coverage_actions_total" {
-            continue;
-        }
-        for m in f.get_metric() {
-            let action = m
-                .get_label()
-                .iter()
-                .find(|l| l.name() == "action")
-                .map(|l| l.value().to_string())
-                .unwrap_or_default();
-            out.insert(action, m.get_counter().get_value() as u64);
-        }
-    }
-    out
-}
-
 /// One reading of the fleet: streams per server by state (from the agents' coverage
 /// views), calls queued on the servers, coverage actions so far.
 async fn sample_fleet(
     fleet: &UnderTest,
+    ctx: &Ctx,
     actions: &mut ActionTotals,
 ) -> (
     BTreeMap<String, ServerStreams>,
@@ -960,7 +1127,7 @@ async fn sample_fleet(
             e.idle += u64::from(sv.idle);
             e.busy += u64::from(sv.streams.saturating_sub(sv.idle));
         }
-        actions.update(i, agent_actions(h));
+        actions.update(i, worker::agent_actions(h));
     };
     match fleet {
         UnderTest::Embedded(stack) => {
@@ -980,9 +1147,15 @@ async fn sample_fleet(
             for s in st.servers.iter().flatten() {
                 servers.entry(s.server_id.clone()).or_default();
             }
-            let admin = st.dispatcher_admin;
             drop(st);
-            (servers, Some(queued), dispatcher_view(admin).await)
+            if let Some(w) = &ctx.workers {
+                let t = w.total();
+                for (id, v) in t.servers {
+                    *servers.entry(id).or_default() = v;
+                }
+                actions.total = t.actions;
+            }
+            (servers, Some(queued), dispatcher_view(&ctx.admins).await)
         }
         UnderTest::External { agents, .. } => {
             let a = agents.lock().await;
@@ -1005,13 +1178,19 @@ async fn drive(
     s: &Scenario,
     opts: &RunOptions,
     fleet: &UnderTest,
-    caller: Caller,
+    ctx: &Arc<Ctx>,
+    callers: Vec<Caller>,
     tunnel_ids: Vec<String>,
     neighbours: &Arc<Neighbours>,
 ) -> Report {
     let rec = Arc::new(Recorder::default());
     let threads_before = procstat::threads();
     let cpu_before = procstat::process_cpu();
+    if let Some(w) = &ctx.workers {
+        w.mark_base();
+    }
+    let caller = callers[0].clone();
+    let mut fleet_rss_peak_kib = 0u64;
     let start = Instant::now();
     let end = start + s.duration;
     let stop = opts.stop.clone();
@@ -1034,7 +1213,7 @@ async fn drive(
     // Load generator.
     let calls = Arc::new(RunCalls::new(
         s,
-        caller.clone(),
+        callers,
         tunnel_ids,
         rec.clone(),
         bursts.clone(),
@@ -1091,6 +1270,7 @@ async fn drive(
         let events = events.clone();
         let s = s.clone();
         let fleet_faults = fault_target(fleet, neighbours.clone());
+        let ctx = ctx.clone();
         tokio::spawn(async move {
             let mut added = 0;
             for f in list {
@@ -1098,7 +1278,8 @@ async fn drive(
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep_until(start + f.at) => {}
                 }
-                let what = apply_fault(&s, &fleet_faults, &f, &mut added).await;
+                let what = apply_fault(&s, &fleet_faults, &ctx, &f, &mut added).await;
+                after_fault(&fleet_faults, &ctx, &f, start).await;
                 let t = start.elapsed().as_secs_f64();
                 tracing::info!(t, fault = %what, "fault");
                 events.lock().push((t, what));
@@ -1125,11 +1306,22 @@ async fn drive(
             _ = tick.tick() => {}
         }
         let now = Instant::now();
+        check_covered(fleet, ctx, now).await;
         let generating = now < end && !interrupted;
         let in_flight = rec.in_flight.load(Ordering::Relaxed);
         if now >= next_sample || (!generating && in_flight == 0) {
             next_sample += Duration::from_secs(1);
-            let (servers, queued, (load, answered_by)) = sample_fleet(fleet, &mut actions).await;
+            let (servers, queued, (load, answered_by)) =
+                sample_fleet(fleet, ctx, &mut actions).await;
+            let parent_rss = procstat::memory_kib().1;
+            let workers_rss = ctx.workers.as_ref().map_or(0, |w| w.total().rss_kib);
+            fleet_rss_peak_kib = fleet_rss_peak_kib.max(parent_rss + workers_rss);
+            if let Some(w) = &ctx.workers {
+                let t = now.duration_since(start).as_secs_f64();
+                events
+                    .lock()
+                    .extend(w.take_events().into_iter().map(|e| (t, e)));
+            }
             let (ok, failed) = (
                 rec.ok.load(Ordering::Relaxed),
                 rec.failed.load(Ordering::Relaxed),
@@ -1176,7 +1368,8 @@ async fn drive(
         let streams = |p: &Sample| -> u64 { p.servers.values().map(|v| v.idle + v.busy).sum() };
         while samples.last().is_some_and(|p| streams(p) > max) && Instant::now() < until {
             tick.tick().await;
-            let (servers, queued, (load, answered_by)) = sample_fleet(fleet, &mut actions).await;
+            let (servers, queued, (load, answered_by)) =
+                sample_fleet(fleet, ctx, &mut actions).await;
             samples.push(Sample {
                 t: start.elapsed().as_secs_f64(),
                 servers,
@@ -1245,12 +1438,21 @@ async fn drive(
         UnderTest::External { .. } => Vec::new(),
     };
     let by_server = match fleet {
-        UnderTest::Embedded(stack) => {
-            let admin = stack.lock().await.dispatcher_admin;
-            dispatcher_view(admin).await.1
-        }
+        UnderTest::Embedded(_) => dispatcher_view(&ctx.admins).await.1,
         UnderTest::External { .. } => BTreeMap::new(),
     };
+    let leases = match fleet {
+        UnderTest::Embedded(_) => leases_missed(&ctx.admins).await,
+        UnderTest::External { .. } => None,
+    };
+    let workers = ctx
+        .workers
+        .as_ref()
+        .map(|w| worker_reports(w))
+        .unwrap_or_default();
+    let worker_deaths = ctx.workers.as_ref().map(|w| w.deaths()).unwrap_or_default();
+    let covered_after = ctx.cover.starts.lock().clone();
+    let startup = ctx.startup.lock().clone();
     let from = *neighbours.from_s.lock();
     let busy = from.map(|from_s| {
         let servers = neighbours.loaded.lock().clone();
@@ -1316,6 +1518,13 @@ async fn drive(
         cpu,
         process_cpu,
         memory: procstat::memory_kib(),
+        fleet_rss_peak_kib,
+        workers,
+        worker_deaths,
+        leases_missed: leases,
+        covered_after,
+        startup,
+        dispatchers: ctx.admins.len().max(1),
         running_servers,
         calls_by_server: by_server,
         busy,
@@ -1374,11 +1583,15 @@ fn fault_target(fleet: &UnderTest, neighbours: Arc<Neighbours>) -> FaultTarget {
 async fn apply_fault(
     s: &Scenario,
     target: &FaultTarget,
+    ctx: &Ctx,
     f: &super::scenario::Fault,
     added: &mut usize,
 ) -> String {
     let idx = f.server.saturating_sub(1);
     let name = format!("ts-{}", f.server);
+    if let (Some(w), FaultAction::RestartAgent) = (&ctx.workers, f.action) {
+        return w.restart_agent(f.agent).await;
+    }
     match (target, f.action) {
         (FaultTarget::Embedded(stack, _), FaultAction::KillServer) => {
             let done = stack.lock().await.kill_server(idx);
@@ -1489,6 +1702,94 @@ async fn apply_fault(
             format!("{a:?} skipped: external mode only restarts agents")
         }
     }
+}
+
+/// After a fault that changed the running servers: the servers every agent must cover
+/// now, and for a server start, the start whose coverage is timed.
+async fn after_fault(target: &FaultTarget, ctx: &Ctx, f: &super::scenario::Fault, start: Instant) {
+    let FaultTarget::Embedded(stack, _) = target else {
+        return;
+    };
+    if !matches!(
+        f.action,
+        FaultAction::KillServer
+            | FaultAction::DrainServer
+            | FaultAction::StartServer
+            | FaultAction::AddServer
+    ) {
+        return;
+    }
+    let ids = running_ids(&*stack.lock().await);
+    let now = Instant::now();
+    if matches!(f.action, FaultAction::StartServer | FaultAction::AddServer) {
+        let server = match f.action {
+            FaultAction::StartServer => format!("ts-{}", f.server),
+            _ => ids.last().cloned().unwrap_or_default(),
+        };
+        ctx.cover.starts.lock().push(report::CoveredAfter {
+            server,
+            at_s: now.duration_since(start).as_secs_f64(),
+            after_s: None,
+        });
+        ctx.cover.started_at.lock().push(now);
+    }
+    *ctx.cover.expected.lock() = ids.clone();
+    if let Some(w) = &ctx.workers {
+        w.set_servers(ids).await;
+    }
+}
+
+/// With a server start being timed: once every agent covers every running server, the
+/// time since each such start.
+async fn check_covered(fleet: &UnderTest, ctx: &Ctx, now: Instant) {
+    let pending = ctx.cover.starts.lock().iter().any(|c| c.after_s.is_none());
+    if !pending {
+        return;
+    }
+    let (covered, total) = match (fleet, &ctx.workers) {
+        (_, Some(w)) => (w.total().covered, ctx.agents),
+        (UnderTest::Embedded(stack), None) => {
+            let expected = ctx.cover.expected.lock().clone();
+            let st = stack.lock().await;
+            let n = st.agent_count();
+            let (_, _, covered) =
+                worker::read_agents((0..n).filter_map(|i| st.agent(i)), &expected);
+            (covered, n)
+        }
+        (UnderTest::External { .. }, None) => return,
+    };
+    if covered < total {
+        return;
+    }
+    let at = ctx.cover.started_at.lock().clone();
+    for (c, at) in ctx.cover.starts.lock().iter_mut().zip(at) {
+        if c.after_s.is_none() {
+            c.after_s = Some(now.duration_since(at).as_secs_f64());
+        }
+    }
+}
+
+/// Each worker's CPU over the run and memory, as its last sample had them.
+fn worker_reports(w: &Workers) -> Vec<report::WorkerReport> {
+    w.slots()
+        .iter()
+        .map(|slot| {
+            let latest = slot.latest.lock().as_ref().map(|(_, w)| w.clone());
+            let base = slot.base.lock().as_ref().map_or(0.0, |b| b.cpu_s);
+            let latest = latest.unwrap_or_default();
+            report::WorkerReport {
+                index: slot.index,
+                agents: format!("{}..{}", slot.first, slot.first + slot.count),
+                pid: slot.pid,
+                cpu_s: (latest.cpu_s - base).max(0.0),
+                cpu_s_total: latest.cpu_s,
+                peak_rss_mib: latest.hwm_kib as f64 / 1024.0,
+                rss_mib: latest.rss_kib as f64 / 1024.0,
+                died: slot.died.lock().clone(),
+                running_after: false,
+            }
+        })
+        .collect()
 }
 
 /// Stops the fleet, bounded.

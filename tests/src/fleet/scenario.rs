@@ -50,6 +50,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "haproxy-90-10",
         include_str!("../../scenarios/haproxy-90-10.toml"),
     ),
+    (
+        "ten-thousand-agents",
+        include_str!("../../scenarios/ten-thousand-agents.toml"),
+    ),
 ];
 
 /// One simulated fleet run.
@@ -67,6 +71,7 @@ pub struct Scenario {
     pub seed: u64,
     pub servers: Servers,
     pub agents: Agents,
+    pub dispatchers: Dispatchers,
     /// The dispatcher's `[routing]` settings (same keys as its config).
     pub routing: relay_dispatcher::RoutingConfig,
     pub upstream: UpstreamSpec,
@@ -105,6 +110,12 @@ pub struct Servers {
     /// HAProxy (`haproxy`: HTTP/2 both sides, each server at its `weights`, every one 1
     /// when unset; needs the haproxy binary).
     pub balancer: Balancer,
+    /// The servers' `liveness_interval`: how often an agent connection with nothing on it
+    /// gets a liveness ping on one of its idle streams (0 = off). Every server pings every
+    /// agent connection: 10,000 idle agents on 10 servers at the default 750 ms are 133,000
+    /// pings a second, more than one small machine running the whole fleet carries.
+    #[serde(with = "humantime_serde")]
+    pub liveness_interval: Duration,
 }
 
 /// The load balancer in front of the tunnel servers' agent listeners.
@@ -131,10 +142,31 @@ pub enum Placement {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Agents {
-    /// Agents (= tunnel ids), 1..=5000.
+    /// Agents (= tunnel ids), 1..=20000.
     pub count: usize,
+    /// Worker processes the agents run in (0..=64): 0 runs them in this process (embedded
+    /// mode), N > 0 splits them over N children of this binary (`relay-fleet worker`).
+    pub workers: usize,
+    /// With workers: agents started per second over the fleet (0 = all at once, 0..=100000),
+    /// so that the first opens do not storm the tunnel servers.
+    pub start_rate: f64,
     /// The agents' `[coverage]` settings (same keys as the agent config).
     pub coverage: CoverageConfig,
+}
+
+/// `[dispatchers]`: how many dispatchers run; every tunnel server reports to each, and
+/// the callers' calls alternate between their fronts.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Dispatchers {
+    /// 1..=4.
+    pub count: usize,
+}
+
+impl Default for Dispatchers {
+    fn default() -> Self {
+        Dispatchers { count: 1 }
+    }
 }
 
 /// `[upstream]`: the simulated upstream every agent calls.
@@ -274,6 +306,10 @@ pub struct Expect {
     pub min_end_streams_per_server: Option<u64>,
     /// Calls failed after the last fault at most this many.
     pub max_failed_after_last_fault: Option<u64>,
+    /// Failed calls that were not in flight when the first fault struck (ended before
+    /// it, or started at or after it) at most this many: with a crash as the first fault,
+    /// the failures the crash did not have in flight.
+    pub max_failed_not_in_flight_at_fault: Option<u64>,
     /// Call latency p99 (the callers' view, every call) at most this.
     #[serde(with = "humantime_serde")]
     pub max_latency_p99: Option<Duration>,
@@ -281,6 +317,17 @@ pub struct Expect {
     /// from a few seconds after the first such fault (their load read and acted on) to
     /// the end, at most this.
     pub max_busy_share: Option<f64>,
+    /// Every process of the fleet together (this one and the workers): the sum of their
+    /// peak resident sets at most this many MiB.
+    pub max_fleet_rss_mib: Option<f64>,
+    /// Tunnel server entries the dispatchers dropped because the server did not report
+    /// within its lease (`relay_dispatcher_lease_expiries_total`, summed over the
+    /// dispatchers, the whole run) at most this many.
+    pub max_leases_missed: Option<u64>,
+    /// After each `start_server` / `add_server` fault, every agent covers every running
+    /// server again (each in state `covered` in its coverage view) within this.
+    #[serde(with = "humantime_serde")]
+    pub covered_within: Option<Duration>,
 }
 
 impl Default for Scenario {
@@ -292,6 +339,7 @@ impl Default for Scenario {
             seed: 1,
             servers: Servers::default(),
             agents: Agents::default(),
+            dispatchers: Dispatchers::default(),
             routing: relay_dispatcher::RoutingConfig::default(),
             upstream: UpstreamSpec::default(),
             load: Load::default(),
@@ -314,6 +362,7 @@ impl Default for Servers {
             max_queue: 1024,
             direct: false,
             balancer: Balancer::Fixture,
+            liveness_interval: relay_tunnel_server::Config::default().liveness_interval,
         }
     }
 }
@@ -322,6 +371,8 @@ impl Default for Agents {
     fn default() -> Self {
         Agents {
             count: 1,
+            workers: 0,
+            start_rate: 0.0,
             coverage: CoverageConfig::default(),
         }
     }
@@ -428,6 +479,14 @@ impl Scenario {
         range("servers.count", sv.count, 1, 16)?;
         range("servers.standby", sv.standby, 0, 8)?;
         range("servers.max_queue", sv.max_queue, 1, 100_000)?;
+        if !sv.liveness_interval.is_zero() {
+            range(
+                "servers.liveness_interval",
+                sv.liveness_interval.as_secs_f64(),
+                0.1,
+                3600.0,
+            )?;
+        }
         range(
             "servers.queue_timeout",
             sv.queue_timeout.as_secs_f64(),
@@ -485,7 +544,16 @@ impl Scenario {
             }
         }
         let ag = &self.agents;
-        range("agents.count", ag.count, 1, 5000)?;
+        range("agents.count", ag.count, 1, 20_000)?;
+        range("agents.workers", ag.workers, 0, 64)?;
+        range("agents.start_rate", ag.start_rate, 0.0, 100_000.0)?;
+        range("dispatchers.count", self.dispatchers.count, 1, 4)?;
+        if sv.balancer == Balancer::Haproxy && self.dispatchers.count > 1 {
+            return Err(ConfigError::invalid(
+                "dispatchers.count",
+                "must be 1 with balancer = \"haproxy\"",
+            ));
+        }
         // The agent's own rules for its coverage keys.
         let probe = relay_agent::Config {
             token: relay_common::Secret::new("probe"),
@@ -568,6 +636,20 @@ impl Scenario {
         }
         if let Some(r) = self.expect.max_failed_ratio {
             range("expect.max_failed_ratio", r, 0.0, 1.0)?;
+        }
+        if let Some(m) = self.expect.max_fleet_rss_mib {
+            range("expect.max_fleet_rss_mib", m, 1.0, 1_048_576.0)?;
+        }
+        if self.expect.covered_within.is_some()
+            && !self
+                .faults
+                .iter()
+                .any(|f| matches!(f.action, FaultAction::StartServer | FaultAction::AddServer))
+        {
+            return Err(ConfigError::invalid(
+                "expect.covered_within",
+                "needs a start_server or add_server fault (it is measured from each)",
+            ));
         }
         if let Some(r) = self.expect.max_busy_share {
             range("expect.max_busy_share", r, 0.0, 1.0)?;
