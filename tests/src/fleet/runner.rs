@@ -1000,10 +1000,11 @@ async fn wait_ready(
              (relay-fleet tokens)?"
         ),
     }
+    let landed = agents_landed(fleet, ctx).await.0;
     ctx.startup.lock().push(format!(
         "agents holding a stream {:.1} s after the relay was up ({} of {})",
         began.elapsed().as_secs_f64(),
-        agents_landed(fleet, ctx).await.0,
+        landed,
         ctx.agents
     ));
     // Probes get their time even when the wait above used it all (a fleet in workers goes

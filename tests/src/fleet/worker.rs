@@ -605,23 +605,22 @@ async fn read_samples(
     let mut lines = BufReader::new(stdout).lines();
     let began = Instant::now();
     let mut bad = 0u64;
-    loop {
-        match lines.next_line().await {
-            Ok(Some(line)) => match serde_json::from_str::<WorkerSample>(&line) {
-                Ok(mut w) => {
-                    let now = Instant::now();
-                    let mut g = slot.latest.lock();
-                    // Keep events not yet taken.
-                    if let Some((_, prev)) = g.as_mut() {
-                        let mut ev = std::mem::take(&mut prev.events);
-                        ev.append(&mut w.events);
-                        w.events = ev;
-                    }
-                    *g = Some((now, w));
+    // A read error ends the samples as the end of the pipe does; the exit status below
+    // says why.
+    while let Ok(Some(line)) = lines.next_line().await {
+        match serde_json::from_str::<WorkerSample>(&line) {
+            Ok(mut w) => {
+                let now = Instant::now();
+                let mut g = slot.latest.lock();
+                // Keep events not yet taken.
+                if let Some((_, prev)) = g.as_mut() {
+                    let mut ev = std::mem::take(&mut prev.events);
+                    ev.append(&mut w.events);
+                    w.events = ev;
                 }
-                Err(_) => bad += 1,
-            },
-            _ => break,
+                *g = Some((now, w));
+            }
+            Err(_) => bad += 1,
         }
     }
     if stopping.load(Ordering::SeqCst) {
