@@ -22,8 +22,9 @@
 //! connecting announces thousands of tunnel ids within seconds; rebuilding every plan on
 //! each of them once held the lock long enough to back up report streams until their
 //! leases expired. Spill shares still step for every tunnel id on the routing tick
-//! ([`Routes::tick`]). NO_CAPACITY answers from the call path are parked in a small
-//! set and handed to the router at its next rebuild.
+//! ([`Routes::tick`]), which skips those settled on unchanged views. NO_CAPACITY answers
+//! from the call path are parked in a small set and handed to the router at its next
+//! rebuild.
 //!
 //! Nothing here does network I/O or holds a lock across an `.await`; only this shell reads
 //! the clock, through `tokio::time::Instant` (and the wall clock for `/debug/routes`).
@@ -205,20 +206,21 @@ impl Routes {
         w.gauges.tunnel(tunnel_id, status.as_ref(), &views);
     }
 
-    /// Rebuilds, publishes and gauges every plan, stepping the spill shares that are due.
+    /// Rebuilds, publishes and gauges every plan not settled on its views (see
+    /// [`crate::routing`]), stepping the spill shares that are due.
     fn rebuild_all(&self, w: &mut Writers, now: Instant) {
         self.take_no_capacity(&mut w.router);
         let views = w.table.all_views();
-        w.router.update(now, &views);
+        let rebuilt = w.router.update(now, &views);
         self.plans.retain(|tid, _| views.contains_key(tid));
-        for (tid, servers) in &views {
+        for tid in rebuilt {
             let status = w.router.status(tid);
             if let Some(plan) = w.router.plan(tid) {
-                self.plans.insert(tid.clone(), plan);
+                self.plans.insert(tid.to_string(), plan);
             } else {
                 self.plans.remove(tid);
             }
-            w.gauges.tunnel(tid, status.as_ref(), servers);
+            w.gauges.tunnel(tid, status.as_ref(), &views[tid]);
         }
         w.gauges.retain(&views);
     }

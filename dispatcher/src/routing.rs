@@ -27,7 +27,14 @@
 //!   step once it clears, is capped at `spill_max`, and is zero when no other server has
 //!   idle streams (relaying adds no capacity). Steps happen at most every `step_interval`
 //!   (when reports arrive or on the routing tick), never per call, so the share does not
-//!   flap with the call rate.
+//!   flap with the call rate. A tunnel id whose due step changed nothing (same home,
+//!   share, tiers and plan) is *settled*: an update is a pure function of its state, its
+//!   servers' views and whether a step is due, so the next step on the same views would
+//!   change nothing either, and the routing tick skips it until a view changes or a
+//!   NO_CAPACITY answer is noted. At rest that is every tunnel id: the tick, four times a
+//!   second, then costs a comparison of views per tunnel id instead of a rebuild of its
+//!   plan and its gauges (with 1,000 tunnel ids on 10 servers the rebuilds took about a
+//!   sixth of a core per dispatcher; the cost grows with the tunnel ids times the servers).
 //!   A home dwarfed by another server (whose idle streams alone exceed twice the home's
 //!   whole pool, in the same or a better tier, or in any tier while the home is saturated;
 //!   not much busier than the home, nor above the load high-water mark) yields the home to
@@ -197,6 +204,9 @@ struct TunnelState {
     groups: Groups,
     /// Servers that answered NO_CAPACITY for this tunnel id since the last step.
     no_capacity: HashSet<Arc<str>>,
+    /// The views of a due update that changed nothing (see the module docs): while the
+    /// views are these and no NO_CAPACITY is noted, the routing tick skips the tunnel id.
+    settled: Option<Vec<ServerView>>,
     calls: Arc<AtomicU64>,
     plan: Arc<TunnelPlan>,
 }
@@ -212,6 +222,7 @@ impl TunnelState {
             tiers: HashMap::new(),
             groups: Vec::new(),
             no_capacity: HashSet::new(),
+            settled: None,
             plan: Arc::new(TunnelPlan {
                 order: Vec::new(),
                 spill_targets: Vec::new(),
@@ -242,18 +253,37 @@ impl Router {
         self.cfg.policy
     }
 
-    /// Rebuilds every tunnel id's plan from `table` (tunnel id -> servers holding it) and
-    /// steps the spill shares that are due at `now`. Tunnel ids absent from `table` are
-    /// forgotten.
-    pub fn update(&mut self, now: Instant, table: &HashMap<String, Vec<ServerView>>) {
+    /// Rebuilds the plan of every tunnel id in `table` (tunnel id -> servers holding it)
+    /// that is not settled on its views, stepping the spill shares that are due at `now`,
+    /// and returns the ids it rebuilt (the others' plans and status are as they were).
+    /// Tunnel ids absent from `table` are forgotten.
+    pub fn update<'t>(
+        &mut self,
+        now: Instant,
+        table: &'t HashMap<String, Vec<ServerView>>,
+    ) -> Vec<&'t str> {
         self.tunnels.retain(|id, _| table.contains_key(id));
+        let mut rebuilt = Vec::new();
         for (tunnel_id, views) in table {
             let st = self
                 .tunnels
                 .entry(tunnel_id.clone())
                 .or_insert_with(TunnelState::new);
+            if st.no_capacity.is_empty() && st.settled.as_deref() == Some(views.as_slice()) {
+                // What the update would have changed: the time of its step.
+                if is_due(&self.cfg, st, now) {
+                    st.last_step = Some(now);
+                }
+                continue;
+            }
+            let before = Snapshot::of(st);
+            let due = is_due(&self.cfg, st, now);
+            let noted = !st.no_capacity.is_empty();
             update_tunnel(&self.cfg, st, now, views);
+            st.settled = (due && !noted && before == Snapshot::of(st)).then(|| views.clone());
+            rebuilt.push(tunnel_id.as_str());
         }
+        rebuilt
     }
 
     /// Rebuilds one tunnel id's plan from the servers holding it (`views`), stepping its
@@ -269,6 +299,7 @@ impl Router {
             .entry(tunnel_id.to_string())
             .or_insert_with(TunnelState::new);
         update_tunnel(&self.cfg, st, now, views);
+        st.settled = None;
     }
 
     /// The plan for `tunnel_id`; `None` when no server holds it.
@@ -430,6 +461,40 @@ fn group_tiers(
     (tiers, groups)
 }
 
+/// What an update may change of a tunnel id's state, to tell whether it changed anything.
+#[derive(PartialEq)]
+struct Snapshot {
+    home: Option<Arc<str>>,
+    spill: f64,
+    spill_reason: Option<&'static str>,
+    tiers: HashMap<Arc<str>, usize>,
+    groups: Groups,
+    order: Vec<Target>,
+    spill_targets: Vec<(usize, u32)>,
+    spill_permille: u64,
+}
+
+impl Snapshot {
+    fn of(st: &TunnelState) -> Self {
+        Snapshot {
+            home: st.home.clone(),
+            spill: st.spill,
+            spill_reason: st.spill_reason,
+            tiers: st.tiers.clone(),
+            groups: st.groups.clone(),
+            order: st.plan.order.clone(),
+            spill_targets: st.plan.spill_targets.clone(),
+            spill_permille: st.plan.spill_permille,
+        }
+    }
+}
+
+/// Whether an update at `now` steps the tunnel id's spill share.
+fn is_due(cfg: &RoutingConfig, st: &TunnelState, now: Instant) -> bool {
+    st.last_step
+        .is_none_or(|t| now.saturating_duration_since(t) >= cfg.step_interval)
+}
+
 fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views: &[ServerView]) {
     let live: Vec<&ServerView> = views.iter().filter(|v| !v.draining).collect();
     let mut draining: Vec<&ServerView> = views.iter().filter(|v| v.draining).collect();
@@ -438,9 +503,7 @@ fn update_tunnel(cfg: &RoutingConfig, st: &mut TunnelState, now: Instant, views:
             .cmp(&a.announced)
             .then_with(|| a.server_id.cmp(&b.server_id))
     });
-    let due = st
-        .last_step
-        .is_none_or(|t| now.saturating_duration_since(t) >= cfg.step_interval);
+    let due = is_due(cfg, st, now);
 
     let mut order: Vec<Target> = Vec::with_capacity(views.len());
     let mut spill_targets = Vec::new();

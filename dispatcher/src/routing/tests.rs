@@ -673,3 +673,130 @@ fn a_busy_home_whose_rtt_grew_stays_unless_the_better_tier_can_take_its_calls() 
     sim.step(&[s("a", 20, 300, 0).rtt(9.0), s("b", 320, 0, 0).rtt(1.2)]);
     assert_eq!(sim.home(), "b");
 }
+
+fn views_of(t0: Instant, servers: &[S]) -> Vec<ServerView> {
+    servers
+        .iter()
+        .map(|s| ServerView {
+            server_id: Arc::from(s.id),
+            forward_url: Arc::from(format!("http://{}", s.id).as_str()),
+            announced: t0 + Duration::from_millis(s.announced_ms),
+            draining: s.draining,
+            idle: s.idle,
+            busy: s.busy,
+            queued: s.queued,
+            rtt_us: s.rtt_us,
+            load_permille: s.load_permille,
+        })
+        .collect()
+}
+
+#[test]
+fn a_tunnel_id_at_rest_settles_and_the_tick_rebuilds_it_again_only_when_something_changes() {
+    let t0 = Instant::now();
+    let mut router = Router::new(cfg(RoutingPolicy::Available));
+    let rest = [s("a", 4, 0, 0), s("b", 2, 0, 0)];
+    let table = HashMap::from([("demo".to_string(), views_of(t0, &rest))]);
+    let mut now = t0;
+    let mut tick = |router: &mut Router, table: &HashMap<String, Vec<ServerView>>| {
+        now += Duration::from_millis(100);
+        router
+            .update(now, table)
+            .into_iter()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    // The first update builds the plan; the next, on the same views, changes nothing and
+    // settles it; from then on the tick skips it.
+    assert_eq!(tick(&mut router, &table), ["demo"]);
+    assert_eq!(tick(&mut router, &table), ["demo"]);
+    for _ in 0..5 {
+        assert!(
+            tick(&mut router, &table).is_empty(),
+            "a settled tunnel id is skipped"
+        );
+    }
+    assert_eq!(router.status("demo").unwrap().home.as_deref(), Some("a"));
+    // A NO_CAPACITY answer is rebuilt at the next tick.
+    router.note_no_capacity("demo", "a");
+    assert_eq!(tick(&mut router, &table), ["demo"]);
+    // A changed view (the home saturated) is rebuilt at every tick while the share steps.
+    let busy = HashMap::from([(
+        "demo".to_string(),
+        views_of(t0, &[s("a", 0, 4, 3), s("b", 2, 0, 0)]),
+    )]);
+    for _ in 0..3 {
+        assert_eq!(tick(&mut router, &busy), ["demo"]);
+    }
+    assert!(router.status("demo").unwrap().spill_share > 0.0);
+}
+
+#[test]
+fn skipping_settled_tunnel_ids_routes_exactly_as_rebuilding_every_one_at_every_tick() {
+    // Two routers fed the same reports, ticks and NO_CAPACITY answers: one skips what is
+    // settled, the other forgets every settlement before each update. Their plans and
+    // statuses must never differ.
+    let states: [&[S]; 7] = [
+        &[s("a", 4, 0, 0), s("b", 2, 0, 0)],
+        &[s("a", 0, 4, 3), s("b", 2, 0, 0)],
+        &[s("a", 0, 4, 3), s("b", 0, 2, 2)],
+        &[s("a", 2, 2, 0).rtt(1.0), s("b", 12, 0, 0).rtt(6.0)],
+        &[s("a", 2, 0, 0).load(0.95), s("b", 6, 0, 0).load(0.1)],
+        &[
+            s("a", 1, 3, 0),
+            s("b", 40, 0, 0),
+            s("c", 3, 0, 0).draining(),
+        ],
+        &[s("b", 3, 1, 0).rtt(2.0), s("c", 3, 0, 0).rtt(2.1)],
+    ];
+    let t0 = Instant::now();
+    let mut skip = Router::new(cfg(RoutingPolicy::Available));
+    let mut full = Router::new(cfg(RoutingPolicy::Available));
+    let mut now = t0;
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |n: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % n
+    };
+    let mut state = 0usize;
+    let mut skipped = 0;
+    for round in 0..3000 {
+        // States last a while (so tunnel ids settle), ticks come 40 to 160 ms apart
+        // (steps are due every 100 ms).
+        if next(8) == 0 {
+            state = next(states.len() as u64) as usize;
+        }
+        now += Duration::from_millis(40 + next(121));
+        if next(10) == 0 {
+            let id = ["a", "b", "c"][next(3) as usize];
+            skip.note_no_capacity("demo", id);
+            full.note_no_capacity("demo", id);
+        }
+        let table = HashMap::from([("demo".to_string(), views_of(t0, states[state]))]);
+        for st in full.tunnels.values_mut() {
+            st.settled = None;
+        }
+        let rebuilt = skip.update(now, &table).len();
+        full.update(now, &table);
+        if rebuilt == 0 {
+            skipped += 1;
+        }
+        let (a, b) = (skip.plan("demo").unwrap(), full.plan("demo").unwrap());
+        assert_eq!(a.order, b.order, "round {round}: order");
+        assert_eq!(
+            a.spill_targets, b.spill_targets,
+            "round {round}: spill targets"
+        );
+        assert_eq!(
+            a.spill_permille, b.spill_permille,
+            "round {round}: spill share"
+        );
+        assert_eq!(skip.status("demo"), full.status("demo"), "round {round}");
+    }
+    assert!(
+        skipped > 300,
+        "the walk settles often enough to test the skip: {skipped}"
+    );
+}
