@@ -197,9 +197,36 @@ pub struct Entry {
     /// Tunnel ids it holds, with when this dispatcher learned it.
     pub tunnels: HashMap<String, Instant>,
     pub load: Option<(Instant, LoadFigures)>,
+    /// `info.server_id` and `info.forward_url` as the views share them: the routing tick
+    /// builds a view per tunnel id and server, and copying the two strings into new
+    /// allocations for each was most of its cost with thousands of tunnel ids.
+    names: (Arc<str>, Arc<str>),
 }
 
 impl Entry {
+    fn new(
+        info: ServerInfo,
+        origin: Origin,
+        joined: Instant,
+        tunnels: HashMap<String, Instant>,
+        load: Option<(Instant, LoadFigures)>,
+        now: Instant,
+    ) -> Self {
+        let names = (
+            Arc::from(info.server_id.as_str()),
+            Arc::from(info.forward_url.as_str()),
+        );
+        Entry {
+            info,
+            origin,
+            joined,
+            seen: now,
+            tunnels,
+            load,
+            names,
+        }
+    }
+
     /// The server's smoothed CPU use from its last report, per mille (0: unknown).
     pub fn cpu_permille(&self) -> u32 {
         self.load.as_ref().map_or(0, |(_, l)| l.cpu_permille)
@@ -247,8 +274,8 @@ impl Entry {
             _ => 0,
         };
         ServerView {
-            server_id: Arc::from(self.info.server_id.as_str()),
-            forward_url: Arc::from(self.info.forward_url.as_str()),
+            server_id: self.names.0.clone(),
+            forward_url: self.names.1.clone(),
             announced: at,
             draining: self.draining(),
             idle: f.idle,
@@ -421,14 +448,14 @@ impl Table {
             }
         }
         let id = server.server_id.clone();
-        let entry = Entry {
-            info: server,
-            origin: Origin::Local(session),
-            joined: now,
-            seen: now,
-            tunnels: HashMap::new(),
-            load: None,
-        };
+        let entry = Entry::new(
+            server,
+            Origin::Local(session),
+            now,
+            HashMap::new(),
+            None,
+            now,
+        );
         if let Some(old) = self.replace(&id, Some(entry), d) {
             d.gone.push((old.info, Gone::Replaced));
         }
@@ -476,14 +503,8 @@ impl Table {
                 Some((at, l)) if Some(l) == r.load.as_ref() => Some((*at, l.clone())),
                 _ => r.load.map(|l| (now, l)),
             };
-            let entry = Entry {
-                info: r.info,
-                origin: Origin::Shared,
-                joined: old.map_or(now, |e| e.joined),
-                seen: now,
-                tunnels,
-                load,
-            };
+            let joined = old.map_or(now, |e| e.joined);
+            let entry = Entry::new(r.info, Origin::Shared, joined, tunnels, load, now);
             self.replace(&id, Some(entry), d);
         }
     }
@@ -549,7 +570,8 @@ impl Table {
 
     /// [`Table::views`] of every tunnel id.
     pub fn all_views(&self) -> HashMap<String, Vec<ServerView>> {
-        let mut views: HashMap<String, Vec<ServerView>> = HashMap::new();
+        let mut views: HashMap<String, Vec<ServerView>> =
+            HashMap::with_capacity(self.holders.len());
         for e in self.entries.values() {
             let fwd = self.forward_rtt_of(e);
             for (tid, at) in &e.tunnels {

@@ -440,6 +440,7 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
     let order = [
         "dispatcher",
         "tunnel servers",
+        "control planes",
         "load balancer",
         "agents",
         "upstream",
@@ -472,7 +473,7 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
     }
     let cpu = Cpu {
         method: if !i.workers.is_empty() {
-            "this process: each component on its own tokio runtime with named threads, CPU read per thread from /proc/self/task/*/stat ('load generator' is the callers, sampling and report); each agents worker: its process CPU from /proc/self/stat, as it reported it".into()
+            "this process: each component on its own tokio runtime with named threads, CPU read per thread from /proc/self/task/*/stat ('control planes' is the relay-control threads: registries, routing ticks, report streams; 'load generator' is the callers, sampling and report); each agents worker: its process CPU from /proc/self/stat, as it reported it".into()
         } else if i.mode == "embedded" {
             "one process; each component on its own tokio runtime with named threads, CPU read per thread from /proc/self/task/*/stat; 'load generator' is the caller's runtime (calls, sampling, report)".into()
         } else {

@@ -628,6 +628,9 @@ fn component(thread: &str) -> &'static str {
         "fleet-lb" => "load balancer",
         "fleet-upstream" => "upstream",
         t if t.starts_with("fleet-ts-") => "tunnel servers",
+        // The dispatchers' registries and routing ticks and the servers' report streams,
+        // each on a thread of its own (`relay_common::runtime::ControlRuntime`).
+        "relay-control" => "control planes",
         _ => "load generator",
     }
 }
