@@ -7,17 +7,28 @@
 //!
 //! It remembers which label sets it exported, by tunnel id and by server, so a tunnel id or
 //! a server that goes takes its series with it and a rebuild of one tunnel id touches only
-//! its own series.
+//! its own series. A rebuild whose figures are the ones exported last (the spill share,
+//! each server's RTT and tier: a tunnel id's idle and busy streams change its plan, not
+//! these) sets nothing: each series set is a label lookup, and with thousands of tunnel
+//! ids opening streams those were a large part of the registry's work.
 
 use super::table::{RouteCounts, Table};
 use crate::metrics::Metrics;
 use crate::routing::{ServerView, TunnelStatus};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// What one tunnel id's series hold.
+struct Exported {
+    servers: HashSet<String>,
+    /// The spill share (its bits) and each server's RTT (µs) and tier, in views order.
+    figures: (u64, Vec<(Arc<str>, u32, i64)>),
+}
 
 pub struct Gauges {
     metrics: Metrics,
-    /// Exported server ids, by tunnel id.
-    exported: HashMap<String, HashSet<String>>,
+    /// Exported server ids and figures, by tunnel id.
+    exported: HashMap<String, Exported>,
     /// Server ids with per-server series.
     servers: HashSet<String>,
 }
@@ -74,16 +85,38 @@ impl Gauges {
     pub fn tunnel(&mut self, tunnel_id: &str, status: Option<&TunnelStatus>, views: &[ServerView]) {
         let m = &self.metrics;
         let Some(status) = status.filter(|_| !views.is_empty()) else {
-            if let Some(servers) = self.exported.remove(tunnel_id) {
+            if let Some(gone) = self.exported.remove(tunnel_id) {
                 let _ = m.spill_share.remove_label_values(&[tunnel_id]);
                 let _ = m.spills.remove_label_values(&[tunnel_id]);
-                for s in servers {
+                for s in gone.servers {
                     let _ = m.server_rtt.remove_label_values(&[&s, tunnel_id]);
                     let _ = m.server_tier.remove_label_values(&[&s, tunnel_id]);
                 }
             }
             return;
         };
+        let tier_of = |server_id: &str| {
+            status
+                .tiers
+                .iter()
+                .find(|(s, _)| &**s == server_id)
+                .map(|(_, k)| *k as i64)
+                .unwrap_or(-1)
+        };
+        let figures = (
+            status.spill_share.to_bits(),
+            views
+                .iter()
+                .map(|v| (v.server_id.clone(), v.rtt_us, tier_of(&v.server_id)))
+                .collect::<Vec<_>>(),
+        );
+        if self
+            .exported
+            .get(tunnel_id)
+            .is_some_and(|e| e.figures == figures)
+        {
+            return;
+        }
         m.spill_share
             .with_label_values(&[tunnel_id])
             .set(status.spill_share);
@@ -94,24 +127,25 @@ impl Gauges {
             m.server_rtt
                 .with_label_values(&[&v.server_id, tunnel_id])
                 .set(f64::from(v.rtt_us) / 1e6);
-            let tier = status
-                .tiers
-                .iter()
-                .find(|(s, _)| *s == v.server_id)
-                .map(|(_, k)| *k as i64)
-                .unwrap_or(-1);
+            let tier = tier_of(&v.server_id);
             m.server_tier
                 .with_label_values(&[&v.server_id, tunnel_id])
                 .set(tier);
             now.insert(v.server_id.to_string());
         }
         if let Some(before) = self.exported.get(tunnel_id) {
-            for s in before.difference(&now) {
+            for s in before.servers.difference(&now) {
                 let _ = m.server_rtt.remove_label_values(&[s, tunnel_id]);
                 let _ = m.server_tier.remove_label_values(&[s, tunnel_id]);
             }
         }
-        self.exported.insert(tunnel_id.to_string(), now);
+        self.exported.insert(
+            tunnel_id.to_string(),
+            Exported {
+                servers: now,
+                figures,
+            },
+        );
     }
 
     /// Removes the series of every tunnel id not in `keep`.

@@ -381,3 +381,102 @@ fn the_call_path_does_not_wait_for_the_writers() {
     caller.join().unwrap();
     assert_eq!(pick.as_deref(), Some("a"));
 }
+
+/// The value of a gauge family's series with these label values.
+fn gauge(r: &prometheus::Registry, name: &str, values: &[&str]) -> Option<f64> {
+    r.gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric())
+        .find(|m| {
+            let mut l: Vec<&str> = m.get_label().iter().map(|l| l.value()).collect();
+            l.sort();
+            let mut want = values.to_vec();
+            want.sort();
+            l == want
+        })
+        .map(|m| m.get_gauge().get_value())
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_gauges_follow_each_change_of_rtt_tier_and_spill_share_and_only_those() {
+    let prom = prometheus::Registry::new();
+    let metrics = Metrics::register(&prom).unwrap();
+    let r = Routes::new(
+        RoutingConfig::default(),
+        Duration::from_secs(3),
+        "d1".into(),
+        false,
+        metrics,
+    );
+    let a = r.join(info("a")).unwrap();
+    let b = r.join(info("b")).unwrap();
+    r.tunnel_up(a, "t");
+    r.tunnel_up(b, "t");
+    let with = |idle_a: u32, queued_a: u32, rtt_a: u32| LoadFigures {
+        tunnels: [(
+            "t".to_string(),
+            TunnelFigures {
+                idle: idle_a,
+                busy: 4,
+                queued: queued_a,
+                rtt_us: rtt_a,
+            },
+        )]
+        .into(),
+        ..load(&[], false)
+    };
+    let b_load = LoadFigures {
+        tunnels: [(
+            "t".to_string(),
+            TunnelFigures {
+                idle: 2,
+                rtt_us: 1_000,
+                ..Default::default()
+            },
+        )]
+        .into(),
+        ..load(&[], false)
+    };
+    r.forward_rtt("http://a", Some(1_000));
+    r.forward_rtt("http://b", Some(1_000));
+    r.load(b, b_load.clone());
+    r.load(a, with(3, 0, 1_000));
+    r.tick(Instant::now());
+    let rtt = |s: &str| gauge(&prom, "relay_dispatcher_server_rtt_seconds", &[s, "t"]);
+    let tier = |s: &str| gauge(&prom, "relay_dispatcher_server_tier", &[s, "t"]);
+    let spill = || gauge(&prom, "relay_dispatcher_spill_share", &["t"]);
+    assert_eq!(rtt("a"), Some(0.002));
+    assert_eq!((tier("a"), tier("b")), (Some(0.0), Some(0.0)));
+    assert_eq!(spill(), Some(0.0));
+    // Only the idle count changes: the plan is rebuilt, the series keep their values.
+    r.load(a, with(2, 0, 1_000));
+    assert_eq!(rtt("a"), Some(0.002));
+    // a's agent leg grows tenfold: its RTT and tier follow.
+    r.load(a, with(2, 0, 20_000));
+    tokio::time::advance(Duration::from_millis(300)).await;
+    r.tick(Instant::now());
+    assert_eq!(rtt("a"), Some(0.021));
+    assert_eq!((tier("a"), tier("b")), (Some(1.0), Some(0.0)));
+    // Calls queue on the home (a: b, in the better tier, has too few idle streams to
+    // take its calls): the share rises at each step and its gauge with it.
+    r.load(a, with(0, 3, 20_000));
+    let mut last = spill().unwrap();
+    for _ in 0..3 {
+        tokio::time::advance(Duration::from_millis(300)).await;
+        r.tick(Instant::now());
+        let now = spill().unwrap();
+        assert!(now > last, "the share rose: {last} -> {now}");
+        last = now;
+    }
+    // At rest again, the share decays and the tick settles.
+    for _ in 0..20 {
+        // Reports keep coming (within the lease), the same each time.
+        r.load(a, with(2, 0, 20_000));
+        r.load(b, b_load.clone());
+        tokio::time::advance(Duration::from_millis(300)).await;
+        r.tick(Instant::now());
+    }
+    assert_eq!(spill(), Some(0.0), "the share decayed to zero");
+    assert_eq!(rtt("b"), Some(0.002));
+}
