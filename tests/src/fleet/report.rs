@@ -710,17 +710,20 @@ fn checks(s: &Scenario, r: &Report, rec: &RecInner, running: &[String]) -> Vec<C
         });
     }
     if let Some(max) = e.max_failed_not_in_flight_at_fault {
-        let at = s
+        // From the fault's scheduled time to when it had taken effect (a kill waits for
+        // the stack's lock), a call that started was still in flight at it.
+        let scheduled = s
             .faults
             .iter()
             .map(|f| f.at)
             .min()
             .unwrap_or_default()
             .as_secs_f32();
+        let applied = rec.first_fault_applied.unwrap_or(scheduled).max(scheduled);
         let n = rec
             .failed_span
             .iter()
-            .filter(|(from, to)| *to < at || *from >= at)
+            .filter(|(from, to)| *to < scheduled || *from >= applied)
             .count() as u64;
         out.push(Check {
             name: "max_failed_not_in_flight_at_fault".into(),

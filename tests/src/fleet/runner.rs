@@ -310,6 +310,9 @@ pub(crate) struct RecInner {
     pub answered_twice: u64,
     /// Set when the run stops waiting: later outcomes are not recorded.
     pub closed: bool,
+    /// Second into the run when the first fault had taken effect (a kill is applied a
+    /// little after its scheduled time: calls started in between were in flight at it).
+    pub first_fault_applied: Option<f32>,
 }
 
 impl Recorder {
@@ -1275,6 +1278,7 @@ async fn drive(
         let s = s.clone();
         let fleet_faults = fault_target(fleet, neighbours.clone());
         let ctx = ctx.clone();
+        let rec = rec.clone();
         tokio::spawn(async move {
             let mut added = 0;
             for f in list {
@@ -1283,6 +1287,8 @@ async fn drive(
                     _ = tokio::time::sleep_until(start + f.at) => {}
                 }
                 let what = apply_fault(&s, &fleet_faults, &ctx, &f, &mut added).await;
+                let applied = start.elapsed().as_secs_f32();
+                rec.inner.lock().first_fault_applied.get_or_insert(applied);
                 after_fault(&fleet_faults, &ctx, &f, start).await;
                 let t = start.elapsed().as_secs_f64();
                 tracing::info!(t, fault = %what, "fault");
