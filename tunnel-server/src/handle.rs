@@ -397,8 +397,17 @@ impl StreamHandle {
     }
 
     /// Queues a frame the agent must see last (the status a protocol error closes the
-    /// stream with).
+    /// stream with, after [`StreamHandle::end`]). The status is also kept as the closing
+    /// one: a close that comes before the agent has read it (the call that was on the
+    /// stream gives the stream back, which closes it) cuts the queue, and the RPC then
+    /// ends with the closing status instead of an OK that would hide the error.
     pub fn try_send_status(&self, status: Status) {
+        if let State::Closed {
+            status: kept @ None,
+        } = &mut self.inner.lock().state
+        {
+            *kept = Some(status.clone());
+        }
         let _ = self.out.try_send(Err(status));
     }
 
@@ -497,6 +506,23 @@ mod tests {
             "a call that crossed GoingAway runs"
         );
         assert!(!h.going_away(), "busy");
+    }
+
+    #[test]
+    fn a_protocol_errors_status_survives_a_close_that_cuts_the_queue_before_it_is_read() {
+        let (h, _rx) = handle();
+        let _ = h.end();
+        h.try_send_status(Status::invalid_argument("malformed header"));
+        // The call that was on the stream gives it back, which closes it and cuts the
+        // queue before the agent read the status: the RPC still ends with it.
+        h.close();
+        let end = h.end_status().get().expect("the closing status");
+        assert_eq!(end.code(), tonic::Code::InvalidArgument);
+        assert_eq!(end.message(), "malformed header");
+        // A plain close keeps no status: the RPC ends OK.
+        let (plain, _rx) = handle();
+        plain.close();
+        assert!(plain.end_status().get().is_none());
     }
 
     #[test]
