@@ -526,11 +526,14 @@ async fn mutual_tls_needs_a_pinned_identity_and_an_agent_certificate_is_refused(
 /// Whether a dial's or call's error says the server's TLS refused the client: the alert
 /// naming the certificate, or, under TLS 1.3 (the client's certificate is judged after the
 /// client already counts the handshake done and writes its request), the connection the
-/// server closed on it as it sent the alert.
+/// server closed on it as it sent the alert: a write into it (broken pipe), a reset, or,
+/// when the close is read before the alert, hyper's "connection closed" for the request
+/// it had sent (seen on the registry listener, which runs on a thread of its own).
 fn refused_by_tls(error: &str) -> bool {
     let e = error.to_lowercase();
     e.contains("certificate")
         || e.contains("alert")
         || e.contains("broken pipe")
         || e.contains("connection reset")
+        || e.contains("connection closed")
 }
