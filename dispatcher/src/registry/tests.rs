@@ -83,8 +83,8 @@ fn labels(family: &[prometheus::proto::MetricFamily], name: &str) -> Vec<Vec<Str
     out
 }
 
-#[tokio::test(start_paused = true)]
-async fn announcing_one_tunnel_id_routes_it_and_gauges_follow_it_alone() {
+/// Routes with the default routing policy, its gauges in a registry of their own.
+fn gauged() -> (prometheus::Registry, Routes) {
     let prom = prometheus::Registry::new();
     let metrics = Metrics::register(&prom).unwrap();
     let r = Routes::new(
@@ -94,6 +94,12 @@ async fn announcing_one_tunnel_id_routes_it_and_gauges_follow_it_alone() {
         false,
         metrics,
     );
+    (prom, r)
+}
+
+#[tokio::test(start_paused = true)]
+async fn announcing_one_tunnel_id_routes_it_and_gauges_follow_it_alone() {
+    let (prom, r) = gauged();
     let a = r.join(info("a")).unwrap();
     let b = r.join(info("b")).unwrap();
     r.tunnel_up(a, "t");
@@ -400,15 +406,7 @@ fn gauge(r: &prometheus::Registry, name: &str, values: &[&str]) -> Option<f64> {
 
 #[tokio::test(start_paused = true)]
 async fn the_gauges_follow_each_change_of_rtt_tier_and_spill_share_and_only_those() {
-    let prom = prometheus::Registry::new();
-    let metrics = Metrics::register(&prom).unwrap();
-    let r = Routes::new(
-        RoutingConfig::default(),
-        Duration::from_secs(3),
-        "d1".into(),
-        false,
-        metrics,
-    );
+    let (prom, r) = gauged();
     let a = r.join(info("a")).unwrap();
     let b = r.join(info("b")).unwrap();
     r.tunnel_up(a, "t");

@@ -85,20 +85,7 @@ impl Sim {
 
     /// Updates without advancing time (a report arriving between steps).
     fn update(&mut self, servers: &[S]) {
-        let views = servers
-            .iter()
-            .map(|s| ServerView {
-                server_id: Arc::from(s.id),
-                forward_url: Arc::from(format!("http://{}", s.id).as_str()),
-                announced: self.t0 + Duration::from_millis(s.announced_ms),
-                draining: s.draining,
-                idle: s.idle,
-                busy: s.busy,
-                queued: s.queued,
-                rtt_us: s.rtt_us,
-                load_permille: s.load_permille,
-            })
-            .collect();
+        let views = views_of(self.t0, servers);
         let table = HashMap::from([("demo".to_string(), views)]);
         self.router.update(self.now, &table);
     }
