@@ -127,9 +127,14 @@ impl<T> Outbox<T> {
 
     /// Ends the receiver now: its next poll ends the stream, whatever is still queued.
     pub fn cut(&self) {
+        self.end_with(|s| s.cut = true);
+    }
+
+    /// Marks an end in the state and wakes the receiver (outside the lock) to read it.
+    fn end_with(&self, mark: impl FnOnce(&mut State<T>)) {
         let waker = {
             let mut s = self.shared.state.lock();
-            s.cut = true;
+            mark(&mut s);
             s.rx_waker.take()
         };
         if let Some(w) = waker {
@@ -140,14 +145,7 @@ impl<T> Outbox<T> {
 
 impl<T> Drop for Outbox<T> {
     fn drop(&mut self) {
-        let waker = {
-            let mut s = self.shared.state.lock();
-            s.tx_gone = true;
-            s.rx_waker.take()
-        };
-        if let Some(w) = waker {
-            w.wake();
-        }
+        self.end_with(|s| s.tx_gone = true);
     }
 }
 
