@@ -95,6 +95,11 @@ impl std::fmt::Debug for KeyDigest {
     }
 }
 
+/// SHA-256 of a token: the key under which token stores look a presented token up.
+pub fn sha256(data: &[u8]) -> [u8; 32] {
+    Sha256::digest(data).into()
+}
+
 /// Lowercase hex SHA-256 of a token: the form in which token stores keep secrets.
 pub fn sha256_hex(data: &[u8]) -> String {
     hex::encode(Sha256::digest(data))
