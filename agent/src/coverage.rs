@@ -200,6 +200,8 @@ struct Entry {
     last_used: Instant,
     retiring: bool,
     retire: Option<oneshot::Sender<()>>,
+    /// A fill open's stream that has carried no call (`plan::StreamView::probe`).
+    probe: bool,
 }
 
 struct Opening {
@@ -207,6 +209,8 @@ struct Opening {
     retire: Option<oneshot::Sender<()>>,
     /// Opened straight to this server's direct URL.
     direct: Option<ServerKey>,
+    /// A fill open (`Plan::probes`).
+    probe: bool,
 }
 
 /// How long a server's direct URL is not used after an open to it failed (the load
@@ -517,6 +521,7 @@ impl CoverageActor {
                 opened_at: e.opened_at,
                 last_used: e.last_used,
                 retiring: e.retiring,
+                probe: e.probe,
             });
         }
         let mut servers: Vec<ServerView> = servers.into_values().collect();
@@ -600,13 +605,13 @@ impl CoverageActor {
                 room -= n;
                 let key = (d.server_id.clone(), d.instance_id.clone());
                 for _ in 0..n {
-                    self.spawn_open(now, Some((key.clone(), d.url.clone())));
+                    self.spawn_open(now, Some((key.clone(), d.url.clone())), false);
                 }
             }
             let n = (plan.open as usize).min(room);
             if n > 0 && self.backoff.allows(now) {
-                for _ in 0..n {
-                    self.spawn_open(now, None);
+                for k in 0..n {
+                    self.spawn_open(now, None, k < plan.probes as usize);
                 }
             } else if n > 0 {
                 opens_held = true;
@@ -636,7 +641,7 @@ impl CoverageActor {
     }
 
     /// Opens one stream: through the load balancer, or straight to a server's URL.
-    fn spawn_open(&mut self, now: Instant, direct: Option<(ServerKey, String)>) {
+    fn spawn_open(&mut self, now: Instant, direct: Option<(ServerKey, String)>, probe: bool) {
         let id = self.next_id;
         self.next_id += 1;
         let (retire_tx, retire_rx) = oneshot::channel();
@@ -656,6 +661,7 @@ impl CoverageActor {
                 started: now,
                 retire: Some(retire_tx),
                 direct,
+                probe,
             },
         );
         let handle = self.tasks.spawn(self.connector.open(link));

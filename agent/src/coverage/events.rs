@@ -32,6 +32,7 @@ impl CoverageActor {
                     last_used: now,
                     retiring: false,
                     retire: op.retire,
+                    probe: op.probe,
                 };
                 if self.shutting_down {
                     retire(&mut entry);
@@ -47,6 +48,7 @@ impl CoverageActor {
             }
             StreamEvent::CallStarted => {
                 if let Some(e) = self.streams.get_mut(&id) {
+                    e.probe = false;
                     if !e.busy {
                         e.busy = true;
                         e.load.started();

@@ -56,6 +56,10 @@
 //!   server became short, then one open per `fill_retry` for as long as it stays short
 //!   (listed in the fleet or holding streams). A server that holds none of the agent's
 //!   streams but is listed in the fleet (new, or back as a new instance) is filling too.
+//! - **returned**: a fill open goes where the load balancer puts it (a placement probe).
+//!   One that landed on a covered server with no calls there (busy 0: nothing in flight,
+//!   queued or at the peak since the last tick), beyond its budget, is closed at the next
+//!   tick while it has carried no call, the newest first.
 //! - **overdue**: filling for `grace`. Evacuated: all its (idle) streams are closed so
 //!   the server drops the tunnel id; only while another server is covered, never with a
 //!   call in flight or queued there, at most one evacuation per `evacuate_cooldown`.
@@ -111,6 +115,15 @@
 //!   instead of having everything recycled. Draining servers are always evacuated.
 //! - **Retirement keeps busy + reserve** (not just reserve) on a server with calls, so
 //!   retiring never makes a covered server short.
+//! - **Fill opens that land where nothing is missing go back at once**, not after
+//!   `retire_unused`, and even while another server is short (the design holds every stream
+//!   while any server is short). Covering N servers through a balancer that places streams
+//!   at random takes about N x (1 + 1/2 + ... + 1/N) opens (the coupon collector: 29 for
+//!   10 servers at a reserve of 1); held for ten minutes, the extra 19 were most of an idle
+//!   agent's streams, and of a large fleet's memory and heartbeats. A probe is only ever a
+//!   fill open (growth's streams that land elsewhere stay: the 4x rule and the dispatcher's
+//!   spill count on them), it goes only from a server with no calls and only beyond its
+//!   budget, and a probe that carried a call is capacity like any other stream.
 //! - **A listed server the load balancer does not reach is never given up**: after its fill
 //!   budget it keeps getting one open per `fill_retry` (an earlier version avoided it for
 //!   `evacuated_for` once its budget was spent, so a server that came back within those
@@ -223,6 +236,10 @@ pub struct StreamView {
     pub last_used: Instant,
     /// Already asked to go away (GoingAway sent); no longer counts as capacity.
     pub retiring: bool,
+    /// Opened to fill (a placement probe: it went where the load balancer put it) and has
+    /// carried no call yet. One that landed on a server already holding its budget, with
+    /// no calls there, is returned at the next tick (see the module docs).
+    pub probe: bool,
 }
 
 /// One life of a tunnel server: its `server_id` and the `instance_id` of its
@@ -389,15 +406,17 @@ pub enum ActionKind {
     Evacuate,
     Recycle,
     Retire,
+    Return,
 }
 
 impl ActionKind {
-    pub const ALL: [ActionKind; 5] = [
+    pub const ALL: [ActionKind; 6] = [
         ActionKind::Grow,
         ActionKind::Fill,
         ActionKind::Evacuate,
         ActionKind::Recycle,
         ActionKind::Retire,
+        ActionKind::Return,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -407,6 +426,7 @@ impl ActionKind {
             ActionKind::Evacuate => "evacuate",
             ActionKind::Recycle => "recycle",
             ActionKind::Retire => "retire",
+            ActionKind::Return => "return",
         }
     }
 }
@@ -447,6 +467,9 @@ pub struct ServerState {
 pub struct Plan {
     /// New streams to open through the load balancer.
     pub open: u32,
+    /// Of `open`, the fill opens (placement probes): their streams are marked
+    /// [`StreamView::probe`] until they carry a call.
+    pub probes: u32,
     /// New streams to open straight to servers' direct URLs.
     pub direct: Vec<DirectOpen>,
     /// Idle streams to retire with the GoingAway handshake.
@@ -679,6 +702,7 @@ impl Planner {
             Cause::Tick => {
                 self.evacuate(&tick, &mut plan);
                 self.recycle(&tick, &mut plan);
+                self.give_back(&tick, &mut plan);
                 let mut requests = self.grow(&tick);
                 let fills = self.fill(&tick, &requests);
                 requests.extend(fills);
@@ -781,6 +805,7 @@ impl Planner {
             .collect();
         Plan {
             open,
+            probes: 0,
             direct: Vec::new(),
             close,
             actions,

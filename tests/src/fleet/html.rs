@@ -221,12 +221,13 @@ fn chart(
     o
 }
 
-const ACTION_COLORS: [(&str, &str); 5] = [
+const ACTION_COLORS: [(&str, &str); 6] = [
     ("grow", "#d62728"),
     ("fill", "#2ca02c"),
     ("evacuate", "#9467bd"),
     ("recycle", "#8c564b"),
     ("retire", "#7f7f7f"),
+    ("return", "#bcbd22"),
 ];
 
 /// Coverage actions as markers: one row per action kind, a circle per second with

@@ -870,7 +870,7 @@ pub fn summary(r: &Report) -> String {
             ),
         );
     }
-    let acts: Vec<String> = ["grow", "fill", "evacuate", "recycle", "retire"]
+    let acts: Vec<String> = ["grow", "fill", "evacuate", "recycle", "retire", "return"]
         .iter()
         .map(|a| format!("{a} {}", r.coverage_actions.get(*a).copied().unwrap_or(0)))
         .collect();

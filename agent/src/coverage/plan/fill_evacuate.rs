@@ -106,6 +106,45 @@ impl Planner {
 }
 
 impl Planner {
+    /// Returned probes: on a covered server with no calls, the fill opens that landed
+    /// beyond its budget and have carried no call are closed, the newest first.
+    pub(super) fn give_back(&self, tick: &Tick, plan: &mut Plan) {
+        let reserve = self.cfg.reserve;
+        for s in tick
+            .servers
+            .iter()
+            .filter(|s| s.state == State::Covered && s.busy() == 0)
+        {
+            let spare = s.live.saturating_sub(s.budget(reserve)) as usize;
+            if spare == 0 {
+                continue;
+            }
+            let mut probes: Vec<&StreamView> = s
+                .view
+                .streams
+                .iter()
+                .filter(|st| st.probe && !st.busy && !st.retiring && !plan.close.contains(&st.id))
+                .collect();
+            if probes.is_empty() {
+                continue;
+            }
+            probes.sort_by_key(|st| std::cmp::Reverse((st.opened_at, st.id)));
+            probes.truncate(spare);
+            plan.close.extend(probes.iter().map(|st| st.id));
+            plan.actions.push(Action {
+                server_id: s.view.server_id.clone(),
+                kind: ActionKind::Return,
+                count: count(probes.len()),
+                direct: false,
+                reason: format!(
+                    "streams {} > reserve {reserve}, no calls: returning {} fill opens that landed here",
+                    s.live,
+                    probes.len()
+                ),
+            });
+        }
+    }
+
     /// Filling: open the shortfall divided by the placement share, toward the reserve,
     /// within the fill budget (`reserve` x servers x 2 opens since the server became short),
     /// then one open per `fill_retry` while it stays short. Direct opens land there and

@@ -233,6 +233,9 @@ impl Planner {
                 None => {
                     reason.push_str(&format!("; opening {n}"));
                     plan.open += n;
+                    if r.kind == ActionKind::Fill {
+                        plan.probes += n;
+                    }
                 }
             }
             plan.actions.push(Action {

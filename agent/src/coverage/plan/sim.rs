@@ -62,6 +62,8 @@ pub struct SimStream {
     pub opened_at: Instant,
     pub last_used: Instant,
     pub retiring: bool,
+    /// A fill open's stream that has carried no call (`StreamView::probe`).
+    pub probe: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -132,6 +134,8 @@ impl Load {
 struct Pending {
     at: u64,
     count: u32,
+    /// Of `count`, the fill opens (their streams land as probes).
+    probes: u32,
     server: Option<usize>,
 }
 
@@ -244,7 +248,7 @@ impl Sim {
         let at = self.now() - age;
         let i = self.index(id);
         for _ in 0..n {
-            self.add_stream(i, at);
+            self.add_stream(i, at, false);
         }
     }
 
@@ -259,7 +263,7 @@ impl Sim {
         }
     }
 
-    fn add_stream(&mut self, i: usize, at: Instant) {
+    fn add_stream(&mut self, i: usize, at: Instant, probe: bool) {
         let id = self.next_id;
         self.next_id += 1;
         let server = &mut self.servers[i];
@@ -269,6 +273,7 @@ impl Sim {
             opened_at: at,
             last_used: at,
             retiring: false,
+            probe,
         });
         server.idle.push(id);
     }
@@ -387,6 +392,7 @@ impl Sim {
                             opened_at: st.opened_at,
                             last_used: st.last_used,
                             retiring: st.retiring,
+                            probe: st.probe,
                         })
                         .collect(),
                     queued: if self.hint { count(s.queue.len()) } else { 0 },
@@ -413,6 +419,7 @@ impl Sim {
                 let dur = s.queue.pop_front().unwrap_or(1);
                 if let Some(st) = s.streams.iter_mut().find(|st| st.id == id) {
                     st.busy_until = Some(t + dur);
+                    st.probe = false;
                 }
                 handed = true;
             }
@@ -435,7 +442,7 @@ impl Sim {
             let Some(p) = self.pending.pop_front() else {
                 break;
             };
-            for _ in 0..p.count {
+            for k in 0..p.count {
                 let to = match p.server {
                     Some(i) if !self.servers[i].draining => Some(i),
                     Some(_) => None,
@@ -449,7 +456,7 @@ impl Sim {
                     }
                 };
                 match to {
-                    Some(i) => self.add_stream(i, now),
+                    Some(i) => self.add_stream(i, now, k < p.probes),
                     None => self.lost_opens += 1,
                 }
             }
@@ -525,6 +532,7 @@ impl Sim {
             self.pending.push_back(Pending {
                 at,
                 count: plan.open,
+                probes: plan.probes,
                 server: None,
             });
         }
@@ -533,6 +541,7 @@ impl Sim {
             self.pending.push_back(Pending {
                 at,
                 count: d.count,
+                probes: 0,
                 server: Some(i),
             });
         }

@@ -52,6 +52,7 @@ impl Snap {
                 opened_at: old,
                 last_used: old,
                 retiring: false,
+                probe: false,
             });
             self.next += 1;
         }
@@ -1545,4 +1546,91 @@ proptest! {
             prop_assert!(plan.states.iter().all(|st| st.state == State::Covered));
         }
     }
+}
+
+/// Ten listed servers, a reserve of 1, uniform random placement, an agent with no stream.
+fn ten_from_nothing(seed: u64) -> Sim {
+    let ids: Vec<(String, String)> = (0..10)
+        .map(|i| (format!("s{i}"), format!("z{i}")))
+        .collect();
+    let servers: Vec<(&str, &str)> = ids.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+    let c = CoverageConfig {
+        reserve: 1,
+        ..cfg()
+    };
+    let mut sim = Sim::new(c, &servers, Placement::Weighted(vec![1; 10])).seeded(seed);
+    sim.listed = true;
+    sim
+}
+
+#[test]
+fn fill_opens_that_land_where_nothing_is_missing_go_back_at_once() {
+    for seed in 1..=20 {
+        let mut sim = ten_from_nothing(seed);
+        // The fill budget goes in the first ticks; a server it missed gets one open per
+        // fill_retry after that, so the last one may take minutes.
+        let covered = sim.run_until(3000, |s| s.servers.iter().all(|sv| sv.live() >= 1));
+        assert!(covered.is_some(), "seed {seed}: not every server covered");
+        // Two ticks more: the last probes land and go back.
+        sim.run(3);
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+        let live = sim.live_per_server();
+        assert!(
+            live.iter().all(|(_, n)| *n == 1),
+            "seed {seed}: one stream per server at rest, not the coupon collector's surplus: {live:?}"
+        );
+        let returned: u32 = sim
+            .actions_of(ActionKind::Return)
+            .iter()
+            .map(|(_, a)| a.count)
+            .sum();
+        // Every stream opened is either one of the 10 kept or went back.
+        assert_eq!(
+            sim.opened,
+            10 + returned,
+            "seed {seed}: opens {} returned {returned}",
+            sim.opened
+        );
+        assert!(
+            returned > 0,
+            "seed {seed}: random placement repeats servers"
+        );
+        assert_eq!(sim.actions_of(ActionKind::Retire).len(), 0, "seed {seed}");
+    }
+}
+
+#[test]
+fn a_probe_that_carried_a_call_or_a_server_with_calls_keeps_its_streams() {
+    let mut s = Snap::new();
+    // Retirement out of the way: these streams are old.
+    let mut p = Planner::new(CoverageConfig {
+        reserve: 1,
+        retire_unused: Duration::from_secs(1_000_000),
+        ..cfg()
+    });
+    let probes = |mut v: ServerView, n: usize| {
+        for st in v.streams.iter_mut().take(n) {
+            st.probe = true;
+        }
+        v
+    };
+    // a: 3 idle streams, two of them probes: budget 1, so both probes go and the other
+    // stream stays.
+    let a = probes(s.server("a", 3, 0), 2);
+    // b: 2 idle probes and a call in flight: busy 1 + reserve 1 = 2 < 3 live, but a server
+    // with calls keeps what landed there.
+    let b = probes(s.server("b", 2, 1), 2);
+    // c: 3 idle streams, none a probe (growth that landed here, or probes that carried a
+    // call): kept for retirement.
+    let c = s.server("c", 3, 0);
+    let plan = p.plan(&s.snap(0, &[a.clone(), b, c]));
+    let returned = actions(&plan, ActionKind::Return);
+    assert_eq!(returned.len(), 1, "{:?}", plan.actions);
+    assert_eq!(returned[0].server_id, "a");
+    assert_eq!(returned[0].count, 2);
+    let mut closed = plan.close.clone();
+    closed.sort_unstable();
+    let mut want: Vec<StreamId> = a.streams[..2].iter().map(|st| st.id).collect();
+    want.sort_unstable();
+    assert_eq!(closed, want);
 }
