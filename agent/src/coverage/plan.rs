@@ -484,6 +484,25 @@ impl Plan {
         self.open == 0 && self.direct.is_empty() && self.close.is_empty()
     }
 
+    /// Closes `ids` (idle streams of `server_id`) as one `kind` action with `reason`.
+    fn close_on(
+        &mut self,
+        server_id: &str,
+        kind: ActionKind,
+        ids: impl IntoIterator<Item = StreamId>,
+        reason: String,
+    ) {
+        let before = self.close.len();
+        self.close.extend(ids);
+        self.actions.push(Action {
+            server_id: server_id.to_string(),
+            kind,
+            count: count(self.close.len() - before),
+            direct: false,
+            reason,
+        });
+    }
+
     /// Streams to open, through the load balancer and direct.
     pub fn opens(&self) -> u32 {
         self.direct

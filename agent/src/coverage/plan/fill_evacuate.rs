@@ -45,14 +45,12 @@ impl Planner {
             covered.view.server_id,
             idle.len(),
         );
-        plan.close.extend(idle.iter().map(|st| st.id));
-        plan.actions.push(Action {
-            server_id: target.view.server_id.clone(),
-            kind: ActionKind::Evacuate,
-            count: count(idle.len()),
-            direct: false,
+        plan.close_on(
+            &target.view.server_id,
+            ActionKind::Evacuate,
+            idle.iter().map(|st| st.id),
             reason,
-        });
+        );
         let mem = self.memory.entry(target.key()).or_default();
         mem.evacuated_at = Some(tick.now);
         mem.short_idle_since = None;
@@ -89,25 +87,25 @@ impl Planner {
                     self.cfg.evacuated_for.as_secs()
                 )
             };
-            plan.close.extend(idle.iter().map(|st| st.id));
-            plan.actions.push(Action {
-                server_id: s.view.server_id.clone(),
-                kind: ActionKind::Recycle,
-                count: count(idle.len()),
-                direct: false,
-                reason: format!(
-                    "{why}: closing {} idle streams, {} busy finish first",
-                    idle.len(),
-                    s.in_flight
-                ),
-            });
+            let reason = format!(
+                "{why}: closing {} idle streams, {} busy finish first",
+                idle.len(),
+                s.in_flight
+            );
+            plan.close_on(
+                &s.view.server_id,
+                ActionKind::Recycle,
+                idle.iter().map(|st| st.id),
+                reason,
+            );
         }
     }
 }
 
 impl Planner {
     /// Returned probes: on a covered server with no calls, the fill opens that landed
-    /// beyond its budget and have carried no call are closed, the newest first.
+    /// beyond its budget and have carried no call are closed, the newest first. (Evacuation
+    /// and recycling close streams of overdue and evacuated servers only: none of these.)
     pub(super) fn give_back(&self, tick: &Tick, plan: &mut Plan) {
         let reserve = self.cfg.reserve;
         for s in tick
@@ -123,25 +121,24 @@ impl Planner {
                 .view
                 .streams
                 .iter()
-                .filter(|st| st.probe && !st.busy && !st.retiring && !plan.close.contains(&st.id))
+                .filter(|st| st.probe && !st.busy && !st.retiring)
                 .collect();
             if probes.is_empty() {
                 continue;
             }
             probes.sort_by_key(|st| std::cmp::Reverse((st.opened_at, st.id)));
             probes.truncate(spare);
-            plan.close.extend(probes.iter().map(|st| st.id));
-            plan.actions.push(Action {
-                server_id: s.view.server_id.clone(),
-                kind: ActionKind::Return,
-                count: count(probes.len()),
-                direct: false,
-                reason: format!(
-                    "streams {} > reserve {reserve}, no calls: returning {} fill opens that landed here",
-                    s.live,
-                    probes.len()
-                ),
-            });
+            let reason = format!(
+                "streams {} > reserve {reserve}, no calls: returning {} fill opens that landed here",
+                s.live,
+                probes.len()
+            );
+            plan.close_on(
+                &s.view.server_id,
+                ActionKind::Return,
+                probes.iter().map(|st| st.id),
+                reason,
+            );
         }
     }
 

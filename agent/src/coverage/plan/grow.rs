@@ -291,20 +291,19 @@ impl Planner {
                 break;
             }
             let take = ((want - made) as usize).min(idle.len());
-            plan.close.extend(&idle[..take]);
             made += count(take);
-            plan.actions.push(Action {
-                server_id: s.view.server_id.clone(),
-                kind: ActionKind::Recycle,
-                count: count(take),
-                direct: false,
-                reason: format!(
-                    "max_streams {} reached and {for_server} is short: closing {take} of {} idle streams beyond busy {} + reserve {reserve} to open there instead",
-                    self.cfg.max_streams,
-                    idle.len(),
-                    s.busy()
-                ),
-            });
+            let reason = format!(
+                "max_streams {} reached and {for_server} is short: closing {take} of {} idle streams beyond busy {} + reserve {reserve} to open there instead",
+                self.cfg.max_streams,
+                idle.len(),
+                s.busy()
+            );
+            plan.close_on(
+                &s.view.server_id,
+                ActionKind::Recycle,
+                idle[..take].iter().copied(),
+                reason,
+            );
         }
         made
     }

@@ -47,22 +47,16 @@ impl Planner {
             let waited = first_due.is_some_and(|f| now.saturating_duration_since(f) >= window);
             if !soon || waited {
                 for (s, unused) in due {
-                    plan.actions.push(Action {
-                        server_id: s.view.server_id.clone(),
-                        kind: ActionKind::Retire,
-                        count: count(unused.len()),
-                        direct: false,
-                        reason: format!(
-                            "streams {} > busy {} + reserve {}: retiring {} idle unused for {}s",
-                            s.live,
-                            s.busy(),
-                            cfg.reserve,
-                            unused.len(),
-                            cfg.retire_unused.as_secs()
-                        ),
-                    });
+                    let reason = format!(
+                        "streams {} > busy {} + reserve {}: retiring {} idle unused for {}s",
+                        s.live,
+                        s.busy(),
+                        cfg.reserve,
+                        unused.len(),
+                        cfg.retire_unused.as_secs()
+                    );
                     closing.extend(&unused);
-                    plan.close.extend(unused);
+                    plan.close_on(&s.view.server_id, ActionKind::Retire, unused, reason);
                 }
             }
         }
