@@ -513,7 +513,7 @@ async fn tunnel(
             skip_rest(report, &["clock"], "no hello");
             return false;
         }
-        Ok(Err(OpenError::Other(msg) | OpenError::Endpoint(msg))) => {
+        Ok(Err(OpenError::Other(msg) | OpenError::Endpoint(msg) | OpenError::Busy(msg))) => {
             report.push(
                 "token",
                 url,

@@ -54,7 +54,8 @@ pub struct Config {
     /// Stream opens in progress at once (dial to hello); more wait their turn, so a growth
     /// step of hundreds of streams reaches the tunnel servers (or a load balancer) in
     /// waves rather than as one burst of half-open streams. `connect_timeout` counts from
-    /// an open's turn.
+    /// an open's turn. The ceiling of the open window (`crate::stream::window`), which
+    /// narrows while hellos time out.
     pub max_opening: usize,
     /// First delay after a failed stream open (connect error or refused token).
     #[serde(with = "humantime_serde")]

@@ -27,14 +27,14 @@ mod view;
 mod tests;
 
 use crate::error::OpenError;
-use crate::metrics::AgentMetrics;
+use crate::metrics::{AgentMetrics, ServerSeries, ShortSeries};
 use futures::future::BoxFuture;
 use plan::{
     ActionKind, Cause, PlacementTally, Plan, Planner, ServerKey, ServerView, Snapshot, State,
     StreamId, StreamView,
 };
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
@@ -322,9 +322,10 @@ pub struct CoverageActor {
     events_rx: mpsc::UnboundedReceiver<(StreamId, StreamEvent)>,
     backoff: Backoff,
     view: watch::Sender<CoverageView>,
-    exported: HashSet<String>,
-    /// Server ids with a `grpc_tunnel_server_short_seconds` series.
-    exported_short: HashSet<String>,
+    /// Server ids with stream and state series, and their handles.
+    exported: HashMap<String, ServerSeries>,
+    /// Server ids with a `grpc_tunnel_server_short_seconds` series, and its handle.
+    exported_short: HashMap<String, ShortSeries>,
     next_tick: Instant,
     shutting_down: bool,
     /// The last [`RECENT_ACTIONS`] actions, oldest first.
@@ -364,8 +365,8 @@ impl CoverageActor {
             events_rx,
             backoff,
             view,
-            exported: HashSet::new(),
-            exported_short: HashSet::new(),
+            exported: HashMap::new(),
+            exported_short: HashMap::new(),
             next_tick: Instant::now(),
             shutting_down: false,
             recent: VecDeque::with_capacity(RECENT_ACTIONS),
@@ -699,10 +700,10 @@ impl CoverageActor {
             );
         }
         self.tasks.shutdown().await;
-        for server in &self.exported {
+        for server in self.exported.keys() {
             self.metrics.remove_server(server);
         }
-        for server in &self.exported_short {
+        for server in self.exported_short.keys() {
             self.metrics.remove_short(server);
         }
         self.metrics.streams_live.set(0);

@@ -65,4 +65,9 @@ pub enum OpenError {
     /// endpoint is open: the opens go there, nothing to back off from.
     #[error("{0}")]
     Endpoint(String),
+    /// The hello did not come within `connect_timeout`, while other opens landed on the
+    /// same connection: the servers are busy, the path is alive. The open window narrows
+    /// (`crate::stream::window`); no backoff step, no endpoint pause.
+    #[error("{0} (other streams landed on the connection meanwhile: the servers are busy)")]
+    Busy(String),
 }

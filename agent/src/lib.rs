@@ -58,6 +58,7 @@ pub async fn run(
 #[must_use = "dropping the handle stops the agent"]
 pub struct AgentHandle {
     registry: prometheus::Registry,
+    coverage_actions: prometheus::IntCounterVec,
     coverage: watch::Receiver<CoverageView>,
     upstream: watch::Receiver<UpstreamHealth>,
     activity: Activity,
@@ -69,6 +70,21 @@ impl AgentHandle {
     /// The agent's metric registry (what `/metrics` renders).
     pub fn registry(&self) -> &prometheus::Registry {
         &self.registry
+    }
+
+    /// `grpc_tunnel_coverage_actions_total` by action name (every action, 0 for those not
+    /// taken yet), read from the counters themselves: no gather of the whole registry.
+    pub fn coverage_actions(&self) -> Vec<(&'static str, u64)> {
+        coverage::plan::ActionKind::ALL
+            .iter()
+            .map(|a| {
+                let n = self
+                    .coverage_actions
+                    .get_metric_with_label_values(&[a.as_str()])
+                    .map_or(0, |c| c.get());
+                (a.as_str(), n)
+            })
+            .collect()
     }
 
     /// The coverage view published after every sizing tick.
@@ -119,6 +135,7 @@ pub fn start(config: Config, admin: TcpListener) -> Result<AgentHandle, RunError
 /// The agent's components, built from config; nothing runs until `spawn`.
 struct Agent {
     registry: prometheus::Registry,
+    coverage_actions: prometheus::IntCounterVec,
     activity: Activity,
     /// The sizing actor: it owns every tunnel stream and their calls.
     actor: CoverageActor,
@@ -142,6 +159,7 @@ impl Agent {
         config.validate()?;
         let registry = prometheus::Registry::new();
         let metrics = metrics::AgentMetrics::register(&registry)?;
+        let coverage_actions = metrics.coverage_actions.clone();
         let expiry = relay_common::tls::CertExpiry::register(&registry)?;
         let upstream = upstream::Upstream::new(
             &config.upstream,
@@ -193,7 +211,11 @@ impl Agent {
             calls: Arc::new(calls),
             metrics: metrics.clone(),
             connect_timeout: config.connect_timeout,
-            opens: Arc::new(tokio::sync::Semaphore::new(config.max_opening)),
+            opens: stream::OpenWindow::new(
+                config.max_opening,
+                config.connect_timeout,
+                metrics.open_window.clone(),
+            ),
             paths: Default::default(),
         };
         let planner = coverage::plan::Planner::new(config.coverage.clone());
@@ -220,6 +242,7 @@ impl Agent {
             .collect();
         Ok(Agent {
             registry,
+            coverage_actions,
             activity,
             actor,
             coverage,
@@ -265,6 +288,7 @@ impl Agent {
         tasks.close();
         AgentHandle {
             registry: self.registry,
+            coverage_actions: self.coverage_actions,
             coverage: self.coverage,
             upstream: self.health,
             activity: self.activity,

@@ -115,6 +115,20 @@ impl Paths {
     }
 }
 
+impl Paths {
+    /// Whether any path of connection `generation` heard a frame at or after `since`: the
+    /// connection carries the servers' frames, whatever one open on it waits for.
+    pub fn heard_since(&self, generation: u64, since: Instant) -> bool {
+        let since_ms = since.saturating_duration_since(self.epoch).as_millis() as u64;
+        self.map
+            .lock()
+            .iter()
+            .filter(|((g, _), _)| *g == generation)
+            .filter_map(|(_, p)| p.upgrade())
+            .any(|p| p.last_seen_ms.load(Ordering::Relaxed) >= since_ms)
+    }
+}
+
 impl Path {
     fn now_ms(&self) -> u64 {
         Instant::now()

@@ -117,6 +117,9 @@ pub struct AgentMetrics {
     /// `relay_agent_direct_urls_refused_total`: direct URLs of tunnel servers not dialed
     /// because `direct_hosts` does not allow their host.
     pub direct_urls_refused: IntCounter,
+    /// `relay_agent_open_window`: stream opens this agent lets be in progress at once now
+    /// (`crate::stream::window`: up to `max_opening`, narrowed while hellos time out).
+    pub open_window: IntGauge,
     /// Calls of the last [`RECENT_MINUTES`] minutes by outcome (`/systemcheck`).
     pub recent_calls: RecentCalls,
 }
@@ -198,6 +201,11 @@ impl AgentMetrics {
             "Direct URLs advertised by tunnel servers that the agent did not dial because direct_hosts does not allow their host",
         )?;
         registry.register(Box::new(direct_urls_refused.clone()))?;
+        let open_window = IntGauge::new(
+            "relay_agent_open_window",
+            "Stream opens the agent lets be in progress at once: up to max_opening, halved when an open times out waiting for its hello, grown again as opens land",
+        )?;
+        registry.register(Box::new(open_window.clone()))?;
         registry.register(Box::new(server_streams.clone()))?;
         registry.register(Box::new(coverage_state.clone()))?;
         registry.register(Box::new(coverage_actions.clone()))?;
@@ -235,6 +243,7 @@ impl AgentMetrics {
             stream_opens,
             filter_refusals,
             direct_urls_refused,
+            open_window,
             recent_calls: RecentCalls::new(Instant::now()),
         })
     }
@@ -264,28 +273,26 @@ impl AgentMetrics {
             .inc_by(u64::from(count));
     }
 
-    /// Sets a server's stream gauges and coverage state.
-    pub fn set_server(&self, server_id: &str, idle: u32, busy: u32, state: Option<State>) {
-        self.server_streams
-            .with_label_values(&[server_id, "idle"])
-            .set(i64::from(idle));
-        self.server_streams
-            .with_label_values(&[server_id, "busy"])
-            .set(i64::from(busy));
-        if let Some(state) = state {
-            for s in State::ALL {
+    /// The series of one server id, looked up once: the sizing tick sets them after every
+    /// plan through the handles (see [`ServerSeries`]).
+    pub fn server_series(&self, server_id: &str) -> ServerSeries {
+        ServerSeries {
+            idle: self.server_streams.with_label_values(&[server_id, "idle"]),
+            busy: self.server_streams.with_label_values(&[server_id, "busy"]),
+            states: State::ALL.map(|s| {
                 self.coverage_state
                     .with_label_values(&[server_id, s.as_str()])
-                    .set(i64::from(s == state));
-            }
+            }),
+            shown: None,
         }
     }
 
-    /// Sets how long a server has been short (0 when covered).
-    pub fn set_short(&self, server_id: &str, short: std::time::Duration) {
-        self.server_short
-            .with_label_values(&[server_id])
-            .set(short.as_secs_f64());
+    /// The short-for series of one server id, looked up once (see [`ShortSeries`]).
+    pub fn short_series(&self, server_id: &str) -> ShortSeries {
+        ShortSeries {
+            gauge: self.server_short.with_label_values(&[server_id]),
+            shown: None,
+        }
     }
 
     /// Drops the short-for series of a server the sizing tick no longer plans for.
@@ -302,6 +309,61 @@ impl AgentMetrics {
             let _ = self
                 .coverage_state
                 .remove_label_values(&[server_id, s.as_str()]);
+        }
+    }
+}
+
+/// A server id's stream gauges and coverage state, held by the sizing actor while the
+/// server holds streams. Setting them goes through the handles and only when a figure
+/// changed: a label lookup hashes and compares the label values under the vector's lock,
+/// and an agent plans at least once a second for each of its servers (a process running
+/// thousands of agents, as `relay-fleet` does, spent a tenth of its CPU on those lookups).
+pub struct ServerSeries {
+    idle: IntGauge,
+    busy: IntGauge,
+    states: [IntGauge; State::ALL.len()],
+    /// What the gauges show now.
+    shown: Option<(u32, u32, Option<State>)>,
+}
+
+impl ServerSeries {
+    /// Sets the server's idle and busy streams and, when known, its coverage state.
+    pub fn set(&mut self, idle: u32, busy: u32, state: Option<State>) {
+        let now = Some((idle, busy, state));
+        if self.shown == now {
+            return;
+        }
+        let before = self.shown.replace((idle, busy, state));
+        if before.map(|b| b.0) != Some(idle) {
+            self.idle.set(i64::from(idle));
+        }
+        if before.map(|b| b.1) != Some(busy) {
+            self.busy.set(i64::from(busy));
+        }
+        if let Some(state) = state {
+            if before.and_then(|b| b.2) != Some(state) {
+                for (s, g) in State::ALL.iter().zip(&self.states) {
+                    g.set(i64::from(*s == state));
+                }
+            }
+        }
+    }
+}
+
+/// A server id's `grpc_tunnel_server_short_seconds`, in whole seconds as `/systemcheck`
+/// shows them, set when they change.
+pub struct ShortSeries {
+    gauge: Gauge,
+    shown: Option<u64>,
+}
+
+impl ShortSeries {
+    /// Sets how long the server has been short (0 when covered).
+    pub fn set(&mut self, short: std::time::Duration) {
+        let secs = short.as_secs();
+        if self.shown != Some(secs) {
+            self.shown = Some(secs);
+            self.gauge.set(secs as f64);
         }
     }
 }

@@ -50,11 +50,13 @@ use tracing::{debug, info, warn, Instrument};
 
 mod dial;
 mod session;
+mod window;
 
 pub(crate) use dial::Picked;
 use dial::*;
 pub use dial::{ChannelId, ConnSlot, Dialer};
 use session::*;
+pub use window::{OpenTurn, OpenWindow};
 
 /// Frames buffered towards tonic per stream; beyond this HTTP/2 flow control pushes back.
 const OUTBOUND_FRAMES: usize = 4;
@@ -75,8 +77,9 @@ pub struct StreamContext {
     pub metrics: AgentMetrics,
     /// Bound on dial + hello.
     pub connect_timeout: Duration,
-    /// Turns to open a stream (`max_opening`): an open holds one from dial to hello.
-    pub opens: Arc<tokio::sync::Semaphore>,
+    /// Places to open a stream (`max_opening`, adapted: [`window`]): an open holds one
+    /// from dial to hello.
+    pub opens: Arc<OpenWindow>,
     /// The paths to servers that prove them alive (`crate::liveness`).
     pub paths: crate::liveness::Paths,
 }
@@ -99,8 +102,9 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         // A retire signal during the open is not acted on until the hello: the server may
         // already count this stream as idle and hand it a call, so it retires with the
         // GoingAway handshake like any other (bounded by connect_timeout).
-        // Wait for a turn (`max_opening`), so a big growth step goes out in waves.
-        let turn = ctx.opens.clone().acquire_owned().await;
+        // Wait for a place in the open window (`max_opening`, narrowed while hellos time
+        // out: `window`), so a big growth step goes out in waves.
+        let turn = ctx.opens.turn().await;
         // Through one of `tunnels` (not a server's direct URL): its health is tracked.
         let through = link.target.is_none();
         let picked = match &link.target {
@@ -119,6 +123,7 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             name: conn_name,
             peer,
             slot: _slot,
+            landed: conn_landed,
         } = match picked {
             Ok(p) => p,
             Err(e) => {
@@ -127,12 +132,12 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             }
         };
         let endpoint_key = endpoint.clone();
+        let started = Instant::now();
         let opened = tokio::time::timeout(
             ctx.connect_timeout,
             open(&ctx.dialer, endpoint, channel, Some(&conn_name)),
         )
         .await;
-        drop(turn);
         // An open that did not reach a server pauses its endpoint; with another endpoint
         // open, that is no reason to hold back every open (`OpenError::Endpoint`).
         let unreached = |e: String| {
@@ -143,9 +148,17 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
             }
         };
         let (out, inbound, hello) = match opened {
-            Ok(Ok(x)) => x,
-            Ok(Err(OpenError::Other(e))) => return open_failed(&ctx, &link, unreached(e)),
+            Ok(Ok(x)) => {
+                ctx.dialer.landed(&conn_landed);
+                turn.landed();
+                x
+            }
+            Ok(Err(OpenError::Other(e))) => {
+                drop(turn);
+                return open_failed(&ctx, &link, unreached(e));
+            }
             Ok(Err(e)) => {
+                drop(turn);
                 // A server answered (refused the token, or at its cap): reachable.
                 if through {
                     ctx.dialer.endpoint_ok(&endpoint_key);
@@ -153,10 +166,19 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
                 return open_failed(&ctx, &link, e);
             }
             Err(_) => {
+                turn.timed_out();
+                let e = "timed out waiting for the server hello".to_string();
+                if ctx.dialer.landed_since(&conn_landed, started)
+                    || ctx.paths.heard_since(channel_id.generation, started)
+                {
+                    // Other opens landed on this connection meanwhile, or its streams
+                    // heard their servers: it is alive, the servers behind it are busy.
+                    // Keep it and its endpoint; the narrower window is the answer.
+                    return open_failed(&ctx, &link, OpenError::Busy(e));
+                }
                 // The connection may be dead without knowing it: dial afresh next time.
                 ctx.dialer.evict(channel_id);
-                let e = unreached("timed out waiting for the server hello".into());
-                return open_failed(&ctx, &link, e);
+                return open_failed(&ctx, &link, unreached(e));
             }
         };
         if through {
@@ -229,7 +251,7 @@ fn open_failed(ctx: &StreamContext, link: &StreamLink, e: OpenError) {
     let result = match e {
         OpenError::Unauthenticated(_) => OpenResult::Unauthenticated,
         OpenError::Exhausted(..) => OpenResult::Exhausted,
-        OpenError::Other(_) | OpenError::Endpoint(_) => OpenResult::Error,
+        OpenError::Other(_) | OpenError::Endpoint(_) | OpenError::Busy(_) => OpenResult::Error,
     };
     ctx.metrics.stream_opened(result);
     debug!(error = %e, "tunnel stream open failed");

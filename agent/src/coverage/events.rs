@@ -174,6 +174,11 @@ impl CoverageActor {
                     OpenError::Endpoint(_) => {
                         debug!(stream = id, error = %err, "open through a paused endpoint failed");
                     }
+                    // The servers are busy, the path is alive: the open window narrowed
+                    // (`crate::stream::window`), and the plan asks again at its pace.
+                    OpenError::Busy(_) => {
+                        debug!(stream = id, error = %err, "open timed out on a busy connection");
+                    }
                 }
             }
         }

@@ -107,15 +107,26 @@ impl CoverageActor {
                 e.3 = s.streams.len();
             }
         }
-        let mut current = HashSet::new();
+        let metrics = &self.metrics;
+        let gone: Vec<String> = self
+            .exported
+            .keys()
+            .filter(|id| !per_id.contains_key(id.as_str()))
+            .cloned()
+            .collect();
+        for id in gone {
+            self.exported.remove(&id);
+            metrics.remove_server(&id);
+        }
         for (id, (idle, busy, state, _)) in per_id {
-            self.metrics.set_server(id, idle, busy, state);
-            current.insert(id.to_string());
+            if !self.exported.contains_key(id) {
+                self.exported
+                    .insert(id.to_string(), metrics.server_series(id));
+            }
+            if let Some(series) = self.exported.get_mut(id) {
+                series.set(idle, busy, state);
+            }
         }
-        for gone in self.exported.difference(&current) {
-            self.metrics.remove_server(gone);
-        }
-        self.exported = current;
         // Short-for per server id: the longest of its instances, for every server the
         // tick planned (a server can be short while holding no stream).
         let mut short: BTreeMap<&str, Duration> = BTreeMap::new();
@@ -123,14 +134,25 @@ impl CoverageActor {
             let e = short.entry(&p.server_id).or_default();
             *e = (*e).max(p.short_for);
         }
-        for (id, d) in &short {
-            self.metrics.set_short(id, *d);
+        let gone: Vec<String> = self
+            .exported_short
+            .keys()
+            .filter(|id| !short.contains_key(id.as_str()))
+            .cloned()
+            .collect();
+        for id in gone {
+            self.exported_short.remove(&id);
+            metrics.remove_short(&id);
         }
-        let short: HashSet<String> = short.into_keys().map(str::to_string).collect();
-        for gone in self.exported_short.difference(&short) {
-            self.metrics.remove_short(gone);
+        for (id, d) in short {
+            if !self.exported_short.contains_key(id) {
+                self.exported_short
+                    .insert(id.to_string(), metrics.short_series(id));
+            }
+            if let Some(series) = self.exported_short.get_mut(id) {
+                series.set(d);
+            }
         }
-        self.exported_short = short;
         let live = self.streams.values().filter(|e| !e.retiring).count() as u32;
         self.metrics.streams_live.set(i64::from(live));
         let view = CoverageView {

@@ -33,6 +33,8 @@ pub struct Dialer {
     pub(super) request_credit: u32,
     /// How each endpoint's opens went, by index into `endpoints` (see [`Dialer::pick`]).
     health: Mutex<Vec<EndpointHealth>>,
+    /// What [`Conn::landed`] counts from.
+    epoch: Instant,
 }
 
 /// One tunnel endpoint's recent opens: an endpoint whose opens fail (a dial or hello that
@@ -63,6 +65,9 @@ pub(super) struct Conn {
     peer: PeerAddr,
     /// Streams open on it (each a [`ConnSlot`]).
     streams: Arc<std::sync::atomic::AtomicUsize>,
+    /// When a stream last landed on it: milliseconds since the dialer's epoch, plus one
+    /// (0: none yet). Says whether a hello that timed out on it was slow or lost.
+    landed: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A stream's place on its connection, given back when the stream ends (dropped).
@@ -85,6 +90,8 @@ pub(crate) struct Picked {
     /// The remote address of the connection, once it is dialed.
     pub peer: PeerAddr,
     pub slot: ConnSlot,
+    /// The connection's last landing ([`Dialer::landed`], [`Dialer::landed_since`]).
+    pub landed: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Why a server's `direct_url` is not dialed.
@@ -178,6 +185,7 @@ impl Dialer {
             instance: rand::random(),
             request_credit: relay_proto::body_credit(h2.stream_window_bytes),
             health: Mutex::new(vec![EndpointHealth::default(); n_endpoints]),
+            epoch: Instant::now(),
         })
     }
 
@@ -318,6 +326,7 @@ impl Dialer {
                     channel: self.client.lazy_observed(endpoint, peer.clone()),
                     peer,
                     streams: Arc::default(),
+                    landed: Arc::default(),
                 });
                 conns.last().expect("just pushed")
             }
@@ -334,7 +343,27 @@ impl Dialer {
             },
             peer: conn.peer.clone(),
             slot: ConnSlot(conn.streams.clone()),
+            landed: conn.landed.clone(),
         }
+    }
+
+    /// A stream landed on the connection whose mark `landed` is.
+    pub(crate) fn landed(&self, landed: &std::sync::atomic::AtomicU64) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        landed.fetch_max(ms + 1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a stream landed on that connection at or after `since`: the connection
+    /// carries hellos, so an open on it that got none in time met busy servers, not a dead
+    /// path.
+    pub(crate) fn landed_since(
+        &self,
+        landed: &std::sync::atomic::AtomicU64,
+        since: Instant,
+    ) -> bool {
+        let at = landed.load(std::sync::atomic::Ordering::Relaxed);
+        let since_ms = since.saturating_duration_since(self.epoch).as_millis() as u64;
+        at > since_ms
     }
 
     /// Forgets the cached connection `id`, so the next open to that endpoint dials a new

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// How long a stream whose outbound half broke waits for its inbound half to say why.
+const LOST_REASON_WAIT: Duration = Duration::from_millis(200);
+
 /// The call in flight on a stream.
 pub(super) struct ActiveCall {
     id: u64,
@@ -196,6 +199,10 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                 _ = &mut self.linger, if idle && self.going_away_sent => Err(CloseReason::Retired),
             };
             if let Err(reason) = step {
+                let reason = match reason {
+                    CloseReason::Lost => self.why_lost().await,
+                    other => other,
+                };
                 if let Some(call) = self.call.take() {
                     self.call_fut.clear();
                     self.ctx.metrics.call_ended(
@@ -207,6 +214,34 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
                 return reason;
             }
         }
+    }
+
+    /// The outbound half broke. The inbound half says why when it ends within a moment:
+    /// the server closed the stream (cleanly, or with a status), which is no news about
+    /// the path; only a stream whose inbound half says nothing lost its connection. (Every
+    /// stream that a server ended while the agent was sending, a pong or a `GoingAway`,
+    /// was counted as a lost path before, and its server reconnected to as lost.)
+    async fn why_lost(&mut self) -> CloseReason {
+        let inbound = &mut self.inbound;
+        let read = async move {
+            loop {
+                match inbound.message().await {
+                    // Frames the server sent before its end go with the stream.
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return CloseReason::ServerClosed,
+                    Err(s) => {
+                        return CloseReason::Status(format!(
+                            "{:?}: {}",
+                            s.code(),
+                            server_text(s.message())
+                        ))
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(LOST_REASON_WAIT, read)
+            .await
+            .unwrap_or(CloseReason::Lost)
     }
 
     pub(super) async fn send(&mut self, frame: AgentFrame) -> Result<(), CloseReason> {

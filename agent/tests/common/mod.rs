@@ -156,6 +156,9 @@ impl Answer {
     }
 }
 
+/// The sending half of a fake server's stream to the agent.
+pub type FrameSender = mpsc::Sender<Result<ServerFrame, Status>>;
+
 #[derive(Clone)]
 pub struct Svc {
     pub conns: mpsc::UnboundedSender<Conn>,
@@ -169,6 +172,13 @@ pub struct Svc {
     pub refusal: Arc<Mutex<String>>,
     /// The `direct_url` every hello advertises ("" for none).
     pub direct_url: Arc<Mutex<String>>,
+    /// When above 1, only every n-th open gets its hello; the others are held open without
+    /// one (a busy server), in `held`.
+    pub hello_every: Arc<AtomicU64>,
+    pub held: Arc<Mutex<Vec<FrameSender>>>,
+    /// The agent connections streams were opened on (their remote addresses).
+    pub peers: Arc<Mutex<std::collections::BTreeSet<SocketAddr>>>,
+    pub opens: Arc<AtomicU64>,
 }
 
 #[tonic::async_trait]
@@ -195,7 +205,16 @@ impl Tunnel for Svc {
             .and_then(|v| v.to_str().ok())
             .unwrap_or("")
             .to_string();
+        if let Some(peer) = req.remote_addr() {
+            self.peers.lock().unwrap().insert(peer);
+        }
         let (tx, rx) = mpsc::channel(16);
+        let n = self.opens.fetch_add(1, Ordering::SeqCst);
+        let every = self.hello_every.load(Ordering::SeqCst);
+        if every > 1 && !n.is_multiple_of(every) {
+            self.held.lock().unwrap().push(tx);
+            return Ok(Response::new(ReceiverStream::new(rx)));
+        }
         let hello = ServerHello {
             server_id: self.server_id.clone(),
             zone: "zone-a".into(),
@@ -230,6 +249,12 @@ pub struct FakeTunnel {
     pub refusal: Arc<Mutex<String>>,
     /// The `direct_url` every hello advertises ("" for none).
     pub direct_url: Arc<Mutex<String>>,
+    /// See [`Svc::hello_every`].
+    pub hello_every: Arc<AtomicU64>,
+    /// The agent connections streams were opened on.
+    pub peers: Arc<Mutex<std::collections::BTreeSet<SocketAddr>>>,
+    /// Opens received.
+    pub opens: Arc<AtomicU64>,
     pub _stop: oneshot::Sender<()>,
 }
 
@@ -247,6 +272,9 @@ impl FakeTunnel {
         let rejections = Arc::new(Mutex::new(Vec::new()));
         let refusal = Arc::new(Mutex::new("unknown token".to_string()));
         let direct_url = Arc::new(Mutex::new(String::new()));
+        let hello_every = Arc::new(AtomicU64::new(1));
+        let peers = Arc::new(Mutex::new(std::collections::BTreeSet::new()));
+        let opens = Arc::new(AtomicU64::new(0));
         let svc = Svc {
             conns: conns_tx,
             accept: accept.clone(),
@@ -256,6 +284,10 @@ impl FakeTunnel {
             server_id: server_id.to_string(),
             refusal: refusal.clone(),
             direct_url: direct_url.clone(),
+            hello_every: hello_every.clone(),
+            held: Arc::default(),
+            peers: peers.clone(),
+            opens: opens.clone(),
         };
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(
@@ -272,6 +304,9 @@ impl FakeTunnel {
             rejections,
             refusal,
             direct_url,
+            hello_every,
+            peers,
+            opens,
             _stop: stop,
         }
     }
