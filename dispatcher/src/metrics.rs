@@ -111,6 +111,11 @@ pub struct Metrics {
     pub report_gap: Histogram,
     /// Report streams refused, by reason.
     pub reports_refused: IntCounterVec,
+    /// Load reports handled, `whole` or `partial` (only the tunnel ids whose figures
+    /// changed, `LoadReport.partial`).
+    pub load_reports: IntCounterVec,
+    /// Tunnel ids' figures the load reports carried.
+    pub load_report_tunnels: IntCounter,
     /// 1 while the shared registry (Redis) is unreachable and routing runs on the last
     /// known table.
     pub registry_degraded: IntGauge,
@@ -269,6 +274,22 @@ impl Metrics {
         registry.register(Box::new(lease_expiries.clone()))?;
         registry.register(Box::new(report_gap.clone()))?;
         registry.register(Box::new(reports_refused.clone()))?;
+        let load_reports = IntCounterVec::new(
+            Opts::new(
+                "relay_dispatcher_load_reports_total",
+                "Load reports handled from tunnel servers: whole, or partial (only the tunnel ids whose figures changed)",
+            ),
+            &["kind"],
+        )?;
+        registry.register(Box::new(load_reports.clone()))?;
+        for kind in ["whole", "partial"] {
+            load_reports.with_label_values(&[kind]);
+        }
+        let load_report_tunnels = IntCounter::new(
+            "relay_dispatcher_load_report_tunnels_total",
+            "Tunnel ids' figures carried by the load reports from tunnel servers",
+        )?;
+        registry.register(Box::new(load_report_tunnels.clone()))?;
         registry.register(Box::new(registry_degraded.clone()))?;
         let registry_records_refused = IntCounterVec::new(
             Opts::new(
@@ -321,6 +342,8 @@ impl Metrics {
             lease_expiries,
             report_gap,
             reports_refused,
+            load_reports,
+            load_report_tunnels,
             registry_degraded,
             registry_records_refused,
         })

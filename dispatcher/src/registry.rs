@@ -251,10 +251,15 @@ impl Routes {
         self.apply(Instant::now(), event).is_ok()
     }
 
-    /// Stores the server's latest load figures. False if the session is stale.
-    pub fn load(&self, session: SessionId, load: LoadFigures) -> bool {
-        self.apply(Instant::now(), Event::Load { session, load })
-            .is_ok()
+    /// Stores the server's latest load figures (`partial`: only the tunnel ids whose
+    /// figures changed; the others keep theirs). False if the session is stale.
+    pub fn load(&self, session: SessionId, load: LoadFigures, partial: bool) -> bool {
+        let event = Event::Load {
+            session,
+            load,
+            partial,
+        };
+        self.apply(Instant::now(), event).is_ok()
     }
 
     /// The report stream ended: forget the server and all its tunnel ids (logged, and its

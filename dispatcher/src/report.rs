@@ -224,6 +224,14 @@ impl ReportService {
                 ok
             }
             Some(Kind::Load(load)) => {
+                let partial = load.partial;
+                self.metrics
+                    .load_reports
+                    .with_label_values(&[if partial { "partial" } else { "whole" }])
+                    .inc();
+                self.metrics
+                    .load_report_tunnels
+                    .inc_by(load.tunnels.len() as u64);
                 let figures = LoadFigures {
                     tunnels: load
                         .tunnels
@@ -243,7 +251,7 @@ impl ReportService {
                     draining: load.draining,
                     cpu_permille: load.cpu_permille.min(1000),
                 };
-                self.routes.load(session, figures)
+                self.routes.load(session, figures, partial)
             }
             Some(Kind::Intro(_)) => {
                 return Err(Self::refuse(
@@ -275,7 +283,13 @@ impl relay_proto::registry_server::Registry for ReportService {
         let fleet = tokio_stream::wrappers::WatchStream::new(self.routes.watch_fleet())
             .map(|members| Ok(relay_proto::Fleet { members }))
             .take_until(stop.cancelled_owned());
-        Ok(Response::new(Box::pin(fleet)))
+        let mut response = Response::new(Box::pin(fleet) as FleetStream);
+        // What this dispatcher reads on the report stream beyond the first version.
+        response.metadata_mut().insert(
+            relay_proto::REGISTRY_FEATURES,
+            tonic::metadata::MetadataValue::from_static(relay_proto::FEATURE_PARTIAL_LOAD),
+        );
+        Ok(response)
     }
 
     async fn report(

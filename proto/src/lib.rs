@@ -77,6 +77,15 @@ pub fn features(list: &str) -> impl Iterator<Item = &str> {
 /// server listed it; older servers would drop it.
 pub const FORWARD_FEATURES: &str = "relay-forward-features";
 
+/// Response metadata of `Registry.Watch` in which a dispatcher lists what it reads on the
+/// report stream beyond the first version of the protocol: [`FEATURE_PARTIAL_LOAD`]. A
+/// tunnel server uses a feature only on the report stream to a dispatcher that listed it.
+pub const REGISTRY_FEATURES: &str = "relay-registry-features";
+
+/// Feature: load reports that carry only the tunnel ids whose figures changed
+/// (`LoadReport.partial`).
+pub const FEATURE_PARTIAL_LOAD: &str = "partial-load";
+
 /// Why a `max_frame_bytes` setting is refused: below two body chunks, a frame could not
 /// carry a chunk plus its head. Every component's config checks it with this.
 pub fn check_max_frame_bytes(max_frame_bytes: usize) -> Result<(), String> {

@@ -805,6 +805,7 @@ pub fn load_frame(tunnel_id: &str, idle: u32, busy: u32, queued: u32) -> ServerR
             }],
             calls_in_flight: busy,
             draining: false,
+            partial: false,
         })),
     }
 }

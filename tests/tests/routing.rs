@@ -298,6 +298,71 @@ async fn zone_skew_queues_under_sticky_and_not_under_available() {
 
 // ---------------------------------------------------------------- killed server
 
+/// After the first whole load report on a stream, a tunnel server sends a dispatcher that
+/// lists `partial-load` only the figures that changed; the route still follows them: a
+/// slow call's busy stream shows at the dispatcher, and goes when the call ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_load_reports_carry_what_changed_and_the_route_follows() {
+    let stack = Stack::builder()
+        .servers(1)
+        .coverage(CoverageConfig {
+            enabled: false,
+            fixed_streams: 4,
+            ..CoverageConfig::default()
+        })
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(READY).await.unwrap();
+    let admin = stack.dispatcher_admin;
+    let reports = |kind: &'static str| async move {
+        metric(
+            admin,
+            &format!("relay_dispatcher_load_reports_total{{kind=\"{kind}\"}}"),
+        )
+        .await
+    };
+    eventually("partial load reports arrive", READY, || async {
+        reports("partial").await >= 2.0
+    })
+    .await;
+    let busy = || async {
+        servers_of(&demo_route(admin).await)
+            .first()
+            .map_or(u64::MAX, |s| figure(s, "busy"))
+    };
+    assert_eq!(busy().await, 0, "no call yet");
+    let caller = stack.caller();
+    let slow = tokio::spawn(async move {
+        caller
+            .get(&format!("/relay/{TUNNEL_ID}/slow/3000"))
+            .await
+            .map(|a| a.status.as_u16())
+    });
+    eventually("the slow call's stream shows busy", READY, || async {
+        busy().await == 1
+    })
+    .await;
+    assert_eq!(slow.await.unwrap().unwrap(), 200);
+    eventually("the stream shows idle again", READY, || async {
+        busy().await == 0
+    })
+    .await;
+    assert_eq!(
+        reports("whole").await,
+        1.0,
+        "one report stream, one whole report: the rest were partial"
+    );
+    // At rest the reports go on (they renew the lease) and carry no figures: whole ones
+    // would carry this tunnel id's every time.
+    eventually("reports at rest carry nothing", READY, || async {
+        let figures = metric(admin, "relay_dispatcher_load_report_tunnels_total").await;
+        let reports = reports("partial").await + reports("whole").await;
+        reports >= figures + 3.0
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_killed_mid_load_loses_only_calls_in_progress_and_every_call_is_answered() {
     let mut stack = Stack::builder()

@@ -34,10 +34,12 @@
 use crate::hub::Hub;
 use relay_common::Secret;
 use relay_proto::registry_client::RegistryClient;
+use relay_proto::TunnelLoad;
 use relay_proto::{
     server_report, LoadReport, ServerIntro, ServerReport, TunnelDown, TunnelUp, WatchRequest,
 };
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -126,12 +128,15 @@ impl Reporter {
         let mut client = RegistryClient::new(channel)
             .max_decoding_message_size(self.max_frame_bytes)
             .max_encoding_message_size(self.max_frame_bytes);
+        // Set once the dispatcher's Watch answer lists `partial-load`.
+        let partial_ok = Arc::new(AtomicBool::new(false));
         let _watch = AbortOnDrop(tokio::spawn(watch(
             client.clone(),
             self.hub.clone(),
             self.dispatcher.clone(),
             self.intro.server_id.clone(),
             self.key.clone(),
+            partial_ok.clone(),
         )));
         let (tx, rx) = mpsc::channel(64);
         let _ = tx
@@ -149,6 +154,8 @@ impl Reporter {
         let mut call = tokio::spawn(async move { client.report(request).await });
         info!(dispatcher = %self.dispatcher, "reporting to dispatcher");
         let mut told: HashSet<String> = HashSet::new();
+        // What this dispatcher was last sent of each tunnel id's figures.
+        let mut sent = Sent::new(partial_ok);
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
         let mut was_draining = false;
@@ -165,6 +172,7 @@ impl Reporter {
             changed.as_mut().enable();
             let now: HashSet<String> = self.hub.tunnel_ids().into_iter().collect();
             for id in now.difference(&told) {
+                sent.forget(id);
                 let up = ServerReport::of(server_report::Kind::TunnelUp(TunnelUp {
                     tunnel_id: id.clone(),
                 }));
@@ -173,6 +181,7 @@ impl Reporter {
                     .map_err(|_| "report stream closed".to_string())?;
             }
             for id in told.difference(&now) {
+                sent.forget(id);
                 let down = ServerReport::of(server_report::Kind::TunnelDown(TunnelDown {
                     tunnel_id: id.clone(),
                 }));
@@ -185,7 +194,7 @@ impl Reporter {
             let send_load = draining != was_draining;
             was_draining = draining;
             if send_load {
-                self.send_load(&tx).await?;
+                self.send_load(&tx, &mut sent).await?;
                 last_load = Instant::now();
             }
             tokio::select! {
@@ -203,13 +212,13 @@ impl Reporter {
                 due = tick.tick() => {
                     self.hub.metrics.report_lateness.observe(due.elapsed().as_secs_f64());
                     ticks = ticks.saturating_add(1);
-                    self.send_load(&tx).await?;
+                    self.send_load(&tx, &mut sent).await?;
                     last_load = Instant::now();
                 }
                 Ok(()) = queued.changed() => {
                     queued.borrow_and_update();
                     if last_load.elapsed() >= EARLY_REPORT_GAP {
-                        self.send_load(&tx).await?;
+                        self.send_load(&tx, &mut sent).await?;
                         last_load = Instant::now();
                     }
                 }
@@ -230,19 +239,93 @@ impl Reporter {
         }
     }
 
-    async fn send_load(&self, tx: &mpsc::Sender<ServerReport>) -> Result<(), String> {
-        let tunnels = self.hub.load();
+    async fn send_load(
+        &self,
+        tx: &mpsc::Sender<ServerReport>,
+        sent: &mut Sent,
+    ) -> Result<(), String> {
+        let (tunnels, partial) = sent.report(self.hub.load());
         let calls_in_flight = self.hub.metrics.in_flight.get().max(0) as u32;
         let report = LoadReport {
             tunnels,
             calls_in_flight,
             draining: self.hub.is_draining(),
             cpu_permille: self.cpu.load(std::sync::atomic::Ordering::Relaxed),
+            partial,
         };
         tx.send(ServerReport::of(server_report::Kind::Load(report)))
             .await
             .map_err(|_| "report stream closed".to_string())
     }
+}
+
+/// The figures one dispatcher was last sent, so that a load report to a dispatcher that
+/// reads partial reports carries only what changed. Every server reports every tunnel id it
+/// holds to every dispatcher each `report_interval`: with thousands of tunnel ids that
+/// whole report was most of what a dispatcher's control thread did (decoding it, and
+/// comparing each tunnel id's figures with the last ones), at rest as much as under load.
+struct Sent {
+    /// Set once the dispatcher listed `partial-load` (`relay_proto::FEATURE_PARTIAL_LOAD`).
+    partial_ok: Arc<AtomicBool>,
+    /// A whole report went out on this stream.
+    whole_sent: bool,
+    figures: HashMap<String, TunnelLoad>,
+}
+
+impl Sent {
+    fn new(partial_ok: Arc<AtomicBool>) -> Self {
+        Sent {
+            partial_ok,
+            whole_sent: false,
+            figures: HashMap::new(),
+        }
+    }
+
+    /// A tunnel id came or went: the next report lists it (when it is still here).
+    fn forget(&mut self, tunnel_id: &str) {
+        self.figures.remove(tunnel_id);
+    }
+
+    /// What the next report carries of `now` (every tunnel id's figures), and whether it is
+    /// partial: the first report on the stream, and every report to a dispatcher that did
+    /// not list `partial-load`, is whole.
+    fn report(&mut self, now: Vec<TunnelLoad>) -> (Vec<TunnelLoad>, bool) {
+        let first = !self.whole_sent;
+        self.whole_sent = true;
+        if !self.partial_ok.load(Ordering::Relaxed) {
+            // Nothing to keep: should the dispatcher list the feature later, the first
+            // partial report lists every tunnel id.
+            self.figures.clear();
+            return (now, false);
+        }
+        let mut out = Vec::new();
+        let mut current = HashMap::with_capacity(now.len());
+        for t in now {
+            let kept = match self.figures.remove(&t.tunnel_id) {
+                // Within the tolerance: the dispatcher keeps what it was sent, and so the
+                // next comparison is with that, not with figures it never saw.
+                Some(s) if !first && !moved(&s, &t) => s,
+                _ => {
+                    out.push(t.clone());
+                    t
+                }
+            };
+            current.insert(kept.tunnel_id.clone(), kept);
+        }
+        self.figures = current;
+        (out, !first)
+    }
+}
+
+/// Whether a tunnel id's figures moved from what was sent: any stream or queue count, or
+/// its round trip by more than an eighth (the agents' RTT is a smoothed figure that drifts
+/// a little every heartbeat; routing compares RTTs in tiers far wider than that).
+fn moved(sent: &TunnelLoad, now: &TunnelLoad) -> bool {
+    sent.idle != now.idle
+        || sent.busy != now.busy
+        || sent.queued != now.queued
+        || sent.rtt_us.abs_diff(now.rtt_us) > sent.rtt_us / 8
+        || (sent.rtt_us == 0) != (now.rtt_us == 0)
 }
 
 /// Aborts the task when dropped (the watch lives as long as its report session).
@@ -261,6 +344,7 @@ async fn watch(
     dispatcher: String,
     server_id: String,
     key: Option<Secret>,
+    partial_ok: Arc<AtomicBool>,
 ) {
     let mut request = tonic::Request::new(WatchRequest { server_id });
     if let Some(key) = &key {
@@ -269,7 +353,17 @@ async fn watch(
         }
     }
     let mut stream = match client.watch(request).await {
-        Ok(r) => r.into_inner(),
+        Ok(r) => {
+            let listed = r
+                .metadata()
+                .get(relay_proto::REGISTRY_FEATURES)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|l| {
+                    relay_proto::features(l).any(|f| f == relay_proto::FEATURE_PARTIAL_LOAD)
+                });
+            partial_ok.store(listed, Ordering::Relaxed);
+            r.into_inner()
+        }
         Err(s) if s.code() == tonic::Code::Unimplemented => {
             info!(%dispatcher, "dispatcher sends no fleet news; agents learn servers from placement only");
             return;
@@ -293,4 +387,86 @@ fn source_chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     out.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(id: &str, idle: u32, rtt_us: u32) -> TunnelLoad {
+        TunnelLoad {
+            tunnel_id: id.into(),
+            idle,
+            busy: 0,
+            queued: 0,
+            rtt_us,
+        }
+    }
+
+    fn ids(v: &[TunnelLoad]) -> Vec<&str> {
+        v.iter().map(|t| t.tunnel_id.as_str()).collect()
+    }
+
+    #[test]
+    fn after_a_whole_first_report_only_what_moved_is_sent() {
+        let mut sent = Sent::new(Arc::new(AtomicBool::new(true)));
+        let (out, partial) = sent.report(vec![t("a", 1, 1000), t("b", 2, 1000)]);
+        assert!(!partial, "the first report on a stream is whole");
+        assert_eq!(ids(&out), ["a", "b"]);
+        let (out, partial) = sent.report(vec![t("a", 1, 1000), t("b", 3, 1000)]);
+        assert!(partial);
+        assert_eq!(ids(&out), ["b"], "a's figures did not move");
+        let (out, _) = sent.report(vec![t("a", 1, 1000), t("b", 3, 1000)]);
+        assert!(
+            out.is_empty(),
+            "nothing moved: an empty report renews the lease"
+        );
+    }
+
+    #[test]
+    fn a_round_trip_moves_by_more_than_an_eighth_of_what_was_sent() {
+        let mut sent = Sent::new(Arc::new(AtomicBool::new(true)));
+        sent.report(vec![t("a", 1, 1000)]);
+        // Drift within the tolerance, in steps: compared with what the dispatcher has.
+        for rtt in [1060, 1120, 1125] {
+            let (out, _) = sent.report(vec![t("a", 1, rtt)]);
+            assert!(out.is_empty(), "{rtt} us is within an eighth of 1000");
+        }
+        let (out, _) = sent.report(vec![t("a", 1, 1126)]);
+        assert_eq!(out[0].rtt_us, 1126);
+        let (out, _) = sent.report(vec![t("a", 1, 0)]);
+        assert_eq!(ids(&out), ["a"], "a round trip no longer known is news");
+    }
+
+    #[test]
+    fn a_tunnel_id_that_came_or_went_is_sent_again() {
+        let mut sent = Sent::new(Arc::new(AtomicBool::new(true)));
+        sent.report(vec![t("a", 1, 0), t("b", 1, 0)]);
+        // b went down and came back between two reports, with the same figures.
+        sent.forget("b");
+        let (out, _) = sent.report(vec![t("a", 1, 0), t("b", 1, 0)]);
+        assert_eq!(ids(&out), ["b"]);
+        // a left: a later a is new again.
+        sent.report(vec![t("b", 1, 0)]);
+        let (out, _) = sent.report(vec![t("a", 1, 0), t("b", 1, 0)]);
+        assert_eq!(ids(&out), ["a"]);
+    }
+
+    #[test]
+    fn a_dispatcher_that_reads_no_partial_reports_gets_whole_ones() {
+        let ok = Arc::new(AtomicBool::new(false));
+        let mut sent = Sent::new(ok.clone());
+        for _ in 0..3 {
+            let (out, partial) = sent.report(vec![t("a", 1, 0), t("b", 1, 0)]);
+            assert!(!partial);
+            assert_eq!(ids(&out), ["a", "b"]);
+        }
+        // It lists the feature later: the first partial report lists everything.
+        ok.store(true, Ordering::Relaxed);
+        let (out, partial) = sent.report(vec![t("a", 1, 0), t("b", 1, 0)]);
+        assert!(partial);
+        assert_eq!(ids(&out), ["a", "b"]);
+        let (out, _) = sent.report(vec![t("a", 1, 0), t("b", 1, 0)]);
+        assert!(out.is_empty());
+    }
 }

@@ -113,10 +113,12 @@ pub enum Event {
         session: SessionId,
         tunnel_id: String,
     },
-    /// The server's periodic load report.
+    /// The server's periodic load report; `partial`: `load.tunnels` holds only the tunnel
+    /// ids whose figures changed, the others keep theirs (`LoadReport.partial`).
     Load {
         session: SessionId,
         load: LoadFigures,
+        partial: bool,
     },
     /// The report stream ended.
     Leave { session: SessionId },
@@ -365,10 +367,48 @@ impl Table {
                 let e = local(&mut self.entries, &self.sessions, now, session, &mut d)?;
                 if e.tunnels.remove(&tunnel_id).is_some() {
                     release(&mut self.holders, &tunnel_id);
-                    d.routes.insert(tunnel_id);
+                    d.routes.insert(tunnel_id.clone());
+                }
+                // Its figures go too: a partial report lists it again when it comes back.
+                if let Some((_, l)) = e.load.as_mut() {
+                    l.tunnels.remove(&tunnel_id);
                 }
             }
-            Event::Load { session, load } => {
+            Event::Load {
+                session,
+                load,
+                partial: true,
+            } if self
+                .sessions
+                .get(&session)
+                .is_some_and(|id| self.entries.get(id).is_some_and(|e| e.load.is_some())) =>
+            {
+                let e = local(&mut self.entries, &self.sessions, now, session, &mut d)?;
+                let old_draining = e.draining();
+                let Some((at, l)) = e.load.as_mut() else {
+                    return Err(Refused::Stale);
+                };
+                *at = now;
+                l.calls_in_flight = load.calls_in_flight;
+                l.draining = load.draining;
+                l.cpu_permille = load.cpu_permille;
+                let mut changed = Vec::new();
+                for (tid, f) in load.tunnels {
+                    if l.tunnels.get(&tid) != Some(&f) {
+                        l.tunnels.insert(tid.clone(), f);
+                        changed.push(tid);
+                    }
+                }
+                if old_draining != e.draining() {
+                    d.fleet = true;
+                    d.routes.extend(e.tunnels.keys().cloned());
+                } else {
+                    d.routes
+                        .extend(changed.into_iter().filter(|t| e.tunnels.contains_key(t)));
+                }
+            }
+            // A whole report (or a partial one with nothing to add to: it lists all there is).
+            Event::Load { session, load, .. } => {
                 let e = local(&mut self.entries, &self.sessions, now, session, &mut d)?;
                 let old = e.load.replace((now, load));
                 let old_draining = old.as_ref().is_some_and(|(_, l)| l.draining);

@@ -127,7 +127,7 @@ async fn announcing_one_tunnel_id_routes_it_and_gauges_follow_it_alone() {
     assert_eq!(spill(), vec![vec!["u".to_string()]]);
     assert_eq!(tiers().len(), 1, "{:?}", tiers());
     // A full rebuild (a load report) agrees with the per-tunnel one.
-    r.load(a, load(&[("u", 1)], false));
+    r.load(a, load(&[("u", 1)], false), false);
     assert_eq!(ids(&r, "u"), ["a"]);
     assert_eq!(spill(), vec![vec!["u".to_string()]]);
     assert_eq!(tiers().len(), 1, "{:?}", tiers());
@@ -160,7 +160,7 @@ async fn draining_servers_come_last_and_downed_tunnels_are_dropped() {
     r.tunnel_up(b, "demo");
     tokio::time::advance(Duration::from_millis(5)).await;
     r.tunnel_up(a, "demo");
-    r.load(a, load(&[("demo", 3)], true));
+    r.load(a, load(&[("demo", 3)], true), false);
     assert_eq!(ids(&r, "demo"), ["b", "a"]);
     r.tunnel_down(b, "demo");
     assert_eq!(ids(&r, "demo"), ["a"], "only a draining server is left");
@@ -233,13 +233,16 @@ async fn a_server_that_stops_reporting_expires_after_its_lease() {
     let mut expired = Vec::new();
     for _ in 0..4 {
         tokio::time::advance(Duration::from_secs(1)).await;
-        r.load(b, load(&[("demo", 1)], false));
+        r.load(b, load(&[("demo", 1)], false), false);
         expired.extend(r.sweep(Instant::now()));
     }
     // a last reported 4 s ago (lease 3 s): gone at the sweep above.
     assert_eq!(expired, [info("a")]);
     assert_eq!(ids(&r, "demo"), ["b"]);
-    assert!(!r.load(a, load(&[], false)), "the expired session is stale");
+    assert!(
+        !r.load(a, load(&[], false), false),
+        "the expired session is stale"
+    );
     let dirty = r.take_dirty();
     assert!(dirty.contains(&("a".to_string(), None)), "{dirty:?}");
 }
@@ -339,14 +342,17 @@ async fn a_departed_server_is_counted_and_its_unused_channel_evicted_once() {
     // a stops reporting: the tick expires it, counts it and evicts its channel.
     for _ in 0..4 {
         tokio::time::advance(Duration::from_secs(1)).await;
-        r.load(c, load(&[("demo", 1)], false));
+        r.load(c, load(&[("demo", 1)], false), false);
         r.tick(Instant::now());
     }
     assert_eq!(*evicted.lock(), ["http://a"]);
     assert_eq!(metrics.lease_expiries.get(), 1);
     assert_eq!(metrics.tunnel_servers.get(), 1);
     assert_eq!(ids(&r, "demo"), ["c"]);
-    assert!(!r.load(a, load(&[], false)), "the expired session is stale");
+    assert!(
+        !r.load(a, load(&[], false), false),
+        "the expired session is stale"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -355,10 +361,10 @@ async fn a_load_report_rebuilds_only_the_plans_it_changes() {
     let a = r.join(info("a")).unwrap();
     r.tunnel_up(a, "t");
     r.tunnel_up(a, "u");
-    r.load(a, load(&[("t", 1), ("u", 1)], false));
+    r.load(a, load(&[("t", 1), ("u", 1)], false), false);
     let plan = |tid: &str| r.plans.get(tid).map(|p| p.clone()).unwrap();
     let (t, u) = (plan("t"), plan("u"));
-    r.load(a, load(&[("t", 2), ("u", 1)], false));
+    r.load(a, load(&[("t", 2), ("u", 1)], false), false);
     assert!(!Arc::ptr_eq(&t, &plan("t")), "t's figures moved");
     assert!(Arc::ptr_eq(&u, &plan("u")), "u's plan is the same one");
     assert_eq!(plan("t").order()[0].idle, 2);
@@ -438,8 +444,8 @@ async fn the_gauges_follow_each_change_of_rtt_tier_and_spill_share_and_only_thos
     };
     r.forward_rtt("http://a", Some(1_000));
     r.forward_rtt("http://b", Some(1_000));
-    r.load(b, b_load.clone());
-    r.load(a, with(3, 0, 1_000));
+    r.load(b, b_load.clone(), false);
+    r.load(a, with(3, 0, 1_000), false);
     r.tick(Instant::now());
     let rtt = |s: &str| gauge(&prom, "relay_dispatcher_server_rtt_seconds", &[s, "t"]);
     let tier = |s: &str| gauge(&prom, "relay_dispatcher_server_tier", &[s, "t"]);
@@ -448,17 +454,17 @@ async fn the_gauges_follow_each_change_of_rtt_tier_and_spill_share_and_only_thos
     assert_eq!((tier("a"), tier("b")), (Some(0.0), Some(0.0)));
     assert_eq!(spill(), Some(0.0));
     // Only the idle count changes: the plan is rebuilt, the series keep their values.
-    r.load(a, with(2, 0, 1_000));
+    r.load(a, with(2, 0, 1_000), false);
     assert_eq!(rtt("a"), Some(0.002));
     // a's agent leg grows tenfold: its RTT and tier follow.
-    r.load(a, with(2, 0, 20_000));
+    r.load(a, with(2, 0, 20_000), false);
     tokio::time::advance(Duration::from_millis(300)).await;
     r.tick(Instant::now());
     assert_eq!(rtt("a"), Some(0.021));
     assert_eq!((tier("a"), tier("b")), (Some(1.0), Some(0.0)));
     // Calls queue on the home (a: b, in the better tier, has too few idle streams to
     // take its calls): the share rises at each step and its gauge with it.
-    r.load(a, with(0, 3, 20_000));
+    r.load(a, with(0, 3, 20_000), false);
     let mut last = spill().unwrap();
     for _ in 0..3 {
         tokio::time::advance(Duration::from_millis(300)).await;
@@ -470,8 +476,8 @@ async fn the_gauges_follow_each_change_of_rtt_tier_and_spill_share_and_only_thos
     // At rest again, the share decays and the tick settles.
     for _ in 0..20 {
         // Reports keep coming (within the lease), the same each time.
-        r.load(a, with(2, 0, 20_000));
-        r.load(b, b_load.clone());
+        r.load(a, with(2, 0, 20_000), false);
+        r.load(b, b_load.clone(), false);
         tokio::time::advance(Duration::from_millis(300)).await;
         r.tick(Instant::now());
     }

@@ -75,6 +75,16 @@ fn load(session: u64, idle: &[(&str, u32)], draining: bool) -> Event {
     Event::Load {
         session: SessionId(session),
         load: figures(idle, draining),
+        partial: false,
+    }
+}
+
+/// A load report of only the tunnel ids whose figures changed (`LoadReport.partial`).
+fn partial(session: u64, idle: &[(&str, u32)], draining: bool) -> Event {
+    Event::Load {
+        session: SessionId(session),
+        load: figures(idle, draining),
+        partial: true,
     }
 }
 
@@ -179,6 +189,89 @@ fn a_load_report_changes_only_the_routes_whose_figures_moved() {
         "an unchanged report only renews the entry (and its shared record)"
     );
     assert_eq!(s.table.views("t")[0].idle, 2);
+}
+
+#[test]
+fn a_partial_report_changes_what_it_lists_and_keeps_the_rest() {
+    let mut s = Sim::new();
+    s.at_ms(0, join(1, "a")).unwrap();
+    for tid in ["t", "u", "v"] {
+        s.at_ms(0, up(1, tid)).unwrap();
+    }
+    s.at_ms(0, load(1, &[("t", 2), ("u", 1), ("v", 3)], false))
+        .unwrap();
+    assert_eq!(
+        s.at_ms(1000, partial(1, &[("u", 0)], false)),
+        Ok(vec![record("a"), routes("u")]),
+        "only u moved"
+    );
+    let idle = |s: &Sim, t: &str| s.table.views(t)[0].idle;
+    assert_eq!(
+        (idle(&s, "t"), idle(&s, "u"), idle(&s, "v")),
+        (2, 0, 3),
+        "t and v keep the figures they had"
+    );
+    assert_eq!(
+        s.at_ms(2000, partial(1, &[], false)),
+        Ok(vec![record("a")]),
+        "an empty partial report renews the lease and changes no route"
+    );
+    assert_eq!(
+        s.at_ms(
+            2000 + s.table.lease().as_millis() as u64,
+            Event::ExpireLeases
+        ),
+        Ok(vec![]),
+        "the partial report counted as a report"
+    );
+    // Draining reaches every route of the server, listed or not.
+    assert_eq!(
+        s.at_ms(3000, partial(1, &[], true)),
+        Ok(vec![
+            record("a"),
+            routes("t"),
+            routes("u"),
+            routes("v"),
+            Change::Fleet
+        ])
+    );
+}
+
+#[test]
+fn a_tunnel_that_went_down_is_listed_again_when_it_comes_back() {
+    let mut s = Sim::new();
+    s.at_ms(0, join(1, "a")).unwrap();
+    s.at_ms(0, up(1, "t")).unwrap();
+    s.at_ms(0, load(1, &[("t", 2)], false)).unwrap();
+    s.at_ms(100, down(1, "t")).unwrap();
+    s.at_ms(200, up(1, "t")).unwrap();
+    assert_eq!(
+        s.table.views("t")[0].idle,
+        0,
+        "its old figures went with it"
+    );
+    assert_eq!(
+        s.at_ms(1000, partial(1, &[("t", 1)], false)),
+        Ok(vec![record("a"), routes("t")])
+    );
+    assert_eq!(s.table.views("t")[0].idle, 1);
+}
+
+#[test]
+fn a_first_report_marked_partial_is_taken_whole() {
+    let mut s = Sim::new();
+    s.at_ms(0, join(1, "a")).unwrap();
+    s.at_ms(0, up(1, "t")).unwrap();
+    assert_eq!(
+        s.at_ms(1000, partial(1, &[("t", 4)], false)),
+        Ok(vec![record("a"), routes("t")])
+    );
+    assert_eq!(s.table.views("t")[0].idle, 4);
+    assert_eq!(
+        s.at_ms(2000, partial(9, &[("t", 1)], false)),
+        Err(Refused::Stale),
+        "a stale session's report is refused, partial or not"
+    );
 }
 
 #[test]
@@ -413,6 +506,7 @@ fn a_servers_latency_is_this_dispatchers_leg_plus_the_agent_leg_once_both_are_me
         Event::Load {
             session: SessionId(1),
             load: f,
+            partial: false,
         },
     )
     .unwrap();
