@@ -697,6 +697,8 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
             let cov = s.agents.coverage.clone();
             let (qt, mq) = (s.servers.queue_timeout, s.servers.max_queue);
             let liveness = s.servers.liveness_interval;
+            let keepalive = s.servers.tunnel_keepalive_timeout;
+            let liveness_timeout = s.servers.liveness_timeout;
             let zones: Vec<&str> = s.servers.zones.iter().map(String::as_str).collect();
             let routing = s.routing.clone();
             let mut b = Stack::builder()
@@ -718,6 +720,8 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                     c.queue_timeout = qt;
                     c.max_queue_per_tunnel = mq;
                     c.liveness_interval = liveness;
+                    c.liveness_timeout = liveness_timeout;
+                    c.agent_h2.keepalive_timeout = Some(keepalive);
                 })
                 .dispatcher_config(move |c| c.routing = routing);
             let mut tunnels = None;
@@ -751,6 +755,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
             let stack = b
                 .agent_config(move |c| {
                     c.upstream_check.interval = Duration::from_secs(30);
+                    c.tunnel_h2.keepalive_timeout = Some(keepalive);
                     if let Some(url) = tunnels {
                         c.tunnels = vec![url];
                     }
@@ -777,6 +782,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                     start_rate: s.agents.start_rate / n_workers as f64,
                     servers: running_ids(&stack),
                     threads: 1,
+                    keepalive_timeout: keepalive,
                 };
                 let exe = match &opts.worker_exe {
                     Some(p) => p.clone(),

@@ -116,6 +116,20 @@ pub struct Servers {
     /// pings a second, more than one small machine running the whole fleet carries.
     #[serde(with = "humantime_serde")]
     pub liveness_interval: Duration,
+    /// The servers' `liveness_timeout`: a liveness ping unanswered this long closes every
+    /// stream of that agent connection. An agent answers from its worker's thread, shared
+    /// by thousands of agents in a fleet this tool runs on one machine.
+    #[serde(with = "humantime_serde")]
+    pub liveness_timeout: Duration,
+    /// How long an HTTP/2 PING on an agent connection may go unanswered, on both ends (the
+    /// servers' `[agent_h2]` and the agents' `[tunnel_h2]` `keepalive_timeout`; default
+    /// theirs, 2 s). hyper checks a PING's deadline before it reads what arrived, so a
+    /// process that was not scheduled for that long closes its connections even though the
+    /// peer answered: thousands of agents on one worker thread, and ten servers and a
+    /// balancer in one process, are such processes on a small machine. A connection between
+    /// the balancer and a server carries thousands of agents' streams.
+    #[serde(with = "humantime_serde")]
+    pub tunnel_keepalive_timeout: Duration,
 }
 
 /// The load balancer in front of the tunnel servers' agent listeners.
@@ -363,6 +377,8 @@ impl Default for Servers {
             direct: false,
             balancer: Balancer::Fixture,
             liveness_interval: relay_tunnel_server::Config::default().liveness_interval,
+            liveness_timeout: relay_tunnel_server::Config::default().liveness_timeout,
+            tunnel_keepalive_timeout: relay_common::h2::H2Limits::TUNNEL.keepalive_timeout,
         }
     }
 }
@@ -487,6 +503,18 @@ impl Scenario {
                 3600.0,
             )?;
         }
+        range(
+            "servers.liveness_timeout",
+            sv.liveness_timeout.as_secs_f64(),
+            0.1,
+            3600.0,
+        )?;
+        range(
+            "servers.tunnel_keepalive_timeout",
+            sv.tunnel_keepalive_timeout.as_secs_f64(),
+            0.1,
+            3600.0,
+        )?;
         range(
             "servers.queue_timeout",
             sv.queue_timeout.as_secs_f64(),

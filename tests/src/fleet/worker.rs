@@ -47,6 +47,9 @@ pub struct WorkerSpec {
     pub servers: Vec<String>,
     /// Worker threads of the worker's runtime.
     pub threads: usize,
+    /// The agents' `[tunnel_h2] keepalive_timeout` (`servers.tunnel_keepalive_timeout`).
+    #[serde(with = "humantime_serde")]
+    pub keepalive_timeout: Duration,
 }
 
 /// What the parent tells a running worker (one JSON line each).
@@ -146,22 +149,10 @@ impl ActionTotals {
 
 /// An agent's `grpc_tunnel_coverage_actions_total` by action.
 pub fn agent_actions(h: &AgentHandle) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    for f in h.registry().gather() {
-        if f.name() != "grpc_tunnel_coverage_actions_total" {
-            continue;
-        }
-        for m in f.get_metric() {
-            let action = m
-                .get_label()
-                .iter()
-                .find(|l| l.name() == "action")
-                .map(|l| l.value().to_string())
-                .unwrap_or_default();
-            out.insert(action, m.get_counter().get_value() as u64);
-        }
-    }
-    out
+    h.coverage_actions()
+        .into_iter()
+        .map(|(action, n)| (action.to_string(), n))
+        .collect()
 }
 
 /// The config of agent `i` of a fleet (what the embedded stack gives its agents: every
@@ -255,7 +246,11 @@ async fn run_worker(spec: WorkerSpec) -> anyhow::Result<()> {
         first: spec.first,
         agents: Vec::with_capacity(spec.count),
         configs: (spec.first..spec.first + spec.count)
-            .map(|i| agent_config(i, &spec.tunnels, &spec.upstream, &spec.coverage))
+            .map(|i| {
+                let mut c = agent_config(i, &spec.tunnels, &spec.upstream, &spec.coverage);
+                c.tunnel_h2.keepalive_timeout = Some(spec.keepalive_timeout);
+                c
+            })
             .collect(),
     };
     let mut expected = spec.servers.clone();
@@ -302,7 +297,7 @@ async fn run_worker(spec: WorkerSpec) -> anyhow::Result<()> {
                 samples += 1;
                 let (servers, landed, covered) =
                     read_agents(slice.agents.iter().flatten(), &expected);
-                // The counters cost a registry gather per agent: once a second.
+                // Read from the counters (no registry gather): once a second.
                 if samples % 2 == 1 {
                     for (k, h) in slice.agents.iter().enumerate() {
                         if let Some(h) = h {
