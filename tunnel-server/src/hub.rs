@@ -99,17 +99,22 @@ pub struct Tunnel {
     pub id: String,
     slots: Mutex<TunnelSlots>,
     rtt: Mutex<Rtt>,
+    /// Its `relay_tunnel_calls_queued` series, looked up once: the pressure round sets it
+    /// for every tunnel id ten times a second (a label lookup each was a tenth of a
+    /// server's CPU with thousands of tunnel ids).
+    queued_gauge: prometheus::IntGauge,
 }
 
 type Stream = Arc<StreamHandle>;
 type TunnelSlots = Slots<Stream, oneshot::Sender<Stream>, Instant>;
 
 impl Tunnel {
-    fn new(id: &str) -> Self {
+    fn new(id: &str, queued: &prometheus::IntGaugeVec) -> Self {
         Tunnel {
             id: id.to_string(),
             slots: Mutex::default(),
             rtt: Mutex::default(),
+            queued_gauge: queued.with_label_values(&[id]),
         }
     }
 
@@ -225,7 +230,7 @@ impl Hub {
             let entry = self
                 .tunnels
                 .entry(tunnel_id.to_string())
-                .or_insert_with(|| Arc::new(Tunnel::new(tunnel_id)));
+                .or_insert_with(|| Arc::new(Tunnel::new(tunnel_id, &self.metrics.queued)));
             let mut s = entry.slots.lock();
             let first = s.add(handle, self.limits.max_streams_per_token)?;
             self.metrics
@@ -500,6 +505,28 @@ impl Hub {
         self.tunnels.iter().map(|t| t.key().clone()).collect()
     }
 
+    /// What changed against `told` (tunnel ids a dispatcher was told of): the tunnel ids
+    /// held here and not in it, and those in it no longer held here. Reads every tunnel id
+    /// without copying one that did not change (an announcement round runs after every
+    /// change, for each dispatcher).
+    pub fn tunnel_changes(
+        &self,
+        told: &std::collections::HashSet<String>,
+    ) -> (Vec<String>, Vec<String>) {
+        let up = self
+            .tunnels
+            .iter()
+            .filter(|t| !told.contains(t.key()))
+            .map(|t| t.key().clone())
+            .collect();
+        let down = told
+            .iter()
+            .filter(|id| !self.tunnels.contains_key(id.as_str()))
+            .cloned()
+            .collect();
+        (up, down)
+    }
+
     /// One round-trip sample (ping -> pong on an idle stream) of the tunnel id.
     pub fn observe_rtt(&self, tunnel_id: &str, sample: std::time::Duration) {
         if let Some(t) = self.tunnels.get(tunnel_id) {
@@ -556,10 +583,7 @@ impl Hub {
         let now = Instant::now();
         for t in self.tunnels.iter() {
             let mut s = t.slots.lock();
-            self.metrics
-                .queued
-                .with_label_values(&[&t.id])
-                .set(s.queued() as i64);
+            t.queued_gauge.set(s.queued() as i64);
             let Some(queued) = s.pressure(now, PRESSURE_REFRESH) else {
                 continue;
             };

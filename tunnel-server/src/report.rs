@@ -170,26 +170,26 @@ impl Reporter {
             let changed = self.hub.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            let now: HashSet<String> = self.hub.tunnel_ids().into_iter().collect();
-            for id in now.difference(&told) {
-                sent.forget(id);
-                let up = ServerReport::of(server_report::Kind::TunnelUp(TunnelUp {
-                    tunnel_id: id.clone(),
-                }));
+            let (ups, downs) = self.hub.tunnel_changes(&told);
+            for id in ups {
+                sent.forget(&id);
+                told.insert(id.clone());
+                let up =
+                    ServerReport::of(server_report::Kind::TunnelUp(TunnelUp { tunnel_id: id }));
                 tx.send(up)
                     .await
                     .map_err(|_| "report stream closed".to_string())?;
             }
-            for id in told.difference(&now) {
-                sent.forget(id);
+            for id in downs {
+                sent.forget(&id);
+                told.remove(&id);
                 let down = ServerReport::of(server_report::Kind::TunnelDown(TunnelDown {
-                    tunnel_id: id.clone(),
+                    tunnel_id: id,
                 }));
                 tx.send(down)
                     .await
                     .map_err(|_| "report stream closed".to_string())?;
             }
-            told = now;
             let draining = self.hub.is_draining();
             let send_load = draining != was_draining;
             was_draining = draining;
