@@ -176,7 +176,36 @@ async fn busy_neighbour(stop: CancellationToken) {
 /// The load each server last reported and the calls each answered so far, from the
 /// dispatcher's metrics.
 /// With several dispatchers: the load as the first one has it, the calls summed.
-async fn dispatcher_view(admins: &[SocketAddr]) -> (BTreeMap<String, f64>, BTreeMap<String, u64>) {
+/// What a dispatcher's `/metrics` says of each server, and when it was read.
+type DispatcherView = (BTreeMap<String, f64>, BTreeMap<String, u64>);
+
+/// How often the samples read the dispatchers' `/metrics`: every second, and a second more
+/// per thousand agents. The page holds a series per tunnel id and server (tiers, round
+/// trips, spill shares): at 3,000 tunnel ids a scrape took tens of milliseconds of the
+/// process the fleet runs in, and a scrape a second was a tenth of that process's CPU
+/// (monitoring scrapes every 15 s or so). Small fleets, such as the neighbour scenarios
+/// that read which server answered from each second on, keep the second.
+fn dispatcher_view_every(agents: usize) -> Duration {
+    Duration::from_secs((agents / 1000).max(1) as u64)
+}
+
+/// The dispatchers' view, read again once [`dispatcher_view_every`] has passed.
+async fn dispatcher_view_paced(ctx: &Ctx) -> DispatcherView {
+    let mut last = ctx.dispatcher_view.lock().await;
+    if let Some((at, view)) = &*last {
+        // Within a few milliseconds of the period counts as due: samples come a second
+        // apart.
+        let every = dispatcher_view_every(ctx.agents);
+        if at.elapsed() + Duration::from_millis(50) < every {
+            return view.clone();
+        }
+    }
+    let view = dispatcher_view(&ctx.admins).await;
+    *last = Some((Instant::now(), view.clone()));
+    view
+}
+
+async fn dispatcher_view(admins: &[SocketAddr]) -> DispatcherView {
     let mut load = BTreeMap::new();
     let mut calls: BTreeMap<String, u64> = BTreeMap::new();
     for (i, admin) in admins.iter().enumerate() {
@@ -213,6 +242,8 @@ struct Ctx {
     agents: usize,
     /// How the fleet came up, for the report.
     startup: Mutex<Vec<String>>,
+    /// The last dispatchers' view the samples read ([`dispatcher_view_paced`]).
+    dispatcher_view: tokio::sync::Mutex<Option<(Instant, DispatcherView)>>,
 }
 
 /// The running servers (what an agent covers to count as covered) and the server starts
@@ -872,6 +903,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
         },
         agents: s.agents.count,
         startup: Mutex::default(),
+        dispatcher_view: Default::default(),
     });
     let ready = wait_ready(s, &fleet, &ctx, &callers, &tunnel_ids, servers, &opts.stop).await;
     let neighbours = Arc::new(Neighbours {
@@ -1168,7 +1200,7 @@ async fn sample_fleet(
                 }
                 actions.total = t.actions;
             }
-            (servers, Some(queued), dispatcher_view(&ctx.admins).await)
+            (servers, Some(queued), dispatcher_view_paced(ctx).await)
         }
         UnderTest::External { agents, .. } => {
             let a = agents.lock().await;
