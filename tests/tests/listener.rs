@@ -447,6 +447,21 @@ async fn half_received_agent_messages_are_bounded_across_streams_while_the_agent
         .await
         .unwrap();
     a_tx.send(vec![0u8; 1024].into()).await.unwrap();
+    let held = |r: &prometheus::Registry| {
+        value(
+            r,
+            "relay_listener_partial_frame_bytes",
+            &[("listener", "agent")],
+        )
+    };
+    // A's message holds its place before B comes: each stream's body is read by its own
+    // task, and a B read first would take its place and leave A the one past the bound.
+    relay_tests::eventually(
+        "A's half-received message counted",
+        Duration::from_secs(10),
+        || async { held(&server.registry) >= (bound / 4 * 3) as f64 },
+    )
+    .await;
     // Stream B starts one of half the bound: together past it, so B is ended.
     let (b_tx, b_res) = raw_connect(&mut client, addr).await;
     b_tx.send(message_header(bound as u32 / 2)).await.unwrap();
@@ -467,13 +482,6 @@ async fn half_received_agent_messages_are_bounded_across_streams_while_the_agent
         let a = stack.caller().get("/relay/demo/hello").await.unwrap();
         assert_eq!(a.status, 200, "{}", a.text());
     }
-    let held = |r: &prometheus::Registry| {
-        value(
-            r,
-            "relay_listener_partial_frame_bytes",
-            &[("listener", "agent")],
-        )
-    };
     assert_eq!(held(&server.registry), (bound / 4 * 3) as f64);
     // A's message gives its place back when A ends: a new stream's message of half the
     // bound is then taken.
