@@ -364,13 +364,11 @@ impl Carriers {
         // A new carrier's first call goes out before the server's metadata is in: it
         // sends its body as frames, and the calls after it learn what the server reads.
         let r = client.carry(FeedStream(feed.clone())).await?;
-        let inline_body = r
-            .metadata()
-            .get(relay_proto::FORWARD_FEATURES)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| {
-                relay_proto::features(v).any(|f| f == relay_proto::FEATURE_INLINE_BODY)
-            });
+        let inline_body = relay_proto::lists_feature(
+            r.metadata(),
+            relay_proto::FORWARD_FEATURES,
+            relay_proto::FEATURE_INLINE_BODY,
+        );
         opened.inc();
         let carrier = Carrier {
             feed,

@@ -71,6 +71,15 @@ pub fn features(list: &str) -> impl Iterator<Item = &str> {
     list.split(',').map(str::trim)
 }
 
+/// Whether the feature list under `key` in `metadata` names `feature` (a peer's answer
+/// that lists what it reads: [`FORWARD_FEATURES`], [`REGISTRY_FEATURES`]).
+pub fn lists_feature(metadata: &tonic::metadata::MetadataMap, key: &str, feature: &str) -> bool {
+    metadata
+        .get(key)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|l| features(l).any(|f| f == feature))
+}
+
 /// Response metadata of `Forward.Carry` in which a tunnel server lists what it reads beyond
 /// the first version of the protocol: `inline-body`, a whole small request body inside the
 /// call head (`RequestHead.body`). A dispatcher puts a body there only on a carrier whose

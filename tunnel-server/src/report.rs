@@ -354,13 +354,11 @@ async fn watch(
     }
     let mut stream = match client.watch(request).await {
         Ok(r) => {
-            let listed = r
-                .metadata()
-                .get(relay_proto::REGISTRY_FEATURES)
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|l| {
-                    relay_proto::features(l).any(|f| f == relay_proto::FEATURE_PARTIAL_LOAD)
-                });
+            let listed = relay_proto::lists_feature(
+                r.metadata(),
+                relay_proto::REGISTRY_FEATURES,
+                relay_proto::FEATURE_PARTIAL_LOAD,
+            );
             partial_ok.store(listed, Ordering::Relaxed);
             r.into_inner()
         }

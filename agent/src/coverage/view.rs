@@ -108,16 +108,13 @@ impl CoverageActor {
             }
         }
         let metrics = &self.metrics;
-        let gone: Vec<String> = self
-            .exported
-            .keys()
-            .filter(|id| !per_id.contains_key(id.as_str()))
-            .cloned()
-            .collect();
-        for id in gone {
-            self.exported.remove(&id);
-            metrics.remove_server(&id);
-        }
+        self.exported.retain(|id, _| {
+            let keep = per_id.contains_key(id.as_str());
+            if !keep {
+                metrics.remove_server(id);
+            }
+            keep
+        });
         for (id, (idle, busy, state, _)) in per_id {
             if !self.exported.contains_key(id) {
                 self.exported
@@ -134,16 +131,13 @@ impl CoverageActor {
             let e = short.entry(&p.server_id).or_default();
             *e = (*e).max(p.short_for);
         }
-        let gone: Vec<String> = self
-            .exported_short
-            .keys()
-            .filter(|id| !short.contains_key(id.as_str()))
-            .cloned()
-            .collect();
-        for id in gone {
-            self.exported_short.remove(&id);
-            metrics.remove_short(&id);
-        }
+        self.exported_short.retain(|id, _| {
+            let keep = short.contains_key(id.as_str());
+            if !keep {
+                metrics.remove_short(id);
+            }
+            keep
+        });
         for (id, d) in short {
             if !self.exported_short.contains_key(id) {
                 self.exported_short
