@@ -119,6 +119,9 @@ pub enum StreamEvent {
     Closed(CloseReason),
     /// The open failed before any hello. Last event of a stream.
     OpenFailed(OpenError),
+    /// The open is still waiting for its hello past the open window's timeout: presumed
+    /// lost (`Snapshot::stalled`); it may still land or fail.
+    Stalled,
 }
 
 /// What a stream task gets from the actor: its id, the way to report, and the retire
@@ -211,6 +214,8 @@ struct Opening {
     direct: Option<ServerKey>,
     /// A fill open (`Plan::probes`).
     probe: bool,
+    /// Past the open window's timeout (`StreamEvent::Stalled`).
+    stalled: bool,
 }
 
 /// How long a server's direct URL is not used after an open to it failed (the load
@@ -470,6 +475,12 @@ impl CoverageActor {
     }
 
     fn snapshot(&self, now: Instant, cause: Cause) -> Snapshot {
+        let lb_opening = |which: fn(&Opening) -> bool| {
+            self.opening
+                .values()
+                .filter(|o| o.direct.is_none() && which(o))
+                .count() as u32
+        };
         let direct_opening = |k: &ServerKey| {
             self.opening
                 .values()
@@ -555,7 +566,8 @@ impl CoverageActor {
             now,
             cause,
             servers,
-            opening: self.opening.values().filter(|o| o.direct.is_none()).count() as u32,
+            opening: lb_opening(|o| !o.stalled),
+            stalled: lb_opening(|o| o.stalled),
         }
     }
 
@@ -663,6 +675,7 @@ impl CoverageActor {
                 retire: Some(retire_tx),
                 direct,
                 probe,
+                stalled: false,
             },
         );
         let handle = self.tasks.spawn(self.connector.open(link));

@@ -104,7 +104,7 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         // GoingAway handshake like any other (bounded by connect_timeout).
         // Wait for a place in the open window (`max_opening`, narrowed while hellos time
         // out: `window`), so a big growth step goes out in waves.
-        let turn = ctx.opens.turn().await;
+        let mut turn = ctx.opens.turn().await;
         // Through one of `tunnels` (not a server's direct URL): its health is tracked.
         let through = link.target.is_none();
         let picked = match &link.target {
@@ -133,11 +133,17 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
         };
         let endpoint_key = endpoint.clone();
         let started = Instant::now();
-        let opened = tokio::time::timeout(
-            ctx.connect_timeout,
-            open(&ctx.dialer, endpoint, channel, Some(&conn_name)),
-        )
-        .await;
+        // Past the window's timeout the open stops holding its place, and the actor stops
+        // crediting it against growth (`window`, `StreamEvent::Stalled`).
+        let opened = turn
+            .during(
+                tokio::time::timeout(
+                    ctx.connect_timeout,
+                    open(&ctx.dialer, endpoint, channel, Some(&conn_name)),
+                ),
+                || link.emit(StreamEvent::Stalled),
+            )
+            .await;
         // An open that did not reach a server pauses its endpoint; with another endpoint
         // open, that is no reason to hold back every open (`OpenError::Endpoint`).
         let unreached = |e: String| {

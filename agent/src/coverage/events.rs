@@ -142,6 +142,18 @@ impl CoverageActor {
                 }
                 self.replan_soon(now, ticker);
             }
+            StreamEvent::Stalled => {
+                if let Some(op) = self.opening.get_mut(&id) {
+                    op.stalled = true;
+                    debug!(
+                        stream = id,
+                        waited_ms = now.saturating_duration_since(op.started).as_millis() as u64,
+                        "tunnel stream open stalled: presumed lost, no longer credited"
+                    );
+                    // The growth it was credited against may be short again.
+                    self.growth_due = true;
+                }
+            }
             StreamEvent::OpenFailed(err) => {
                 let Some(op) = self.opening.remove(&id) else {
                     return;

@@ -67,7 +67,9 @@
 //! Opens are global (the load balancer places them), so requests are summed: growth first
 //! (busiest server first), then fill, then the bootstrap. Streams already `opening` are
 //! credited against the requests in that order, so an open is not repeated every plan
-//! while the previous one is in flight. The total is capped so live + opening + new <=
+//! while the previous one is in flight; an open past the open window's timeout (stalled:
+//! presumed lost) is not credited, so growth does not wait behind opens the balancer
+//! placed on a dead server. The total is capped so live + opening + stalled + new <=
 //! `max_streams`. At that cap, a tick recycles idle streams of the best-covered server (the
 //! most idle streams beyond its busy + reserve) to make room for a short server's opens, at
 //! most `grow_min` a tick and within the short server's fill budget. With no server to
@@ -307,8 +309,14 @@ pub struct Snapshot {
     pub cause: Cause,
     pub servers: Vec<ServerView>,
     /// Streams being opened through the load balancer whose ServerHello has not arrived
-    /// yet (direct opens are counted per server).
+    /// yet (direct opens are counted per server), not counting `stalled` ones.
     pub opening: u32,
+    /// Opens through the load balancer still waiting for their hello past the open
+    /// window's retransmission timeout (`crate::stream::window`): presumed lost, as the
+    /// balancer placed them where hellos do not come (a server that just died, before its
+    /// health checks mark it down). They count against `max_streams` but are not credited
+    /// against growth, so the growth they were for goes on through the balancer.
+    pub stalled: u32,
 }
 
 /// Where the agent's recent load-balanced opens landed: one decayed count per server. Each
@@ -641,6 +649,8 @@ struct Tick<'a> {
     now: Instant,
     cause: Cause,
     opening: u32,
+    /// `Snapshot::stalled`.
+    stalled: u32,
     servers: Vec<Server<'a>>,
 }
 
@@ -787,7 +797,7 @@ impl Planner {
             });
             close.extend(idle);
         }
-        let have = live + snap.opening;
+        let have = live + snap.opening + snap.stalled;
         let open = self
             .cfg
             .fixed_streams

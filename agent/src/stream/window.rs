@@ -8,7 +8,13 @@
 //!   a lone agent covering ten servers is at 32 after three rounds of a few milliseconds);
 //! - an open that times out waiting for its hello halves it (never below one), once per
 //!   round: opens that started before the last cut were sent into the same queue and do
-//!   not cut again. After a cut it grows by one per window of landings.
+//!   not cut again. After a cut it grows by one per window of landings;
+//! - an open still waiting for its hello after the retransmission timeout
+//!   ([`OpenTurn::during`]: the smoothed landing time plus four times its variation, as
+//!   TCP's RFC 6298 reckons it, from [`MIN_RTO`] up to half of `connect_timeout`) is
+//!   presumed lost: it gives up its place and cuts the window as a timeout does, and the
+//!   timeout doubles for the next expiry until an open lands. The open itself goes on,
+//!   and lands or fails as before.
 //!
 //! Why: a hello that does not come within `connect_timeout` while other opens land says
 //! the servers (or the balancer in front of them) are busy, not gone. An agent that kept
@@ -20,11 +26,22 @@
 //! servers receive fall back to what they serve, and every open that waits does so here,
 //! where it costs nothing, rather than in a server's queue where it times out.
 //!
+//! Why the timeout frees places: opens do not all meet the same fate. Behind a balancer
+//! that still places opens on a server that just died (until its health checks mark it
+//! down, seconds), a third of the opens wait there for the balancer's connect retries
+//! while the rest land in milliseconds. Holding a place each, they filled the window and
+//! growth on the live servers waited behind them (a growth step took 4 s instead of a
+//! fraction of one). An open that takes many times the landings' usual time is not
+//! telling the window about the servers that answer; after the timeout it stops counting,
+//! and since each expiry also cuts the window, and the timeout doubles per expiry, a
+//! storm of slow opens still gets at most about twice the window outstanding.
+//!
 //! This module decides nothing else: where an open goes and what a failure means to the
 //! coverage actor are `stream`'s and `coverage`'s.
 
 use parking_lot::Mutex;
 use prometheus::IntGauge;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -32,6 +49,14 @@ use tokio::time::Instant;
 
 /// The window of a fresh agent.
 pub const INITIAL: usize = 4;
+
+/// The least retransmission timeout (Linux TCP's): below it a landing's time is mostly
+/// scheduling, not the servers.
+pub const MIN_RTO: Duration = Duration::from_millis(200);
+
+/// The retransmission timeout before the first landing (RFC 6298's 1 s, at most half of
+/// `connect_timeout`).
+pub const INITIAL_RTO: Duration = Duration::from_secs(1);
 
 /// The window and the opens in progress.
 pub struct OpenWindow {
@@ -55,6 +80,12 @@ struct State {
     in_progress: usize,
     /// When the window was last cut.
     cut_at: Option<Instant>,
+    /// Smoothed landing time and its mean deviation (RFC 6298), from every landing; none
+    /// before the first.
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    /// Expiries since the last landing: each doubles the timeout.
+    backoff: u32,
 }
 
 /// One open's place in the window, held from before the dial until its hello or failure;
@@ -62,6 +93,8 @@ struct State {
 pub struct OpenTurn {
     window: Arc<OpenWindow>,
     started: Instant,
+    /// Still holds its place (false once the timeout passed: [`OpenTurn::during`]).
+    counted: bool,
 }
 
 impl OpenWindow {
@@ -79,6 +112,9 @@ impl OpenWindow {
                 acked: 0,
                 in_progress: 0,
                 cut_at: None,
+                srtt: None,
+                rttvar: Duration::ZERO,
+                backoff: 0,
             }),
             freed: Notify::new(),
             gauge,
@@ -99,6 +135,7 @@ impl OpenWindow {
                     return OpenTurn {
                         window: self.clone(),
                         started: Instant::now(),
+                        counted: true,
                     };
                 }
             }
@@ -116,11 +153,17 @@ impl OpenWindow {
         self.state.lock().in_progress
     }
 
+    /// The retransmission timeout now.
+    pub fn rto(&self) -> Duration {
+        self.state.lock().rto(self.slow)
+    }
+
     fn landed(&self, took: Duration) {
+        let mut s = self.state.lock();
+        s.sample(took);
         if took > self.slow {
             return;
         }
-        let mut s = self.state.lock();
         if s.limit < s.threshold {
             s.limit += 1;
         } else {
@@ -136,14 +179,34 @@ impl OpenWindow {
 
     fn timed_out(&self, started: Instant) {
         let mut s = self.state.lock();
+        self.cut(&mut s, started);
+    }
+
+    /// An open passed the timeout: it frees its place and cuts the window, and the next
+    /// timeout is twice as long (both once per round).
+    fn expired(&self, started: Instant) {
+        {
+            let mut s = self.state.lock();
+            s.in_progress -= 1;
+            if self.cut(&mut s, started) {
+                s.backoff = (s.backoff + 1).min(16);
+            }
+        }
+        self.freed.notify_waiters();
+    }
+
+    /// Halves the window unless the open started before the last cut (the same round);
+    /// whether it did.
+    fn cut(&self, s: &mut State, started: Instant) -> bool {
         if s.cut_at.is_some_and(|at| started < at) {
-            return;
+            return false;
         }
         s.limit = (s.limit / 2).max(1);
         s.threshold = s.limit;
         s.acked = 0;
         s.cut_at = Some(Instant::now());
         self.gauge.set(s.places() as i64);
+        true
     }
 }
 
@@ -151,9 +214,55 @@ impl State {
     fn places(&self) -> usize {
         self.limit.max(1)
     }
+
+    /// RFC 6298 section 2: the first sample sets the mean and half of it as the
+    /// deviation; later ones move them by 1/8 and 1/4.
+    fn sample(&mut self, took: Duration) {
+        self.backoff = 0;
+        match self.srtt {
+            None => {
+                self.srtt = Some(took);
+                self.rttvar = took / 2;
+            }
+            Some(srtt) => {
+                let err = srtt.abs_diff(took);
+                self.rttvar = self.rttvar * 3 / 4 + err / 4;
+                self.srtt = Some(srtt * 7 / 8 + took / 8);
+            }
+        }
+    }
+
+    fn rto(&self, ceiling: Duration) -> Duration {
+        let base = match self.srtt {
+            None => INITIAL_RTO,
+            Some(srtt) => (srtt + 4 * self.rttvar).max(MIN_RTO),
+        };
+        base.saturating_mul(1 << self.backoff).min(ceiling)
+    }
 }
 
 impl OpenTurn {
+    /// Runs the open `fut`, giving up this place if it is still pending after the
+    /// retransmission timeout, and then calling `stalled` (the open goes on: the module
+    /// docs say why).
+    pub async fn during<F: Future>(&mut self, fut: F, stalled: impl FnOnce()) -> F::Output {
+        tokio::pin!(fut);
+        if self.counted {
+            let rto = self.window.rto();
+            let deadline = self.started + rto;
+            tokio::select! {
+                biased;
+                out = &mut fut => return out,
+                () = tokio::time::sleep_until(deadline) => {
+                    self.counted = false;
+                    self.window.expired(self.started);
+                    stalled();
+                }
+            }
+        }
+        fut.await
+    }
+
     /// The open got its hello: the window grows when it came quickly.
     pub fn landed(self) {
         self.window.landed(self.started.elapsed());
@@ -167,6 +276,9 @@ impl OpenTurn {
 
 impl Drop for OpenTurn {
     fn drop(&mut self) {
+        if !self.counted {
+            return;
+        }
         self.window.state.lock().in_progress -= 1;
         // Every waiter looks again: the window may have grown by more than this place.
         self.window.freed.notify_waiters();
@@ -197,8 +309,6 @@ mod tests {
             }
         }
     }
-
-    use std::future::Future as _;
 
     #[tokio::test(start_paused = true)]
     async fn the_window_doubles_per_round_of_quick_landings_up_to_max_opening() {
@@ -296,5 +406,95 @@ mod tests {
             .expect("the waiting open got the place")
             .unwrap();
         assert!(started <= Instant::now());
+    }
+    #[tokio::test(start_paused = true)]
+    async fn the_timeout_follows_the_landings_within_its_bounds() {
+        let w = window(64);
+        assert_eq!(w.rto(), INITIAL_RTO, "before any landing");
+        // Landings of 10 ms: the timeout settles at its floor.
+        for _ in 0..4 {
+            let round = take_all(&w);
+            tokio::time::advance(Duration::from_millis(10)).await;
+            for t in round {
+                t.landed();
+            }
+        }
+        assert_eq!(w.rto(), MIN_RTO);
+        // Landings of 2 s (slow: the window does not grow) raise it to theirs, and
+        // slower ones to its ceiling, half of connect_timeout.
+        let limit = w.limit();
+        let mut rtos = Vec::new();
+        for took in [2, 2, 2, 4] {
+            let round = take_all(&w);
+            tokio::time::advance(Duration::from_secs(took)).await;
+            for t in round {
+                t.landed();
+            }
+            rtos.push(w.rto());
+        }
+        assert_eq!(w.limit(), limit);
+        assert!(
+            rtos[2] >= Duration::from_secs(2) && rtos[2] < TIMEOUT / 2,
+            "{rtos:?}"
+        );
+        assert_eq!(rtos[3], TIMEOUT / 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_open_past_the_timeout_frees_its_place_and_goes_on() {
+        let w = window(64);
+        let round = take_all(&w);
+        tokio::time::advance(Duration::from_millis(5)).await;
+        for t in round {
+            t.landed();
+        }
+        // A round of 8: two are placed where no hello comes, six land at once.
+        let mut round = take_all(&w);
+        assert_eq!(round.len(), 8);
+        let mut stuck: Vec<_> = round.drain(..2).collect();
+        for t in round {
+            t.landed();
+        }
+        assert_eq!(w.limit(), 14);
+        let stalls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (hello_tx, hello_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut first = stuck.remove(0);
+        let mut second = stuck.remove(0);
+        let n = stalls.clone();
+        let first = tokio::spawn(async move {
+            let got = first
+                .during(hello_rx, || {
+                    n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                })
+                .await;
+            (first, got.is_ok())
+        });
+        let n = stalls.clone();
+        let second = tokio::spawn(async move {
+            second
+                .during(std::future::pending::<()>(), || {
+                    n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                })
+                .await
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(w.in_progress(), 2);
+        // Past the timeout both give up their places and the window is cut once.
+        tokio::time::advance(w.rto() + Duration::from_millis(1)).await;
+        tokio::task::yield_now().await;
+        assert_eq!(stalls.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(w.in_progress(), 0);
+        assert_eq!(w.limit(), 7);
+        assert_eq!(take_all(&w).len(), 7, "the places are free for other opens");
+        // The next timeout is twice as long (once for the round), until an open lands.
+        assert_eq!(w.rto(), 2 * MIN_RTO);
+        // The first still gets its hello: it lands, late, and the timeout is back.
+        hello_tx.send(()).unwrap();
+        let (turn, landed) = first.await.unwrap();
+        assert!(landed);
+        turn.landed();
+        assert!(w.rto() < 2 * MIN_RTO, "{:?}", w.rto());
+        assert_eq!(w.in_progress(), 0, "a stalled turn frees its place once");
+        second.abort();
     }
 }

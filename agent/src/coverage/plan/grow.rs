@@ -148,7 +148,8 @@ impl Planner {
     }
 
     /// Sum the requests: credit the streams already opening, in request order, then cap
-    /// live + opening + new at `max_streams` (the streams this plan closes no longer count).
+    /// live + opening + stalled + new at `max_streams` (the streams this plan closes no
+    /// longer count). Stalled opens are not credited (`Snapshot::stalled`).
     /// At the cap, a tick makes room for a short server by recycling idle streams of the
     /// best-covered ones (see [`Planner::make_room`]).
     pub(super) fn open(&mut self, tick: &Tick, requests: Vec<OpenRequest>, plan: &mut Plan) {
@@ -160,6 +161,7 @@ impl Planner {
         let live_after = tick.live().saturating_sub(count(plan.close.len()));
         let have = live_after
             .saturating_add(tick.opening)
+            .saturating_add(tick.stalled)
             .saturating_add(direct_opening);
         let mut room = self.cfg.max_streams.saturating_sub(have);
         // Room is recycled on ticks, and only at the cap: over it (a lowered cap) the

@@ -366,6 +366,7 @@ impl Sim {
             now: self.now(),
             cause,
             opening: self.opening(),
+            stalled: 0,
             servers: self
                 .servers
                 .iter()

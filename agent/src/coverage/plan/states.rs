@@ -116,6 +116,7 @@ impl Planner {
             now,
             cause: snap.cause,
             opening: snap.opening,
+            stalled: snap.stalled,
             servers,
         }
     }

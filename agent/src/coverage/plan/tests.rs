@@ -80,6 +80,7 @@ impl Snap {
             cause: Cause::Tick,
             servers: servers.to_vec(),
             opening: 0,
+            stalled: 0,
         }
     }
 }
@@ -247,6 +248,44 @@ fn streams_already_opening_are_credited_against_grow_and_fill() {
         ..s.snap(2, &[a, b])
     });
     assert_eq!(plan.open, 3);
+}
+
+#[test]
+fn stalled_opens_are_not_credited_against_growth_but_count_against_max_streams() {
+    let mut s = Snap::new();
+    let mut a = s.server("a", 10, 10);
+    a.queued = 30;
+    let c = CoverageConfig {
+        max_streams: 64,
+        ..cfg()
+    };
+    let mut p = Planner::new(c.clone());
+    let fresh = p.plan(&s.snap(0, &[a.clone()]));
+    assert!(fresh.open >= 20, "short 32: {fresh:?}");
+    // The same step's opens all in flight: nothing more.
+    let plan = p.plan(&Snapshot {
+        opening: fresh.open,
+        ..s.snap(1, &[a.clone()])
+    });
+    assert_eq!(plan.open, 0, "{plan:?}");
+    // Ten of them stalled (placed where no hello comes): they are asked for again.
+    let mut p = Planner::new(c.clone());
+    let plan = p.plan(&Snapshot {
+        opening: fresh.open - 10,
+        stalled: 10,
+        ..s.snap(1, &[a.clone()])
+    });
+    assert_eq!(plan.open, 10, "{plan:?}");
+    // And they still take room under max_streams: live 20 + 34 stalled leave 10.
+    let mut p = Planner::new(c);
+    let plan = p.plan(&Snapshot {
+        stalled: 34,
+        ..s.snap(1, &[a])
+    });
+    assert_eq!(
+        plan.open, 10,
+        "live 20 + stalled 34 + 10 = max_streams 64: {plan:?}"
+    );
 }
 
 #[test]
