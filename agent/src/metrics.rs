@@ -120,6 +120,9 @@ pub struct AgentMetrics {
     /// `relay_agent_open_window`: stream opens this agent lets be in progress at once now
     /// (`crate::stream::window`: up to `max_opening`, narrowed while hellos time out).
     pub open_window: IntGauge,
+    /// `relay_agent_open_stalls_total`: opens still waiting for their hello past the open
+    /// window's retransmission timeout (`crate::stream::window`).
+    pub open_stalls: IntCounter,
     /// Calls of the last [`RECENT_MINUTES`] minutes by outcome (`/systemcheck`).
     pub recent_calls: RecentCalls,
 }
@@ -206,6 +209,11 @@ impl AgentMetrics {
             "Stream opens the agent lets be in progress at once: up to max_opening, halved when an open times out waiting for its hello, grown again as opens land",
         )?;
         registry.register(Box::new(open_window.clone()))?;
+        let open_stalls = IntCounter::new(
+            "relay_agent_open_stalls_total",
+            "Stream opens still waiting for their hello past the open window's retransmission timeout: each stops holding a place in the window and is no longer counted toward growth, so the agent opens another",
+        )?;
+        registry.register(Box::new(open_stalls.clone()))?;
         registry.register(Box::new(server_streams.clone()))?;
         registry.register(Box::new(coverage_state.clone()))?;
         registry.register(Box::new(coverage_actions.clone()))?;
@@ -244,6 +252,7 @@ impl AgentMetrics {
             filter_refusals,
             direct_urls_refused,
             open_window,
+            open_stalls,
             recent_calls: RecentCalls::new(Instant::now()),
         })
     }

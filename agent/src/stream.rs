@@ -141,7 +141,10 @@ pub async fn run_stream(ctx: Arc<StreamContext>, link: StreamLink) {
                     ctx.connect_timeout,
                     open(&ctx.dialer, endpoint, channel, Some(&conn_name)),
                 ),
-                || link.emit(StreamEvent::Stalled),
+                || {
+                    ctx.metrics.open_stalls.inc();
+                    link.emit(StreamEvent::Stalled);
+                },
             )
             .await;
         // An open that did not reach a server pauses its endpoint; with another endpoint
