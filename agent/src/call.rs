@@ -28,7 +28,7 @@ use relay_proto::agent_frame::Kind;
 use relay_proto::{AgentFrame, BodyChunk, CallError, CallErrorKind, RequestHead, ResponseHead};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 /// What every call shares: the upstream client, the accept policy, the concurrency cap,
@@ -78,7 +78,7 @@ impl CallContext {
 /// Where a call's frames go: the stream's outbound half, and the response-body credit the
 /// server gave the call, on a stream that uses body credit (`ServerHello.response_credit`).
 pub(crate) struct CallOut {
-    pub tx: mpsc::Sender<AgentFrame>,
+    pub tx: crate::stream::FrameTx,
     pub credit: Option<Arc<Semaphore>>,
 }
 
@@ -321,7 +321,7 @@ pub(crate) fn call_error(
 
 async fn fail(
     ctx: &CallContext,
-    out: &mpsc::Sender<AgentFrame>,
+    out: &crate::stream::FrameTx,
     call_id: u64,
     trace_id: TraceId,
     e: &UpstreamError,
@@ -351,7 +351,7 @@ async fn fail(
 /// query, escaped), and a CallError naming the reason.
 async fn reject(
     ctx: &CallContext,
-    out: &mpsc::Sender<AgentFrame>,
+    out: &crate::stream::FrameTx,
     head: &RequestHead,
     rejection: Rejection,
     trace_id: TraceId,

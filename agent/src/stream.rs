@@ -42,7 +42,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Streaming;
@@ -60,6 +59,11 @@ pub use window::{OpenTurn, OpenWindow};
 
 /// Frames buffered towards tonic per stream; beyond this HTTP/2 flow control pushes back.
 const OUTBOUND_FRAMES: usize = 4;
+
+/// A stream's outbound queue, shared by the stream and the call on it: not a tokio `mpsc`
+/// channel, whose first block of slots (2.3 KB of agent frames) is allocated with it and
+/// kept for the stream's life (`relay_common::outbox`).
+pub(crate) type FrameTx = Arc<relay_common::outbox::Outbox<AgentFrame>>;
 /// Request body chunks buffered towards the upstream per call.
 const BODY_CHUNKS: usize = 4;
 /// How long a retired, idle stream waits for the server to close it before closing itself.
@@ -375,16 +379,10 @@ pub(crate) async fn open(
     endpoint: String,
     channel: Channel,
     conn_name: Option<&str>,
-) -> Result<
-    (
-        mpsc::Sender<AgentFrame>,
-        Streaming<ServerFrame>,
-        ServerHello,
-    ),
-    OpenError,
-> {
-    let (tx, rx) = mpsc::channel(OUTBOUND_FRAMES);
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+) -> Result<(FrameTx, Streaming<ServerFrame>, ServerHello), OpenError> {
+    let (tx, rx) = relay_common::outbox::outbox(OUTBOUND_FRAMES);
+    let tx = Arc::new(tx);
+    let mut request = tonic::Request::new(rx);
     request
         .metadata_mut()
         .insert("authorization", dialer.auth.clone());

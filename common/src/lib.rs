@@ -31,6 +31,7 @@ pub mod hop;
 pub mod hosts;
 pub mod html;
 pub mod listen;
+pub mod outbox;
 pub mod peer;
 pub mod rtt;
 pub mod runtime;

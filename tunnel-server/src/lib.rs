@@ -29,7 +29,7 @@ pub mod hub;
 pub mod liveness;
 pub mod load;
 pub mod metrics;
-pub mod outbox;
+pub use relay_common::outbox;
 pub mod outcome;
 pub mod report;
 pub mod slots;

@@ -805,5 +805,7 @@ mod tests {
             end: Some(handle.end_status()),
         });
         assert!(outbound <= 32, "the response stream is {outbound} bytes");
+        // Frames wait in the outbound queue boxed: a full queue of an idle stream is small.
+        assert_eq!(std::mem::size_of::<OutFrame>(), 16);
     }
 }

@@ -2,6 +2,7 @@
 //! future, request-body credit and buffering, heartbeat silence and the retire linger.
 
 use super::*;
+use relay_common::outbox::TrySendError;
 
 /// How long a stream whose outbound half broke waits for its inbound half to say why.
 const LOST_REASON_WAIT: Duration = Duration::from_millis(200);
@@ -81,7 +82,7 @@ impl<F: Future<Output = CallOutcome>> CallFutureBox<F> {
 /// A landed stream serving calls.
 pub(super) struct Session<F> {
     ctx: Arc<StreamContext>,
-    out: mpsc::Sender<AgentFrame>,
+    out: FrameTx,
     inbound: Streaming<ServerFrame>,
     /// Silence after which an idle stream counts as dead (`None`: no heartbeat announced).
     silence: Option<Duration>,
@@ -117,7 +118,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
     pub(super) fn new(
         ctx: Arc<StreamContext>,
         link: &StreamLink,
-        out: mpsc::Sender<AgentFrame>,
+        out: FrameTx,
         inbound: Streaming<ServerFrame>,
         terms: Terms,
         start_call: StartCall<F>,
@@ -279,10 +280,10 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
     pub(super) async fn send(&mut self, frame: AgentFrame) -> Result<(), CloseReason> {
         match self.out.try_send(frame) {
             Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Full(frame)) => Box::pin(self.out.send(frame))
+            Err(TrySendError::Full(frame)) => Box::pin(self.out.send(frame))
                 .await
                 .map_err(|_| CloseReason::Lost),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(CloseReason::Lost),
+            Err(TrySendError::Closed(_)) => Err(CloseReason::Lost),
         }
     }
 
