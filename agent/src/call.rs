@@ -75,10 +75,15 @@ impl CallContext {
     }
 }
 
+/// A stream's outbound queue, shared by the stream and the call on it: not a tokio `mpsc`
+/// channel, whose first block of slots (2.3 KB of agent frames) is allocated with it and
+/// kept for the stream's life (`relay_common::outbox`).
+pub(crate) type FrameTx = Arc<relay_common::outbox::Outbox<AgentFrame>>;
+
 /// Where a call's frames go: the stream's outbound half, and the response-body credit the
 /// server gave the call, on a stream that uses body credit (`ServerHello.response_credit`).
 pub(crate) struct CallOut {
-    pub tx: crate::stream::FrameTx,
+    pub tx: FrameTx,
     pub credit: Option<Arc<Semaphore>>,
 }
 
@@ -321,7 +326,7 @@ pub(crate) fn call_error(
 
 async fn fail(
     ctx: &CallContext,
-    out: &crate::stream::FrameTx,
+    out: &FrameTx,
     call_id: u64,
     trace_id: TraceId,
     e: &UpstreamError,
@@ -351,7 +356,7 @@ async fn fail(
 /// query, escaped), and a CallError naming the reason.
 async fn reject(
     ctx: &CallContext,
-    out: &crate::stream::FrameTx,
+    out: &FrameTx,
     head: &RequestHead,
     rejection: Rejection,
     trace_id: TraceId,

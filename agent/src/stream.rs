@@ -17,7 +17,7 @@
 //! open itself; `dial` holds the endpoints and their connections, `session` the landed
 //! stream serving calls.
 
-use crate::call::{call_error, run_call, CallContext};
+use crate::call::{call_error, run_call, CallContext, FrameTx};
 use crate::coverage::{CloseReason, Connector, Landing, StreamEvent, StreamLink};
 use crate::error::OpenError;
 use crate::metrics::{AgentMetrics, CallOutcome, OpenResult};
@@ -59,11 +59,6 @@ pub use window::{OpenTurn, OpenWindow};
 
 /// Frames buffered towards tonic per stream; beyond this HTTP/2 flow control pushes back.
 const OUTBOUND_FRAMES: usize = 4;
-
-/// A stream's outbound queue, shared by the stream and the call on it: not a tokio `mpsc`
-/// channel, whose first block of slots (2.3 KB of agent frames) is allocated with it and
-/// kept for the stream's life (`relay_common::outbox`).
-pub(crate) type FrameTx = Arc<relay_common::outbox::Outbox<AgentFrame>>;
 /// Request body chunks buffered towards the upstream per call.
 const BODY_CHUNKS: usize = 4;
 /// How long a retired, idle stream waits for the server to close it before closing itself.
