@@ -277,7 +277,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
     /// Queues a frame for the server; waits for room only when the queue is full, in a
     /// box made then (the wait holds the frame: kept in the task, it would size every
     /// stream's task for its whole life).
-    pub(super) async fn send(&mut self, frame: AgentFrame) -> Result<(), CloseReason> {
+    async fn send(&mut self, frame: AgentFrame) -> Result<(), CloseReason> {
         match self.out.try_send(frame) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(frame)) => Box::pin(self.out.send(frame))
@@ -289,7 +289,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
 
     /// GoingAway, once (the frame to send); the server closes the stream when no call is
     /// in flight.
-    pub(super) fn going_away(&mut self) -> Option<AgentFrame> {
+    fn going_away(&mut self) -> Option<AgentFrame> {
         if self.going_away_sent {
             return None;
         }
@@ -300,7 +300,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
         Some(AgentFrame::of(Out::GoingAway(GoingAway {})))
     }
 
-    pub(super) fn call_done(&mut self, id: u64, outcome: CallOutcome) -> Result<(), CloseReason> {
+    fn call_done(&mut self, id: u64, outcome: CallOutcome) -> Result<(), CloseReason> {
         self.call_fut.clear();
         self.clear_body();
         let mut took = None;
@@ -318,7 +318,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
         Ok(())
     }
 
-    pub(super) fn idle_again(&mut self) {
+    fn idle_again(&mut self) {
         let now = Instant::now();
         if let Some(s) = self.silence {
             self.dead.as_mut().reset(now + s);
@@ -331,7 +331,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
     /// The oldest pending chunk (`Some((len, end))`) went to the upstream, or the upstream
     /// stopped reading the body (`None`: it answered already, or failed). The credit frame
     /// to send, if a step's worth passed.
-    pub(super) fn body_room(&mut self, delivered: Option<(usize, bool)>) -> Option<AgentFrame> {
+    fn body_room(&mut self, delivered: Option<(usize, bool)>) -> Option<AgentFrame> {
         match delivered {
             Some((len, end)) => {
                 if end {
@@ -352,7 +352,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
     }
 
     /// Forgets the request body of the call that ended.
-    pub(super) fn clear_body(&mut self) {
+    fn clear_body(&mut self) {
         self.pending.clear();
         self.request_unacked = 0;
         self.request_passed = 0;
@@ -360,7 +360,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
 
     /// With body credit: `len` request-body bytes went to the upstream; once a step's worth
     /// did, they are given back to the server (the credit frame to send).
-    pub(super) fn passed_upstream(&mut self, len: usize) -> Option<AgentFrame> {
+    fn passed_upstream(&mut self, len: usize) -> Option<AgentFrame> {
         self.credit?;
         let call_id = self.call.as_ref().map(|c| c.id)?;
         self.request_passed = self.request_passed.saturating_add(len as u32);
@@ -377,7 +377,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
 
     /// One frame from the server, or the end of its half; the frame to answer with, if
     /// any (a pong, a credit grant, a cancelled call's error).
-    pub(super) fn on_frame(
+    fn on_frame(
         &mut self,
         id: u64,
         frame: Result<Option<ServerFrame>, tonic::Status>,
@@ -597,7 +597,7 @@ impl<F: Future<Output = CallOutcome>> Session<F> {
 /// end))` once delivered, `None` if the upstream stopped reading. Pends forever when nothing
 /// waits. The chunk is taken only together with the room, so losing the race to another
 /// branch of the stream's `select!` loses no data.
-pub(super) async fn feed_body(
+async fn feed_body(
     call: Option<&ActiveCall>,
     pending: &mut std::collections::VecDeque<(Bytes, bool)>,
 ) -> Option<(usize, bool)> {

@@ -407,6 +407,7 @@ mod tests {
             .unwrap();
         assert!(started <= Instant::now());
     }
+
     #[tokio::test(start_paused = true)]
     async fn the_timeout_follows_the_landings_within_its_bounds() {
         let w = window(64);
