@@ -233,9 +233,6 @@ impl Calls {
             };
             return failed.end(guard, ids);
         };
-        if pick.spilled {
-            self.metrics.spills.with_label_values(&[&tunnel_id]).inc();
-        }
         let end_of_stream = body.is_end_stream();
         let caller_body: Option<CallerBody> =
             (!end_of_stream).then(|| match self.max_request_body_bytes {

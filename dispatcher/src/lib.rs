@@ -18,10 +18,10 @@
 //! sticky / available, spill share, load, latency tiers), `latency` (this dispatcher's
 //! measured leg to each tunnel server), `registry` (the routing table as a pure state
 //! machine, leases, and the shell, `Routes`, that carries its changes out to the plans,
-//! gauges, shared store and forward channels), `shared` (the Redis-backed shared registry),
+//! shared store and forward channels), `shared` (the Redis-backed shared registry),
 //! `report` (the gRPC service feeding the table), `status` (the admin status page),
 //! `start` (every component built from the config, then spawned and stopped in order),
-//! `metrics`, `error`.
+//! `metrics` (with the routing series read from the registry at scrape time), `error`.
 //!
 //! The crate never buffers a whole body, never logs or forwards a caller key, and takes
 //! already-bound listeners so tests and the one-process demo can run it on `127.0.0.1:0`.

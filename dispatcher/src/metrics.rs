@@ -4,11 +4,12 @@
 //! Labels carry outcomes, server ids and tunnel ids (public names) only: never a caller
 //! key, token or tunnel secret.
 
+mod routing;
+
+pub use routing::{RoutingFigures, RoutingRows, RoutingSeries, ServerRow, TunnelRow};
+
 use crate::error::ErrorCode;
-use prometheus::{
-    GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
-};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 /// How a call ended: the `outcome` label of `relay_dispatcher_calls_total` and
 /// `relay_dispatcher_calls_by_server_total`.
@@ -89,21 +90,10 @@ pub struct Metrics {
     pub calls_in_flight: IntGauge,
     /// Calls by the server that answered them (the last one tried) and outcome.
     pub calls_by_server: IntCounterVec,
-    /// Calls whose first choice was a spill away from their tunnel id's home server, by
-    /// tunnel id.
-    pub spills: IntCounterVec,
-    /// Share of each tunnel id's new calls spilled away from its home server.
-    pub spill_share: GaugeVec,
-    /// Smoothed RTT of a call's path through each server to each tunnel id's streams.
-    pub server_rtt: GaugeVec,
-    /// This dispatcher's smoothed round trip to each tunnel server.
-    pub forward_rtt: GaugeVec,
-    /// Each tunnel server's reported load (smoothed CPU use, 0..1).
-    pub server_load: GaugeVec,
-    /// Calls in flight each tunnel server reports.
-    pub server_calls_in_flight: IntGaugeVec,
-    /// Latency tier of each server for each tunnel id (0 = best; -1 = not routable).
-    pub server_tier: IntGaugeVec,
+    /// The routing series (per tunnel id: spill share, spills, each server's RTT and
+    /// tier; per server: load, calls in flight, forward RTT), built at scrape time from
+    /// the registry ([`routing`]).
+    pub routing_series: RoutingSeries,
     /// Tunnel server entries dropped because their lease ran out.
     pub lease_expiries: IntCounter,
     /// Time between two frames of one tunnel server's report stream, as handled here (a
@@ -190,55 +180,6 @@ impl Metrics {
             ),
             &["server_id", "outcome"],
         )?;
-        let spills = IntCounterVec::new(
-            Opts::new(
-                "relay_dispatcher_spills_total",
-                "Calls whose first choice was a spill away from their tunnel id's home server, by tunnel id",
-            ),
-            &["tunnel_id"],
-        )?;
-        let spill_share = GaugeVec::new(
-            Opts::new(
-                "relay_dispatcher_spill_share",
-                "Share of a tunnel id's new calls spilled away from its home server",
-            ),
-            &["tunnel_id"],
-        )?;
-        let server_rtt = GaugeVec::new(
-            Opts::new(
-                "relay_dispatcher_server_rtt_seconds",
-                "Smoothed round-trip time of a call's path through a tunnel server to a tunnel id's agent streams: this dispatcher's leg plus the server's (0 until both are measured)",
-            ),
-            &["server_id", "tunnel_id"],
-        )?;
-        let forward_rtt = GaugeVec::new(
-            Opts::new(
-                "relay_dispatcher_forward_rtt_seconds",
-                "Smoothed round-trip time from this dispatcher to a tunnel server (Forward.Probe on the connection calls use)",
-            ),
-            &["server_id"],
-        )?;
-        let server_load = GaugeVec::new(
-            Opts::new(
-                "relay_dispatcher_server_load_ratio",
-                "Load a tunnel server reports: its smoothed CPU use out of the CPU it may use (0 to 1), weighed by routing",
-            ),
-            &["server_id"],
-        )?;
-        let server_calls_in_flight = IntGaugeVec::new(
-            Opts::new(
-                "relay_dispatcher_server_calls_in_flight",
-                "Calls in flight a tunnel server reports (all tunnel ids)",
-            ),
-            &["server_id"],
-        )?;
-        let server_tier = IntGaugeVec::new(
-            Opts::new(
-                "relay_dispatcher_server_tier",
-                "Latency tier of a tunnel server for a tunnel id (0 = best, -1 = not routable)",
-            ),
-            &["server_id", "tunnel_id"],
-        )?;
         let lease_expiries = IntCounter::new(
             "relay_dispatcher_lease_expiries_total",
             "Tunnel server entries dropped because the server stopped reporting within its lease",
@@ -264,13 +205,8 @@ impl Metrics {
             "1 while the shared registry is unreachable and routing runs on the last known table",
         )?;
         registry.register(Box::new(calls_by_server.clone()))?;
-        registry.register(Box::new(spills.clone()))?;
-        registry.register(Box::new(spill_share.clone()))?;
-        registry.register(Box::new(server_rtt.clone()))?;
-        registry.register(Box::new(forward_rtt.clone()))?;
-        registry.register(Box::new(server_load.clone()))?;
-        registry.register(Box::new(server_calls_in_flight.clone()))?;
-        registry.register(Box::new(server_tier.clone()))?;
+        let routing_series = RoutingSeries::new()?;
+        registry.register(Box::new(routing_series.clone()))?;
         registry.register(Box::new(lease_expiries.clone()))?;
         registry.register(Box::new(report_gap.clone()))?;
         registry.register(Box::new(reports_refused.clone()))?;
@@ -332,13 +268,7 @@ impl Metrics {
             tunnels,
             calls_in_flight,
             calls_by_server,
-            spills,
-            spill_share,
-            server_rtt,
-            forward_rtt,
-            server_load,
-            server_calls_in_flight,
-            server_tier,
+            routing_series,
             lease_expiries,
             report_gap,
             reports_refused,

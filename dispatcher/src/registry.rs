@@ -12,11 +12,13 @@
 //!   a departed server is logged, counted and its unused forward channel evicted; a local
 //!   entry's change is queued for the shared store (only when there is one); the plans of
 //!   the tunnel ids that changed are rebuilt and published; the fleet watch and the
-//!   gauges follow.
-//! - [`gauges`]: the routing gauges. [`debug`]: the `/debug/routes` JSON.
+//!   server and tunnel counts follow. The routing series (spill shares, tiers, RTTs,
+//!   servers' load) are read from the table and the router when `/metrics` is scraped
+//!   (`crate::metrics::RoutingSeries`), so no event sets a series.
+//! - [`debug`]: the `/debug/routes` JSON.
 //!
 //! The call path ([`Routes::route`]) reads published plans from a sharded map and never
-//! waits on the writers' lock (the table, the router and the gauges behind one `Mutex`): an
+//! waits on the writers' lock (the table and the router behind one `Mutex`): an
 //! event rebuilds only the plans of the tunnel ids it changed, under that lock, and swaps
 //! each new plan into the map. A fleet of agents
 //! connecting announces thousands of tunnel ids within seconds; rebuilding every plan on
@@ -30,7 +32,6 @@
 //! the clock, through `tokio::time::Instant` (and the wall clock for `/debug/routes`).
 
 mod debug;
-mod gauges;
 pub mod table;
 
 pub use table::{
@@ -38,10 +39,9 @@ pub use table::{
 };
 
 use crate::config::RoutingConfig;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RoutingFigures, RoutingRows, ServerRow, TunnelRow};
 use crate::routing::{Pick, Router, TunnelPlan};
 use dashmap::DashMap;
-use gauges::Gauges;
 use parking_lot::Mutex;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,12 +62,57 @@ type Evict = Box<dyn Fn(&str) + Send + Sync>;
 struct Writers {
     table: Table,
     router: Router,
-    gauges: Gauges,
+}
+
+/// The routing series' figures: each server in the table, and each tunnel id a server
+/// holds with its routing status and the servers' views (see
+/// `crate::metrics::RoutingSeries`).
+impl RoutingFigures for Mutex<Writers> {
+    fn routing_rows(&self) -> RoutingRows {
+        let w = self.lock();
+        let servers = w
+            .table
+            .entries()
+            .map(|e| ServerRow {
+                server_id: e.info.server_id.clone(),
+                load_ratio: f64::from(e.cpu_permille()) / 1000.0,
+                calls_in_flight: e.load.as_ref().map_or(0, |(_, l)| l.calls_in_flight),
+                forward_rtt_us: w.table.forward_rtt_of(e),
+            })
+            .collect();
+        let tunnels = w
+            .table
+            .all_views()
+            .into_iter()
+            .filter_map(|(tunnel_id, views)| {
+                let status = w.router.status(&tunnel_id)?;
+                let tier = |server_id: &str| {
+                    status
+                        .tiers
+                        .iter()
+                        .find(|(s, _)| &**s == server_id)
+                        .map_or(-1, |(_, k)| *k as i64)
+                };
+                let servers = views
+                    .iter()
+                    .map(|v| (v.server_id.clone(), v.rtt_us, tier(&v.server_id)))
+                    .collect();
+                Some(TunnelRow {
+                    tunnel_id,
+                    spill_share: status.spill_share,
+                    spills: status.spills,
+                    servers,
+                })
+            })
+            .collect();
+        RoutingRows { servers, tunnels }
+    }
 }
 
 /// The dispatcher's registry. See the module docs.
 pub struct Routes {
-    writers: Mutex<Writers>,
+    /// Shared with the per-tunnel-id series, which read it at scrape time.
+    writers: Arc<Mutex<Writers>>,
     /// Each tunnel id's current plan, for the call path.
     plans: DashMap<String, Arc<TunnelPlan>>,
     /// `(tunnel id, server id)` pairs that answered NO_CAPACITY since the last rebuild.
@@ -95,12 +140,14 @@ impl Routes {
         shared: bool,
         metrics: Metrics,
     ) -> Self {
+        let writers = Arc::new(Mutex::new(Writers {
+            table: Table::new(lease),
+            router: Router::new(routing),
+        }));
+        let source: std::sync::Weak<Mutex<Writers>> = Arc::downgrade(&writers);
+        metrics.routing_series.attach(source);
         Routes {
-            writers: Mutex::new(Writers {
-                table: Table::new(lease),
-                router: Router::new(routing),
-                gauges: Gauges::new(metrics.clone()),
-            }),
+            writers,
             plans: DashMap::new(),
             no_capacity: Mutex::new(HashSet::new()),
             next_session: AtomicU64::new(0),
@@ -171,10 +218,10 @@ impl Routes {
                 }
             }
         }
-        w.gauges.counts(w.table.counts());
-        let Writers { table, gauges, .. } = &mut *w;
-        gauges.servers(table);
+        let counts = w.table.counts();
         drop(w);
+        self.metrics.tunnel_servers.set(counts.servers as i64);
+        self.metrics.tunnels.set(counts.tunnels as i64);
         if queued {
             self.dirty_notify.notify_one();
         }
@@ -189,7 +236,7 @@ impl Routes {
         }
     }
 
-    /// Rebuilds, publishes and gauges one tunnel id's plan.
+    /// Rebuilds and publishes one tunnel id's plan.
     fn rebuild_one(&self, w: &mut Writers, now: Instant, tunnel_id: &str) {
         self.take_no_capacity(&mut w.router);
         let views = w.table.views(tunnel_id);
@@ -202,11 +249,9 @@ impl Routes {
                 self.plans.remove(tunnel_id);
             }
         }
-        let status = w.router.status(tunnel_id);
-        w.gauges.tunnel(tunnel_id, status.as_ref(), &views);
     }
 
-    /// Rebuilds, publishes and gauges every plan not settled on its views (see
+    /// Rebuilds and publishes every plan not settled on its views (see
     /// [`crate::routing`]), stepping the spill shares that are due.
     fn rebuild_all(&self, w: &mut Writers, now: Instant) {
         self.take_no_capacity(&mut w.router);
@@ -214,15 +259,12 @@ impl Routes {
         let rebuilt = w.router.update(now, &views);
         self.plans.retain(|tid, _| views.contains_key(tid));
         for tid in rebuilt {
-            let status = w.router.status(tid);
             if let Some(plan) = w.router.plan(tid) {
                 self.plans.insert(tid.to_string(), plan);
             } else {
                 self.plans.remove(tid);
             }
-            w.gauges.tunnel(tid, status.as_ref(), &views[tid]);
         }
-        w.gauges.retain(&views);
     }
 
     /// A server opened a report stream. Replaces any earlier entry of the same server id,

@@ -4,7 +4,7 @@
 //! a value, and returns the [`Change`]s it made.
 //!
 //! Why this shape: the table is the one place that decides what a report means, and every
-//! consumer (the Redis writer, the gauges, the forward-channel cache, the routing plans, the
+//! consumer (the Redis writer, the counts, the forward-channel cache, the routing plans, the
 //! fleet watch) follows from the change list instead of being called from inside the
 //! table's methods. The rules are then testable event by event, with no clock, no runtime,
 //! no metrics and no Redis (see `table/tests.rs`).

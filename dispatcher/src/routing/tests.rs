@@ -171,6 +171,28 @@ fn spill_share_rises_in_steps_while_home_is_saturated_and_caps() {
 }
 
 #[test]
+fn spilled_picks_are_counted_across_the_plans_rebuilds() {
+    let mut sim = Sim::new(RoutingPolicy::Available);
+    sim.step(&[s("a", 4, 0, 0), s("b", 2, 0, 0)]);
+    let picks = |sim: &Sim, n: usize| {
+        let plan = sim.router.plan("demo").unwrap();
+        (0..n).filter(|_| plan.pick().spilled).count() as u64
+    };
+    assert_eq!(picks(&sim, 10), 0, "nothing spills at rest");
+    let saturated = [s("a", 0, 4, 3), s("b", 2, 0, 0)];
+    sim.step(&saturated);
+    sim.step(&saturated);
+    assert!(approx(sim.spill(), 0.2), "{}", sim.spill());
+    let first = picks(&sim, 100);
+    assert_eq!(first, 20, "a fifth of the calls spilled");
+    // The next step rebuilds the plan: the count goes on from where it was.
+    sim.step(&saturated);
+    let second = picks(&sim, 100);
+    assert_eq!(second, 30);
+    assert_eq!(sim.router.status("demo").unwrap().spills, first + second);
+}
+
+#[test]
 fn spill_share_steps_at_most_once_per_step_interval() {
     let mut sim = Sim::new(RoutingPolicy::Available);
     sim.step(&[s("a", 4, 0, 0), s("b", 2, 0, 0)]);
