@@ -27,7 +27,7 @@ mod view;
 mod tests;
 
 use crate::error::OpenError;
-use crate::metrics::{AgentMetrics, ServerSeries, ShortSeries};
+use crate::metrics::AgentMetrics;
 use futures::future::BoxFuture;
 use plan::{
     ActionKind, Cause, PlacementTally, Plan, Planner, ServerKey, ServerView, Snapshot, State,
@@ -327,10 +327,6 @@ pub struct CoverageActor {
     events_rx: mpsc::UnboundedReceiver<(StreamId, StreamEvent)>,
     backoff: Backoff,
     view: watch::Sender<CoverageView>,
-    /// Server ids with stream and state series, and their handles.
-    exported: HashMap<String, ServerSeries>,
-    /// Server ids with a `grpc_tunnel_server_short_seconds` series, and its handle.
-    exported_short: HashMap<String, ShortSeries>,
     next_tick: Instant,
     shutting_down: bool,
     /// The last [`RECENT_ACTIONS`] actions, oldest first.
@@ -370,8 +366,6 @@ impl CoverageActor {
             events_rx,
             backoff,
             view,
-            exported: HashMap::new(),
-            exported_short: HashMap::new(),
             next_tick: Instant::now(),
             shutting_down: false,
             recent: VecDeque::with_capacity(RECENT_ACTIONS),
@@ -713,12 +707,7 @@ impl CoverageActor {
             );
         }
         self.tasks.shutdown().await;
-        for server in self.exported.keys() {
-            self.metrics.remove_server(server);
-        }
-        for server in self.exported_short.keys() {
-            self.metrics.remove_short(server);
-        }
+        self.metrics.servers.clear();
         self.metrics.streams_live.set(0);
     }
 }

@@ -4,18 +4,26 @@
 //! This module only defines and updates series; it decides nothing. Besides the
 //! Prometheus series it keeps [`RecentCalls`], the calls of the last minutes by outcome
 //! that `/systemcheck` and the status page show.
+//!
+//! The per-server coverage series ([`ServerTable`]) are built from a small table when
+//! `/metrics` is scraped: held as Prometheus series they would be 8 per tunnel server, each
+//! with its own label strings, map entry and atomic (about 37 KB for an agent on 10 servers,
+//! its largest memory item), where the table keeps about 100 bytes per server.
 
 use crate::coverage::plan::{ActionKind, State};
 use crate::filter::Reason;
 use parking_lot::Mutex;
 use prometheus::{
-    Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry,
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
 };
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::time::Instant;
+
+mod servers;
+
+pub use servers::{Rows, ServerTable};
 
 /// How a call ended, as counted in `relay_agent_calls_total{outcome}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,17 +95,16 @@ impl OpenResult {
 /// Every agent metric. Cheap to clone (the prometheus handles are shared).
 #[derive(Clone)]
 pub struct AgentMetrics {
-    /// `grpc_tunnel_server_streams{server_id,state=idle|busy}`.
-    pub server_streams: IntGaugeVec,
-    /// `grpc_tunnel_coverage_state{server_id,state}`: 1 for the current state, 0 otherwise.
-    pub coverage_state: IntGaugeVec,
+    /// `grpc_tunnel_server_streams{server_id,state=idle|busy}`,
+    /// `grpc_tunnel_coverage_state{server_id,state}` (1 for the current state, 0 otherwise)
+    /// and `grpc_tunnel_server_short_seconds{server_id}` (how long each server has been
+    /// short without a break, 0 when covered, as `/systemcheck` shows it): the sizing tick
+    /// writes their table after every plan.
+    pub servers: ServerTable,
     /// `grpc_tunnel_coverage_actions_total{action}`.
     pub coverage_actions: IntCounterVec,
-    /// `grpc_tunnel_server_short_seconds{server_id}`: how long each server has been short
-    /// without a break (0 when covered), as `/systemcheck` shows it.
-    pub server_short: GaugeVec,
     /// `grpc_tunnel_coverage_grace_seconds`: `coverage.grace`, so an alert can compare
-    /// `server_short` with the grace this agent runs with.
+    /// `grpc_tunnel_server_short_seconds` with the grace this agent runs with.
     pub coverage_grace: Gauge,
     /// `relay_agent_streams_live`: live (non-retiring) streams across servers; 0 means no
     /// call can reach this agent.
@@ -129,33 +136,13 @@ pub struct AgentMetrics {
 
 impl AgentMetrics {
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let server_streams = IntGaugeVec::new(
-            Opts::new(
-                "grpc_tunnel_server_streams",
-                "Live tunnel streams of this agent per tunnel server, idle or busy",
-            ),
-            &["server_id", "state"],
-        )?;
-        let coverage_state = IntGaugeVec::new(
-            Opts::new(
-                "grpc_tunnel_coverage_state",
-                "Coverage state of each tunnel server as the last sizing tick judged it (1 = current state)",
-            ),
-            &["server_id", "state"],
-        )?;
+        let servers = ServerTable::new()?;
         let coverage_actions = IntCounterVec::new(
             Opts::new(
                 "grpc_tunnel_coverage_actions_total",
                 "Coverage actions taken by the sizing tick",
             ),
             &["action"],
-        )?;
-        let server_short = GaugeVec::new(
-            Opts::new(
-                "grpc_tunnel_server_short_seconds",
-                "How long each tunnel server has been short of busy + reserve without a break (0 when covered)",
-            ),
-            &["server_id"],
         )?;
         let coverage_grace = Gauge::new(
             "grpc_tunnel_coverage_grace_seconds",
@@ -214,10 +201,8 @@ impl AgentMetrics {
             "Stream opens still waiting for their hello past the open window's retransmission timeout: each stops holding a place in the window and is no longer counted toward growth, so the agent opens another",
         )?;
         registry.register(Box::new(open_stalls.clone()))?;
-        registry.register(Box::new(server_streams.clone()))?;
-        registry.register(Box::new(coverage_state.clone()))?;
+        registry.register(Box::new(servers.clone()))?;
         registry.register(Box::new(coverage_actions.clone()))?;
-        registry.register(Box::new(server_short.clone()))?;
         registry.register(Box::new(coverage_grace.clone()))?;
         registry.register(Box::new(streams_live.clone()))?;
         registry.register(Box::new(calls_received.clone()))?;
@@ -239,10 +224,8 @@ impl AgentMetrics {
             filter_refusals.with_label_values(&[r.as_str()]);
         }
         Ok(AgentMetrics {
-            server_streams,
-            coverage_state,
+            servers,
             coverage_actions,
-            server_short,
             coverage_grace,
             streams_live,
             calls_received,
@@ -280,100 +263,6 @@ impl AgentMetrics {
         self.coverage_actions
             .with_label_values(&[kind.as_str()])
             .inc_by(u64::from(count));
-    }
-
-    /// The series of one server id, looked up once: the sizing tick sets them after every
-    /// plan through the handles (see [`ServerSeries`]).
-    pub fn server_series(&self, server_id: &str) -> ServerSeries {
-        ServerSeries {
-            idle: self.server_streams.with_label_values(&[server_id, "idle"]),
-            busy: self.server_streams.with_label_values(&[server_id, "busy"]),
-            states: State::ALL.map(|s| {
-                self.coverage_state
-                    .with_label_values(&[server_id, s.as_str()])
-            }),
-            shown: None,
-        }
-    }
-
-    /// The short-for series of one server id, looked up once (see [`ShortSeries`]).
-    pub fn short_series(&self, server_id: &str) -> ShortSeries {
-        ShortSeries {
-            gauge: self.server_short.with_label_values(&[server_id]),
-            shown: None,
-        }
-    }
-
-    /// Drops the short-for series of a server the sizing tick no longer plans for.
-    pub fn remove_short(&self, server_id: &str) {
-        let _ = self.server_short.remove_label_values(&[server_id]);
-    }
-
-    /// Drops every series of a server that holds no streams any more.
-    pub fn remove_server(&self, server_id: &str) {
-        for st in ["idle", "busy"] {
-            let _ = self.server_streams.remove_label_values(&[server_id, st]);
-        }
-        for s in State::ALL {
-            let _ = self
-                .coverage_state
-                .remove_label_values(&[server_id, s.as_str()]);
-        }
-    }
-}
-
-/// A server id's stream gauges and coverage state, held by the sizing actor while the
-/// server holds streams. Setting them goes through the handles and only when a figure
-/// changed: a label lookup hashes and compares the label values under the vector's lock,
-/// and an agent plans at least once a second for each of its servers (a process running
-/// thousands of agents, as `relay-fleet` does, spent a tenth of its CPU on those lookups).
-pub struct ServerSeries {
-    idle: IntGauge,
-    busy: IntGauge,
-    states: [IntGauge; State::ALL.len()],
-    /// What the gauges show now.
-    shown: Option<(u32, u32, Option<State>)>,
-}
-
-impl ServerSeries {
-    /// Sets the server's idle and busy streams and, when known, its coverage state.
-    pub fn set(&mut self, idle: u32, busy: u32, state: Option<State>) {
-        let now = Some((idle, busy, state));
-        if self.shown == now {
-            return;
-        }
-        let before = self.shown.replace((idle, busy, state));
-        if before.map(|b| b.0) != Some(idle) {
-            self.idle.set(i64::from(idle));
-        }
-        if before.map(|b| b.1) != Some(busy) {
-            self.busy.set(i64::from(busy));
-        }
-        if let Some(state) = state {
-            if before.and_then(|b| b.2) != Some(state) {
-                for (s, g) in State::ALL.iter().zip(&self.states) {
-                    g.set(i64::from(*s == state));
-                }
-            }
-        }
-    }
-}
-
-/// A server id's `grpc_tunnel_server_short_seconds`, in whole seconds as `/systemcheck`
-/// shows them, set when they change.
-pub struct ShortSeries {
-    gauge: Gauge,
-    shown: Option<u64>,
-}
-
-impl ShortSeries {
-    /// Sets how long the server has been short (0 when covered).
-    pub fn set(&mut self, short: std::time::Duration) {
-        let secs = short.as_secs();
-        if self.shown != Some(secs) {
-            self.shown = Some(secs);
-            self.gauge.set(secs as f64);
-        }
     }
 }
 

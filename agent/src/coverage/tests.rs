@@ -367,6 +367,37 @@ async fn shutdown_retires_every_stream() {
     assert!(net.live().is_empty());
 }
 
+/// A stopped agent holds no streams and plans no more: its per-server series go with it.
+#[tokio::test(start_paused = true)]
+async fn shutdown_removes_the_per_server_series() {
+    let h = start(fixed(3), FakeNet::new(|_| "s1".into()));
+    ticks(1).await;
+    let idle = |r: &prometheus::Registry| {
+        gauge(
+            r,
+            "grpc_tunnel_server_streams",
+            &[("server_id", "s1"), ("state", "idle")],
+        )
+    };
+    assert_eq!(idle(&h.registry), Some(3.0));
+    assert_eq!(
+        gauge(
+            &h.registry,
+            "grpc_tunnel_server_short_seconds",
+            &[("server_id", "s1")]
+        ),
+        Some(0.0)
+    );
+    h.handle.shutdown().await;
+    for name in [
+        "grpc_tunnel_server_streams",
+        "grpc_tunnel_coverage_state",
+        "grpc_tunnel_server_short_seconds",
+    ] {
+        assert_eq!(gauge(&h.registry, name, &[]), None, "{name}");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn dropping_the_handle_stops_everything() {
     let h = start(fixed(3), FakeNet::new(|_| "s1".into()));

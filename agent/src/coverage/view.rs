@@ -88,65 +88,24 @@ pub struct ActionReport {
 
 impl CoverageActor {
     pub(super) fn publish(&mut self, snap: &Snapshot, plan: &Plan) {
-        // Metrics are per server id (what operators see); instances of one id add up and
-        // the state shown is that of the instance holding the most streams.
-        let mut per_id: BTreeMap<&str, (u32, u32, Option<State>, usize)> = BTreeMap::new();
-        for s in snap.servers.iter().filter(|s| !s.streams.is_empty()) {
-            let busy = s.streams.iter().filter(|st| st.busy).count() as u32;
-            let idle = s.streams.len() as u32 - busy;
-            let state = plan
-                .states
-                .iter()
-                .find(|p| p.server_id == s.server_id && p.instance_id == s.instance_id)
-                .map(|p| p.state);
-            let e = per_id.entry(&s.server_id).or_insert((0, 0, None, 0));
-            e.0 += idle;
-            e.1 += busy;
-            if s.streams.len() >= e.3 {
-                e.2 = state;
-                e.3 = s.streams.len();
+        // Metrics are per server id (what operators see): `Rows` adds up its instances.
+        self.metrics.servers.update(|rows| {
+            for s in snap.servers.iter().filter(|s| !s.streams.is_empty()) {
+                let busy = s.streams.iter().filter(|st| st.busy).count() as u32;
+                let idle = s.streams.len() as u32 - busy;
+                let state = plan
+                    .states
+                    .iter()
+                    .find(|p| p.server_id == s.server_id && p.instance_id == s.instance_id)
+                    .map(|p| p.state);
+                rows.instance(&s.server_id, idle, busy, state);
             }
-        }
-        let metrics = &self.metrics;
-        self.exported.retain(|id, _| {
-            let keep = per_id.contains_key(id.as_str());
-            if !keep {
-                metrics.remove_server(id);
+            // Short-for for every server the tick planned (a server can be short while
+            // holding no stream).
+            for p in &plan.states {
+                rows.short(&p.server_id, p.short_for);
             }
-            keep
         });
-        for (id, (idle, busy, state, _)) in per_id {
-            if !self.exported.contains_key(id) {
-                self.exported
-                    .insert(id.to_string(), metrics.server_series(id));
-            }
-            if let Some(series) = self.exported.get_mut(id) {
-                series.set(idle, busy, state);
-            }
-        }
-        // Short-for per server id: the longest of its instances, for every server the
-        // tick planned (a server can be short while holding no stream).
-        let mut short: BTreeMap<&str, Duration> = BTreeMap::new();
-        for p in &plan.states {
-            let e = short.entry(&p.server_id).or_default();
-            *e = (*e).max(p.short_for);
-        }
-        self.exported_short.retain(|id, _| {
-            let keep = short.contains_key(id.as_str());
-            if !keep {
-                metrics.remove_short(id);
-            }
-            keep
-        });
-        for (id, d) in short {
-            if !self.exported_short.contains_key(id) {
-                self.exported_short
-                    .insert(id.to_string(), metrics.short_series(id));
-            }
-            if let Some(series) = self.exported_short.get_mut(id) {
-                series.set(d);
-            }
-        }
         let live = self.streams.values().filter(|e| !e.retiring).count() as u32;
         self.metrics.streams_live.set(i64::from(live));
         let view = CoverageView {
