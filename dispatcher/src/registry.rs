@@ -259,10 +259,18 @@ impl Routes {
         let rebuilt = w.router.update(now, &views);
         self.plans.retain(|tid, _| views.contains_key(tid));
         for tid in rebuilt {
-            if let Some(plan) = w.router.plan(tid) {
-                self.plans.insert(tid.to_string(), plan);
-            } else {
-                self.plans.remove(tid);
+            match w.router.plan(tid) {
+                // In place when the tunnel id has a plan: the tick rebuilds most plans while
+                // the servers' load figures move, and a new key would copy the id each time.
+                Some(plan) => match self.plans.get_mut(tid) {
+                    Some(mut old) => *old = plan,
+                    None => {
+                        self.plans.insert(tid.to_string(), plan);
+                    }
+                },
+                None => {
+                    self.plans.remove(tid);
+                }
             }
         }
     }

@@ -281,10 +281,15 @@ impl Router {
         self.tunnels.retain(|id, _| table.contains_key(id));
         let mut rebuilt = Vec::new();
         for (tunnel_id, views) in table {
-            let st = self
-                .tunnels
-                .entry(tunnel_id.clone())
-                .or_insert_with(TunnelState::new);
+            // Looked up before it is inserted: the tick visits every tunnel id, and an entry
+            // by key would copy the id each time.
+            let st = match self.tunnels.get_mut(tunnel_id.as_str()) {
+                Some(st) => st,
+                None => self
+                    .tunnels
+                    .entry(tunnel_id.clone())
+                    .or_insert_with(TunnelState::new),
+            };
             if st.no_capacity.is_empty() && st.settled.as_deref() == Some(views.as_slice()) {
                 // What the update would have changed: the time of its step.
                 if is_due(&self.cfg, st, now) {
@@ -292,11 +297,15 @@ impl Router {
                 }
                 continue;
             }
-            let before = Snapshot::of(st);
             let due = is_due(&self.cfg, st, now);
             let noted = !st.no_capacity.is_empty();
+            // Only a due step without a NO_CAPACITY answer can settle the tunnel id: the
+            // snapshot to compare with is taken for those alone.
+            let before = (due && !noted).then(|| Snapshot::of(st));
             update_tunnel(&self.cfg, st, now, views);
-            st.settled = (due && !noted && before == Snapshot::of(st)).then(|| views.clone());
+            st.settled = before
+                .is_some_and(|b| b == Snapshot::of(st))
+                .then(|| views.clone());
             rebuilt.push(tunnel_id.as_str());
         }
         rebuilt

@@ -196,8 +196,9 @@ pub struct Entry {
     pub joined: Instant,
     /// Last frame from the server (local) or last read that listed it (shared).
     pub seen: Instant,
-    /// Tunnel ids it holds, with when this dispatcher learned it.
-    pub tunnels: HashMap<String, Instant>,
+    /// Tunnel ids it holds, with when this dispatcher learned it; ordered as the figures
+    /// of its load report are, so [`Table::all_views`] walks the two side by side.
+    pub tunnels: BTreeMap<String, Instant>,
     pub load: Option<(Instant, LoadFigures)>,
     /// `info.server_id` and `info.forward_url` as the views share them: the routing tick
     /// builds a view per tunnel id and server, and copying the two strings into new
@@ -210,7 +211,7 @@ impl Entry {
         info: ServerInfo,
         origin: Origin,
         joined: Instant,
-        tunnels: HashMap<String, Instant>,
+        tunnels: BTreeMap<String, Instant>,
         load: Option<(Instant, LoadFigures)>,
         now: Instant,
     ) -> Self {
@@ -269,6 +270,11 @@ impl Entry {
     /// dispatcher's leg to the server, when measured.
     fn view(&self, tunnel_id: &str, at: Instant, forward_rtt_us: Option<u32>) -> ServerView {
         let f = self.figures(tunnel_id).cloned().unwrap_or_default();
+        self.view_with(f, at, forward_rtt_us)
+    }
+
+    /// [`Entry::view`] with the tunnel id's figures already looked up.
+    fn view_with(&self, f: TunnelFigures, at: Instant, forward_rtt_us: Option<u32>) -> ServerView {
         // The latency of a call's path: this dispatcher's leg plus the agent leg the server
         // measures; unknown until both are.
         let rtt_us = match forward_rtt_us {
@@ -492,7 +498,7 @@ impl Table {
             server,
             Origin::Local(session),
             now,
-            HashMap::new(),
+            BTreeMap::new(),
             None,
             now,
         );
@@ -609,16 +615,36 @@ impl Table {
     }
 
     /// [`Table::views`] of every tunnel id.
+    ///
+    /// The routing tick calls this four times a second, for every tunnel id and server:
+    /// each tunnel id's key is copied once (not once per server holding it), and each
+    /// entry's tunnel ids and figures, both ordered by tunnel id, are walked side by side
+    /// instead of looked up one in the other (a lookup per tunnel id and server was most of
+    /// the tick's time with thousands of tunnel ids).
     pub fn all_views(&self) -> HashMap<String, Vec<ServerView>> {
         let mut views: HashMap<String, Vec<ServerView>> =
             HashMap::with_capacity(self.holders.len());
+        let servers = self.entries.len();
+        let mut push = |tid: &String, view: ServerView| match views.get_mut(tid.as_str()) {
+            Some(v) => v.push(view),
+            None => {
+                let mut v = Vec::with_capacity(servers);
+                v.push(view);
+                views.insert(tid.clone(), v);
+            }
+        };
         for e in self.entries.values() {
             let fwd = self.forward_rtt_of(e);
+            let mut figures = e.load.as_ref().map(|(_, l)| l.tunnels.iter().peekable());
             for (tid, at) in &e.tunnels {
-                views
-                    .entry(tid.clone())
-                    .or_default()
-                    .push(e.view(tid, *at, fwd));
+                let f = figures.as_mut().and_then(|figures| {
+                    while figures
+                        .next_if(|(k, _)| k.as_str() < tid.as_str())
+                        .is_some()
+                    {}
+                    figures.next_if(|(k, _)| *k == tid).map(|(_, f)| f.clone())
+                });
+                push(tid, e.view_with(f.unwrap_or_default(), *at, fwd));
             }
         }
         views
