@@ -68,6 +68,10 @@ pub enum Policy {
     Uniform,
     /// Round robin over the backends that are up.
     RoundRobin,
+    /// The backend that is up with the fewest open streams, ties in round-robin order
+    /// (HAProxy's `balance leastconn`, which counts each HTTP/2 stream it serves): a
+    /// backend that restarted with none takes the new streams until it has caught up.
+    LeastStreams,
     /// Seeded random choice weighted per backend index (zone skew, e.g. `[90, 5, 5]`).
     /// Missing entries weigh 0.
     Weighted(Vec<u32>),
@@ -90,6 +94,7 @@ impl fmt::Debug for Policy {
         match self {
             Policy::Uniform => f.write_str("Uniform"),
             Policy::RoundRobin => f.write_str("RoundRobin"),
+            Policy::LeastStreams => f.write_str("LeastStreams"),
             Policy::Weighted(w) => f.debug_tuple("Weighted").field(w).finish(),
             Policy::Unfillable(i) => f.debug_tuple("Unfillable").field(i).finish(),
             Policy::Scripted(_) => f.write_str("Scripted(..)"),
@@ -404,6 +409,11 @@ impl ProxyState {
             .iter()
             .map(|b| !b.down.load(Ordering::Relaxed))
             .collect();
+        let open: Vec<u64> = self
+            .backends
+            .iter()
+            .map(|b| b.open.load(Ordering::Relaxed))
+            .collect();
         let explicit = {
             let mut st = self.placement();
             let stream_no = st.next_stream;
@@ -415,7 +425,7 @@ impl ProxyState {
                 Err((f.clone(), stream_no))
             } else {
                 let st = &mut *st;
-                return choose(&st.policy, &up, &mut st.rng, &mut st.next_rr)
+                return choose(&st.policy, &up, &open, &mut st.rng, &mut st.next_rr)
                     .ok_or(Reject::NoBackendUp);
             }
         };
@@ -428,8 +438,15 @@ impl ProxyState {
     }
 }
 
-/// The random policies; `Scripted` is handled by the caller. `None`: no eligible backend.
-fn choose(policy: &Policy, up: &[bool], rng: &mut StdRng, next_rr: &mut usize) -> Option<usize> {
+/// The policies but `Scripted` (handled by the caller), given which backends are up and
+/// how many streams each has open. `None`: no eligible backend.
+fn choose(
+    policy: &Policy,
+    up: &[bool],
+    open: &[u64],
+    rng: &mut StdRng,
+    next_rr: &mut usize,
+) -> Option<usize> {
     let uniform_except = |rng: &mut StdRng, except: Option<usize>| {
         let eligible: Vec<usize> = (0..up.len())
             .filter(|&i| up[i] && Some(i) != except)
@@ -448,6 +465,15 @@ fn choose(policy: &Policy, up: &[bool], rng: &mut StdRng, next_rr: &mut usize) -
             (0..n)
                 .map(|k| (*next_rr + k) % n)
                 .find(|&i| up[i])
+                .inspect(|&i| *next_rr = (i + 1) % n)
+        }
+        Policy::LeastStreams => {
+            let n = up.len();
+            // The first of the fewest from the rotation's start: ties take turns.
+            (0..n)
+                .map(|k| (*next_rr + k) % n)
+                .filter(|&i| up[i])
+                .min_by_key(|&i| open.get(i).copied().unwrap_or(0))
                 .inspect(|&i| *next_rr = (i + 1) % n)
         }
         Policy::Weighted(weights) => {
@@ -712,7 +738,7 @@ mod tests {
         let mut rr = 0;
         let up = [true, false, true];
         let picks: Vec<_> = (0..4)
-            .map(|_| choose(&Policy::RoundRobin, &up, &mut rng, &mut rr))
+            .map(|_| choose(&Policy::RoundRobin, &up, &[0; 3], &mut rng, &mut rr))
             .collect();
         assert_eq!(picks, vec![Some(0), Some(2), Some(0), Some(2)]);
     }
@@ -724,6 +750,7 @@ mod tests {
         let pick = choose(
             &Policy::Weighted(vec![0, 7]),
             &[true, false],
+            &[0, 0],
             &mut rng,
             &mut rr,
         );
@@ -734,7 +761,41 @@ mod tests {
     fn unfillable_alone_has_no_choice() {
         let mut rng = StdRng::seed_from_u64(1);
         let mut rr = 0;
-        let pick = choose(&Policy::Unfillable(0), &[true], &mut rng, &mut rr);
+        let pick = choose(&Policy::Unfillable(0), &[true], &[0], &mut rng, &mut rr);
         assert_eq!(pick, None);
+    }
+
+    #[test]
+    fn least_streams_fills_the_emptiest_backend_that_is_up_and_ties_take_turns() {
+        let mut rng = StdRng::seed_from_u64(1);
+        let mut rr = 0;
+        let up = [true, true, false, true];
+        // A backend back from a restart holds nothing: every new stream goes there until
+        // it has caught up with the others.
+        let mut open = [40, 0, 0, 40];
+        let mut picks = Vec::new();
+        for _ in 0..82 {
+            let i = choose(&Policy::LeastStreams, &up, &open, &mut rng, &mut rr).unwrap();
+            open[i] += 1;
+            picks.push(i);
+        }
+        assert!(picks[..40].iter().all(|&i| i == 1), "{picks:?}");
+        assert!(!picks.contains(&2), "a backend that is down gets nothing");
+        // Level: the next streams take turns over the three.
+        assert_eq!(open, [54, 54, 0, 54]);
+        let level: Vec<usize> = picks[40..43].to_vec();
+        let mut sorted = level.clone();
+        sorted.sort();
+        assert_eq!(sorted, vec![0, 1, 3], "{level:?}");
+        assert_eq!(
+            choose(
+                &Policy::LeastStreams,
+                &[false, false],
+                &[0, 0],
+                &mut rng,
+                &mut rr
+            ),
+            None
+        );
     }
 }

@@ -587,6 +587,7 @@ fn policy(s: &Scenario, p: Placement) -> Policy {
     match p {
         Placement::Uniform => Policy::Uniform,
         Placement::RoundRobin => Policy::RoundRobin,
+        Placement::Leastconn => Policy::LeastStreams,
         Placement::Weighted => Policy::Weighted(s.servers.weights.clone()),
         Placement::Unfillable => Policy::Unfillable(s.servers.unfillable.saturating_sub(1)),
     }

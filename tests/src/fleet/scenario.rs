@@ -148,6 +148,8 @@ pub enum Balancer {
 pub enum Placement {
     Uniform,
     RoundRobin,
+    /// The server with the fewest open streams (HAProxy's `balance leastconn`).
+    Leastconn,
     Weighted,
     Unfillable,
 }
