@@ -251,6 +251,13 @@ impl StreamHandle {
         self.close_with(None);
     }
 
+    /// Ends the stream as the server's crash would (`TunnelServerHandle::abort`): the agent
+    /// sees UNAVAILABLE, as it would from a load balancer whose connection to the server
+    /// broke, and counts the server lost, not closed.
+    pub fn fail(&self) {
+        self.close_with(Some(Status::unavailable("tunnel server stopped")));
+    }
+
     /// Ends the stream because its token was removed from the store: the agent sees
     /// UNAUTHENTICATED "token revoked".
     pub fn revoke(&self) {
@@ -352,7 +359,11 @@ impl StreamHandle {
     /// the call still on it.
     pub fn end(&self) -> Ending {
         let mut inner = self.inner.lock();
-        let revoked = matches!(inner.state, State::Closed { status: Some(_) });
+        // A closing status is the revocation's UNAUTHENTICATED, or a crash's (`fail`).
+        let revoked = matches!(
+            &inner.state,
+            State::Closed { status: Some(s) } if s.code() == tonic::Code::Unauthenticated
+        );
         if !matches!(inner.state, State::Closed { .. }) {
             inner.state = State::Closed { status: None };
         }

@@ -465,6 +465,16 @@ impl Hub {
         }
     }
 
+    /// Ends every stream as a crash would (see `StreamHandle::fail`).
+    pub fn fail_all(&self) {
+        for t in self.tunnels.iter() {
+            let s = t.slots.lock();
+            for h in s.streams() {
+                h.fail();
+            }
+        }
+    }
+
     /// Streams of the tunnel id that can take a call now (confirmed, idle, usable).
     pub fn idle_streams(&self, tunnel_id: &str) -> usize {
         self.tunnels

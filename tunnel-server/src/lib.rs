@@ -177,7 +177,7 @@ impl TunnelServerHandle {
         if let Some(stopper) = self.stopper.take() {
             stopper.abort();
         }
-        self.hub.close_all();
+        self.hub.fail_all();
         self.serving.cancel();
         for t in &self.tasks {
             t.abort();

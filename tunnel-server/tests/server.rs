@@ -553,3 +553,20 @@ async fn every_call_ends_with_exactly_one_outcome_and_leaves_nothing_in_flight()
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A crash (`abort`) ends the agents' streams with UNAVAILABLE, not with the OK of a drain
+/// or a retirement: behind a load balancer the agent sees an error when the server's
+/// connection breaks, counts the server lost and reconnects to it at the quick pace.
+#[tokio::test]
+async fn an_aborted_server_ends_its_agent_streams_unavailable() {
+    let s = server(Config::default()).await;
+    let agent = channel(s.agent_addr).await;
+    let mut a = open(&agent, "good-token").await.unwrap();
+    common::until_idle(&s, "acme", 1).await;
+    s.abort();
+    let err = a
+        .next()
+        .await
+        .expect_err("an error status, not a clean end");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+}
