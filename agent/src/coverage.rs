@@ -178,6 +178,9 @@ pub struct ActorSettings {
     pub drain_grace: Duration,
     /// `coverage.grace`, for the /systemcheck verdict.
     pub grace: Duration,
+    /// `coverage.reconnect_for`: how long a lost server is remembered as lost, so that a
+    /// new instance of it (the server restarted) is filled back at the reconnect pace.
+    pub reconnect_for: Duration,
 }
 
 impl ActorSettings {
@@ -189,6 +192,7 @@ impl ActorSettings {
             max_streams: c.coverage.max_streams,
             drain_grace: Duration::from_secs(10),
             grace: c.coverage.grace,
+            reconnect_for: c.coverage.reconnect_for,
         }
     }
 }
@@ -313,7 +317,9 @@ pub struct CoverageActor {
     /// Where load-balanced opens landed, for the placement shares.
     placements: PlacementTally,
     /// Servers lost: the agent's last streams there closed because the path went silent or
-    /// broke, and none has landed there since (see `plan::ServerView::lost_since`).
+    /// broke, and none has landed there since (see `plan::ServerView::lost_since`). An
+    /// instance that left the fleet stays here for `reconnect_for`: its server id's next
+    /// instance (the server restarted) is lost since the same time until a stream lands.
     lost: HashMap<ServerKey, Instant>,
     /// A growth trigger arrived (a queued-calls signal that rose, or a call that took a
     /// stream while calls queue): plan growth once [`EVENT_GAP`] since the last plan passed.
@@ -552,7 +558,7 @@ impl CoverageActor {
                     peak_in_flight: 0,
                     placed: self.placements.get(&key),
                     draining: m.draining,
-                    lost_since: self.lost.get(&key).copied(),
+                    lost_since: self.lost_since(&key),
                 });
             }
         }
@@ -565,6 +571,38 @@ impl CoverageActor {
         }
     }
 
+    /// Caps of instances that hold none of our streams and left the fleet are history, and
+    /// so is where opens landed on them; their loss is kept for `reconnect_for` (see
+    /// [`CoverageActor::lost_since`]).
+    fn forget_departed(&mut self, now: Instant) {
+        let (streams, fleet) = (&self.streams, &self.fleet);
+        let known = |k: &ServerKey| {
+            streams.values().any(|e| &e.server == k)
+                || fleet
+                    .iter()
+                    .any(|m| m.server_id == k.0 && m.instance_id == k.1)
+        };
+        self.caps.retain(|k, _| known(k));
+        self.placements.retain(known);
+        let remember = self.settings.reconnect_for;
+        self.lost
+            .retain(|k, since| known(k) || now.saturating_duration_since(*since) < remember);
+    }
+
+    /// Since when `key` is lost: its own loss, or else the latest loss of another instance
+    /// of its server id. A server that crashed comes back as a new instance; its streams
+    /// went with the old one's path, and it is filled back at the reconnect pace like a
+    /// lost instance that answers again (not at `fill_retry`'s once its budget is spent).
+    fn lost_since(&self, key: &ServerKey) -> Option<Instant> {
+        self.lost.get(key).copied().or_else(|| {
+            self.lost
+                .iter()
+                .filter(|(k, _)| k.0 == key.0 && k.1 != key.1)
+                .map(|(_, since)| *since)
+                .max()
+        })
+    }
+
     /// One plan: snapshot, plan, apply. Never awaits. A tick (`Cause::Tick`) runs every
     /// rule; an event (`Cause::Pressure`) only grows.
     fn plan_now(&mut self, cause: Cause) {
@@ -572,18 +610,7 @@ impl CoverageActor {
         self.growth_due = false;
         self.last_plan = Some(now);
         if cause == Cause::Tick {
-            // Caps of instances that hold none of our streams and left the fleet are
-            // history, and so is where opens landed on them.
-            let (streams, fleet) = (&self.streams, &self.fleet);
-            let known = |k: &ServerKey| {
-                streams.values().any(|e| &e.server == k)
-                    || fleet
-                        .iter()
-                        .any(|m| m.server_id == k.0 && m.instance_id == k.1)
-            };
-            self.caps.retain(|k, _| known(k));
-            self.placements.retain(known);
-            self.lost.retain(|k, _| known(k));
+            self.forget_departed(now);
             self.next_tick = now + self.settings.tick;
         }
         let snap = self.snapshot(now, cause);

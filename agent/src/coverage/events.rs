@@ -18,7 +18,21 @@ impl CoverageActor {
                 if op.direct.is_none() {
                     self.placements.land(&server);
                 }
-                if let Some(since) = self.lost.remove(&server) {
+                // Its own loss, or that of the instances of its server id it replaced
+                // (they left the fleet: the server restarted).
+                let fleet = &self.fleet;
+                let mut since = self.lost.remove(&server);
+                self.lost.retain(|k, at| {
+                    let replaced = k.0 == server.0
+                        && !fleet
+                            .iter()
+                            .any(|m| m.server_id == k.0 && m.instance_id == k.1);
+                    if replaced {
+                        since = since.max(Some(*at));
+                    }
+                    !replaced
+                });
+                if let Some(since) = since {
                     info!(server_id = %server.0, instance_id = %server.1, lost_ms = now.saturating_duration_since(since).as_millis() as u64, "tunnel server answers again; filling it back");
                 }
                 let info = self.servers.entry(server.clone()).or_default();

@@ -142,6 +142,7 @@ fn settings() -> ActorSettings {
         max_streams: 2048,
         drain_grace: Duration::from_secs(10),
         grace: Duration::from_secs(30),
+        reconnect_for: Duration::from_secs(300),
     }
 }
 
@@ -571,4 +572,50 @@ impl Drop for CoverageHandle {
         // Dropping `stop` resolves the actor's shutdown future; it then drains on its own.
         self.stop.take();
     }
+}
+
+/// A server that crashed comes back as a new instance of its server id. Until a stream
+/// lands there the new instance is lost since the old one was, so the plan fills it at the
+/// reconnect pace (not at `fill_retry`'s once its budget is spent); the old instance's loss
+/// is remembered for `reconnect_for` after it left the fleet, then forgotten.
+#[tokio::test(start_paused = true)]
+async fn a_restarted_servers_new_instance_is_lost_since_its_old_one_was() {
+    let registry = prometheus::Registry::new();
+    let (mut actor, _view) = CoverageActor::new(
+        Box::new(Planner::new(CoverageConfig::default())),
+        Arc::new(FakeNet::new(|_| "s1".into())),
+        AgentMetrics::register(&registry).unwrap(),
+        settings(),
+    );
+    let member = |server_id: &str, instance_id: &str| relay_proto::FleetMember {
+        server_id: server_id.into(),
+        instance_id: instance_id.into(),
+        zone: "z1".into(),
+        draining: false,
+        direct_url: String::new(),
+    };
+    let lost_at = Instant::now();
+    actor.lost.insert(("s1".into(), "1".into()), lost_at);
+    // s1 restarted as instance 2; s2 was never lost.
+    actor.fleet = vec![member("s1", "2"), member("s2", "1")];
+    let lost_since = |actor: &CoverageActor, id: &str, instance: &str| {
+        actor
+            .snapshot(Instant::now(), Cause::Tick)
+            .servers
+            .iter()
+            .find(|v| v.server_id == id && v.instance_id == instance)
+            .map(|v| v.lost_since)
+    };
+    assert_eq!(lost_since(&actor, "s1", "2"), Some(Some(lost_at)));
+    assert_eq!(lost_since(&actor, "s2", "1"), Some(None));
+    tokio::time::advance(settings().reconnect_for - Duration::from_secs(1)).await;
+    actor.forget_departed(Instant::now());
+    assert_eq!(lost_since(&actor, "s1", "2"), Some(Some(lost_at)));
+    tokio::time::advance(Duration::from_secs(2)).await;
+    actor.forget_departed(Instant::now());
+    assert_eq!(
+        lost_since(&actor, "s1", "2"),
+        Some(None),
+        "past reconnect_for the old instance's loss is forgotten"
+    );
 }
