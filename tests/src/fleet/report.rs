@@ -22,6 +22,10 @@ use std::time::Duration;
 pub struct ServerStreams {
     pub idle: u64,
     pub busy: u64,
+    /// Agents whose coverage view does not show this server covered (counted for the
+    /// running servers, which every agent should cover).
+    #[serde(default)]
+    pub short: u64,
 }
 
 /// One sampling point (about once a second).
@@ -159,6 +163,8 @@ pub struct CoveredAfter {
     /// Seconds from the start until every agent covered every running server (each in
     /// state `covered` in its coverage view); `None`: not by the end of the run.
     pub after_s: Option<f64>,
+    /// Seconds from the start until every agent covered the started server itself.
+    pub server_after_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -202,6 +208,9 @@ pub struct Report {
     /// Streams at the end of the run.
     pub resting_streams: u64,
     pub end_streams_per_server: BTreeMap<String, u64>,
+    /// Agents not covering each running server at the end (servers every agent covers
+    /// left out).
+    pub end_short_per_server: BTreeMap<String, u64>,
     /// Calls each tunnel server answered over the run, from the dispatcher's
     /// `relay_dispatcher_calls_by_server_total` (embedded mode).
     pub calls_by_server: BTreeMap<String, u64>,
@@ -418,6 +427,15 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
                 .collect()
         })
         .unwrap_or_default();
+    let end_short_per_server: BTreeMap<String, u64> = last
+        .map(|p| {
+            p.servers
+                .iter()
+                .filter(|(_, v)| v.short > 0)
+                .map(|(k, v)| (k.clone(), v.short))
+                .collect()
+        })
+        .unwrap_or_default();
     let coverage_actions = i
         .samples
         .last()
@@ -507,6 +525,7 @@ pub(crate) fn build(i: Inputs<'_>) -> Report {
         peak_streams,
         resting_streams,
         end_streams_per_server,
+        end_short_per_server,
         calls_by_server: i.calls_by_server,
         busy: i.busy,
         coverage_actions,
@@ -968,10 +987,33 @@ pub fn summary(r: &Report) -> String {
                     "every agent covers every running server {a:.2} s after {} started at {:.1} s",
                     c.server, c.at_s
                 ),
-                None => format!(
-                    "not every agent covered every running server by the end, after {} started at {:.1} s",
-                    c.server, c.at_s
-                ),
+                None if c.server_after_s.is_some() => {
+                    let short: Vec<String> = r
+                        .end_short_per_server
+                        .iter()
+                        .map(|(k, v)| format!("{k} {v}"))
+                        .collect();
+                    format!(
+                        "every agent covers {} {:.2} s after it started at {:.1} s, but not every agent covered every running server by the end (agents short at the end: {})",
+                        c.server,
+                        c.server_after_s.unwrap_or_default(),
+                        c.at_s,
+                        if short.is_empty() { "not sampled".into() } else { short.join(", ") }
+                    )
+                }
+                None => {
+                    let short: Vec<String> = r
+                        .end_short_per_server
+                        .iter()
+                        .map(|(k, v)| format!("{k} {v}"))
+                        .collect();
+                    format!(
+                        "not every agent covered every running server by the end, after {} started at {:.1} s (agents short at the end: {})",
+                        c.server,
+                        c.at_s,
+                        if short.is_empty() { "not sampled".into() } else { short.join(", ") }
+                    )
+                }
             },
         );
     }

@@ -1167,11 +1167,23 @@ async fn sample_fleet(
     (BTreeMap<String, f64>, BTreeMap<String, u64>),
 ) {
     let mut servers: BTreeMap<String, ServerStreams> = BTreeMap::new();
+    // The running servers, which every agent should cover.
+    let expected = ctx.cover.expected.lock().clone();
     let mut add = |i: usize, h: &AgentHandle, actions: &mut ActionTotals| {
-        for sv in &h.coverage().borrow().servers {
+        let view = h.coverage().borrow().clone();
+        for sv in &view.servers {
             let e = servers.entry(sv.server_id.clone()).or_default();
             e.idle += u64::from(sv.idle);
             e.busy += u64::from(sv.streams.saturating_sub(sv.idle));
+        }
+        for id in &expected {
+            let covered = view
+                .servers
+                .iter()
+                .any(|s| &s.server_id == id && s.state == "covered");
+            if !covered {
+                servers.entry(id.clone()).or_default().short += 1;
+            }
         }
         actions.update(i, worker::agent_actions(h));
     };
@@ -1779,6 +1791,7 @@ async fn after_fault(target: &FaultTarget, ctx: &Ctx, f: &super::scenario::Fault
             server,
             at_s: now.duration_since(start).as_secs_f64(),
             after_s: None,
+            server_after_s: None,
         });
         ctx.cover.started_at.lock().push(now);
     }
@@ -1795,18 +1808,32 @@ async fn check_covered(fleet: &UnderTest, ctx: &Ctx, now: Instant) {
     if !pending {
         return;
     }
-    let (covered, total) = match (fleet, &ctx.workers) {
-        (_, Some(w)) => (w.total().covered, ctx.agents),
+    let (covered, total, servers, stale) = match (fleet, &ctx.workers) {
+        (_, Some(w)) => {
+            let t = w.total();
+            (t.covered, ctx.agents, t.servers, t.stale)
+        }
         (UnderTest::Embedded(stack), None) => {
             let expected = ctx.cover.expected.lock().clone();
             let st = stack.lock().await;
             let n = st.agent_count();
-            let (_, _, covered) =
+            let (servers, _, covered) =
                 worker::read_agents((0..n).filter_map(|i| st.agent(i)), &expected);
-            (covered, n)
+            (covered, n, servers, 0)
         }
         (UnderTest::External { .. }, None) => return,
     };
+    // The started server alone: no agent (counted against the current server list) short
+    // of it.
+    if stale == 0 {
+        let at = ctx.cover.started_at.lock().clone();
+        for (c, at) in ctx.cover.starts.lock().iter_mut().zip(at) {
+            let short = servers.get(&c.server).map_or(0, |s| s.short);
+            if c.server_after_s.is_none() && short == 0 {
+                c.server_after_s = Some(now.duration_since(at).as_secs_f64());
+            }
+        }
+    }
     if covered < total {
         return;
     }

@@ -76,6 +76,10 @@ pub struct WorkerSample {
     pub covered: usize,
     /// The generation of the server list `covered` was counted against.
     pub generation: u64,
+    /// In a sum of samples ([`Workers::total`]): agents of workers whose latest sample was
+    /// counted against an older server list (their `covered` and `short` are left out).
+    #[serde(default)]
+    pub stale: usize,
     /// Streams per server id by state, summed over the agents.
     pub servers: BTreeMap<String, ServerStreams>,
     /// Coverage actions so far by action (agent restarts included).
@@ -116,7 +120,12 @@ pub fn read_agents<'a>(
         let all = if expected.is_empty() {
             !v.servers.is_empty() && v.servers.iter().all(|s| s.state == "covered")
         } else {
-            expected.iter().all(|id| is_covered(id))
+            let mut all = true;
+            for id in expected.iter().filter(|id| !is_covered(id)) {
+                servers.entry(id.clone()).or_default().short += 1;
+                all = false;
+            }
+            all
         };
         if all {
             covered += 1;
@@ -311,6 +320,7 @@ async fn run_worker(spec: WorkerSpec) -> anyhow::Result<()> {
                     landed,
                     covered,
                     generation,
+                    stale: 0,
                     servers,
                     actions: actions.total.clone(),
                     cpu_s: super::runner::procstat::process_cpu(),
@@ -477,13 +487,19 @@ impl Workers {
             let Some((_, w)) = g.as_ref() else { continue };
             t.started += w.started;
             t.landed += w.landed;
-            if w.generation == generation {
+            let current = w.generation == generation;
+            if current {
                 t.covered += w.covered;
+            } else {
+                t.stale += w.started;
             }
             for (id, v) in &w.servers {
                 let e = t.servers.entry(id.clone()).or_default();
                 e.idle += v.idle;
                 e.busy += v.busy;
+                if current {
+                    e.short += v.short;
+                }
             }
             for (k, v) in &w.actions {
                 *t.actions.entry(k.clone()).or_default() += v;
