@@ -126,6 +126,13 @@
 //!   fill open (growth's streams that land elsewhere stay: the 4x rule and the dispatcher's
 //!   spill count on them), it goes only from a server with no calls and only beyond its
 //!   budget, and a probe that carried a call is capacity like any other stream.
+//! - **A lost server is reconnected to quickly, and so is its next instance**: a server
+//!   whose last streams closed with their path gets one open per `reconnect` once its
+//!   budget is spent, for `reconnect_for`; a server that crashed and started again is a new
+//!   instance of its server id, lost since the old one was (the actor keeps a departed
+//!   instance's loss for `reconnect_for`), so it is filled back at that pace too, not at
+//!   `fill_retry`'s (30 s by default: after a restart, the agents whose budget of opens
+//!   through the balancer missed it waited that long for each further try).
 //! - **A listed server the load balancer does not reach is never given up**: after its fill
 //!   budget it keeps getting one open per `fill_retry` (an earlier version avoided it for
 //!   `evacuated_for` once its budget was spent, so a server that came back within those
