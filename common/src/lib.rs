@@ -7,7 +7,8 @@
 //!   clock (`wall`) and the support archive (`diag`).
 //! - **Serving and dialing**: the admin HTTP listener and the status pages' HTML (`admin`,
 //!   `html`), accepting connections under limits (`listen`, `socket`), TLS for every hop
-//!   (`tls`), HTTP/2 limits, sockets and gRPC endpoints (`h2`, `h2io`, `grpc`, `peer`).
+//!   (`tls`), HTTP/2 limits, sockets and gRPC endpoints (`h2`, `h2io`, `grpc`, `peer`),
+//!   and the samples of collectors built at scrape time (`scraped`).
 //! - **The relay's shared vocabulary**: the rules both ends of a hop must agree on, kept
 //!   here so no binary depends on another: tunnel ids and server ids as every process
 //!   checks them (`tunnel_id`, `server_id`), hop-by-hop header rules (`hop`), host rules
@@ -35,6 +36,7 @@ pub mod outbox;
 pub mod peer;
 pub mod rtt;
 pub mod runtime;
+pub mod scraped;
 pub mod secret;
 pub mod server_id;
 pub mod shutdown;

@@ -457,20 +457,19 @@ impl Hub {
 
     /// Closes every stream (the last step of shutdown).
     pub fn close_all(&self) {
-        for t in self.tunnels.iter() {
-            let s = t.slots.lock();
-            for h in s.streams() {
-                h.close();
-            }
-        }
+        self.each_stream(StreamHandle::close);
     }
 
     /// Ends every stream as a crash would (see `StreamHandle::fail`).
     pub fn fail_all(&self) {
+        self.each_stream(StreamHandle::fail);
+    }
+
+    fn each_stream(&self, f: impl Fn(&StreamHandle)) {
         for t in self.tunnels.iter() {
             let s = t.slots.lock();
             for h in s.streams() {
-                h.fail();
+                f(h);
             }
         }
     }

@@ -14,7 +14,8 @@
 use super::State;
 use parking_lot::Mutex;
 use prometheus::core::{Collector, Desc};
-use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::{MetricFamily, MetricType};
+use relay_common::scraped::{family, gauge};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -200,37 +201,9 @@ impl Collector for ServerTable {
             }
         }
         vec![
-            family(streams, streams_m),
-            family(state, state_m),
-            family(short, short_m),
+            family(streams, MetricType::GAUGE, streams_m),
+            family(state, MetricType::GAUGE, state_m),
+            family(short, MetricType::GAUGE, short_m),
         ]
     }
-}
-
-/// One gauge sample; `labels` in name order, as the text format writes them.
-fn gauge(labels: &[(&str, &str)], value: f64) -> Metric {
-    let mut m = Metric::from_label(
-        labels
-            .iter()
-            .map(|(name, value)| {
-                let mut l = LabelPair::default();
-                l.set_name((*name).to_owned());
-                l.set_value((*value).to_owned());
-                l
-            })
-            .collect(),
-    );
-    let mut g = Gauge::default();
-    g.set_value(value);
-    m.set_gauge(g);
-    m
-}
-
-fn family(desc: &Desc, metrics: Vec<Metric>) -> MetricFamily {
-    let mut f = MetricFamily::default();
-    f.set_name(desc.fq_name.clone());
-    f.set_help(desc.help.clone());
-    f.set_field_type(MetricType::GAUGE);
-    f.set_metric(metrics);
-    f
 }

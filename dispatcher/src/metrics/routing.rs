@@ -21,7 +21,8 @@
 
 use parking_lot::Mutex;
 use prometheus::core::{Collector, Desc};
-use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::{Metric, MetricFamily, MetricType};
+use relay_common::scraped::{counter, family, gauge};
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
@@ -149,31 +150,6 @@ impl RoutingSeries {
     }
 }
 
-fn label(name: &str, value: &str) -> LabelPair {
-    let mut l = LabelPair::default();
-    l.set_name(name.to_string());
-    l.set_value(value.to_string());
-    l
-}
-
-fn gauge(labels: Vec<LabelPair>, value: f64) -> Metric {
-    let mut g = Gauge::default();
-    g.set_value(value);
-    let mut m = Metric::default();
-    m.set_label(labels);
-    m.set_gauge(g);
-    m
-}
-
-fn counter(labels: Vec<LabelPair>, value: u64) -> Metric {
-    let mut c = Counter::default();
-    c.set_value(value as f64);
-    let mut m = Metric::default();
-    m.set_label(labels);
-    m.set_counter(c);
-    m
-}
-
 impl Collector for RoutingSeries {
     fn desc(&self) -> Vec<&Desc> {
         self.descs.iter().collect()
@@ -192,39 +168,28 @@ impl Collector for RoutingSeries {
             Vec::with_capacity(servers.len()),
         ];
         for r in &tunnels {
-            let tid = || vec![label("tunnel_id", &r.tunnel_id)];
-            metrics[0].push(gauge(tid(), r.spill_share));
-            metrics[1].push(counter(tid(), r.spills));
+            let tid = [("tunnel_id", r.tunnel_id.as_str())];
+            metrics[0].push(gauge(&tid, r.spill_share));
+            metrics[1].push(counter(&tid, r.spills));
             for (server_id, rtt_us, tier) in &r.servers {
-                let pair = || {
-                    vec![
-                        label("server_id", server_id),
-                        label("tunnel_id", &r.tunnel_id),
-                    ]
-                };
-                metrics[2].push(gauge(pair(), f64::from(*rtt_us) / 1e6));
-                metrics[3].push(gauge(pair(), *tier as f64));
+                let pair = [("server_id", &**server_id), ("tunnel_id", &r.tunnel_id)];
+                metrics[2].push(gauge(&pair, f64::from(*rtt_us) / 1e6));
+                metrics[3].push(gauge(&pair, *tier as f64));
             }
         }
         for s in &servers {
-            let id = || vec![label("server_id", &s.server_id)];
-            metrics[4].push(gauge(id(), s.load_ratio));
-            metrics[5].push(gauge(id(), f64::from(s.calls_in_flight)));
+            let id = [("server_id", s.server_id.as_str())];
+            metrics[4].push(gauge(&id, s.load_ratio));
+            metrics[5].push(gauge(&id, f64::from(s.calls_in_flight)));
             if let Some(us) = s.forward_rtt_us {
-                metrics[6].push(gauge(id(), f64::from(us) / 1e6));
+                metrics[6].push(gauge(&id, f64::from(us) / 1e6));
             }
         }
         FAMILIES
             .iter()
+            .zip(self.descs.iter())
             .zip(metrics)
-            .map(|((name, help, kind, _), metrics)| {
-                let mut mf = MetricFamily::default();
-                mf.set_name(name.to_string());
-                mf.set_help(help.to_string());
-                mf.set_field_type(*kind);
-                mf.set_metric(metrics);
-                mf
-            })
+            .map(|(((_, _, kind, _), desc), metrics)| family(desc, *kind, metrics))
             .collect()
     }
 }
@@ -232,7 +197,8 @@ impl Collector for RoutingSeries {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prometheus::{Encoder, Registry, TextEncoder};
+    use prometheus::Registry;
+    use relay_common::admin::render_metrics as text;
 
     struct Fixed(RoutingRows);
 
@@ -240,14 +206,6 @@ mod tests {
         fn routing_rows(&self) -> RoutingRows {
             self.0.clone()
         }
-    }
-
-    fn text(registry: &Registry) -> String {
-        let mut out = Vec::new();
-        TextEncoder::new()
-            .encode(&registry.gather(), &mut out)
-            .unwrap();
-        String::from_utf8(out).unwrap()
     }
 
     #[test]

@@ -978,6 +978,16 @@ pub fn summary(r: &Report) -> String {
             format!("{n} (over {} dispatchers)", r.dispatchers),
         );
     }
+    let short_at_end = if r.end_short_per_server.is_empty() {
+        "not sampled".to_string()
+    } else {
+        let short: Vec<String> = r
+            .end_short_per_server
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        short.join(", ")
+    };
     for c in &r.covered_after {
         row(
             &mut o,
@@ -987,33 +997,16 @@ pub fn summary(r: &Report) -> String {
                     "every agent covers every running server {a:.2} s after {} started at {:.1} s",
                     c.server, c.at_s
                 ),
-                None if c.server_after_s.is_some() => {
-                    let short: Vec<String> = r
-                        .end_short_per_server
-                        .iter()
-                        .map(|(k, v)| format!("{k} {v}"))
-                        .collect();
-                    format!(
-                        "every agent covers {} {:.2} s after it started at {:.1} s, but not every agent covered every running server by the end (agents short at the end: {})",
-                        c.server,
-                        c.server_after_s.unwrap_or_default(),
-                        c.at_s,
-                        if short.is_empty() { "not sampled".into() } else { short.join(", ") }
-                    )
-                }
-                None => {
-                    let short: Vec<String> = r
-                        .end_short_per_server
-                        .iter()
-                        .map(|(k, v)| format!("{k} {v}"))
-                        .collect();
-                    format!(
-                        "not every agent covered every running server by the end, after {} started at {:.1} s (agents short at the end: {})",
-                        c.server,
-                        c.at_s,
-                        if short.is_empty() { "not sampled".into() } else { short.join(", ") }
-                    )
-                }
+                None => match c.server_after_s {
+                    Some(a) => format!(
+                        "every agent covers {} {a:.2} s after it started at {:.1} s, but not every agent covered every running server by the end (agents short at the end: {short_at_end})",
+                        c.server, c.at_s
+                    ),
+                    None => format!(
+                        "not every agent covered every running server by the end, after {} started at {:.1} s (agents short at the end: {short_at_end})",
+                        c.server, c.at_s
+                    ),
+                },
             },
         );
     }

@@ -1170,7 +1170,8 @@ async fn sample_fleet(
     // The running servers, which every agent should cover.
     let expected = ctx.cover.expected.lock().clone();
     let mut add = |i: usize, h: &AgentHandle, actions: &mut ActionTotals| {
-        let view = h.coverage().borrow().clone();
+        let rx = h.coverage();
+        let view = rx.borrow();
         for sv in &view.servers {
             let e = servers.entry(sv.server_id.clone()).or_default();
             e.idle += u64::from(sv.idle);
@@ -1185,6 +1186,8 @@ async fn sample_fleet(
                 servers.entry(id.clone()).or_default().short += 1;
             }
         }
+        // The agent's coverage actor waits to publish while its view is borrowed.
+        drop(view);
         actions.update(i, worker::agent_actions(h));
     };
     match fleet {

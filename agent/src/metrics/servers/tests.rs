@@ -1,21 +1,14 @@
 //! The table's scraped text, line for line, and which series exist as servers come and go.
 
 use super::*;
-use prometheus::{Encoder, Registry, TextEncoder};
+use prometheus::Registry;
+use relay_common::admin::render_metrics as scrape;
 
 fn registered() -> (ServerTable, Registry) {
     let table = ServerTable::new().unwrap();
     let registry = Registry::new();
     registry.register(Box::new(table.clone())).unwrap();
     (table, registry)
-}
-
-fn scrape(registry: &Registry) -> String {
-    let mut out = Vec::new();
-    TextEncoder::new()
-        .encode(&registry.gather(), &mut out)
-        .unwrap();
-    String::from_utf8(out).unwrap()
 }
 
 /// The scraped lines of one metric, without HELP and TYPE.
