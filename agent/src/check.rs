@@ -481,7 +481,7 @@ async fn tunnel(
     let started = Instant::now();
     let opened = tokio::time::timeout(
         timeout,
-        crate::stream::open(&dialer, endpoint, channel, None),
+        crate::stream::open(&dialer, endpoint, channel, None, None),
     )
     .await;
     let received_at = relay_common::wall::now();

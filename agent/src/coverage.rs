@@ -42,6 +42,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, Interval, MissedTickBehavior, Sleep};
+use tonic::metadata::{Ascii, MetadataValue};
 use tracing::{debug, info, warn};
 
 use backoff::Backoff;
@@ -131,6 +132,8 @@ pub struct StreamLink {
     pub id: StreamId,
     /// Open straight to this URL (a server's direct URL) instead of the load balancer.
     pub target: Option<String>,
+    /// Through the load balancer, naming this server id (`relay_proto::AGENT_STEER`).
+    pub steer: Option<MetadataValue<Ascii>>,
     pub retire: oneshot::Receiver<()>,
     events: mpsc::UnboundedSender<(StreamId, StreamEvent)>,
 }
@@ -211,11 +214,24 @@ struct Entry {
     probe: bool,
 }
 
+/// Where an open goes.
+#[derive(Clone)]
+enum Path {
+    /// Through the load balancer, landing where it puts it.
+    Balanced,
+    /// Straight to the server's direct URL.
+    Direct(ServerKey, String),
+    /// Through the load balancer, naming the server (`CoverageConfig::steered_opens`).
+    Steered(ServerKey),
+}
+
 struct Opening {
     started: Instant,
     retire: Option<oneshot::Sender<()>>,
-    /// Opened straight to this server's direct URL.
+    /// Opened for this server: straight to its direct URL, or `steered`.
     direct: Option<ServerKey>,
+    /// Through the load balancer naming `direct`'s server.
+    steered: bool,
     /// A fill open (`Plan::probes`).
     probe: bool,
     /// Past the open window's timeout (`StreamEvent::Stalled`).
@@ -487,13 +503,15 @@ impl CoverageActor {
                 .filter(|o| o.direct.as_ref() == Some(k))
                 .count() as u32
         };
-        // A direct URL is offered unless an open to it failed within DIRECT_RETRY.
-        let direct = |k: &ServerKey, url: &str| {
-            let failed = self
-                .direct_failed
+        // A server's own path (its direct URL, or opens naming it) is offered unless an
+        // open on it failed or landed elsewhere within DIRECT_RETRY.
+        let failed = |k: &ServerKey| {
+            self.direct_failed
                 .get(k)
-                .is_some_and(|at| now.saturating_duration_since(*at) < DIRECT_RETRY);
-            if failed {
+                .is_some_and(|at| now.saturating_duration_since(*at) < DIRECT_RETRY)
+        };
+        let direct = |k: &ServerKey, url: &str| {
+            if failed(k) {
                 String::new()
             } else {
                 url.to_string()
@@ -525,6 +543,7 @@ impl CoverageActor {
                     placed: self.placements.get(&e.server),
                     draining: info.is_some_and(|i| i.draining),
                     lost_since: None,
+                    steerable: !failed(&e.server),
                 }
             });
             view.streams.push(StreamView {
@@ -559,6 +578,7 @@ impl CoverageActor {
                     placed: self.placements.get(&key),
                     draining: m.draining,
                     lost_since: self.lost_since(&key),
+                    steerable: !failed(&key),
                 });
             }
         }
@@ -633,19 +653,29 @@ impl CoverageActor {
             let have = self.streams.values().filter(|e| !e.retiring).count() + self.opening.len();
             let mut room = (self.settings.max_streams as usize).saturating_sub(have);
             // Direct opens go to servers that said where they are; the backoff gate
-            // guards the load balancer path.
+            // guards the load balancer path, steered opens included.
+            let lb_allowed = self.backoff.allows(now);
             for d in &plan.direct {
+                if d.steered() && !lb_allowed {
+                    opens_held = true;
+                    continue;
+                }
                 let n = (d.count as usize).min(room);
                 room -= n;
                 let key = (d.server_id.clone(), d.instance_id.clone());
+                let path = if d.steered() {
+                    Path::Steered(key)
+                } else {
+                    Path::Direct(key, d.url.clone())
+                };
                 for _ in 0..n {
-                    self.spawn_open(now, Some((key.clone(), d.url.clone())), false);
+                    self.spawn_open(now, path.clone(), d.fill);
                 }
             }
             let n = (plan.open as usize).min(room);
-            if n > 0 && self.backoff.allows(now) {
+            if n > 0 && lb_allowed {
                 for k in 0..n {
-                    self.spawn_open(now, None, k < plan.probes as usize);
+                    self.spawn_open(now, Path::Balanced, k < plan.probes as usize);
                 }
             } else if n > 0 {
                 opens_held = true;
@@ -674,18 +704,23 @@ impl CoverageActor {
         self.publish(&snap, &plan);
     }
 
-    /// Opens one stream: through the load balancer, or straight to a server's URL.
-    fn spawn_open(&mut self, now: Instant, direct: Option<(ServerKey, String)>, probe: bool) {
+    /// Opens one stream on `path`.
+    fn spawn_open(&mut self, now: Instant, path: Path, probe: bool) {
         let id = self.next_id;
         self.next_id += 1;
         let (retire_tx, retire_rx) = oneshot::channel();
-        let (direct, target) = match direct {
-            Some((key, url)) => (Some(key), Some(url)),
-            None => (None, None),
+        let (direct, target, steer, steered) = match path {
+            Path::Balanced => (None, None, None, false),
+            Path::Direct(key, url) => (Some(key), Some(url), None, false),
+            Path::Steered(key) => {
+                let name = MetadataValue::try_from(key.0.as_str()).ok();
+                (Some(key), None, name, true)
+            }
         };
         let link = StreamLink {
             id,
             target,
+            steer,
             retire: retire_rx,
             events: self.events_tx.clone(),
         };
@@ -695,6 +730,7 @@ impl CoverageActor {
                 started: now,
                 retire: Some(retire_tx),
                 direct,
+                steered,
                 probe,
                 stalled: false,
             },

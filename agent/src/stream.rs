@@ -214,7 +214,13 @@ async fn land(
         .during(
             tokio::time::timeout(
                 ctx.connect_timeout,
-                open(&ctx.dialer, endpoint, channel, Some(&conn_name)),
+                open(
+                    &ctx.dialer,
+                    endpoint,
+                    channel,
+                    Some(&conn_name),
+                    link.steer.as_ref(),
+                ),
             ),
             || {
                 ctx.metrics.open_stalls.inc();
@@ -374,6 +380,7 @@ pub(crate) async fn open(
     endpoint: String,
     channel: Channel,
     conn_name: Option<&str>,
+    steer: Option<&MetadataValue<Ascii>>,
 ) -> Result<(FrameTx, Streaming<ServerFrame>, ServerHello), OpenError> {
     let (tx, rx) = relay_common::outbox::outbox(OUTBOUND_FRAMES);
     let tx = Arc::new(tx);
@@ -390,6 +397,12 @@ pub(crate) async fn open(
     // The connection's name, so a server can prove it alive end to end (`crate::liveness`).
     if let Some(v) = conn_name.and_then(|n| MetadataValue::try_from(n).ok()) {
         request.metadata_mut().insert(relay_proto::AGENT_CONN, v);
+    }
+    // The server this open is for, for a load balancer that routes by it.
+    if let Some(v) = steer {
+        request
+            .metadata_mut()
+            .insert(relay_proto::AGENT_STEER, v.clone());
     }
     // Body credit both ways (`ServerHello.response_credit`), with this request credit.
     request

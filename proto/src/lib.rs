@@ -48,6 +48,11 @@ pub const AGENT_CONN: &str = "relay-agent-conn";
 /// the request-body credit the server may use (decimal bytes; see
 /// `ServerHello.response_credit`).
 pub const AGENT_CREDIT: &str = "relay-agent-credit";
+/// Metadata on `Tunnel.Connect` naming the tunnel server (`server_id`) the agent wants the
+/// stream on (`[coverage] steered_opens`): for the load balancer, which may route the open
+/// to that server (HAProxy: `use-server ts-1 if { req.hdr(relay-server) -m str ts-1 }`).
+/// Tunnel servers ignore it.
+pub const AGENT_STEER: &str = "relay-server";
 
 /// Body credit given back once this many bytes were passed on (or the sender may be
 /// waiting): a credit of at least two chunks never waits on a grant held back.

@@ -15,8 +15,23 @@ impl CoverageActor {
                 self.backoff.reset();
                 debug!(stream = id, server_id = %l.server_id, instance_id = %l.instance_id, zone = %l.zone, "tunnel stream landed");
                 let server = (l.server_id, l.instance_id);
-                if op.direct.is_none() {
-                    self.placements.land(&server);
+                match &op.direct {
+                    None => self.placements.land(&server),
+                    Some(wanted) if op.steered && wanted.0 != server.0 => {
+                        // The load balancer placed an open naming a server as any other:
+                        // it does not route by the name, or that server is down there.
+                        // Balanced opens for that server for a while; the stream stays
+                        // where it landed (a fill open goes back as any probe does).
+                        self.placements.land(&server);
+                        if self.direct_failed.insert(wanted.clone(), now).is_none() {
+                            if self.lost.contains_key(wanted) {
+                                debug!(server_id = %wanted.0, landed_on = %server.0, "an open naming a lost tunnel server landed on another");
+                            } else {
+                                warn!(server_id = %wanted.0, landed_on = %server.0, "an open naming a tunnel server landed on another: the load balancer does not route by {} (or the server is down there); opening through it unnamed for {}s", relay_proto::AGENT_STEER, DIRECT_RETRY.as_secs());
+                            }
+                        }
+                    }
+                    Some(_) => {}
                 }
                 // Its own loss, or that of the instances of its server id it replaced
                 // (they left the fleet: the server restarted).
@@ -172,9 +187,11 @@ impl CoverageActor {
                 let Some(op) = self.opening.remove(&id) else {
                     return;
                 };
-                if let (Some(key), false) = (&op.direct, matches!(err, OpenError::Exhausted(..))) {
+                let direct_url = op.direct.as_ref().filter(|_| !op.steered);
+                if let (Some(key), false) = (direct_url, matches!(err, OpenError::Exhausted(..))) {
                     // The direct path failed: the load balancer takes over for a while;
-                    // not a reason to back off opens through it.
+                    // not a reason to back off opens through it. (A steered open failed on
+                    // the load balancer's path, and counts as any open through it.)
                     if self.direct_failed.insert(key.clone(), now).is_none() {
                         warn!(server_id = %key.0, error = %err, "direct open failed; growing through the load balancer for {}s", DIRECT_RETRY.as_secs());
                     }

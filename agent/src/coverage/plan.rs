@@ -208,6 +208,11 @@ pub struct CoverageConfig {
     /// direct URL it advertises (`direct_url` on the tunnel server) instead of through
     /// the load balancer. Off by default.
     pub direct_growth: bool,
+    /// Steered opens: open a short server's missing streams through the load balancer
+    /// naming that server (`relay_proto::AGENT_STEER`), for a balancer that routes such an
+    /// open to it (HAProxy: `use-server`). Like direct growth they land where they are
+    /// needed, on the agent's one connection. Off by default.
+    pub steered_opens: bool,
 }
 
 impl Default for CoverageConfig {
@@ -230,6 +235,7 @@ impl Default for CoverageConfig {
             max_streams: 2048,
             max_inflight: 2048,
             direct_growth: false,
+            steered_opens: false,
         }
     }
 }
@@ -297,6 +303,9 @@ pub struct ServerView {
     /// that stays listed is reconnected to at a quicker pace than other servers with none
     /// of the agent's streams (`reconnect`).
     pub lost_since: Option<Instant>,
+    /// Opens naming this server land on it, as far as the agent knows: false for a while
+    /// after one landed elsewhere (`CoverageConfig::steered_opens`).
+    pub steerable: bool,
 }
 
 /// Why the planner runs (see the module docs).
@@ -526,13 +535,24 @@ impl Plan {
     }
 }
 
-/// Opens straight to one server.
+/// Opens for one server: straight to its direct URL, or through the load balancer
+/// naming it (steered).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DirectOpen {
     pub server_id: String,
     pub instance_id: String,
+    /// The server's direct URL; empty for steered opens.
     pub url: String,
     pub count: u32,
+    /// Fill opens (`Plan::probes`): a steered one that lands elsewhere goes back.
+    pub fill: bool,
+}
+
+impl DirectOpen {
+    /// Through the load balancer, naming the server.
+    pub fn steered(&self) -> bool {
+        self.url.is_empty()
+    }
 }
 
 /// `Action::server_id` of an open that is for no particular server (the bootstrap).
@@ -706,9 +726,15 @@ impl Planner {
 
     /// Where the server's missing streams go: straight to its direct URL when direct
     /// growth is on and it offers one (with the direct opens already in flight).
+    /// The server's own path for opens (its key, direct URL or empty when steered, and
+    /// such opens in flight): its direct URL with `direct_growth`, else the load balancer
+    /// naming it with `steered_opens`, while opens there land there.
     fn direct_of(&self, s: &Server) -> Option<(ServerKey, String, u32)> {
-        (self.cfg.direct_growth && !s.view.direct_url.is_empty())
-            .then(|| (s.key(), s.view.direct_url.clone(), s.view.opening))
+        if self.cfg.direct_growth && !s.view.direct_url.is_empty() {
+            return Some((s.key(), s.view.direct_url.clone(), s.view.opening));
+        }
+        (self.cfg.steered_opens && s.view.steerable)
+            .then(|| (s.key(), String::new(), s.view.opening))
     }
 
     /// Fill opens a short server may have before they are paced: about what uniform

@@ -221,15 +221,23 @@ impl Planner {
                     mem.paced_at = Some(tick.now);
                 }
             }
-            let direct = r.direct.is_some();
+            // Opens that bypass the load balancer (and its backoff gate).
+            let direct = r.direct.as_ref().is_some_and(|(_, url, _)| !url.is_empty());
             match r.direct {
                 Some(((server_id, instance_id), url, _)) => {
-                    reason.push_str(&format!("; opening {n} direct to {url}"));
+                    if url.is_empty() {
+                        reason.push_str(&format!(
+                            "; opening {n} through the load balancer naming {server_id}"
+                        ));
+                    } else {
+                        reason.push_str(&format!("; opening {n} direct to {url}"));
+                    }
                     plan.direct.push(DirectOpen {
                         server_id,
                         instance_id,
                         url,
                         count: n,
+                        fill: r.kind == ActionKind::Fill,
                     });
                 }
                 None => {

@@ -403,6 +403,7 @@ impl Sim {
                     placed: self.tally.get(&(s.id.clone(), "1".to_string())),
                     draining: s.draining,
                     lost_since: None,
+                    steerable: true,
                 })
                 .collect(),
         }

@@ -71,6 +71,7 @@ impl Snap {
             placed: 0.0,
             draining: false,
             lost_since: None,
+            steerable: true,
         }
     }
 
@@ -695,6 +696,7 @@ fn listed(id: &str, instance: &str) -> ServerView {
         placed: 0.0,
         draining: false,
         lost_since: None,
+        steerable: true,
     }
 }
 
@@ -856,6 +858,7 @@ fn direct_growth_opens_the_whole_shortfall_straight_to_the_short_server() {
             instance_id: "1".into(),
             url: "http://a:8441".into(),
             count: 10,
+            fill: false,
         }],
         "busy 10 + reserve 2 - 2 live, in one step: {:?}",
         plan.actions
@@ -921,6 +924,74 @@ fn a_listed_server_with_a_direct_url_gets_exactly_its_reserve() {
     let plan = p.plan(&s.snap(1, &[a, far]));
     assert!(plan.direct.is_empty());
     assert_eq!(plan.open, 4);
+}
+
+fn steer_cfg() -> CoverageConfig {
+    CoverageConfig {
+        steered_opens: true,
+        ..cfg()
+    }
+}
+
+#[test]
+fn steered_opens_ask_the_load_balancer_for_each_short_server_by_name() {
+    let mut s = Snap::new();
+    // A busy server short of 8 with plenty idle elsewhere, and a restarted one holding
+    // none of the agent's streams.
+    let mut a = s.server("a", 0, 2);
+    a.queued = 8;
+    let b = s.server("b", 60, 0);
+    let back = ServerView {
+        lost_since: Some(s.at(0)),
+        ..listed("c", "2")
+    };
+    let mut p = Planner::new(steer_cfg());
+    let plan = p.plan(&s.snap(0, &[a.clone(), b.clone(), back.clone()]));
+    // Nothing balanced: each short server gets its shortfall, named. Growth is not clipped
+    // by the 4x rule (those streams land where they are needed), and the fill is the
+    // reserve, not the reserve divided by a placement share.
+    assert_eq!(plan.open, 0, "{:?}", plan.actions);
+    let mut direct = plan.direct.clone();
+    direct.sort_by(|x, y| x.server_id.cmp(&y.server_id));
+    assert_eq!(
+        direct,
+        vec![
+            DirectOpen {
+                server_id: "a".into(),
+                instance_id: "1".into(),
+                url: String::new(),
+                count: 10,
+                fill: false,
+            },
+            DirectOpen {
+                server_id: "c".into(),
+                instance_id: "2".into(),
+                url: String::new(),
+                count: 2,
+                fill: true,
+            },
+        ],
+        "{:?}",
+        plan.actions
+    );
+    assert!(direct.iter().all(DirectOpen::steered));
+    let fill = actions(&plan, ActionKind::Fill);
+    assert!(
+        fill[0]
+            .reason
+            .contains("through the load balancer naming c"),
+        "{}",
+        fill[0].reason
+    );
+    // Opens naming c went elsewhere (the balancer ignores the name): c is filled through
+    // the balancer unnamed, at its placement share, within its budget.
+    let unsteerable = ServerView {
+        steerable: false,
+        ..back
+    };
+    let plan = Planner::new(steer_cfg()).plan(&s.snap(1, &[b, unsteerable]));
+    assert!(plan.direct.is_empty(), "{:?}", plan.direct);
+    assert_eq!(plan.open, 4, "2 at a share of a half: {:?}", plan.actions);
 }
 
 #[test]
