@@ -143,6 +143,14 @@ pub fn config(
         checks.fall,
         checks.rise,
     );
+    // Steered opens (`relay-server`), as the example routes them.
+    for b in backends {
+        let _ = writeln!(
+            c,
+            "    use-server {0} if {{ req.hdr(relay-server) -m str {0} }}",
+            b.name
+        );
+    }
     for b in backends {
         let check = match b.admin {
             Some(a) => format!(" check addr {} port {}", a.ip(), a.port()),

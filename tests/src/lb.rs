@@ -115,6 +115,7 @@ impl LoadBalancer {
             seed: 0,
             max_concurrent_streams: 100_000,
             backend_connections: 1,
+            names: Vec::new(),
         }
     }
 }
@@ -127,9 +128,20 @@ pub struct LbBuilder {
     seed: u64,
     max_concurrent_streams: u32,
     backend_connections: usize,
+    names: Vec<String>,
 }
 
 impl LbBuilder {
+    /// Names the backends in order (a tunnel server's `server_id`): a stream whose request
+    /// names one in the `relay-server` header (`relay_proto::AGENT_STEER`) goes to it when
+    /// it is up, whatever the policy, as HAProxy's `use-server` rules on that header do.
+    /// Other streams, and one naming a backend that is down or unknown, are placed by the
+    /// policy.
+    pub fn route_by_name(mut self, names: Vec<String>) -> Self {
+        self.names = names;
+        self
+    }
+
     /// HTTP/2 connections to each backend (default 1, at least 1); new streams take them
     /// in turn.
     pub fn backend_connections(mut self, n: usize) -> Self {
@@ -201,6 +213,7 @@ impl LbBuilder {
             })
             .collect();
         let state = Arc::new(ProxyState {
+            names: self.names,
             backends,
             placement: Mutex::new(Placement {
                 policy: self.policy,
@@ -328,6 +341,8 @@ impl Drop for LbHandle {
 }
 
 struct ProxyState {
+    /// `LbBuilder::route_by_name`: backend names in index order.
+    names: Vec<String>,
     backends: Vec<Backend>,
     placement: Mutex<Placement>,
     rejected: AtomicU64,
@@ -400,6 +415,20 @@ impl ProxyState {
                 self.backends.len()
             ),
         }
+    }
+
+    /// The backend `req` names (`LbBuilder::route_by_name`), when it is up.
+    fn named(&self, req: &Request<Incoming>) -> Option<usize> {
+        if self.names.is_empty() {
+            return None;
+        }
+        let name = req.headers().get(relay_proto::AGENT_STEER)?.to_str().ok()?;
+        let idx = self.names.iter().position(|n| n == name)?;
+        let up = self
+            .backends
+            .get(idx)
+            .is_some_and(|b| !b.down.load(Ordering::Relaxed));
+        up.then_some(idx)
     }
 
     /// Picks the backend for the next stream.
@@ -561,7 +590,11 @@ async fn proxy(
     state: Arc<ProxyState>,
     mut req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
-    let idx = match state.place() {
+    let placed = match state.named(&req) {
+        Some(idx) => Ok(idx),
+        None => state.place(),
+    };
+    let idx = match placed {
         Ok(idx) => idx,
         Err(reject) => {
             state.rejected.fetch_add(1, Ordering::Relaxed);

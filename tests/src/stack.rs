@@ -122,6 +122,7 @@ pub struct StackBuilder {
     dispatchers: usize,
     /// The load-balancer fixture's connections to each server.
     lb_backend_connections: usize,
+    lb_route_by_name: bool,
     /// Agents run elsewhere (other processes) whose tokens the servers accept.
     remote_agents: usize,
 }
@@ -153,6 +154,7 @@ impl Default for StackBuilder {
             colocated: false,
             dispatchers: 1,
             lb_backend_connections: 1,
+            lb_route_by_name: false,
             remote_agents: 0,
         }
     }
@@ -308,6 +310,13 @@ impl StackBuilder {
     /// a server takes at most 4096 streams a connection.
     pub fn lb_backend_connections(mut self, n: usize) -> Self {
         self.lb_backend_connections = n.max(1);
+        self
+    }
+
+    /// The load-balancer fixture routes a stream that names a server (`relay-server`, the
+    /// agents' `[coverage] steered_opens`) to it ([`crate::lb::LbBuilder::route_by_name`]).
+    pub fn lb_route_by_name(mut self, on: bool) -> Self {
+        self.lb_route_by_name = on;
         self
     }
 
@@ -509,11 +518,14 @@ impl StackBuilder {
                             .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9)))
                     })
                     .collect();
-                let b = LoadBalancer::builder()
+                let mut b = LoadBalancer::builder()
                     .backends(addrs)
                     .policy(policy)
                     .seed(self.lb_seed)
                     .backend_connections(self.lb_backend_connections);
+                if self.lb_route_by_name {
+                    b = b.route_by_name(slots.iter().map(|c| c.server_id.clone()).collect());
+                }
                 let lb = on_rt(rts.as_ref().map(|r| &r.lb), b.spawn()).await??;
                 for (i, s) in servers.iter().enumerate() {
                     if s.is_none() {

@@ -305,3 +305,110 @@ async fn the_documented_systemcheck_example_matches_what_the_agent_serves() {
     );
     stack.shutdown().await;
 }
+
+/// The agent's streams on server slot `i` (0 when it is not running).
+fn streams_on(stack: &Stack, i: usize) -> u64 {
+    stack.servers[i].as_ref().map_or(0, |s| {
+        relay_tests::metrics::value(
+            &s.registry,
+            "relay_tunnel_streams",
+            &[("tunnel_id", TUNNEL_ID)],
+        ) as u64
+    })
+}
+
+/// Steered opens (`[coverage] steered_opens`): the balancer never places a stream on
+/// `ts-3` by its policy (`Policy::Unfillable`), yet the agent holds its reserve there by
+/// naming it, and holds it again after `ts-3` crashes and starts as a new instance. When
+/// the balancer ignores the name, the agent goes on filling `ts-3` through it unnamed (its
+/// /systemcheck shows such a fill) and `ts-3` gets no stream, as without the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steered_opens_cover_a_server_the_balancer_never_places_on_when_it_routes_by_name() {
+    let reserve = CoverageConfig::default().reserve;
+    for routes in [true, false] {
+        let mut stack = Stack::builder()
+            .servers(3)
+            .placement(Policy::Unfillable(2))
+            .lb_route_by_name(routes)
+            .coverage(CoverageConfig {
+                steered_opens: true,
+                ..CoverageConfig::default()
+            })
+            .start()
+            .await
+            .unwrap();
+        stack.wait_routable(Duration::from_secs(20)).await.unwrap();
+        let covered = |stack: &Stack| {
+            (0..3)
+                .filter(|i| streams_on(stack, *i) >= u64::from(reserve))
+                .count()
+        };
+        if routes {
+            relay_tests::eventually(
+                "every server at its reserve",
+                Duration::from_secs(20),
+                || {
+                    let n = covered(&stack);
+                    async move { n == 3 }
+                },
+            )
+            .await;
+            assert!(stack.kill_server(2));
+            stack.start_server(2).await.unwrap();
+            relay_tests::eventually(
+                "the restarted ts-3 at its reserve",
+                Duration::from_secs(20),
+                || {
+                    let n = streams_on(&stack, 2);
+                    async move { n >= u64::from(reserve) }
+                },
+            )
+            .await;
+        } else {
+            relay_tests::eventually(
+                "ts-1 and ts-2 at their reserve",
+                Duration::from_secs(20),
+                || {
+                    let n = covered(&stack);
+                    async move { n == 2 }
+                },
+            )
+            .await;
+            // The fallback: a fill of ts-3 through the balancer, not naming it.
+            let admin = stack.agent_admin.unwrap();
+            let client = relay_tests::client::Caller::new(admin, None);
+            relay_tests::eventually("an unnamed fill of ts-3", Duration::from_secs(20), || {
+                let client = client.clone();
+                async move {
+                    let page = client
+                        .get("/systemcheck")
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .json();
+                    let unnamed =
+                        page["recent_actions"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .any(|a| {
+                                a["server_id"] == "ts-3"
+                                    && a["action"] == "fill"
+                                    && a["reason"].as_str().is_some_and(|r| !r.contains("naming"))
+                            });
+                    if unnamed {
+                        Ok(())
+                    } else {
+                        Err(page["recent_actions"].to_string())
+                    }
+                }
+            })
+            .await;
+            assert_eq!(
+                streams_on(&stack, 2),
+                0,
+                "the balancer never places on ts-3"
+            );
+        }
+        stack.shutdown().await;
+    }
+}

@@ -499,3 +499,57 @@ async fn the_shipped_haproxy_config_stops_placing_streams_on_a_draining_server()
     assert!(status.success(), "{home} exits 0 after its drain: {status}");
     drop(agent);
 }
+
+/// Steered opens through a real HAProxy: `ts-3` at weight 0 never gets a balanced stream,
+/// but the `use-server` rule on `relay-server` (as the shipped config has one per server)
+/// routes an open that names it there, so an agent with `[coverage] steered_opens` holds
+/// its reserve on every server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_haproxy_steered_opens_reach_a_server_it_never_balances_to() {
+    let listeners: Vec<std::net::TcpListener> = (0..3)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let backends = listeners
+        .iter()
+        .enumerate()
+        .map(|(i, l)| Backend {
+            name: format!("ts-{}", i + 1),
+            addr: l.local_addr().unwrap(),
+            admin: None,
+            weight: [1, 1, 0][i],
+            disabled: false,
+        })
+        .collect();
+    let haproxy = Haproxy::start(backends).await.unwrap();
+    let url = haproxy.url();
+    let stack = Stack::builder()
+        .servers(3)
+        .server_agent_listeners(listeners)
+        .coverage(relay_agent::coverage::plan::CoverageConfig {
+            steered_opens: true,
+            ..Default::default()
+        })
+        .agent_config(move |c| c.tunnels = vec![url])
+        .start()
+        .await
+        .unwrap();
+    stack.wait_routable(Duration::from_secs(30)).await.unwrap();
+    let reserve = f64::from(relay_agent::coverage::plan::CoverageConfig::default().reserve);
+    let st = &stack;
+    let held = relay_tests::eventually(
+        "every server at the agent's reserve",
+        Duration::from_secs(20),
+        || async move {
+            let held: Vec<f64> = (0..3).map(|i| streams(st, i)).collect();
+            if held.iter().all(|n| *n >= reserve) {
+                Ok(held)
+            } else {
+                Err(format!("streams per server {held:?}"))
+            }
+        },
+    )
+    .await;
+    eprintln!("haproxy steered: streams per server {held:?}");
+    drop(haproxy);
+    stack.shutdown().await;
+}
