@@ -739,6 +739,7 @@ async fn run_on(scenario: &Scenario, opts: &RunOptions, rts: &Rts) -> anyhow::Re
                 .zones(&zones)
                 .lb_seed(s.seed)
                 .direct_urls(s.servers.direct)
+                .lb_route_by_name(s.servers.route_by_name)
                 .coverage(cov)
                 .agents(if n_workers > 0 { 0 } else { s.agents.count })
                 .remote_agents(s.agents.count)

@@ -106,6 +106,11 @@ pub struct Servers {
     /// Each server advertises its agent listener as `direct_url`, so agents with
     /// `[agents.coverage] direct_growth = true` open missing streams straight to it.
     pub direct: bool,
+    /// The load-balancer fixture routes an open that names a server (agents with
+    /// `[agents.coverage] steered_opens = true`) to it, as HAProxy's `use-server` rules on
+    /// the `relay-server` header do (the shipped config has them); the other opens are
+    /// placed by `placement`.
+    pub route_by_name: bool,
     /// What places the agents' streams: the in-process fixture (`placement`), or a real
     /// HAProxy (`haproxy`: HTTP/2 both sides, each server at its `weights`, every one 1
     /// when unset; needs the haproxy binary).
@@ -341,9 +346,17 @@ pub struct Expect {
     /// dispatchers, the whole run) at most this many.
     pub max_leases_missed: Option<u64>,
     /// After each `start_server` / `add_server` fault, every agent covers every running
-    /// server again (each in state `covered` in its coverage view) within this.
+    /// server again (each `covered` or `growing` in its coverage view, `worker::COVERS`)
+    /// within this.
     #[serde(with = "humantime_serde")]
     pub covered_within: Option<Duration>,
+    /// After each `start_server` / `add_server` fault, every agent covers the started
+    /// server itself (as `covered_within` counts covering) within this. Agents short of
+    /// another server since before the start (a start-up budget of opens that missed it,
+    /// retried each `fill_retry`) do not count against it; they do against
+    /// `covered_within`.
+    #[serde(with = "humantime_serde")]
+    pub server_covered_within: Option<Duration>,
 }
 
 impl Default for Scenario {
@@ -377,6 +390,7 @@ impl Default for Servers {
             queue_timeout: Duration::from_secs(5),
             max_queue: 1024,
             direct: false,
+            route_by_name: false,
             balancer: Balancer::Fixture,
             liveness_interval: relay_tunnel_server::Config::default().liveness_interval,
             liveness_timeout: relay_tunnel_server::Config::default().liveness_timeout,
@@ -670,16 +684,26 @@ impl Scenario {
         if let Some(m) = self.expect.max_fleet_rss_mib {
             range("expect.max_fleet_rss_mib", m, 1.0, 1_048_576.0)?;
         }
-        if self.expect.covered_within.is_some()
-            && !self
-                .faults
-                .iter()
-                .any(|f| matches!(f.action, FaultAction::StartServer | FaultAction::AddServer))
-        {
-            return Err(ConfigError::invalid(
+        let starts = self
+            .faults
+            .iter()
+            .any(|f| matches!(f.action, FaultAction::StartServer | FaultAction::AddServer));
+        for (key, set) in [
+            (
                 "expect.covered_within",
-                "needs a start_server or add_server fault (it is measured from each)",
-            ));
+                self.expect.covered_within.is_some(),
+            ),
+            (
+                "expect.server_covered_within",
+                self.expect.server_covered_within.is_some(),
+            ),
+        ] {
+            if set && !starts {
+                return Err(ConfigError::invalid(
+                    key,
+                    "needs a start_server or add_server fault (it is measured from each)",
+                ));
+            }
         }
         if let Some(r) = self.expect.max_busy_share {
             range("expect.max_busy_share", r, 0.0, 1.0)?;

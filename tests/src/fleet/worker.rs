@@ -18,6 +18,7 @@
 use super::report::ServerStreams;
 use crate::stack::agent_identity;
 use relay_agent::coverage::plan::CoverageConfig;
+use relay_agent::coverage::ServerReport;
 use relay_agent::AgentHandle;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -93,8 +94,15 @@ pub struct WorkerSample {
     pub events: Vec<String>,
 }
 
+/// The coverage states in which an agent covers a server: `covered` (streams >= busy +
+/// reserve), and `growing`, which holds streams there that carry calls and is sizing up
+/// for them (a call in the last second makes a server at its reserve `growing` until the
+/// growth stream lands; under steady load some agents always are). `filling` (short with
+/// no calls, or holding none of the agent's streams), `overdue` and `evacuated` do not.
+pub const COVERS: [&str; 2] = ["covered", "growing"];
+
 /// Streams per server, agents landed and agents covering every one of `expected` (all
-/// listed servers in state `covered` when `expected` is empty), over `agents`.
+/// listed servers in a state of [`COVERS`] when `expected` is empty), over `agents`.
 pub fn read_agents<'a>(
     agents: impl Iterator<Item = &'a AgentHandle>,
     expected: &[String],
@@ -112,13 +120,10 @@ pub fn read_agents<'a>(
             e.idle += u64::from(sv.idle);
             e.busy += u64::from(sv.streams.saturating_sub(sv.idle));
         }
-        let is_covered = |id: &str| {
-            v.servers
-                .iter()
-                .any(|s| s.server_id == id && s.state == "covered")
-        };
+        let covers = |s: &ServerReport| COVERS.contains(&s.state.as_str());
+        let is_covered = |id: &str| v.servers.iter().any(|s| s.server_id == id && covers(s));
         let all = if expected.is_empty() {
-            !v.servers.is_empty() && v.servers.iter().all(|s| s.state == "covered")
+            !v.servers.is_empty() && v.servers.iter().all(covers)
         } else {
             let mut all = true;
             for id in expected.iter().filter(|id| !is_covered(id)) {
