@@ -145,7 +145,9 @@ impl Planner {
     /// Filling: open the shortfall divided by the placement share, toward the reserve,
     /// within the fill budget (`reserve` x servers x 2 opens since the server became short),
     /// then one open per `fill_retry` while it stays short. Direct opens land there and
-    /// need no budget.
+    /// need no budget. Steered opens land there too, but go through the load balancer:
+    /// they ask for the shortfall within the same budget and pace, so a storm of opens that
+    /// time out is not asked again every tick.
     pub(super) fn fill(&mut self, tick: &Tick, grown: &[OpenRequest]) -> Vec<OpenRequest> {
         let reserve = self.cfg.reserve;
         let budget = self.fill_budget(tick.servers.len());
@@ -177,7 +179,8 @@ impl Planner {
             } else {
                 format!("streams {} < reserve {reserve}, no calls", s.live)
             };
-            if direct.is_some() {
+            let steered = direct.as_ref().is_some_and(|(_, url, _)| url.is_empty());
+            if direct.is_some() && !steered {
                 requests.push(OpenRequest {
                     server_id: s.view.server_id.clone(),
                     budgeted: None,
@@ -188,12 +191,18 @@ impl Planner {
                 });
                 continue;
             }
-            let landing = landing_of(planned, s.share);
-            if landing >= shortfall {
-                continue;
-            }
+            // Steered opens land on the server; balanced ones at its share, less what the
+            // plan's other balanced opens land there.
+            let (landing, opens) = if steered {
+                (0, shortfall)
+            } else {
+                let landing = landing_of(planned, s.share);
+                if landing >= shortfall {
+                    continue;
+                }
+                (landing, opens_for(shortfall - landing, s.share))
+            };
             let mem = self.memory.entry(s.key()).or_default();
-            let opens = opens_for(shortfall - landing, s.share);
             let left = budget.saturating_sub(mem.fill_opens);
             // A lost server is reconnected to at a quicker pace for a while.
             let retry = match s.view.lost_since {
@@ -215,6 +224,20 @@ impl Planner {
             } else {
                 continue;
             };
+            if steered {
+                requests.push(OpenRequest {
+                    server_id: s.view.server_id.clone(),
+                    budgeted: Some(s.key()),
+                    direct,
+                    kind: ActionKind::Fill,
+                    want,
+                    why: format!(
+                        "short {shortfall}: {held} (fill opens so far {}, budget {budget}{pace})",
+                        mem.fill_opens
+                    ),
+                });
+                continue;
+            }
             planned = planned.saturating_add(want);
             let of_others = if landing > 0 {
                 format!(", {landing} of the plan's other opens land there")

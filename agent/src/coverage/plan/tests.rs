@@ -995,6 +995,40 @@ fn steered_opens_ask_the_load_balancer_for_each_short_server_by_name() {
 }
 
 #[test]
+fn steered_fill_opens_that_never_land_are_paced_by_the_fill_budget() {
+    // A new server whose named opens all fail (a storm of opens that time out): they are
+    // asked within the fill budget (reserve 2 x 3 servers x 2 = 12), then once per
+    // fill_retry (30 s), not again every tick.
+    let mut s = Snap::new();
+    let a = s.server("a", 2, 0);
+    let b = s.server("b", 2, 0);
+    let mut p = Planner::new(steer_cfg());
+    let mut opens = Vec::new();
+    for t in 0..70 {
+        let plan = p.plan(&s.snap(t, &[a.clone(), b.clone(), listed("c", "1")]));
+        assert_eq!(plan.open, 0, "t{t}: nothing balanced");
+        let n: u32 = plan.direct.iter().map(|d| d.count).sum();
+        if n > 0 {
+            assert!(plan.direct.iter().all(|d| d.steered() && d.fill));
+            opens.push((t, n));
+        }
+    }
+    assert_eq!(
+        opens,
+        [
+            (0, 2),
+            (1, 2),
+            (2, 2),
+            (3, 2),
+            (4, 2),
+            (5, 2),
+            (35, 1),
+            (65, 1)
+        ]
+    );
+}
+
+#[test]
 fn peer_supplied_counts_never_overflow() {
     let mut s = Snap::new();
     let mut a = s.server("a", 1, 1);
