@@ -27,7 +27,7 @@ impl CoverageActor {
                             if self.lost.contains_key(wanted) {
                                 debug!(server_id = %wanted.0, landed_on = %server.0, "an open naming a lost tunnel server landed on another");
                             } else {
-                                warn!(server_id = %wanted.0, landed_on = %server.0, "an open naming a tunnel server landed on another: the load balancer does not route by {} (or the server is down there); opening through it unnamed for {}s", relay_proto::AGENT_STEER, DIRECT_RETRY.as_secs());
+                                warn!(server_id = %wanted.0, instance_id = %wanted.1, landed_on = %server.0, "an open naming a tunnel server landed on another: the load balancer does not route by {} (or the server is down there); opening through it unnamed for {}s", relay_proto::AGENT_STEER, DIRECT_RETRY.as_secs());
                             }
                         }
                     }
