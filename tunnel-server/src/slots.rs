@@ -283,6 +283,12 @@ impl<S: PartialEq + Clone, W, T: Copy + PartialOrd + Add<Duration, Output = T>> 
     pub fn told(&mut self, queued: u32, now: T) {
         self.told = Some((queued, now));
     }
+
+    /// No call waits and the agent was last told none (or nothing): nothing to tell until
+    /// a call queues.
+    pub fn pressure_settled(&self) -> bool {
+        self.queued() == 0 && self.told.is_none_or(|(n, _)| n == 0)
+    }
 }
 
 #[cfg(test)]
