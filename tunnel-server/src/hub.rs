@@ -322,10 +322,13 @@ impl Hub {
         };
         let started = Instant::now();
         let mut rx = None;
+        // Set under the slots lock when the call queues (`Tunnel::pressured`).
+        let mut listed = true;
         let taken = tunnel.slots.lock().take(
             self.limits.max_queue_per_tunnel,
             |h| h.is_usable(),
             || {
+                listed = tunnel.pressured.swap(true, Ordering::Relaxed);
                 let (tx, r) = oneshot::channel();
                 rx = Some(r);
                 tx
@@ -344,10 +347,6 @@ impl Hub {
             }
             Take::Queued(id) => {
                 self.queued_calls.send_modify(|n| *n = n.wrapping_add(1));
-                let listed = {
-                    let _slots = tunnel.slots.lock();
-                    tunnel.pressured.swap(true, Ordering::Relaxed)
-                };
                 if !listed {
                     self.pressured.lock().push(tunnel.clone());
                 }
